@@ -1,0 +1,241 @@
+"""Every call into ``torch.distributed`` made by the package lives here.
+
+Hooks and averagers describe *what* to communicate; this module decides *how* it is issued.
+Keeping the collectives in one place lets us guarantee the property DDP silently relies on:
+every rank issues the same collectives in the same order. PyTorch's PowerSGD breaks that on gloo
+by starting follow-up collectives from future callbacks, which run on the backend's worker
+threads in a different order on each rank. :class:`OrderedIssuer` fixes it by starting
+collectives in the order their slots were reserved, whichever thread gets there first.
+"""
+
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "OrderedIssuer",
+    "all_gather_objects",
+    "allreduce",
+    "average",
+    "check_same_on_all_ranks",
+    "completed",
+    "group_rank",
+    "issuer_for",
+    "resolve_group",
+    "world_size",
+]
+
+T = TypeVar("T")
+Future = torch.futures.Future
+
+
+def resolve_group(group: Any, *, owner: str = "this hook") -> dist.ProcessGroup:
+    """Return the process group to communicate on, validating it first.
+
+    Args:
+        group: a ``ProcessGroup`` or ``None`` for the default (world) group.
+        owner: name used in error messages, so the user knows which object complained.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised.
+        ValueError: this rank is not a member of ``group``.
+        TypeError: ``group`` is neither a process group nor ``None``.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            f"{owner} needs torch.distributed: call torch.distributed.init_process_group(...) "
+            "before the first backward pass."
+        )
+    if group is None:
+        return dist.group.WORLD
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"{owner}: this rank (global rank {dist.get_rank()}) is not a member of the process "
+            "group it was given. Pass a group that contains every DDP rank, or None for the "
+            "default group."
+        )
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"{owner} expects a torch.distributed.ProcessGroup or None, got {type(group).__name__}."
+        )
+    return group
+
+
+def world_size(group: dist.ProcessGroup | None) -> int:
+    """Number of ranks in ``group`` (``None``: the default group)."""
+    return dist.get_world_size(group)
+
+
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    """This process's rank inside ``group``."""
+    return dist.get_rank(group)
+
+
+def completed(value: T) -> "Future[T]":
+    """A future already holding ``value``: what a hook that sends nothing returns."""
+    fut: Future = Future()
+    fut.set_result(value)
+    return fut
+
+
+def _first(fut: "Future[list[torch.Tensor]]") -> torch.Tensor:
+    return fut.value()[0]
+
+
+def allreduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.Tensor]":
+    """Sum ``tensor`` in place across ``group``; the future resolves to ``tensor`` itself."""
+    work = dist.all_reduce(tensor, group=group, async_op=True)
+    return work.get_future().then(_first)
+
+
+def average(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.Tensor]":
+    """Average ``tensor`` in place across ``group``.
+
+    Scaling happens before the sum, as DDP itself does, so the partial sums stay in range. We
+    multiply by ``1 / world_size`` rather than divide because that is DDP's own arithmetic:
+    results are bitwise identical to training without a hook, at any world size.
+    """
+    tensor.mul_(1.0 / group.size())
+    return allreduce(tensor, group)
+
+
+def all_gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Blocking gather of one picklable object per rank. For rare, small exchanges only."""
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def check_same_on_all_ranks(
+    options: dict[str, Any], group: dist.ProcessGroup | None, *, owner: str
+) -> None:
+    """Raise if any option differs between ranks.
+
+    Ranks configured differently would issue collectives of different shapes, which gloo
+    reports as an abort and NCCL as a hang. One small gather, done once, turns that into a
+    readable error naming the option.
+
+    Raises:
+        ValueError: naming each differing option and its value on every rank.
+    """
+    everyone = all_gather_objects(options, group)
+    differing = [
+        name
+        for name in sorted(set().union(*(o.keys() for o in everyone)))
+        if any(o.get(name) != everyone[0].get(name) for o in everyone)
+    ]
+    if differing:
+        details = "; ".join(
+            f"{name}: " + ", ".join(f"rank {r}={o.get(name)!r}" for r, o in enumerate(everyone))
+            for name in differing
+        )
+        raise ValueError(
+            f"{owner} was configured differently on different ranks ({details}). "
+            "Every rank must build its state with the same options."
+        )
+
+
+class OrderedIssuer:
+    """Starts collectives in the order their slots were reserved.
+
+    A hook reserves a slot for every collective it will issue while it runs on DDP's thread,
+    in bucket order, which is the same on every rank. A follow-up collective (one that needs the
+    result of an earlier one) is started from a future callback, on whatever thread completed
+    that future; the issuer holds it back until every earlier slot has been started. The order
+    of collectives therefore never depends on thread timing.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._reserved = 0
+        self._next = 0
+        self._ready: dict[int, Callable[[], None]] = {}
+
+    def reserve(self) -> int:
+        """Claim the next slot. Call only from the hook's own thread."""
+        with self._lock:
+            slot = self._reserved
+            self._reserved += 1
+            return slot
+
+    def start(self, slot: int, launch: Callable[[], None]) -> None:
+        """Run ``launch`` (which issues one collective, or nothing) once its turn has come."""
+        with self._lock:
+            self._ready[slot] = launch
+            while self._next in self._ready:
+                run = self._ready.pop(self._next)
+                self._next += 1
+                run()
+
+    def submit(self, issue: Callable[[], "Future[T]"]) -> "Future[T]":
+        """Reserve a slot and issue ``issue()`` in it; returns its result as a future."""
+        out: Future = Future()
+        self.start(self.reserve(), lambda: _launch_into(issue, out))
+        return out
+
+    def then(self, after: "Future[Any]", step: Callable[[Any], "Future[T]"]) -> "Future[T]":
+        """When ``after`` completes, run ``step(after.value())`` in a slot reserved now.
+
+        ``step`` may compute, then issue at most one collective (or none) and return a future.
+        If ``after`` failed, the slot is released without running ``step`` and the error is
+        passed on, so later collectives are not held back forever.
+        """
+        slot = self.reserve()
+        out: Future = Future()
+
+        def on_done(fut: Future) -> None:
+            try:
+                value = fut.value()
+            except BaseException as exc:  # forwarded to the caller's future
+                self.start(slot, lambda: None)
+                out.set_exception(exc)
+                return
+            self.start(slot, lambda: _launch_into(lambda: step(value), out))
+
+        after.add_done_callback(on_done)
+        return out
+
+    @property
+    def pending(self) -> int:
+        """Slots reserved but not started yet (0 between steps)."""
+        with self._lock:
+            return self._reserved - self._next
+
+
+def _launch_into(issue: Callable[[], "Future[T]"], out: "Future[T]") -> None:
+    try:
+        inner = issue()
+    except BaseException as exc:
+        out.set_exception(exc)
+        return
+    inner.add_done_callback(lambda fut: _forward(fut, out))
+
+
+def _forward(src: "Future[T]", dst: "Future[T]") -> None:
+    try:
+        value = src.value()
+    except BaseException as exc:
+        dst.set_exception(exc)
+        return
+    dst.set_result(value)
+
+
+_issuers: dict[int, tuple[dist.ProcessGroup, OrderedIssuer]] = {}
+_issuers_lock = threading.Lock()
+
+
+def issuer_for(group: dist.ProcessGroup) -> OrderedIssuer:
+    """The issuer shared by every hook communicating on ``group``.
+
+    One per group rather than per hook state, so two stateful objects on the same group still
+    agree on a single order.
+    """
+    with _issuers_lock:
+        entry = _issuers.get(id(group))
+        if entry is None or entry[0] is not group:
+            entry = (group, OrderedIssuer())
+            _issuers[id(group)] = entry
+        return entry[1]

@@ -1,0 +1,19 @@
+"""Hook families, one module each."""
+
+from commhooks.hooks.debugging import noop_hook
+from commhooks.hooks.default import (
+    allreduce_hook,
+    bf16_compress_hook,
+    bf16_compress_wrapper,
+    fp16_compress_hook,
+    fp16_compress_wrapper,
+)
+
+__all__ = [
+    "allreduce_hook",
+    "bf16_compress_hook",
+    "bf16_compress_wrapper",
+    "fp16_compress_hook",
+    "fp16_compress_wrapper",
+    "noop_hook",
+]

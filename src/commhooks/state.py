@@ -1,0 +1,121 @@
+"""The base of every stateful object in the package: hook states, averagers, optimizers.
+
+Two ways to persist one, both safe:
+
+* ``state.state_dict()`` / ``state.load_state_dict(sd)``: only tensors, numbers, strings,
+  lists and dicts, so ``torch.load(path, weights_only=True)`` (PyTorch's default since 2.6)
+  reads the file back. This is the recommended way, and the one Accelerate and
+  ``torch.distributed.checkpoint`` use.
+* ``pickle`` / ``torch.save(state)``: as in PyTorch's reference hooks. The process group is not
+  picklable and is dropped; an unpickled state communicates on the default group until
+  :meth:`HookState.bind` gives it another.
+"""
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch.distributed as dist
+
+__all__ = ["HookState", "StateDictError"]
+
+
+class StateDictError(ValueError):
+    """A state dict that cannot be loaded into this object; the object is left unchanged."""
+
+
+class HookState:
+    """Process-group binding, pickling and the ``state_dict`` header shared by all states.
+
+    Subclasses set :attr:`kind`, implement :meth:`_save` and :meth:`_load`, and list in
+    :attr:`_transient` the attributes that must not be pickled (caches rebuilt on demand).
+    ``_load`` must validate everything before assigning anything, so a bad state dict leaves
+    the object as it was.
+    """
+
+    kind: ClassVar[str] = "hook_state"
+    version: ClassVar[int] = 1
+    _transient: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
+        self._process_group = process_group
+
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The group this state communicates on; ``None`` means the default group."""
+        return self._process_group
+
+    @process_group.setter
+    def process_group(self, group: dist.ProcessGroup | None) -> None:
+        self.bind(group)
+
+    def bind(self, process_group: dist.ProcessGroup | None) -> "HookState":
+        """Communicate on ``process_group`` from now on (for example after unpickling)."""
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(
+                f"{type(self).__name__}.bind expects a ProcessGroup or None, got "
+                f"{type(process_group).__name__}."
+            )
+        self._process_group = process_group
+        return self
+
+    # -- pickling ---------------------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_process_group"] = None
+        for name in self._transient:
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._process_group = None
+        self._restore_transient()
+
+    def _restore_transient(self) -> None:
+        """Recreate what :attr:`_transient` dropped. Default: nothing."""
+
+    # -- state dicts ------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume exactly, as plain tensors, numbers, strings and dicts."""
+        return {"kind": self.kind, "version": self.version, **self._save()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore from :meth:`state_dict`'s output.
+
+        Raises:
+            StateDictError: the dict was made by another kind of state, a newer version, or is
+                malformed. Nothing is changed in that case.
+        """
+        self._check_header(state_dict)
+        self._load(state_dict)
+
+    def _check_header(self, state_dict: Any) -> None:
+        name = type(self).__name__
+        if not isinstance(state_dict, Mapping):
+            raise StateDictError(
+                f"{name}.load_state_dict expects the dict returned by state_dict(), got "
+                f"{type(state_dict).__name__}."
+            )
+        kind = state_dict.get("kind")
+        if kind is None:
+            raise StateDictError(
+                f"{name}.load_state_dict: this is not a commhooks state dict (it has no 'kind' "
+                f"entry; keys: {sorted(map(str, state_dict))[:8]}). Save with state.state_dict()."
+            )
+        if kind != self.kind:
+            raise StateDictError(
+                f"{name}.load_state_dict: this state dict was saved by a '{kind}' state, not "
+                f"'{self.kind}'. Load it into the same kind of hook state it came from."
+            )
+        version = state_dict.get("version")
+        if not isinstance(version, int) or version > self.version:
+            raise StateDictError(
+                f"{name}.load_state_dict: state dict version {version!r} is not supported by "
+                f"this release (up to {self.version}). Upgrade commhooks to load it."
+            )
+
+    def _save(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _load(self, state_dict: Mapping[str, Any]) -> None:
+        raise NotImplementedError

@@ -1,0 +1,122 @@
+"""Small models, data and training loops shared by the multi-rank tests.
+
+Everything here runs inside a rank started by ``commhooks.testing.run_on_ranks``.
+"""
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+IN, OUT = 32, 8
+
+
+def make_mlp(seed: int = 0, widths: Sequence[int] = (IN, 64, 64, 32, OUT)) -> nn.Sequential:
+    """An MLP whose layers are large enough to be compressed and to fill several buckets."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
+        layers.append(nn.Linear(a, b))
+        if i < len(widths) - 2:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+def make_ddp(
+    model: nn.Module,
+    hook: Callable | None = None,
+    state: Any = None,
+    bucket_cap_mb: float = 0.004,
+    **ddp_kwargs: Any,
+) -> DDP:
+    """Wrap ``model`` in DDP with small buckets (several per model) and register ``hook``."""
+    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb, **ddp_kwargs)
+    if hook is not None:
+        ddp.register_comm_hook(state, hook)
+    return ddp
+
+
+def batches(
+    rank: int, steps: int, seed: int = 1, batch: int = 16, same_on_all_ranks: bool = False
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Deterministic regression data, different on each rank unless asked otherwise."""
+    gen = torch.Generator().manual_seed(seed * 1000 + (0 if same_on_all_ranks else rank))
+    out = []
+    for _ in range(steps):
+        x = torch.randn(batch, IN, generator=gen)
+        y = torch.randn(batch, OUT, generator=gen)
+        out.append((x, y))
+    return out
+
+
+def train(
+    ddp: nn.Module,
+    data: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    lr: float = 0.05,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> list[float]:
+    """Plain SGD on MSE; returns the losses."""
+    opt = optimizer or torch.optim.SGD(ddp.parameters(), lr=lr)
+    losses = []
+    for x, y in data:
+        opt.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(ddp(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def flat_params(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+
+
+def flat_grads(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.detach().reshape(-1).clone() for p in model.parameters()])
+
+
+def count_buckets(hook: Callable) -> tuple[Callable, set[int]]:
+    """Wrap ``hook`` so that the bucket indices it sees are recorded."""
+    seen: set[int] = set()
+
+    def counting_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        seen.add(bucket.index())
+        return hook(state, bucket)
+
+    return counting_hook, seen
+
+
+class FakeBucket:
+    """Enough of ``dist.GradBucket`` to call a hook directly on a tensor of our choosing."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], index: int = 0, last: bool = True):
+        self._shapes = [t.shape for t in tensors]
+        self._buffer = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
+        self._params = [torch.zeros(s) for s in self._shapes]
+        self._index, self._last = index, last
+
+    def index(self) -> int:
+        return self._index
+
+    def is_last(self) -> bool:
+        return self._last
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        self._buffer = tensor
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self._params
+
+    def gradients(self) -> list[torch.Tensor]:
+        out, offset = [], 0
+        for shape in self._shapes:
+            n = shape.numel()
+            out.append(self._buffer[offset : offset + n].view(shape))
+            offset += n
+        return out
