@@ -7,6 +7,7 @@ working on gloo/CPU as well as NCCL/GPU::
     ddp_model.register_comm_hook(None, fp16_compress_hook)
 """
 
+from commhooks.config import CommHookType, register
 from commhooks.hooks import (
     allreduce_hook,
     bf16_compress_hook,
@@ -19,6 +20,8 @@ from commhooks.hooks import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "CommHookType",
+    "register",
     "allreduce_hook",
     "bf16_compress_hook",
     "bf16_compress_wrapper",
