@@ -1,13 +1,16 @@
-"""Train a small model with DDP on CPU using a commhooks hook.
+"""Train a small model with DDP on CPU, with any commhooks hook chosen on the command line.
 
 One machine, two processes:
     torchrun --nproc_per_node 2 examples/train_ddp.py --hook fp16
+    torchrun --nproc_per_node 2 examples/train_ddp.py --hook allreduce --wrapper bf16
 Several machines (run on each, with its own --node_rank):
     torchrun --nnodes 2 --node_rank 0 --nproc_per_node 2 \
-        --rdzv_backend c10d --rdzv_endpoint HOST:29500 examples/train_ddp.py
+        --rdzv_backend c10d --rdzv_endpoint HOST:29500 examples/train_ddp.py --hook fp16
+Hook options go as JSON, e.g. --options '{"matrix_approximation_rank": 2}'.
 """
 
 import argparse
+import json
 
 import torch
 import torch.distributed as dist
@@ -15,18 +18,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commhooks
-
-HOOKS = {
-    "allreduce": commhooks.allreduce_hook,
-    "fp16": commhooks.fp16_compress_hook,
-    "bf16": commhooks.bf16_compress_hook,
-    "noop": commhooks.noop_hook,
-}
+from commhooks.config import hook_names, wrapper_names
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hook", choices=sorted(HOOKS), default="fp16")
+    parser.add_argument("--hook", choices=hook_names(), default="fp16")
+    parser.add_argument("--wrapper", choices=wrapper_names(), default="no")
+    parser.add_argument("--options", type=json.loads, default={}, help="hook options as JSON")
     parser.add_argument("--steps", type=int, default=50)
     args = parser.parse_args()
 
@@ -34,7 +33,7 @@ def main() -> None:
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = DDP(nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 1)))
-    model.register_comm_hook(None, HOOKS[args.hook])
+    state = commhooks.register(model, args.hook, args.wrapper, **args.options)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
 
     gen = torch.Generator().manual_seed(rank)
@@ -46,7 +45,9 @@ def main() -> None:
         loss.backward()
         opt.step()
         if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
-            print(f"step {step:3d}  loss {loss.item():.4f}  hook {args.hook}")
+            print(f"step {step:3d}  loss {loss.item():.4f}  hook {args.hook}/{args.wrapper}")
+    if rank == 0:
+        print(f"state {type(state).__name__}")
     dist.destroy_process_group()
 
 

@@ -7,7 +7,7 @@ working on gloo/CPU as well as NCCL/GPU::
     ddp_model.register_comm_hook(None, fp16_compress_hook)
 """
 
-from commhooks.config import CommHookType, register
+from commhooks.config import CommHookType, HookConfig, register, register_from_config
 from commhooks.hooks import (
     allreduce_hook,
     bf16_compress_hook,
@@ -21,7 +21,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CommHookType",
+    "HookConfig",
     "register",
+    "register_from_config",
     "allreduce_hook",
     "bf16_compress_hook",
     "bf16_compress_wrapper",

@@ -20,9 +20,12 @@ __all__ = [
     "all_gather_objects",
     "allreduce",
     "average",
+    "backend_for_device",
     "check_same_on_all_ranks",
     "completed",
+    "gather_objects",
     "group_rank",
+    "is_default_group",
     "issuer_for",
     "resolve_group",
     "world_size",
@@ -62,6 +65,24 @@ def resolve_group(group: Any, *, owner: str = "this hook") -> dist.ProcessGroup:
             f"{owner} expects a torch.distributed.ProcessGroup or None, got {type(group).__name__}."
         )
     return group
+
+
+def is_default_group(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group`` is the default (world) group; ``None`` counts as the default."""
+    return group is None or group is dist.group.WORLD
+
+
+def backend_for_device(group: dist.ProcessGroup | None, device_type: str) -> str:
+    """The backend ``group`` uses for tensors on ``device_type`` (``"gloo"``, ``"nccl"``...).
+
+    A group initialised as ``"cpu:gloo,cuda:nccl"`` (PyTorch's default with CUDA) reports
+    each device's backend; a plain ``"gloo"`` group serves every device.
+    """
+    name = str(dist.get_backend(group)).lower()
+    if ":" not in name:
+        return name
+    pairs = dict(part.split(":", 1) for part in name.split(",") if ":" in part)
+    return pairs.get(device_type, next(iter(pairs.values())))
 
 
 def world_size(group: dist.ProcessGroup | None) -> int:
@@ -106,6 +127,20 @@ def all_gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list
     """Blocking gather of one picklable object per rank. For rare, small exchanges only."""
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any] | None:
+    """Gather one picklable object per rank on the group's first rank (``None`` elsewhere).
+
+    For checkpoints written by one rank: only that rank holds every rank's copy.
+    """
+    group = group or dist.group.WORLD
+    first = dist.get_global_rank(group, 0)
+    out: list[Any] | None = (
+        [None] * dist.get_world_size(group) if dist.get_rank() == first else None
+    )
+    dist.gather_object(obj, out, dst=first, group=group)
     return out
 
 

@@ -3,9 +3,13 @@
 Names follow Hugging Face Accelerate's ``DDPCommunicationHookType`` (``no``, ``fp16``, ``bf16``,
 ``power_sgd``, ``batched_power_sgd``) plus the package's own. Everything is validated before
 anything is registered: an unknown name or option, or an option that the chosen hook does not
-take, raises ``ValueError`` listing what is valid.
+take, raises ``ValueError`` listing what is valid, and so do choices that would only fail
+later (bf16 on a backend without it, a second hook on the same model, a group this rank is not
+in). The same choice loads from a mapping (JSON, YAML) through :class:`HookConfig`.
 """
 
+import difflib
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -13,7 +17,19 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["CommHookType", "HookSpec", "register", "hook_spec"]
+from commhooks import comm
+
+__all__ = [
+    "CommHookType",
+    "HookConfig",
+    "HookSpec",
+    "hook_names",
+    "hook_spec",
+    "hooks_taking",
+    "register",
+    "register_from_config",
+    "wrapper_names",
+]
 
 
 class CommHookType(str, Enum):
@@ -69,20 +85,37 @@ def _specs() -> dict[CommHookType, HookSpec]:
     }
 
 
+# -- names --------------------------------------------------------------------------------------
 def parse_name(
     value: Any, what: str, allowed: tuple[CommHookType, ...] | None = None
 ) -> CommHookType:
-    """Turn an enum member or its string into a ``CommHookType``, or explain what is valid."""
+    """Turn an enum member or its string (any case) into a ``CommHookType``, or explain.
+
+    Raises:
+        ValueError: listing the valid names, with the nearest one when there is a likely typo.
+    """
     valid = allowed or tuple(_specs())
-    try:
-        name = CommHookType(value.value if isinstance(value, Enum) else str(value).lower())
-    except ValueError:
-        name = None
+    if isinstance(value, CommHookType):
+        name: CommHookType | None = value
+    elif isinstance(value, str):
+        name = CommHookType._value2member_map_.get(value.strip().lower())  # type: ignore[assignment]
+    else:
+        raise TypeError(
+            f"{what} must be a CommHookType or its name (a string), got {type(value).__name__}. "
+            "To use a hook function of your own, call ddp_model.register_comm_hook(state, fn)."
+        )
     if name is None or name not in valid:
+        names = [v.value for v in valid]
         raise ValueError(
-            f"unknown {what} {value!r}; valid {what}s: {', '.join(v.value for v in valid)}."
+            f"unknown {what} {value!r}.{_did_you_mean(str(value).lower(), names)} "
+            f"Valid {what}s: {', '.join(names)}."
         )
     return name
+
+
+def _did_you_mean(name: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    return f" Did you mean '{close[0]}'?" if close else ""
 
 
 def hook_spec(hook: CommHookType | str) -> HookSpec:
@@ -90,6 +123,152 @@ def hook_spec(hook: CommHookType | str) -> HookSpec:
     return _specs()[parse_name(hook, "hook")]
 
 
+def hook_names() -> list[str]:
+    """Every hook name ``register`` accepts in this installation."""
+    return [kind.value for kind in _specs()]
+
+
+def wrapper_names() -> list[str]:
+    """Every wrapper name ``register`` accepts."""
+    return [kind.value for kind in WRAPPERS]
+
+
+def hooks_taking(option: str) -> list[str]:
+    """The hooks whose state accepts ``option``."""
+    return [kind.value for kind, spec in _specs().items() if option in spec.options]
+
+
+def _check_options(kind: CommHookType, options: Mapping[str, Any]) -> None:
+    spec = _specs()[kind]
+    takes = ", ".join(sorted(spec.options)) or "none"
+    all_options = sorted(set().union(*(s.options for s in _specs().values())))
+    for option in sorted(options):
+        if option in spec.options:
+            continue
+        elsewhere = hooks_taking(option)
+        if elsewhere:
+            raise ValueError(
+                f"option '{option}' does not apply to hook '{kind}' (options it takes: {takes}); "
+                f"it is an option of: {', '.join(elsewhere)}. Choose one of those hooks or "
+                f"drop the option."
+            )
+        hint = _did_you_mean(option, sorted(spec.options) or all_options)
+        raise ValueError(
+            f"unknown option '{option}' for hook '{kind}'.{hint} Options it takes: {takes}."
+        )
+
+
+# -- configuration ------------------------------------------------------------------------------
+_ALIASES = {"comm_hook": "hook", "comm_wrapper": "wrapper", "comm_state_option": "options"}
+
+
+@dataclass
+class HookConfig:
+    """A validated hook choice that loads from and saves to a plain mapping (JSON, YAML...).
+
+    The mapping form is flat: ``{"hook": "power_sgd", "wrapper": "fp16",
+    "matrix_approximation_rank": 2}``, so ``register(ddp_model, **config.to_dict())`` works.
+    ``from_dict`` also reads the options nested under ``"options"`` and Accelerate's key names
+    (``comm_hook``, ``comm_wrapper``, ``comm_state_option``).
+
+    Names and option names are checked when the config is built; option values are checked by
+    the hook's state when it is built, and the backend when it is registered.
+
+    Attributes:
+        hook: the hook (a name is normalised to its ``CommHookType``).
+        wrapper: ``no``, ``fp16`` or ``bf16``.
+        options: the hook's state options, e.g. ``{"matrix_approximation_rank": 2}``.
+    """
+
+    hook: CommHookType | str
+    wrapper: CommHookType | str | None = CommHookType.NO
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.hook = parse_name(self.hook, "hook")
+        self.wrapper = parse_name(self.wrapper or CommHookType.NO, "wrapper", WRAPPERS)
+        if not isinstance(self.options, Mapping):
+            raise TypeError(
+                f"HookConfig options must be a mapping of option names to values, got "
+                f"{type(self.options).__name__}."
+            )
+        self.options = dict(self.options)
+        _check_options(self.hook, self.options)
+        if self.hook is CommHookType.NO and self.wrapper is not CommHookType.NO:
+            raise ValueError(
+                f"wrapper '{self.wrapper}' needs a hook to wrap; hook 'no' keeps DDP's own "
+                f"allreduce. Use hook='allreduce', wrapper='{self.wrapper}' "
+                f"(or simply hook='{self.wrapper}')."
+            )
+
+    @property
+    def stateful(self) -> bool:
+        """Whether the hook keeps a state object worth checkpointing."""
+        return _specs()[self.hook].make_state is not None  # type: ignore[index]
+
+    @classmethod
+    def from_dict(cls, mapping: Mapping[str, Any]) -> "HookConfig":
+        """Build from a flat or nested mapping (see the class docstring).
+
+        Raises:
+            ValueError: a missing hook, an option given twice, or any invalid name.
+        """
+        if not isinstance(mapping, Mapping):
+            raise TypeError(
+                f"HookConfig.from_dict expects a mapping, got {type(mapping).__name__}."
+            )
+        flat: dict[str, Any] = {}
+        for key, value in mapping.items():
+            key = _ALIASES.get(key, key)
+            if key in flat:
+                raise ValueError(f"'{key}' is given twice in the hook configuration.")
+            flat[key] = value
+        if "hook" not in flat:
+            valid = ", ".join(hook_names())
+            raise ValueError(f"the hook configuration has no 'hook' entry; valid hooks: {valid}.")
+        nested = flat.pop("options", None) or {}
+        if not isinstance(nested, Mapping):
+            raise TypeError(f"'options' must be a mapping, got {type(nested).__name__}.")
+        hook, wrapper = flat.pop("hook"), flat.pop("wrapper", None)
+        twice = sorted(set(nested) & set(flat))
+        if twice:
+            raise ValueError(f"option(s) {', '.join(twice)} given both flat and under 'options'.")
+        return cls(hook=hook, wrapper=wrapper, options={**flat, **nested})
+
+    def to_dict(self) -> dict[str, Any]:
+        """The flat mapping form: ``from_dict(config.to_dict()) == config``."""
+        return {"hook": str(self.hook), "wrapper": str(self.wrapper), **self.options}
+
+    @classmethod
+    def from_json(cls, text: str) -> "HookConfig":
+        """Build from a JSON object (the mapping form)."""
+        return cls.from_dict(json.loads(text))
+
+    def to_json(self, **dumps_kwargs: Any) -> str:
+        """The mapping form as JSON; options must be JSON values."""
+        return json.dumps(self.to_dict(), **dumps_kwargs)
+
+    @classmethod
+    def from_yaml(cls, text: str) -> "HookConfig":
+        """Build from a YAML mapping. Needs PyYAML (``pip install pyyaml``)."""
+        return cls.from_dict(_yaml().safe_load(text))
+
+    def to_yaml(self) -> str:
+        """The mapping form as YAML. Needs PyYAML."""
+        return _yaml().safe_dump(self.to_dict(), sort_keys=False)
+
+
+def _yaml() -> Any:
+    try:
+        import yaml
+    except ImportError as exc:
+        raise ImportError(
+            "YAML configuration needs PyYAML: pip install pyyaml (or use the JSON or dict form)."
+        ) from exc
+    return yaml
+
+
+# -- registration -------------------------------------------------------------------------------
 def register(
     ddp_model: Any,
     hook: CommHookType | str,
@@ -99,11 +278,14 @@ def register(
 ) -> Any:
     """Build the state for ``hook`` from ``options``, wrap, register on ``ddp_model``.
 
+    Everything that can be checked is checked before the hook is registered, so a mistake
+    raises here, once, with the fix, rather than from inside the first backward pass.
+
     Args:
         ddp_model: a ``DistributedDataParallel`` model without a hook yet.
         hook: a ``CommHookType`` or its name (``"power_sgd"``...). ``"no"`` registers nothing.
         wrapper: ``None``/``"no"``, ``"fp16"`` or ``"bf16"``: run the hook on a down-cast bucket.
-        process_group: the group to communicate on; ``None`` for the default group.
+        process_group: the group to communicate on; ``None`` for the DDP model's own group.
         **options: the hook's state options, e.g. ``matrix_approximation_rank=2``.
 
     Returns:
@@ -111,35 +293,102 @@ def register(
         group for stateless hooks, or ``None`` when ``hook`` is ``"no"``.
 
     Raises:
-        ValueError: unknown hook, wrapper or option, or an option the hook does not take.
+        ValueError: unknown hook, wrapper or option; an option the hook does not take; a wrapper
+            with hook ``"no"``; bf16 on a backend without bf16; a model that already has a hook;
+            a process group this rank is not in.
+        TypeError: ``ddp_model`` is not a ``DistributedDataParallel`` model.
     """
-    kind = parse_name(hook, "hook")
-    wrap = parse_name(wrapper or CommHookType.NO, "wrapper", WRAPPERS)
-    spec = _specs()[kind]
-    unknown = sorted(set(options) - spec.options)
-    if unknown:
-        valid = ", ".join(sorted(spec.options)) or "none"
-        raise ValueError(
-            f"option(s) {', '.join(unknown)} do not apply to hook '{kind}'; "
-            f"options it takes: {valid}."
-        )
+    return register_from_config(
+        ddp_model, HookConfig(hook, wrapper, options), process_group=process_group
+    )
+
+
+def register_from_config(
+    ddp_model: Any,
+    config: "HookConfig | Mapping[str, Any]",
+    process_group: dist.ProcessGroup | None = None,
+) -> Any:
+    """``register`` with the choice given as a ``HookConfig`` or its mapping form.
+
+    Example::
+
+        config = HookConfig.from_yaml(open("hook.yaml").read())
+        state = register_from_config(ddp_model, config)
+    """
+    if not isinstance(config, HookConfig):
+        config = HookConfig.from_dict(config)
+    kind, wrap = CommHookType(config.hook), CommHookType(config.wrapper)
     if kind is CommHookType.NO:
-        if wrap is not CommHookType.NO:
-            raise ValueError(
-                f"wrapper '{wrap}' needs a hook to wrap; hook 'no' keeps DDP's own allreduce. "
-                f"Use hook='allreduce', wrapper='{wrap}' (or hook='{wrap}')."
-            )
         return None
-    state = spec.make_state(process_group, options) if spec.make_state else process_group
+    group = _check_target(ddp_model, kind, wrap, process_group)
+    spec = _specs()[kind]
+    state = spec.make_state(group, dict(config.options)) if spec.make_state else group
     fn = spec.hook
     if wrap is not CommHookType.NO:
         from commhooks.hooks import bf16_compress_wrapper, fp16_compress_wrapper
 
         fn = (fp16_compress_wrapper if wrap is CommHookType.FP16 else bf16_compress_wrapper)(fn)
     ddp_model.register_comm_hook(state, fn)
+    ddp_model._commhooks_state = state
     return state
 
 
+def _check_target(
+    ddp_model: Any, kind: CommHookType, wrap: CommHookType, process_group: Any
+) -> dist.ProcessGroup | None:
+    """Check the model, the group and the backend; return the group to give the state."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise TypeError(
+            f"commhooks.register expects the DistributedDataParallel model, got "
+            f"{type(ddp_model).__name__}. Wrap the model first: DistributedDataParallel(model)."
+        )
+    previous = getattr(ddp_model, "_comm_hooks", None) or hasattr(ddp_model, "_commhooks_state")
+    if previous:
+        raise ValueError(
+            "this DDP model already has a communication hook, and DDP accepts only one per "
+            "model. Register a single hook (combine a hook with a cast through wrapper='fp16' or "
+            "'bf16'), or build a new DistributedDataParallel model."
+        )
+    if process_group is None and not comm.is_default_group(ddp_model.process_group):
+        # The hook must average over the ranks DDP synchronises, not the whole world.
+        process_group = ddp_model.process_group
+    group = comm.resolve_group(process_group, owner="commhooks.register")
+    if CommHookType.BF16 in (kind, wrap):
+        _check_bf16(group, getattr(ddp_model, "device_type", "cpu"))
+    return process_group
+
+
+def _check_bf16(group: dist.ProcessGroup, device_type: str) -> None:
+    backend = comm.backend_for_device(group, device_type)
+    if backend == "gloo":
+        return
+    if backend == "nccl":
+        version = _nccl_version()
+        if version is None or version >= (2, 10):
+            return
+        found = ".".join(map(str, version))
+        raise ValueError(
+            f"bf16 communication needs NCCL 2.10 or newer; this PyTorch has NCCL {found}. "
+            "Use hook/wrapper 'fp16' instead, or a PyTorch build with a newer NCCL."
+        )
+    raise ValueError(
+        f"the '{backend}' backend of this process group does not allreduce bfloat16. Use "
+        "hook/wrapper 'fp16' instead, or a gloo or NCCL (2.10+) process group."
+    )
+
+
+def _nccl_version() -> tuple[int, ...] | None:
+    import torch
+
+    try:
+        version = torch.cuda.nccl.version()
+    except Exception:  # no CUDA build: nothing to check against
+        return None
+    return tuple(version) if isinstance(version, tuple) else None
+
+
 def options_of(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The hook options in a config mapping (everything but ``hook``/``wrapper``)."""
+    """The hook options in a flat config mapping (everything but ``hook``/``wrapper``)."""
     return {k: v for k, v in config.items() if k not in ("hook", "wrapper", "process_group")}

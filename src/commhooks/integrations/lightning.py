@@ -1,0 +1,129 @@
+"""A Lightning ``DDPStrategy`` that registers commhooks hooks on CPU as well as GPU.
+
+Lightning's ``DDPStrategy(ddp_comm_hook=...)`` registers the hook only when training on CUDA,
+and its checkpoints do not include the hook's state. :class:`CommHookDDPStrategy` registers
+through :func:`commhooks.register` on any device and saves every rank's hook state in the
+checkpoint under ``"commhooks"``, restoring it when training resumes from that checkpoint::
+
+    import lightning as L
+    from commhooks.integrations.lightning import CommHookDDPStrategy
+
+    strategy = CommHookDDPStrategy("power_sgd", hook_options={"matrix_approximation_rank": 2})
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy)
+
+Requires the optional extra: ``pip install "commhooks[lightning]"``.
+"""
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch.distributed as dist
+
+from commhooks.config import CommHookType, HookConfig, register_from_config
+from commhooks.integrations.checkpoint import PerRankState
+
+try:
+    from lightning.pytorch.strategies import DDPStrategy
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "commhooks.integrations.lightning needs Lightning: pip install 'commhooks[lightning]'."
+    ) from exc
+
+__all__ = ["CHECKPOINT_KEY", "CommHookDDPStrategy"]
+
+CHECKPOINT_KEY = "commhooks"
+
+
+class CommHookDDPStrategy(DDPStrategy):
+    """``DDPStrategy`` with a commhooks hook, registered on CPU and GPU, checkpointed.
+
+    Args:
+        hook: a hook name or ``CommHookType`` (``"fp16"``, ``"power_sgd"``...), or a
+            :class:`~commhooks.config.HookConfig` (then ``wrapper`` and ``hook_options`` must
+            be left out).
+        wrapper: ``None``/``"no"``, ``"fp16"`` or ``"bf16"``.
+        hook_options: the hook's state options, e.g. ``{"matrix_approximation_rank": 2}``.
+            A separate mapping because the remaining keyword arguments go to DDP itself, as in
+            ``DDPStrategy`` (``bucket_cap_mb``, ``find_unused_parameters``...).
+        hook_process_group: the group the hook communicates on (``None``: DDP's group).
+        **kwargs: passed to ``DDPStrategy``.
+
+    Raises:
+        ValueError: an invalid hook choice, at construction, before any process starts.
+    """
+
+    def __init__(
+        self,
+        hook: CommHookType | str | HookConfig = CommHookType.ALLREDUCE,
+        wrapper: CommHookType | str | None = None,
+        hook_options: Mapping[str, Any] | None = None,
+        hook_process_group: dist.ProcessGroup | None = None,
+        **kwargs: Any,
+    ) -> None:
+        clashing = sorted(
+            k for k in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper") if k in kwargs
+        )
+        if clashing:
+            raise ValueError(
+                f"CommHookDDPStrategy chooses the hook itself; drop {', '.join(clashing)} and "
+                "pass hook=..., wrapper=..., hook_options=... instead."
+            )
+        if isinstance(hook, HookConfig):
+            if wrapper is not None or hook_options:
+                raise ValueError("pass either a HookConfig or hook/wrapper/hook_options, not both.")
+            self.hook_config = hook
+        else:
+            self.hook_config = HookConfig(hook, wrapper, dict(hook_options or {}))
+        super().__init__(**kwargs)
+        self._hook_group = hook_process_group
+        self.hook_state: Any = None
+        self._pending_hook_state: Mapping[str, Any] | None = None
+
+    def configure_ddp(self) -> None:
+        """Wrap the model in DDP (as ``DDPStrategy`` does), then register the hook."""
+        super().configure_ddp()
+        self.hook_state = register_from_config(self.model, self.hook_config, self._hook_group)
+        pending, self._pending_hook_state = self._pending_hook_state, None
+        if pending is not None:
+            per_rank = self._per_rank()
+            if per_rank is None:
+                raise ValueError(
+                    f"the checkpoint holds hook state, but hook '{self.hook_config.hook}' keeps "
+                    "none. Resume with the hook the checkpoint was trained with."
+                )
+            per_rank.load_state_dict(pending)
+
+    def _per_rank(self) -> PerRankState | None:
+        state = self.hook_state
+        if not (hasattr(state, "state_dict") and hasattr(state, "load_state_dict")):
+            return None
+        return PerRankState(state, self._hook_group)
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        """Add every rank's hook state to ``checkpoint``, then save as ``DDPStrategy`` does.
+
+        Runs on every rank (Lightning calls it on all of them), because gathering the hook
+        state is a collective.
+        """
+        per_rank = self._per_rank()
+        if per_rank is not None:
+            checkpoint[CHECKPOINT_KEY] = per_rank.state_dict()
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Load as ``DDPStrategy`` does, and restore the hook state from it.
+
+        Lightning loads a resumed checkpoint before the DDP model exists; the hook state is
+        then kept until :meth:`configure_ddp` has registered the hook.
+        """
+        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        saved = checkpoint.get(CHECKPOINT_KEY)
+        if saved is not None:
+            per_rank = self._per_rank()
+            if per_rank is None:
+                self._pending_hook_state = saved
+            else:
+                per_rank.load_state_dict(saved)
+        return checkpoint

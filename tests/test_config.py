@@ -1,0 +1,284 @@
+"""One-line configuration: names, validation, the mapping form, and every hook x wrapper."""
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from ddp_utils import batches, flat_params, make_ddp, make_mlp, train
+
+import commhooks
+from commhooks import comm, config
+from commhooks.config import CommHookType, HookConfig, hook_names, register, wrapper_names
+from commhooks.state import HookState
+from commhooks.testing import run_on_ranks
+
+# Options that make the stateful hooks do their real work within a few steps; only those a
+# registered hook takes are used, so hooks added later are covered as soon as they exist.
+FAST_OPTIONS = {"start_powerSGD_iter": 2, "start_localSGD_iter": 2}
+# Hooks that, by design, leave the ranks' models different.
+UNSYNCED = {"noop", "post_local_sgd"}
+STEPS = 4
+
+
+def fast_options(hook: str) -> dict:
+    spec = config.hook_spec(hook)
+    return {k: v for k, v in FAST_OPTIONS.items() if k in spec.options}
+
+
+def combinations() -> list[tuple[str, str]]:
+    return [(h, w) for h in hook_names() if h != "no" for w in wrapper_names()]
+
+
+# -- names and validation (no processes needed) -------------------------------------------------
+def test_names_accept_enum_and_any_case():
+    assert HookConfig("FP16").hook is CommHookType.FP16
+    assert HookConfig(CommHookType.ALLREDUCE, "Bf16").wrapper is CommHookType.BF16
+    assert HookConfig("allreduce", None).wrapper is CommHookType.NO
+    assert {"no", "fp16", "bf16", "allreduce", "noop"} <= set(hook_names())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({"hook": "fp61"}, ["unknown hook 'fp61'", "Did you mean 'fp16'", "allreduce"]),
+        ({"hook": "fp16", "wrapper": "bf61"}, ["unknown wrapper", "'bf16'", "no, fp16, bf16"]),
+        ({"hook": "fp16", "wrapper": "allreduce"}, ["unknown wrapper", "no, fp16, bf16"]),
+        ({"hook": "no", "wrapper": "fp16"}, ["needs a hook to wrap", "hook='allreduce'"]),
+    ],
+)
+def test_invalid_names_list_the_valid_ones(kwargs, expected):
+    with pytest.raises(ValueError) as err:
+        HookConfig(**kwargs)
+    for text in expected:
+        assert text in str(err.value)
+
+
+def test_hook_must_be_a_name():
+    with pytest.raises(TypeError, match="register_comm_hook"):
+        HookConfig(commhooks.allreduce_hook)
+
+
+def test_unknown_option_lists_what_the_hook_takes():
+    for hook in hook_names():
+        spec = config.hook_spec(hook)
+        with pytest.raises(ValueError) as err:
+            HookConfig(hook, options={"not_an_option": 1})
+        message = str(err.value)
+        assert "not_an_option" in message and f"'{hook}'" in message
+        for option in spec.options:
+            assert option in message
+
+
+def test_typo_in_an_option_suggests_the_nearest():
+    for hook in hook_names():
+        for option in config.hook_spec(hook).options:
+            typo = option[:-1] + ("x" if option[-1] != "x" else "y")
+            with pytest.raises(ValueError, match=f"Did you mean '{option}'"):
+                HookConfig(hook, options={typo: 1})
+
+
+def test_option_of_another_hook_names_the_hooks_that_take_it():
+    all_options = {o for h in hook_names() for o in config.hook_spec(h).options}
+    checked = 0
+    for hook in hook_names():
+        for option in sorted(all_options - config.hook_spec(hook).options):
+            with pytest.raises(ValueError) as err:
+                HookConfig(hook, options={option: 1})
+            message = str(err.value)
+            assert "does not apply" in message
+            assert all(h in message for h in config.hooks_taking(option))
+            checked += 1
+    # With only stateless hooks registered there is nothing to misplace; a fake table shows
+    # the message all the same.
+    assert checked or not all_options
+
+
+def test_misplaced_option_message_with_a_stateful_hook(monkeypatch):
+    specs = config._specs()
+    specs[CommHookType.POWER_SGD] = config.HookSpec(
+        commhooks.allreduce_hook, lambda g, o: None, frozenset({"matrix_approximation_rank"})
+    )
+    monkeypatch.setattr(config, "_specs", lambda: specs)
+    with pytest.raises(ValueError) as err:
+        HookConfig("fp16", options={"matrix_approximation_rank": 2})
+    assert "does not apply to hook 'fp16'" in str(err.value)
+    assert "power_sgd" in str(err.value)
+
+
+# -- the mapping form -----------------------------------------------------------------------
+def test_mapping_round_trip_for_every_hook_and_wrapper():
+    for hook, wrapper in combinations():
+        d = {"hook": hook.upper(), "wrapper": wrapper, **fast_options(hook)}
+        cfg = HookConfig.from_dict(d)
+        normalised = {"hook": hook, "wrapper": wrapper, **fast_options(hook)}
+        assert cfg.to_dict() == normalised
+        assert HookConfig.from_dict(cfg.to_dict()) == cfg
+        assert HookConfig.from_json(cfg.to_json()) == cfg
+        assert json.loads(cfg.to_json()) == normalised
+
+
+def test_mapping_forms_agree():
+    hook = next((h for h in hook_names() if fast_options(h)), "allreduce")
+    opts = fast_options(hook)
+    flat = HookConfig.from_dict({"hook": hook, "wrapper": "fp16", **opts})
+    nested = HookConfig.from_dict({"hook": hook, "wrapper": "fp16", "options": opts})
+    accel = HookConfig.from_dict(
+        {"comm_hook": hook, "comm_wrapper": "fp16", "comm_state_option": opts}
+    )
+    assert flat == nested == accel
+    assert HookConfig.from_dict({"hook": "fp16"}).to_dict() == {"hook": "fp16", "wrapper": "no"}
+
+
+def test_mapping_errors():
+    with pytest.raises(ValueError, match="no 'hook' entry; valid hooks: no, allreduce"):
+        HookConfig.from_dict({"wrapper": "fp16"})
+    with pytest.raises(ValueError, match="given twice"):
+        HookConfig.from_dict({"hook": "fp16", "comm_hook": "bf16"})
+    with pytest.raises(ValueError, match="unknown option 'bogus'"):
+        HookConfig.from_dict({"hook": "fp16", "bogus": 3})
+
+
+def test_yaml_round_trip():
+    yaml = pytest.importorskip("yaml")
+    for hook, wrapper in combinations():
+        cfg = HookConfig(hook, wrapper, fast_options(hook))
+        text = cfg.to_yaml()
+        assert yaml.safe_load(text) == cfg.to_dict()
+        assert HookConfig.from_yaml(text) == cfg
+    assert HookConfig.from_yaml("hook: BF16\nwrapper: no\n").hook is CommHookType.BF16
+
+
+# -- backend checks ---------------------------------------------------------------------------
+def test_bf16_backend_check(monkeypatch):
+    def check(backend, nccl=(2, 18, 1)):
+        monkeypatch.setattr(comm, "backend_for_device", lambda group, device: backend)
+        monkeypatch.setattr(config, "_nccl_version", lambda: nccl)
+        config._check_bf16(None, "cpu")
+
+    check("gloo")
+    check("nccl")
+    with pytest.raises(ValueError, match=r"NCCL 2.10 or newer.*2\.8\.4.*'fp16'"):
+        check("nccl", (2, 8, 4))
+    for backend in ("mpi", "ucc"):
+        with pytest.raises(ValueError, match=f"'{backend}' backend.*'fp16'"):
+            check(backend)
+
+
+def test_backend_for_device_reads_per_device_backends(monkeypatch):
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
+    assert comm.backend_for_device(None, "cpu") == "gloo"
+    assert comm.backend_for_device(None, "cuda") == "nccl"
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    assert comm.backend_for_device(None, "cuda") == "gloo"
+
+
+# -- registration on 2 ranks -----------------------------------------------------------------
+def _every_combination(rank, world_size):
+    initial = flat_params(make_mlp())
+    out = {}
+    data = batches(rank, STEPS)
+    for hook, wrapper in combinations():
+        ddp = make_ddp(make_mlp())
+        state = register(ddp, hook, wrapper, **fast_options(hook))
+        train(ddp, data)
+        params = flat_params(ddp.module)
+        out[hook, wrapper] = {
+            "params": params,
+            "finite": bool(torch.isfinite(params).all()),
+            "moved": not torch.equal(params, initial),
+            "state_type": type(state).__name__,
+            "hook_state": isinstance(state, HookState),
+            "state_dict": state.state_dict() if isinstance(state, HookState) else None,
+        }
+    return out
+
+
+def test_register_every_hook_and_wrapper_trains_and_returns_the_state():
+    results = run_on_ranks(_every_combination, 2)
+    assert set(results[0]) == set(combinations())
+    for (hook, wrapper), r0 in results[0].items():
+        r1 = results[1][hook, wrapper]
+        assert r0["finite"] and r0["moved"], (hook, wrapper)
+        if config.hook_spec(hook).make_state is None:
+            assert r0["state_type"] == "NoneType"
+        else:
+            assert r0["hook_state"], f"{hook} returned {r0['state_type']}, not its HookState"
+            assert r0["state_dict"]["kind"]
+        if hook not in UNSYNCED:
+            assert torch.equal(r0["params"], r1["params"]), f"{hook}/{wrapper}: ranks diverged"
+    # noop communicates nothing: different data on each rank gives different models.
+    assert not torch.equal(results[0]["noop", "no"]["params"], results[1]["noop", "no"]["params"])
+
+
+def _late_failures(rank, world_size):
+    messages = {}
+    ddp = make_ddp(make_mlp())
+    register(ddp, "allreduce")
+    for name, call in {
+        "twice": lambda: register(ddp, "fp16"),
+        "twice_plain": lambda: register(
+            make_ddp(make_mlp(), commhooks.allreduce_hook), "allreduce"
+        ),
+        "not_ddp": lambda: register(make_mlp(), "fp16"),
+    }.items():
+        try:
+            call()
+        except (ValueError, TypeError) as exc:
+            messages[name] = f"{type(exc).__name__}: {exc}"
+    only_rank0 = comm_new_group([0])
+    try:
+        register(make_ddp(make_mlp()), "allreduce", process_group=only_rank0)
+        messages["group"] = "accepted"
+    except ValueError as exc:
+        messages["group"] = str(exc)
+    # 'no' keeps DDP's own allreduce and registers nothing.
+    plain = make_ddp(make_mlp())
+    messages["no"] = repr(register(plain, "no"))
+    messages["no_hooks"] = len(getattr(plain, "_comm_hooks", []))
+    return messages
+
+
+def comm_new_group(ranks):
+    return dist.new_group(ranks)
+
+
+def test_choices_that_would_fail_later_are_caught_at_registration():
+    results = run_on_ranks(_late_failures, 2)
+    for m in results:
+        assert "already has a communication hook" in m["twice"]
+        assert "only one per model" in m["twice"]
+        assert "already has a communication hook" in m["twice_plain"]
+        assert (
+            m["not_ddp"].startswith("TypeError")
+            and "DistributedDataParallel(model)" in m["not_ddp"]
+        )
+        assert m["no"] == "None" and m["no_hooks"] == 0
+    assert results[0]["group"] == "accepted"
+    assert "not a member" in results[1]["group"]
+
+
+def _subgroup_default(rank, world_size):
+    group = dist.new_group([0, 1])
+    ddp = make_ddp(make_mlp(), process_group=group)
+    return register(ddp, "allreduce") is group
+
+
+def test_hook_defaults_to_the_ddp_models_group():
+    assert run_on_ranks(_subgroup_default, 2) == [True, True]
+
+
+def test_register_from_config_accepts_mapping_and_config():
+    assert run_on_ranks(_from_config, 2) == [True, True]
+
+
+def _from_config(rank, world_size):
+    data = batches(rank, 3)
+    a, b, c = (make_ddp(make_mlp()) for _ in range(3))
+    config.register_from_config(a, {"hook": "allreduce", "wrapper": "bf16"})
+    config.register_from_config(b, HookConfig("allreduce", "bf16"))
+    register(c, **HookConfig("allreduce", "bf16").to_dict())
+    for m in (a, b, c):
+        train(m, data)
+    pa, pb, pc = (flat_params(m.module) for m in (a, b, c))
+    return torch.equal(pa, pb) and torch.equal(pa, pc)
