@@ -1,9 +1,14 @@
 """Train with Accelerate and a commhooks hook, checkpoint, and resume.
 
-    accelerate launch --cpu --num_processes 2 examples/accelerate_example.py --hook fp16
+Two processes on CPU (``accelerate launch --cpu`` starts a single process whatever
+``--num_processes`` says, so ask for torchrun's launcher and tell Accelerate to stay on CPU):
 
-On GPUs drop ``--cpu``. ``--checkpoint DIR`` saves the state (model, optimizer, and every
-rank's hook state) after training, then loads it back and checks it came back unchanged.
+    ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 \
+        examples/accelerate_example.py --hook fp16
+
+On GPUs: ``accelerate launch --multi_gpu --num_processes 2 examples/accelerate_example.py``.
+``--checkpoint DIR`` saves the state (model, optimizer, and every rank's hook state) after
+training, trains on, then loads it back and checks that parameters and hook state came back.
 """
 
 import argparse
@@ -15,6 +20,22 @@ from torch import nn
 
 from commhooks.config import hook_names, wrapper_names
 from commhooks.integrations.accelerate import register_hook
+
+
+def snapshot(model: nn.Module, state: object) -> list:
+    """Parameters and hook state, to check that load_state brings both back."""
+    hook_state = state.state_dict() if hasattr(state, "state_dict") else {}
+    return [p.detach().clone() for p in model.parameters()] + [hook_state]
+
+
+def same(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
 
 
 def main() -> None:
@@ -46,13 +67,15 @@ def main() -> None:
 
     if args.checkpoint:
         accelerator.save_state(args.checkpoint)
-        before = [p.detach().clone() for p in model.parameters()]
-        with torch.no_grad():
-            for p in model.parameters():
-                p.zero_()
+        saved = snapshot(model, state)
+        for _ in range(3):  # move on, then come back
+            loss = nn.functional.mse_loss(model(x), x @ true_w.to(accelerator.device))
+            optimizer.zero_grad()
+            accelerator.backward(loss)
+            optimizer.step()
         accelerator.load_state(args.checkpoint)
-        same = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-        accelerator.print(f"restored {'ok' if same else 'MISMATCH'}  state {type(state).__name__}")
+        ok = same(saved, snapshot(model, state))
+        accelerator.print(f"restored {'ok' if ok else 'MISMATCH'}  state {type(state).__name__}")
     accelerator.end_training()
 
 

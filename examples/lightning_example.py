@@ -34,6 +34,23 @@ class Regression(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
+class SaveAndReport(L.Callback):
+    """Runs in every training process, whichever way Lightning started them."""
+
+    def __init__(self, checkpoint: str | None) -> None:
+        self.checkpoint = checkpoint
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.checkpoint:
+            trainer.save_checkpoint(self.checkpoint)  # includes every rank's hook state
+        if trainer.is_global_zero:
+            strategy = trainer.strategy
+            loss = float(trainer.callback_metrics["train_loss"])
+            print(f"trained {trainer.global_step} steps  loss {loss:.4f}")
+            print(f"hook {strategy.hook_config.hook}/{strategy.hook_config.wrapper}")
+            print(f"state {type(strategy.hook_state).__name__}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hook", choices=hook_names(), default="fp16")
@@ -43,6 +60,12 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--checkpoint", default=None, help="save a checkpoint to this file")
+    parser.add_argument(
+        "--start_method",
+        default="popen",
+        choices=["popen", "fork", "spawn"],
+        help="how Lightning starts the other processes (fork: no re-import, CPU only)",
+    )
     args = parser.parse_args()
 
     gen = torch.Generator().manual_seed(0)
@@ -51,7 +74,9 @@ def main() -> None:
     loader = DataLoader(TensorDataset(x, y), batch_size=32)
 
     torch.manual_seed(0)
-    strategy = CommHookDDPStrategy(args.hook, args.wrapper, hook_options=args.options)
+    strategy = CommHookDDPStrategy(
+        args.hook, args.wrapper, hook_options=args.options, start_method=args.start_method
+    )
     trainer = L.Trainer(
         accelerator=args.accelerator,
         devices=args.devices,
@@ -61,14 +86,9 @@ def main() -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        callbacks=[SaveAndReport(args.checkpoint)],
     )
     trainer.fit(Regression(), loader)
-    if args.checkpoint:
-        trainer.save_checkpoint(args.checkpoint)
-    if trainer.is_global_zero:
-        loss = trainer.callback_metrics.get("train_loss")
-        print(f"trained {trainer.global_step} steps  hook {args.hook}/{args.wrapper}  {loss}")
-        print(f"state {type(strategy.hook_state).__name__}")
 
 
 if __name__ == "__main__":

@@ -21,13 +21,17 @@ import commhooks
 from commhooks.config import hook_names, wrapper_names
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hook", choices=hook_names(), default="fp16")
     parser.add_argument("--wrapper", choices=wrapper_names(), default="no")
     parser.add_argument("--options", type=json.loads, default={}, help="hook options as JSON")
     parser.add_argument("--steps", type=int, default=50)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -82,7 +82,9 @@ def register_hook(
         warn_once(
             "accelerate-single-process",
             "commhooks: Accelerate runs a single process, so the model is not wrapped in DDP "
-            "and no communication hook is registered.",
+            "and no communication hook is registered. (On CPU, `accelerate launch --cpu` starts "
+            "one process whatever --num_processes says; start several with "
+            "`ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes N ...`.)",
         )
         return None
     state = register(ddp, hook, wrapper, process_group, **options)

@@ -1,0 +1,107 @@
+"""The examples run as documented, on CPU with 2 processes, through each launcher."""
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from commhooks.config import hook_names, hook_spec, wrapper_names
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+FAST_OPTIONS = {"start_powerSGD_iter": 2, "start_localSGD_iter": 2}
+
+
+def env() -> dict[str, str]:
+    out = dict(os.environ)
+    out["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), out.get("PYTHONPATH", "")])
+    out.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(cmd: list[str], cwd: Path, extra: dict[str, str] | None = None) -> str:
+    proc = subprocess.run(
+        cmd, cwd=cwd, env={**env(), **(extra or {})}, capture_output=True, text=True, timeout=150
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    return output
+
+
+def stateful_choice() -> tuple[str, dict]:
+    """A registered stateful hook with options that start its real work early, if any."""
+    for hook in hook_names():
+        spec = hook_spec(hook)
+        if spec.make_state is not None:
+            return hook, {k: v for k, v in FAST_OPTIONS.items() if k in spec.options}
+    return "allreduce", {}
+
+
+def test_train_ddp_offers_every_registered_hook_and_wrapper():
+    spec = importlib.util.spec_from_file_location("train_ddp", EXAMPLES / "train_ddp.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    actions = {a.dest: a for a in module.build_parser()._actions}
+    assert list(actions["hook"].choices) == hook_names()
+    assert list(actions["wrapper"].choices) == wrapper_names()
+
+
+def test_torchrun_example(tmp_path):
+    out = run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(EXAMPLES / "train_ddp.py"), "--hook", "allreduce", "--wrapper", "bf16",
+         "--steps", "12"],
+        tmp_path,
+    )  # fmt: skip
+    losses = [float(line.split()[3]) for line in out.splitlines() if line.startswith("step")]
+    assert len(losses) == 3 and losses[-1] < losses[0], out[-2000:]
+    assert "hook allreduce/bf16" in out
+
+
+def test_accelerate_example_saves_and_restores_hook_state(tmp_path):
+    pytest.importorskip("accelerate")
+    hook, options = stateful_choice()
+    out = run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+         "--main_process_port", str(free_port()), str(EXAMPLES / "accelerate_example.py"),
+         "--hook", hook, "--options", json.dumps(options), "--steps", "6",
+         "--checkpoint", str(tmp_path / "ckpt")],
+        tmp_path,
+        {"ACCELERATE_USE_CPU": "1"},
+    )  # fmt: skip
+    assert "restored ok" in out, out[-3000:]
+    assert "single process" not in out
+    assert (tmp_path / "ckpt" / "random_states_1.pkl").exists(), "only one process ran"
+
+
+def test_lightning_example_registers_on_cpu(tmp_path):
+    pytest.importorskip("lightning")
+    hook, options = stateful_choice()
+    ckpt = tmp_path / "last.ckpt"
+    out = run(
+        [sys.executable, str(EXAMPLES / "lightning_example.py"), "--hook", hook,
+         "--options", json.dumps(options), "--wrapper", "fp16", "--steps", "6",
+         "--checkpoint", str(ckpt), "--start_method", "fork"],
+        tmp_path,
+    )  # fmt: skip
+    assert "trained 6 steps" in out, out[-3000:]
+    state_line = next(line for line in out.splitlines() if line.startswith("state "))
+    checkpoint = torch.load(ckpt, weights_only=False)
+    if hook_spec(hook).make_state is None:
+        assert state_line == "state NoneType" and "commhooks" not in checkpoint
+    else:
+        assert state_line != "state NoneType"
+        assert len(checkpoint["commhooks"]["ranks"]) == 2

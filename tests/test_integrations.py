@@ -1,0 +1,296 @@
+"""Checkpointing hook state through Accelerate, Lightning and torch.distributed.checkpoint.
+
+Every test runs on a tiny ``HookState`` of its own whose content differs between ranks (the
+hard case: frameworks write one file from rank 0) and on every stateful hook registered in
+``commhooks.config``, trained far enough that its buffers exist.
+"""
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+import torch
+from ddp_utils import batches, make_ddp, make_mlp, train
+
+from commhooks import register
+from commhooks.config import hook_names, hook_spec
+from commhooks.integrations.checkpoint import DistributedCheckpointState, PerRankState
+from commhooks.state import HookState, StateDictError
+from commhooks.testing import RankError, run_on_ranks
+
+FAST_OPTIONS = {"start_powerSGD_iter": 2, "start_localSGD_iter": 2}
+STEPS = 5
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
+class Tally(HookState):
+    """A per-rank buffer allocated on first use, and a step counter."""
+
+    kind = "test_tally"
+
+    def __init__(self, process_group: Any = None) -> None:
+        super().__init__(process_group)
+        self.steps, self.error = 0, None
+
+    def fill(self, rank: int) -> "Tally":
+        self.steps, self.error = 7, torch.arange(4.0) + 10 * rank
+        return self
+
+    def _save(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"steps": self.steps}
+        if self.error is not None:
+            out["error"] = self.error.clone()
+        return out
+
+    def _load(self, state_dict: Mapping[str, Any]) -> None:
+        steps, error = state_dict["steps"], state_dict.get("error")
+        if not isinstance(steps, int) or not (error is None or isinstance(error, torch.Tensor)):
+            raise StateDictError("bad tally")
+        self.steps, self.error = steps, None if error is None else error.clone()
+
+
+def stateful_hooks() -> list[str]:
+    return [h for h in hook_names() if hook_spec(h).make_state is not None]
+
+
+def fast_options(hook: str) -> dict:
+    return {k: v for k, v in FAST_OPTIONS.items() if k in hook_spec(hook).options}
+
+
+def same(a: Any, b: Any) -> bool:
+    """Deep equality of state dicts (tensors bitwise)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def trained_states(rank: int) -> dict[str, Any]:
+    """The tiny state and every registered stateful hook's state after a few steps."""
+    states: dict[str, Any] = {"tally": Tally().fill(rank)}
+    for hook in stateful_hooks():
+        ddp = make_ddp(make_mlp())
+        states[hook] = register(ddp, hook, **fast_options(hook))
+        train(ddp, batches(rank, STEPS))
+    return states
+
+
+def fresh_states() -> dict[str, Any]:
+    states: dict[str, Any] = {"tally": Tally()}
+    for hook in stateful_hooks():
+        states[hook] = register(make_ddp(make_mlp()), hook, **fast_options(hook))
+    return states
+
+
+# -- PerRankState: one file written by rank 0 --------------------------------------------------
+def _per_rank_file(rank, world_size, path):
+    states = trained_states(rank)
+    saved = {name: s.state_dict() for name, s in states.items()}
+    for name, state in states.items():
+        sd = PerRankState(state).state_dict()
+        if rank == 0:
+            torch.save(sd, f"{path}.{name}")
+    torch.distributed.barrier()
+    fresh = fresh_states()
+    for name, state in fresh.items():
+        PerRankState(state).load_state_dict(torch.load(f"{path}.{name}", weights_only=True))
+    return {name: same(saved[name], s.state_dict()) for name, s in fresh.items()}
+
+
+def test_per_rank_state_gives_each_rank_its_own_state_back(tmp_path):
+    for rank, ok in enumerate(run_on_ranks(_per_rank_file, 2, str(tmp_path / "hook"))):
+        assert ok and all(ok.values()), f"rank {rank}: {ok}"
+    sd = torch.load(tmp_path / "hook.tally", weights_only=True)
+    assert sd["world_size"] == 2
+    assert [e["error"][0].item() for e in sd["ranks"]] == [0.0, 10.0]
+
+
+def _resize(rank, world_size, path, allow):
+    state = Tally()
+    PerRankState(state, allow_resize=allow).load_state_dict(torch.load(path, weights_only=True))
+    return state.error
+
+
+def _three_ranks_file(rank, world_size, path):
+    sd = PerRankState(Tally().fill(rank)).state_dict()
+    if rank == 0:
+        torch.save(sd, path)
+
+
+def test_per_rank_state_other_world_size(tmp_path):
+    path = str(tmp_path / "three")
+    run_on_ranks(_three_ranks_file, 3, path)
+    with pytest.raises(RankError, match="hook state of 3 ranks, and 2 are loading it"):
+        run_on_ranks(_resize, 2, path, False)
+    for error in run_on_ranks(_resize, 2, path, True):
+        assert torch.equal(error, torch.arange(4.0))
+
+
+def test_per_rank_state_rejects_a_foreign_dict():
+    state = Tally().fill(1)
+    with pytest.raises(StateDictError, match="not a commhooks state dict"):
+        PerRankState(state).load_state_dict({"error": torch.zeros(4)})
+    with pytest.raises(StateDictError, match="'test_tally' state, not 'per_rank'"):
+        PerRankState(state).load_state_dict(state.state_dict())
+    with pytest.raises(TypeError, match="Stateless hooks"):
+        PerRankState(None)
+    assert state.steps == 7
+
+
+# -- torch.distributed.checkpoint --------------------------------------------------------------
+def _dcp(rank, world_size, path):
+    import torch.distributed.checkpoint as dcp
+
+    states = trained_states(rank)
+    saved = {name: s.state_dict() for name, s in states.items()}
+    model = make_mlp(seed=rank)
+    dcp.save(
+        {
+            "model": model.state_dict(),
+            **{k: DistributedCheckpointState(s) for k, s in states.items()},
+        },
+        checkpoint_id=path,
+    )
+    # Plain values and tensors that are the same on every rank also go in directly.
+    counter = Tally()
+    counter.steps = 11
+    dcp.save({"counter": counter.state_dict()}, checkpoint_id=path + "-plain")
+
+    fresh, target = fresh_states(), make_mlp(seed=5)
+    dcp.load(
+        {
+            "model": target.state_dict(),
+            **{k: DistributedCheckpointState(s) for k, s in fresh.items()},
+        },
+        checkpoint_id=path,
+    )
+    template = {"counter": Tally().state_dict()}
+    dcp.load(template, checkpoint_id=path + "-plain")
+    restored = Tally()
+    restored.load_state_dict(template["counter"])
+    out = {name: same(saved[name], s.state_dict()) for name, s in fresh.items()}
+    out["plain"] = restored.steps == 11
+    return out
+
+
+def test_distributed_checkpoint_round_trip(tmp_path):
+    for rank, ok in enumerate(run_on_ranks(_dcp, 2, str(tmp_path / "dcp"), env=ENV)):
+        assert all(ok.values()), f"rank {rank}: {ok}"
+
+
+# -- Accelerate: register_for_checkpointing, save_state / load_state ----------------------------
+def _accelerate(rank, world_size, directory):
+    from accelerate import Accelerator
+
+    from commhooks.integrations.accelerate import find_ddp, register_hook
+
+    accelerator = Accelerator(cpu=True)
+    tally = Tally().fill(rank)
+    accelerator.register_for_checkpointing(PerRankState(tally))
+    models, states = {}, {"tally": tally}
+    for hook in stateful_hooks():
+        models[hook] = accelerator.prepare(make_mlp())
+        states[hook] = register_hook(accelerator, models[hook], hook, **fast_options(hook))
+    plain = accelerator.prepare(make_mlp())
+    stateless = register_hook(accelerator, plain, "allreduce", "bf16")
+    for model in models.values():
+        train(model, batches(rank, STEPS))
+    saved = {name: s.state_dict() for name, s in states.items()}
+    accelerator.save_state(directory)
+
+    tally.steps, tally.error = 0, None
+    for model in models.values():
+        train(model, batches(rank, 2, seed=9))
+    accelerator.load_state(directory)
+    out = {name: same(saved[name], s.state_dict()) for name, s in states.items()}
+    out["stateless_not_registered"] = stateless is None and len(accelerator._custom_objects) == len(
+        states
+    )
+    out["registered_on_ddp"] = len(find_ddp(plain)._comm_hooks) == 1
+    for name, call in {
+        "unprepared": lambda: register_hook(accelerator, make_mlp(), "fp16"),
+        "bad_option": lambda: register_hook(accelerator, plain, "fp16", rank=2),
+        "twice": lambda: register_hook(accelerator, plain, "fp16"),
+    }.items():
+        try:
+            call()
+            out[name] = "accepted"
+        except (TypeError, ValueError) as exc:
+            out[name] = str(exc)
+    return out
+
+
+def test_accelerate_save_state_and_load_state(tmp_path):
+    directory = str(tmp_path / "accel")
+    for rank, out in enumerate(run_on_ranks(_accelerate, 2, directory, env=ENV)):
+        messages = {k: out.pop(k) for k in ("unprepared", "bad_option", "twice")}
+        assert all(out.values()), f"rank {rank}: {out}"
+        assert "Pass the prepared model" in messages["unprepared"]
+        assert "unknown option 'rank'" in messages["bad_option"]
+        assert "already has a communication hook" in messages["twice"]
+    # Accelerate writes custom objects from rank 0 only; the file holds both ranks' state.
+    tally = torch.load(os.path.join(directory, "custom_checkpoint_0.pkl"), weights_only=True)
+    assert [e["error"][0].item() for e in tally["ranks"]] == [0.0, 10.0]
+
+
+# -- Lightning: the strategy's checkpoint entry --------------------------------------------------
+def _lightning_strategy(rank, world_size, path):
+    pytest.importorskip("lightning")
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    from commhooks.integrations.lightning import CHECKPOINT_KEY, CommHookDDPStrategy
+
+    def strategy() -> CommHookDDPStrategy:
+        env = LightningEnvironment()
+        env.set_world_size(world_size)
+        env.set_global_rank(rank)
+        return CommHookDDPStrategy("allreduce", cluster_environment=env)
+
+    saving = strategy()
+    states = trained_states(rank)
+    checkpoints = {}
+    for name, state in states.items():
+        saving.hook_state = state
+        checkpoint = {"epoch": 1}
+        saving.save_checkpoint(checkpoint, f"{path}.{name}")
+        checkpoints[name] = CHECKPOINT_KEY in checkpoint
+    torch.distributed.barrier()
+    out = {}
+    for name, state in fresh_states().items():
+        loading = strategy()
+        loading.hook_state = state  # as after configure_ddp
+        loaded = loading.load_checkpoint(f"{path}.{name}")
+        out[name] = (
+            checkpoints[name]
+            and loaded["epoch"] == 1
+            and same(states[name].state_dict(), state.state_dict())
+        )
+    # Before configure_ddp the state is kept until the hook is registered.
+    pending = strategy()
+    pending.load_checkpoint(f"{path}.tally")
+    out["pending"] = pending._pending_hook_state is not None
+    return out
+
+
+def test_lightning_strategy_checkpoints_every_ranks_hook_state(tmp_path):
+    pytest.importorskip("lightning")
+    for rank, ok in enumerate(run_on_ranks(_lightning_strategy, 2, str(tmp_path / "l"), env=ENV)):
+        assert all(ok.values()), f"rank {rank}: {ok}"
+
+
+def test_lightning_strategy_validates_at_construction():
+    pytest.importorskip("lightning")
+    from commhooks.integrations.lightning import CommHookDDPStrategy
+
+    with pytest.raises(ValueError, match="Did you mean 'power_sgd'|unknown hook 'powersgd'"):
+        CommHookDDPStrategy("powersgd")
+    with pytest.raises(ValueError, match="drop ddp_comm_hook"):
+        CommHookDDPStrategy("fp16", ddp_comm_hook=lambda s, b: None)
+    assert CommHookDDPStrategy("FP16", "bf16").hook_config.to_dict() == {
+        "hook": "fp16",
+        "wrapper": "bf16",
+    }
