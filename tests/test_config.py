@@ -137,6 +137,8 @@ def test_mapping_errors():
         HookConfig.from_dict({"hook": "fp16", "comm_hook": "bf16"})
     with pytest.raises(ValueError, match="unknown option 'bogus'"):
         HookConfig.from_dict({"hook": "fp16", "bogus": 3})
+    with pytest.raises(ValueError, match="pass it to register"):
+        HookConfig.from_dict({"hook": "allreduce", "process_group": None})
 
 
 def test_yaml_round_trip():
@@ -226,7 +228,7 @@ def _late_failures(rank, world_size):
             call()
         except (ValueError, TypeError) as exc:
             messages[name] = f"{type(exc).__name__}: {exc}"
-    only_rank0 = comm_new_group([0])
+    only_rank0 = dist.new_group([0])
     try:
         register(make_ddp(make_mlp()), "allreduce", process_group=only_rank0)
         messages["group"] = "accepted"
@@ -236,14 +238,27 @@ def _late_failures(rank, world_size):
     plain = make_ddp(make_mlp())
     messages["no"] = repr(register(plain, "no"))
     messages["no_hooks"] = len(getattr(plain, "_comm_hooks", []))
+    # Without a process_group, the hook communicates on the DDP model's own group.
+    group = dist.new_group([0, 1])
+    messages["own_group"] = register(make_ddp(make_mlp(), process_group=group), "fp16") is group
+    messages["same_from_config"] = _from_config(rank)
     return messages
 
 
-def comm_new_group(ranks):
-    return dist.new_group(ranks)
+def _from_config(rank):
+    data = batches(rank, 3)
+    a, b, c = (make_ddp(make_mlp()) for _ in range(3))
+    config.register_from_config(a, {"hook": "allreduce", "wrapper": "bf16"})
+    config.register_from_config(b, HookConfig("allreduce", "bf16"))
+    register(c, **HookConfig("allreduce", "bf16").to_dict())
+    for m in (a, b, c):
+        train(m, data)
+    pa, pb, pc = (flat_params(m.module) for m in (a, b, c))
+    return torch.equal(pa, pb) and torch.equal(pa, pc)
 
 
 def test_choices_that_would_fail_later_are_caught_at_registration():
+    """And the DDP model's group is the default; the mapping forms register the same hook."""
     results = run_on_ranks(_late_failures, 2)
     for m in results:
         assert "already has a communication hook" in m["twice"]
@@ -254,31 +269,6 @@ def test_choices_that_would_fail_later_are_caught_at_registration():
             and "DistributedDataParallel(model)" in m["not_ddp"]
         )
         assert m["no"] == "None" and m["no_hooks"] == 0
+        assert m["own_group"] and m["same_from_config"]
     assert results[0]["group"] == "accepted"
     assert "not a member" in results[1]["group"]
-
-
-def _subgroup_default(rank, world_size):
-    group = dist.new_group([0, 1])
-    ddp = make_ddp(make_mlp(), process_group=group)
-    return register(ddp, "allreduce") is group
-
-
-def test_hook_defaults_to_the_ddp_models_group():
-    assert run_on_ranks(_subgroup_default, 2) == [True, True]
-
-
-def test_register_from_config_accepts_mapping_and_config():
-    assert run_on_ranks(_from_config, 2) == [True, True]
-
-
-def _from_config(rank, world_size):
-    data = batches(rank, 3)
-    a, b, c = (make_ddp(make_mlp()) for _ in range(3))
-    config.register_from_config(a, {"hook": "allreduce", "wrapper": "bf16"})
-    config.register_from_config(b, HookConfig("allreduce", "bf16"))
-    register(c, **HookConfig("allreduce", "bf16").to_dict())
-    for m in (a, b, c):
-        train(m, data)
-    pa, pb, pc = (flat_params(m.module) for m in (a, b, c))
-    return torch.equal(pa, pb) and torch.equal(pa, pc)

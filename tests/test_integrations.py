@@ -11,10 +11,11 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from ddp_utils import batches, make_ddp, make_mlp, train
 
-from commhooks import register
-from commhooks.config import hook_names, hook_spec
+from commhooks import allreduce_hook, config, register
+from commhooks.config import CommHookType, hook_names, hook_spec
 from commhooks.integrations.checkpoint import DistributedCheckpointState, PerRankState
 from commhooks.state import HookState, StateDictError
 from commhooks.testing import RankError, run_on_ranks
@@ -269,11 +270,34 @@ def _lightning_strategy(rank, world_size, path):
             and loaded["epoch"] == 1
             and same(states[name].state_dict(), state.state_dict())
         )
-    # Before configure_ddp the state is kept until the hook is registered.
-    pending = strategy()
+    # Resuming: Lightning loads the checkpoint before configure_ddp builds the DDP model; the
+    # state waits for the hook. A stand-in stateful hook keeps a Tally.
+    from lightning.pytorch.strategies import DDPStrategy
+
+    def wrap_model(self):
+        self.model = make_ddp(make_mlp())
+
+    DDPStrategy.configure_ddp = wrap_model
+    specs = config._specs()
+    specs[CommHookType.POWER_SGD] = config.HookSpec(tally_hook, lambda g, o: Tally(g))
+    config._specs = lambda: specs
+    pending = CommHookDDPStrategy("power_sgd", cluster_environment=strategy().cluster_environment)
     pending.load_checkpoint(f"{path}.tally")
-    out["pending"] = pending._pending_hook_state is not None
+    out["pending"] = pending.hook_state is None and pending._pending_hook_state is not None
+    pending.configure_ddp()
+    out["resumed"] = same(pending.hook_state.state_dict(), states["tally"].state_dict())
+    stateless = strategy()
+    stateless.load_checkpoint(f"{path}.tally")
+    try:
+        stateless.configure_ddp()
+        out["stateless_refuses"] = False
+    except ValueError as exc:
+        out["stateless_refuses"] = "keeps none" in str(exc)
     return out
+
+
+def tally_hook(state: Tally, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    return allreduce_hook(None, bucket)
 
 
 def test_lightning_strategy_checkpoints_every_ranks_hook_state(tmp_path):

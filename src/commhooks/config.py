@@ -193,6 +193,11 @@ class HookConfig:
                 f"{type(self.options).__name__}."
             )
         self.options = dict(self.options)
+        if "process_group" in self.options:
+            raise ValueError(
+                "process_group is not part of a hook configuration (it cannot be saved); pass it "
+                "to register(...) or register_from_config(..., process_group=...)."
+            )
         _check_options(self.hook, self.options)
         if self.hook is CommHookType.NO and self.wrapper is not CommHookType.NO:
             raise ValueError(
