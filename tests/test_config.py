@@ -1,5 +1,6 @@
 """One-line configuration: names, validation, the mapping form, and every hook x wrapper."""
 
+import enum
 import json
 
 import pytest
@@ -36,6 +37,11 @@ def test_names_accept_enum_and_any_case():
     assert HookConfig(CommHookType.ALLREDUCE, "Bf16").wrapper is CommHookType.BF16
     assert HookConfig("allreduce", None).wrapper is CommHookType.NO
     assert {"no", "fp16", "bf16", "allreduce", "noop"} <= set(hook_names())
+
+    class AccelerateStyle(str, enum.Enum):  # what Accelerate's DDPCommunicationHookType is
+        FP16 = "fp16"
+
+    assert HookConfig(AccelerateStyle.FP16).hook is CommHookType.FP16
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ later (bf16 on a backend without it, a second hook on the same model, a group th
 in). The same choice loads from a mapping (JSON, YAML) through :class:`HookConfig`.
 """
 
+import contextlib
 import difflib
 import json
 from collections.abc import Callable, Mapping
@@ -95,10 +96,14 @@ def parse_name(
         ValueError: listing the valid names, with the nearest one when there is a likely typo.
     """
     valid = allowed or tuple(_specs())
+    if isinstance(value, Enum) and not isinstance(value, CommHookType):
+        value = value.value  # another library's names, e.g. Accelerate's DDPCommunicationHookType
+    name: CommHookType | None = None
     if isinstance(value, CommHookType):
-        name: CommHookType | None = value
+        name = value
     elif isinstance(value, str):
-        name = CommHookType._value2member_map_.get(value.strip().lower())  # type: ignore[assignment]
+        with contextlib.suppress(ValueError):
+            name = CommHookType(value.strip().lower())
     else:
         raise TypeError(
             f"{what} must be a CommHookType or its name (a string), got {type(value).__name__}. "
