@@ -35,7 +35,9 @@ class PerRankState(HookState):
     Lightning's ``save_checkpoint`` do). Rank 0 receives every rank's entry; the other ranks
     return the header only, which they do not write. ``load_state_dict`` hands each rank its own
     entry. The file holds only tensors, numbers, strings, lists and dicts, so it loads with
-    ``torch.load(path, weights_only=True)``.
+    ``torch.load(path, weights_only=True)``. Files written by another rank than rank 0 (such
+    as Accelerate's ``save_on_each_node=True`` on the other nodes) hold the header only and
+    are refused on load.
 
     Args:
         state: the hook state returned by ``commhooks.register``.
