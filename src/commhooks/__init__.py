@@ -7,6 +7,7 @@ working on gloo/CPU as well as NCCL/GPU::
     ddp_model.register_comm_hook(None, fp16_compress_hook)
 """
 
+from commhooks import checkpoint
 from commhooks.config import CommHookType, HookConfig, register, register_from_config
 from commhooks.hooks import (
     allreduce_hook,
@@ -16,10 +17,14 @@ from commhooks.hooks import (
     fp16_compress_wrapper,
     noop_hook,
 )
+from commhooks.state import HookState, StateDictError
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "HookState",
+    "StateDictError",
+    "checkpoint",
     "CommHookType",
     "HookConfig",
     "register",

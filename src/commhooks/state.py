@@ -11,6 +11,7 @@ Two ways to persist one, both safe:
   :meth:`HookState.bind` gives it another.
 """
 
+import os
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -113,6 +114,23 @@ class HookState:
                 f"{name}.load_state_dict: state dict version {version!r} is not supported by "
                 f"this release (up to {self.version}). Upgrade commhooks to load it."
             )
+
+    def save(self, path: "str | os.PathLike") -> None:
+        """Write :meth:`state_dict` to ``path`` atomically (readable with ``weights_only=True``)."""
+        from commhooks.checkpoint import write_atomically
+
+        write_atomically(self.state_dict(), path)
+
+    def load(self, path: "str | os.PathLike") -> None:
+        """Load a file written by :meth:`save`, with a clear error if it is not one.
+
+        Raises:
+            commhooks.checkpoint.CheckpointError: truncated, corrupt or foreign file.
+            StateDictError: a state dict of another kind of state. Nothing changes either way.
+        """
+        from commhooks.checkpoint import read_weights_only
+
+        self.load_state_dict(read_weights_only(path, what=f"{type(self).__name__} state"))
 
     def _save(self) -> dict[str, Any]:
         raise NotImplementedError
