@@ -7,6 +7,13 @@ working on gloo/CPU as well as NCCL/GPU::
     ddp_model.register_comm_hook(None, fp16_compress_hook)
 """
 
+from commhooks.averagers import (
+    HierarchicalModelAverager,
+    ModelAverager,
+    OuterOptimizerAverager,
+    PeriodicModelAverager,
+    average_parameters,
+)
 from commhooks.config import CommHookType, register
 from commhooks.hooks import (
     allreduce_hook,
@@ -16,10 +23,20 @@ from commhooks.hooks import (
     fp16_compress_wrapper,
     noop_hook,
 )
+from commhooks.hooks.local_sgd import PostLocalSGDState, post_localSGD_hook
+from commhooks.optim import PostLocalSGDOptimizer
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "HierarchicalModelAverager",
+    "ModelAverager",
+    "OuterOptimizerAverager",
+    "PeriodicModelAverager",
+    "PostLocalSGDOptimizer",
+    "PostLocalSGDState",
+    "average_parameters",
+    "post_localSGD_hook",
     "CommHookType",
     "register",
     "allreduce_hook",
