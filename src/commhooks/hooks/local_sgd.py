@@ -227,7 +227,7 @@ def post_localSGD_hook(
         return comm.average(buffer, group)
     if not state.post_local_gradient_allreduce:
         return comm.completed(buffer)
-    subgroup = state.ensure_subgroup()
+    subgroup = comm.resolve_group(state.ensure_subgroup(), owner=OWNER)
     if comm.world_size(subgroup) == 1:
         return comm.completed(buffer)
     return comm.average(buffer, subgroup)
