@@ -190,12 +190,28 @@ def _pickled_with_groups(rank, world_size):
     p.grad = torch.zeros(2)
     hierarchical.average_parameters([p])  # step 2: the world
     sd = _roundtrip(hierarchical)
-    return message, rebound, rederived, p.detach(), sd
+
+    outer = commhooks.OuterOptimizerAverager(1)
+    donor = commhooks.OuterOptimizerAverager(1)
+    other = torch.nn.Parameter(torch.ones(5))
+    other.grad = torch.zeros(5)
+    donor.average_parameters([other])  # first sync: takes a 5-element snapshot
+    outer.load_state_dict(_roundtrip(donor))
+    before = p.detach().clone()
+    try:
+        outer.average_parameters([p])
+        mismatch = ""
+    except ValueError as exc:
+        mismatch = str(exc)
+    return message, rebound, rederived, p.detach(), sd, mismatch, torch.equal(p, before)
 
 
-def test_unpickled_states_rebind_and_recreate_groups():
-    for message, rebound, rederived, p, sd in run_on_ranks(_pickled_with_groups, 2):
+def test_unpickled_states_rebind_and_recreate_groups_and_foreign_snapshots_fail():
+    for result in run_on_ranks(_pickled_with_groups, 2):
+        message, rebound, rederived, p, sd, mismatch, unchanged = result
         assert "state.bind(process_group, subgroup=" in message
         assert rebound and rederived
         assert torch.equal(p, torch.full((2,), 0.5))
         assert sd["kind"] == "hierarchical_model_averager" and sd["step"] == 3
+        # A snapshot saved for another model is never applied to this one.
+        assert "do not match the snapshot" in mismatch and unchanged

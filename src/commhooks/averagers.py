@@ -386,6 +386,8 @@ class OuterOptimizerAverager(PeriodicModelAverager):
         tensors = params_with_grads(params)
         if not tensors:
             return
+        if self.snapshot is not None:
+            self._check_fits(tensors)  # before the collective, so no rank is left waiting
         avg = _views(_averaged_flat(tensors, group), tensors)
         with torch.no_grad():
             if self.snapshot is None:
@@ -394,7 +396,6 @@ class OuterOptimizerAverager(PeriodicModelAverager):
                 self.snapshot = [p.detach().clone() for p in tensors]
                 self.outer_optimizer = self.outer_optimizer_factory(self.snapshot)
                 return
-            self._check_fits(tensors)
             for snap, a in zip(self.snapshot, avg):
                 # In place in the flat buffer: it is not needed after this.
                 snap.grad = a.neg_().add_(snap).to(snap.dtype)
@@ -411,7 +412,8 @@ class OuterOptimizerAverager(PeriodicModelAverager):
             raise ValueError(
                 f"{type(self).__name__}: the parameters to average ({len(shapes)} tensors) do "
                 f"not match the snapshot from the last sync ({len(saved)} tensors); the set of "
-                "parameters with gradients changed, or a state dict of another model was loaded."
+                "parameters with gradients changed, or a state dict saved for another model was "
+                "loaded. Nothing was changed; load the matching checkpoint."
             )
         if self.snapshot[0].device != tensors[0].device:
             self._move_snapshot(tensors[0].device)
