@@ -95,16 +95,21 @@ def test_default_subgroup_is_one_per_machine_on_cpu():
         assert torch.equal(averaged, torch.full((5,), 0.5))
 
 
-def test_local_world_size_splits_one_host_into_machines():
-    results = run_on_ranks(_subgroup_probe, 4, False, env={"LOCAL_WORLD_SIZE": "2"})
-    for rank, (ranks, source, averaged) in enumerate(results):
+def _two_machines_per_host(rank, world_size):
+    by_local_world_size = _subgroup_probe(rank, world_size, False)
+    by_label = _subgroup_probe(rank, world_size, True)
+    return by_local_world_size, by_label
+
+
+def test_local_world_size_and_machine_id_split_one_host_into_machines():
+    results = run_on_ranks(_two_machines_per_host, 4, env={"LOCAL_WORLD_SIZE": "2"})
+    for rank, (by_size, by_label) in enumerate(results):
+        ranks, source, averaged = by_size
         assert ranks == ([0, 1] if rank < 2 else [2, 3])
         assert "LOCAL_WORLD_SIZE" in source
         assert torch.equal(averaged, torch.full((5,), 0.5 if rank < 2 else 2.5))
-
-
-def test_machine_id_variable_overrides_the_host_name():
-    for rank, (ranks, source, averaged) in enumerate(run_on_ranks(_subgroup_probe, 4, True)):
+        # COMMHOOKS_MACHINE_ID overrides host names and LOCAL_WORLD_SIZE.
+        ranks, source, averaged = by_label
         assert ranks == ([0, 2] if rank % 2 == 0 else [1, 3])
         assert MACHINE_ID_VAR in source
         assert torch.equal(averaged, torch.full((5,), 1.0 if rank % 2 == 0 else 2.0))
