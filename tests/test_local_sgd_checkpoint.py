@@ -215,3 +215,15 @@ def test_unpickled_states_rebind_and_recreate_groups_and_foreign_snapshots_fail(
         assert sd["kind"] == "hierarchical_model_averager" and sd["step"] == 3
         # A snapshot saved for another model is never applied to this one.
         assert "do not match the snapshot" in mismatch and unchanged
+
+
+def test_accelerate_saves_and_restores_the_states(tmp_path):
+    import accelerate  # a test dependency (the "test" extra)
+
+    state, periodic, wrapper = _trained_objects()
+    accelerator = accelerate.Accelerator(cpu=True)
+    accelerator.register_for_checkpointing(state, periodic, wrapper)
+    accelerator.save_state(str(tmp_path))
+    state.iter, periodic.step, wrapper.averager.step = 0, 0, 0
+    accelerator.load_state(str(tmp_path))
+    assert (state.iter, periodic.step, wrapper.averager.step) == (7, 4, 9)
