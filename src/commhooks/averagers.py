@@ -240,6 +240,11 @@ class HierarchicalModelAverager(ModelAverager):
     def _create_groups(self) -> list[dist.ProcessGroup | None]:
         parent = comm.resolve_group(self.process_group, owner=type(self).__name__)
         ranks = comm.global_ranks(parent)
+        if len(ranks) != self.levels[-1][1]:
+            raise ValueError(
+                f"{type(self).__name__}: the hierarchy was built for {self.levels[-1][1]} "
+                f"ranks, but its process group has {len(ranks)}. Build a new averager for it."
+            )
         groups: list[dist.ProcessGroup | None] = []
         for _, size in self.levels:
             if size == len(ranks):
