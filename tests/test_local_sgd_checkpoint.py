@@ -106,10 +106,23 @@ def test_state_dicts_load_with_weights_only_and_restore():
     assert torch.equal(fresh.state[q]["momentum_buffer"], torch.ones(3))
 
 
-def test_wrapper_loads_pytorch_post_local_sgd_optimizer_format():
+def test_wrapper_state_dict_is_compatible_with_pytorch_post_local_sgd_optimizer():
+    from torch.distributed.algorithms.model_averaging.averagers import (
+        PeriodicModelAverager as TorchPeriodic,
+    )
+    from torch.distributed.optim import PostLocalSGDOptimizer as TorchWrapper
+
     _, _, wrapper = _trained_objects()
-    legacy = {**wrapper.optim.state_dict(), "step": 12}
-    wrapper.load_state_dict(legacy)
+    ours = wrapper.state_dict()
+    assert ours["step"] == 9 and "param_groups" in ours and "state" in ours
+    # PyTorch's wrapper reads ours...
+    q = torch.nn.Parameter(torch.ones(3))
+    theirs = TorchWrapper(torch.optim.SGD([q], lr=0.1, momentum=0.9), object.__new__(TorchPeriodic))
+    theirs.load_state_dict(ours)
+    assert theirs.averager.step == 9
+    assert torch.equal(theirs.optim.state[q]["momentum_buffer"], torch.ones(3))
+    # ...and ours reads PyTorch's (the inner optimizer's dict plus "step").
+    wrapper.load_state_dict({**wrapper.optim.state_dict(), "step": 12})
     assert wrapper.averager.step == 12
 
 
@@ -129,7 +142,7 @@ def test_state_dict_of_another_kind_is_rejected_and_changes_nothing():
 
     before = wrapper.optim.state_dict()
     bad_averager = {**wrapper.state_dict(), "averager": state.state_dict()}
-    bad_averager["optimizer"]["param_groups"][0]["lr"] = 123.0
+    bad_averager["param_groups"][0]["lr"] = 123.0
     with pytest.raises(
         StateDictError, match="'post_local_sgd' state, not 'periodic_model_averager'"
     ):
@@ -138,7 +151,7 @@ def test_state_dict_of_another_kind_is_rejected_and_changes_nothing():
 
     two_params = [torch.nn.Parameter(torch.ones(1)), torch.nn.Parameter(torch.ones(2))]
     other = torch.optim.SGD(two_params, lr=0.1)
-    foreign_inner = {**wrapper.state_dict(), "optimizer": other.state_dict()}
+    foreign_inner = {**wrapper.state_dict(), **other.state_dict()}
     foreign_inner["averager"]["step"] = 50
     with pytest.raises(StateDictError, match="inner optimizer"):
         wrapper.load_state_dict(foreign_inner)

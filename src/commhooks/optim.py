@@ -7,7 +7,8 @@
     opt.step()  # local step, then parameter averaging when due
 
 It is a ``torch.optim.Optimizer`` (learning-rate schedulers accept it) whose ``state_dict`` holds
-the inner optimizer's state and the averager's, and loads with ``weights_only=True``.
+the inner optimizer's state and the averager's, and loads with ``weights_only=True``. The dict
+is the inner optimizer's own plus ``step`` (PyTorch's wrapper format) and ``averager``.
 """
 
 import warnings
@@ -20,6 +21,8 @@ from commhooks.averagers import ModelAverager
 from commhooks.state import HookState, StateDictError
 
 __all__ = ["PostLocalSGDOptimizer"]
+
+_INNER_KEYS = ("state", "param_groups")
 
 
 class PostLocalSGDOptimizer(HookState, torch.optim.Optimizer):
@@ -82,7 +85,10 @@ class PostLocalSGDOptimizer(HookState, torch.optim.Optimizer):
         return f"PostLocalSGDOptimizer({self.optim!r}, averager={type(self.averager).__name__})"
 
     def _save(self) -> dict[str, Any]:
-        return {"optimizer": self.optim.state_dict(), "averager": self.averager.state_dict()}
+        # A superset of PyTorch's format (the inner optimizer's dict plus the averager's
+        # "step"), so tools that read "state"/"param_groups" and PyTorch's own wrapper can use it.
+        inner = self.optim.state_dict()
+        return {**inner, "step": self.averager.step, "averager": self.averager.state_dict()}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore the inner optimizer and the averager; nothing changes if either is invalid.
@@ -101,9 +107,13 @@ class PostLocalSGDOptimizer(HookState, torch.optim.Optimizer):
 
     def _load(self, state_dict: Mapping[str, Any]) -> None:
         name = f"{type(self).__name__}.load_state_dict"
-        inner, averager = state_dict.get("optimizer"), state_dict.get("averager")
-        if not isinstance(inner, Mapping) or not isinstance(averager, Mapping):
-            raise StateDictError(f"{name}: 'optimizer' or 'averager' is missing or malformed.")
+        averager = state_dict.get("averager")
+        inner = {k: v for k, v in state_dict.items() if k in _INNER_KEYS}
+        if not isinstance(averager, Mapping) or len(inner) != len(_INNER_KEYS):
+            raise StateDictError(
+                f"{name}: the inner optimizer's 'state'/'param_groups' or the 'averager' entry "
+                "is missing or malformed."
+            )
         self.averager._check_header(averager)
         parsed = self.averager._parse(averager)
         self._load_inner(inner)
