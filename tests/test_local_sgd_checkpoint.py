@@ -240,3 +240,22 @@ def test_accelerate_saves_and_restores_the_states(tmp_path):
     state.iter, periodic.step, wrapper.averager.step = 0, 0, 0
     accelerator.load_state(str(tmp_path))
     assert (state.iter, periodic.step, wrapper.averager.step) == (7, 4, 9)
+
+
+def test_torch_distributed_checkpoint_saves_and_restores_the_states(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    state, _, wrapper = _trained_objects()
+    dcp.save({"hook": state.state_dict(), "opt": wrapper.state_dict()}, checkpoint_id=tmp_path)
+    fresh_state = commhooks.PostLocalSGDState(None, None, 5)
+    q = torch.nn.Parameter(torch.ones(3))
+    inner = torch.optim.SGD([q], lr=0.1, momentum=0.9)
+    q.grad = torch.zeros(3)
+    inner.step()  # DCP loads in place: the target needs a momentum buffer to fill
+    fresh = commhooks.PostLocalSGDOptimizer(inner, commhooks.PeriodicModelAverager(2))
+    target = {"hook": fresh_state.state_dict(), "opt": fresh.state_dict()}
+    dcp.load(target, checkpoint_id=tmp_path)
+    fresh_state.load_state_dict(target["hook"])
+    fresh.load_state_dict(target["opt"])
+    assert fresh_state.iter == 7 and fresh.averager.step == 9
+    assert torch.equal(fresh.state[q]["momentum_buffer"], torch.ones(3))
