@@ -137,13 +137,17 @@ def test_machine_membership_rules():
 def _registered(rank, world_size):
     ddp = make_ddp(make_mlp())
     state = commhooks.register(
-        ddp, "post_local_sgd", start_localSGD_iter=2, post_local_gradient_allreduce=False
+        ddp,
+        "post_local_sgd",
+        wrapper="fp16",
+        start_localSGD_iter=2,
+        post_local_gradient_allreduce=False,
     )
     train(ddp, batches(rank, 4))
     return type(state).__name__, state.iter, flat_params(ddp.module)
 
 
-def test_register_by_name():
+def test_register_by_name_with_an_fp16_wrapper():
     (name, steps, p0), (_, _, p1) = run_on_ranks(_registered, 2)
     assert name == "PostLocalSGDState" and steps == 4
     assert not torch.equal(p0, p1)
