@@ -8,6 +8,13 @@ working on gloo/CPU as well as NCCL/GPU::
 """
 
 from commhooks import checkpoint
+from commhooks.averagers import (
+    HierarchicalModelAverager,
+    ModelAverager,
+    OuterOptimizerAverager,
+    PeriodicModelAverager,
+    average_parameters,
+)
 from commhooks.config import CommHookType, HookConfig, register, register_from_config
 from commhooks.hooks import (
     allreduce_hook,
@@ -17,6 +24,8 @@ from commhooks.hooks import (
     fp16_compress_wrapper,
     noop_hook,
 )
+from commhooks.hooks.local_sgd import PostLocalSGDState, post_localSGD_hook
+from commhooks.optim import PostLocalSGDOptimizer
 from commhooks.state import HookState, StateDictError
 
 __version__ = "0.1.0"
@@ -25,6 +34,14 @@ __all__ = [
     "HookState",
     "StateDictError",
     "checkpoint",
+    "HierarchicalModelAverager",
+    "ModelAverager",
+    "OuterOptimizerAverager",
+    "PeriodicModelAverager",
+    "PostLocalSGDOptimizer",
+    "PostLocalSGDState",
+    "average_parameters",
+    "post_localSGD_hook",
     "CommHookType",
     "HookConfig",
     "register",

@@ -26,7 +26,10 @@ __all__ = [
     "gather_objects",
     "group_rank",
     "is_default_group",
+    "global_ranks",
+    "is_world",
     "issuer_for",
+    "new_groups",
     "resolve_group",
     "world_size",
 ]
@@ -93,6 +96,38 @@ def world_size(group: dist.ProcessGroup | None) -> int:
 def group_rank(group: dist.ProcessGroup | None) -> int:
     """This process's rank inside ``group``."""
     return dist.get_rank(group)
+
+
+def is_world(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group`` is the default group (``None`` counts as the default group)."""
+    return group is None or group is dist.group.WORLD
+
+
+def global_ranks(group: dist.ProcessGroup | None) -> list[int]:
+    """The global ranks of ``group``'s members, in group-rank order."""
+    return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+
+
+def new_groups(rank_lists: list[list[int]]) -> list[dist.ProcessGroup | None]:
+    """Create one process group per list of global ranks, in the order given.
+
+    Creating a group is a collective over the default group: every rank must call this with the
+    same lists in the same order, including ranks that belong to none of them. A list that is
+    the whole world reuses the default group instead of opening new connections.
+
+    Returns:
+        one entry per list: the group where this rank is a member, ``None`` where it is not.
+    """
+    world = dist.get_world_size()
+    me = dist.get_rank()
+    out: list[dist.ProcessGroup | None] = []
+    for ranks in rank_lists:
+        if sorted(ranks) == list(range(world)):
+            out.append(dist.group.WORLD)
+            continue
+        group = dist.new_group(ranks=sorted(ranks))
+        out.append(group if me in ranks else None)
+    return out
 
 
 def completed(value: T) -> "Future[T]":

@@ -76,6 +76,7 @@ def _specs() -> dict[CommHookType, HookSpec]:
         fp16_compress_hook,
         noop_hook,
     )
+    from commhooks.hooks.local_sgd import post_localSGD_hook, state_from_options
 
     return {
         CommHookType.NO: HookSpec(hook=None),
@@ -83,6 +84,11 @@ def _specs() -> dict[CommHookType, HookSpec]:
         CommHookType.FP16: HookSpec(fp16_compress_hook),
         CommHookType.BF16: HookSpec(bf16_compress_hook),
         CommHookType.NOOP: HookSpec(noop_hook),
+        CommHookType.POST_LOCAL_SGD: HookSpec(
+            post_localSGD_hook,
+            state_from_options,
+            frozenset({"start_localSGD_iter", "post_local_gradient_allreduce", "subgroup"}),
+        ),
     }
 
 

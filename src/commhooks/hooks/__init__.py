@@ -8,8 +8,11 @@ from commhooks.hooks.default import (
     fp16_compress_hook,
     fp16_compress_wrapper,
 )
+from commhooks.hooks.local_sgd import PostLocalSGDState, post_localSGD_hook
 
 __all__ = [
+    "PostLocalSGDState",
+    "post_localSGD_hook",
     "allreduce_hook",
     "bf16_compress_hook",
     "bf16_compress_wrapper",

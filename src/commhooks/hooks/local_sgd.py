@@ -1,0 +1,250 @@
+"""Post-local SGD: global gradient averaging for a warm-up, then local or none.
+
+After ``start_localSGD_iter`` optimizer steps, gradients are averaged only within a
+``subgroup`` (by default, the ranks on the same machine, whose links are fast) or not at all;
+a model averager (:mod:`commhooks.averagers`) then averages the *parameters* across the world
+every few steps. Slow inter-machine links are used once per period instead of once per step.
+
+Unlike PyTorch's hook, the default per-machine subgroup works without CUDA: machine membership
+comes from the launch environment (see :mod:`commhooks._machines`), and
+``state.subgroup_source`` says how it was derived.
+
+Note for maintainers: hook modules must not use ``from __future__ import annotations``. DDP
+inspects a hook's annotations and rejects them when they are strings.
+"""
+
+import logging
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from commhooks import comm
+from commhooks._machines import MACHINE_ID_VAR, local_launch_info, machine_rank_lists
+from commhooks._validate import check_bool, check_int
+from commhooks.hooks._bucket import float_buffer
+from commhooks.state import HookState, StateDictError
+
+__all__ = ["PostLocalSGDState", "post_localSGD_hook"]
+
+logger = logging.getLogger(__name__)
+OWNER = "post_localSGD_hook"
+_UNCHANGED: Any = object()
+
+
+class PostLocalSGDState(HookState):
+    """State of :func:`post_localSGD_hook`.
+
+    Args:
+        process_group: the global group; ``None`` for the default group.
+        subgroup: the group to average gradients in after the warm-up; ``None`` for one
+            subgroup per machine. The per-machine groups are created lazily, on the first
+            post-warm-up bucket that needs them: creating a group is a collective, and at that
+            point every rank is at the same bucket of the same step with nothing in flight (DDP
+            waited for the previous step). Nothing is created when
+            ``post_local_gradient_allreduce`` is ``False`` or training ends within the warm-up.
+            Call :meth:`ensure_subgroup` on every rank to create it earlier. With a custom
+            ``process_group``, pass the subgroup explicitly.
+        start_localSGD_iter: number of optimizer steps with global gradient averaging.
+        post_local_gradient_allreduce: average gradients within ``subgroup`` after the
+            warm-up (``True``) or not at all (``False``).
+
+    Attributes:
+        iter: optimizer steps seen so far. It advances once per step, on the bucket whose
+            ``is_last()`` is true, and keeps counting after the warm-up (PyTorch's stops at
+            ``start_localSGD_iter``), so it always equals the number of backward passes.
+        subgroup_source: how the subgroup was obtained (``None`` until it is).
+    """
+
+    kind: ClassVar[str] = "post_local_sgd"
+    _transient: ClassVar[tuple[str, ...]] = ("_subgroup", "_checked")
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None,
+        subgroup: dist.ProcessGroup | None,
+        start_localSGD_iter: int,
+        post_local_gradient_allreduce: bool = True,
+    ) -> None:
+        name = type(self).__name__
+        check_int(name, "start_localSGD_iter", start_localSGD_iter, 0)
+        check_bool(name, "post_local_gradient_allreduce", post_local_gradient_allreduce)
+        if subgroup is not None and not isinstance(subgroup, dist.ProcessGroup):
+            raise TypeError(
+                f"{name}: subgroup must be a ProcessGroup or None (one per machine), got "
+                f"{type(subgroup).__name__}."
+            )
+        super().__init__(process_group)
+        _check_default_subgroup_allowed(process_group, subgroup)
+        self.start_localSGD_iter = start_localSGD_iter
+        self.post_local_gradient_allreduce = post_local_gradient_allreduce
+        self.iter = 0
+        self._subgroup = subgroup
+        self._subgroup_explicit = subgroup is not None
+        self.subgroup_source: str | None = "given by the caller" if subgroup is not None else None
+        self._checked = False
+        logger.info("post-local SGD: global gradient averaging for %d steps", start_localSGD_iter)
+
+    @property
+    def subgroup(self) -> dist.ProcessGroup | None:
+        """The group averaging gradients after the warm-up (``None`` until it is created)."""
+        return self._subgroup
+
+    def bind(
+        self, process_group: dist.ProcessGroup | None, subgroup: Any = _UNCHANGED
+    ) -> "PostLocalSGDState":
+        """Communicate on ``process_group`` (and ``subgroup``, if given) from now on.
+
+        After unpickling, a state whose subgroup was given explicitly must be re-bound with
+        ``state.bind(process_group, subgroup=...)``; a state using per-machine subgroups
+        derives them again on first use.
+        """
+        given = subgroup is not _UNCHANGED and subgroup is not None
+        if given and not isinstance(subgroup, dist.ProcessGroup):
+            raise TypeError(f"subgroup must be a ProcessGroup, got {type(subgroup).__name__}")
+        explicit = self._subgroup_explicit if subgroup is _UNCHANGED else subgroup is not None
+        if not explicit:
+            _check_default_subgroup_allowed(process_group, None)
+        super().bind(process_group)
+        if subgroup is not _UNCHANGED:
+            self._subgroup = subgroup
+            self._subgroup_explicit = subgroup is not None
+            self.subgroup_source = "given by the caller" if subgroup is not None else None
+        elif not self._subgroup_explicit:
+            self._subgroup = None  # machines are derived within the group: derive them again
+            self.subgroup_source = None
+        return self
+
+    def ensure_subgroup(self) -> dist.ProcessGroup:
+        """The post-warm-up group, creating the per-machine groups now if needed.
+
+        A collective over the default group when it creates groups: call it on every rank
+        at the same point, or leave it to the hook.
+
+        Raises:
+            RuntimeError: the state was unpickled and its explicit subgroup must be re-bound.
+        """
+        if self._subgroup is not None:
+            return self._subgroup
+        if self._subgroup_explicit:
+            raise RuntimeError(
+                f"{type(self).__name__} lost its subgroup when it was unpickled (process groups "
+                "cannot be pickled). Re-bind it on every rank: state.bind(process_group, "
+                "subgroup=your_subgroup)."
+            )
+        group = comm.resolve_group(self.process_group, owner=type(self).__name__)
+        lists, source = machine_rank_lists(comm.all_gather_objects(local_launch_info(), group))
+        mine = [g for g in comm.new_groups(lists) if g is not None]
+        self._subgroup = mine[0]
+        self.subgroup_source = f"one subgroup per machine, from {source}"
+        logger.info(
+            "post-local SGD: rank %d averages gradients with ranks %s after the warm-up (%s; "
+            "set %s to override)",
+            comm.group_rank(group),
+            comm.global_ranks(self._subgroup),
+            self.subgroup_source,
+            MACHINE_ID_VAR,
+        )
+        return self._subgroup
+
+    def _first_use(self, group: dist.ProcessGroup) -> None:
+        if self._checked:
+            return
+        options = {
+            "start_localSGD_iter": self.start_localSGD_iter,
+            "post_local_gradient_allreduce": self.post_local_gradient_allreduce,
+            "iter": self.iter,
+            "subgroup": "explicit" if self._subgroup_explicit else "per machine",
+        }
+        comm.check_same_on_all_ranks(options, group, owner=type(self).__name__)
+        self._checked = True
+
+    def _advance(self, bucket: dist.GradBucket) -> None:
+        if not bucket.is_last():
+            return
+        self.iter += 1
+        if self.iter == self.start_localSGD_iter:
+            logger.info("post-local SGD: local phase starts after %d steps", self.iter)
+
+    def _restore_transient(self) -> None:
+        self._subgroup = None
+        self._checked = False
+        if not self._subgroup_explicit:
+            self.subgroup_source = None
+
+    def _save(self) -> dict[str, Any]:
+        return {"iter": self.iter}
+
+    def _load(self, state_dict: Mapping[str, Any]) -> None:
+        step = state_dict.get("iter")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise StateDictError(
+                f"{type(self).__name__}.load_state_dict: 'iter' must be a non-negative integer, "
+                f"got {step!r}."
+            )
+        self.iter = step
+        self._checked = False
+
+
+def _check_default_subgroup_allowed(
+    process_group: dist.ProcessGroup | None, subgroup: dist.ProcessGroup | None
+) -> None:
+    # Per-machine groups are created by every rank of the default group; ranks outside a
+    # custom group would never join that collective, so we do not guess for them.
+    if subgroup is None and not comm.is_world(process_group):
+        raise ValueError(
+            "PostLocalSGDState: subgroup=None (one subgroup per machine) needs the default "
+            "process group. With a custom process_group, pass subgroup= explicitly."
+        )
+
+
+def post_localSGD_hook(
+    state: PostLocalSGDState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """Average globally during the warm-up, then within the subgroup, or not at all.
+
+    Use it with a model averager that averages parameters after ``optimizer.step()``
+    (:class:`commhooks.PeriodicModelAverager`, or :class:`commhooks.PostLocalSGDOptimizer`).
+    During the warm-up the result is bitwise that of DDP without a hook.
+
+    Args:
+        state: a :class:`PostLocalSGDState`.
+        bucket: the gradient bucket DDP hands to the hook.
+    """
+    if not isinstance(state, PostLocalSGDState):
+        raise TypeError(
+            f"{OWNER} needs a PostLocalSGDState as its state, got {type(state).__name__}: "
+            "ddp.register_comm_hook(PostLocalSGDState(None, None, start_localSGD_iter=...), "
+            "post_localSGD_hook)."
+        )
+    group = comm.resolve_group(state.process_group, owner=OWNER)
+    buffer = float_buffer(bucket, OWNER)
+    state._first_use(group)
+    warming_up = state.iter < state.start_localSGD_iter
+    state._advance(bucket)
+    if warming_up:
+        return comm.average(buffer, group)
+    if not state.post_local_gradient_allreduce:
+        return comm.completed(buffer)
+    subgroup = comm.resolve_group(state.ensure_subgroup(), owner=OWNER)
+    if comm.world_size(subgroup) == 1:
+        return comm.completed(buffer)
+    return comm.average(buffer, subgroup)
+
+
+def state_from_options(
+    process_group: dist.ProcessGroup | None, options: Mapping[str, Any]
+) -> PostLocalSGDState:
+    """Build the state for ``commhooks.register(ddp, "post_local_sgd", ...)``."""
+    if "start_localSGD_iter" not in options:
+        raise ValueError(
+            "hook 'post_local_sgd' needs start_localSGD_iter=<steps of global averaging>, e.g. "
+            "register(ddp, 'post_local_sgd', start_localSGD_iter=100)."
+        )
+    return PostLocalSGDState(
+        process_group,
+        options.get("subgroup"),
+        options["start_localSGD_iter"],
+        options.get("post_local_gradient_allreduce", True),
+    )
