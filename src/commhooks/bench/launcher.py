@@ -29,9 +29,7 @@ _PRELOAD = [
     "torch._dynamo",  # DDP imports it on construction: seconds, paid once here
     "torch.distributed",
     "torch.nn.parallel",
-    "commhooks",
-    "commhooks.bench.tasks",
-]
+]  # not commhooks: each child imports it from the parent's sys.path (a checkout, a venv...)
 
 
 def _context() -> Any:
