@@ -117,3 +117,13 @@ def test_removed_after_sigterm():
     time.sleep(0.2)
     ns, links = _names()
     assert run_id not in ns and run_id not in links
+
+
+def test_latency_without_netem_is_refused_before_anything_runs():
+    from commhooks.bench.netns import NetworkError, check_can_create
+
+    try:
+        check_can_create(latency_s=0.005)
+    except NetworkError as exc:  # this kernel has no netem: say so, and what to do
+        assert "netem" in str(exc) and "without --latency" in str(exc)
+    assert "commhooks-probe-" not in _names()[0]  # the probe namespace is gone either way

@@ -54,7 +54,7 @@ def build_parser(prog: str = "commhooks bench") -> argparse.ArgumentParser:
         action="store_true",
         help="add PyTorch's own hooks (torch_fp16, torch_power_sgd, ...) as baselines",
     )
-    p.add_argument("--steps", type=int, default=60, help="training steps per hook (default 60)")
+    p.add_argument("--steps", type=int, default=40, help="training steps per hook (default 40)")
     p.add_argument(
         "--warmup", type=int, default=5, help="first steps left out of the timing (default 5)"
     )

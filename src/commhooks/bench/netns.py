@@ -51,6 +51,24 @@ def check_can_create(latency_s: float = 0.0) -> None:
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             raise NetworkError(f"--bandwidth needs the `{tool}` command (package iproute2).")
+    if latency_s > 0:
+        _probe_netem()
+
+
+def _probe_netem() -> None:
+    """Try netem on the loopback of a throw-away namespace, so --latency fails before any run."""
+    ns = f"{_PREFIX}probe-{os.getpid():x}{secrets.token_hex(2)}"
+    try:
+        _run("ip", "netns", "add", ns)
+        _run("tc", "-n", ns, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms")
+    except NetworkError as exc:
+        raise NetworkError(
+            "--latency needs the netem qdisc (kernel module sch_netem), which this kernel does "
+            "not provide; run without --latency: tbf alone limits the rate (its own 'latency' "
+            f"parameter only bounds its queue, it adds no delay). Detail: {exc}"
+        ) from None
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
 def _run(*cmd: str) -> None:
