@@ -56,7 +56,7 @@ def format_rate(bits_per_s: float | None) -> str:
     for unit in ("tbit", "gbit", "mbit", "kbit"):
         scale = _RATE_UNITS[unit]
         if bits_per_s >= scale:
-            return f"{bits_per_s / scale:g}{unit}"
+            return f"{bits_per_s / scale:.3g}{unit}"
     return f"{bits_per_s:g}bit"
 
 

@@ -186,6 +186,19 @@ def run_rank(spec: dict, rank: int) -> dict:
     }
 
 
+def _describe(exc: BaseException) -> str:
+    """One line: type and message, and where it was raised when the message is empty."""
+    text = str(exc).strip().splitlines()
+    if text:
+        return f"{type(exc).__name__}: {text[0]}"[:500]
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return type(exc).__name__
+    last = frames[-1]
+    where = f"{os.path.basename(last.filename)}:{last.lineno}"
+    return f"{type(exc).__name__} (raised in {last.name}, {where})"
+
+
 def rank_entry(spec_path: str, rank: int, log_path: str, env: dict[str, str]) -> None:
     """Entry point of a forked rank: output to ``log_path``, namespace, environment, run."""
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -211,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
         result = {
             "ok": False,
             "rank": rank,
-            "error": f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:500],
+            "error": _describe(exc),
             "traceback": traceback.format_exc()[-4000:],
         }
     with open(out + ".tmp", "w") as f:
