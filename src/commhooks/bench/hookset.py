@@ -31,7 +31,10 @@ DEFAULT_HOOKS = (
 
 # Short warm-ups so that a budget of a few dozen steps is mostly spent in the regime measured.
 POWERSGD_SETTINGS = {"matrix_approximation_rank": 2, "start_powerSGD_iter": 3}
-LOCALSGD_SETTINGS = {"start_localSGD_iter": 3}
+# Each local rank stands for a machine of its own: after the warm-up no gradient allreduce at
+# all (the default subgroup, one per machine, would be the whole world here), only the
+# periodic parameter averaging.
+LOCALSGD_SETTINGS = {"start_localSGD_iter": 3, "post_local_gradient_allreduce": False}
 AVERAGER_PERIOD = 4
 
 HOOK_SETTINGS: dict[str, dict[str, Any]] = {
