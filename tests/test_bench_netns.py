@@ -127,3 +127,37 @@ def test_latency_without_netem_is_refused_before_anything_runs():
     except NetworkError as exc:  # this kernel has no netem: say so, and what to do
         assert "netem" in str(exc) and "without --latency" in str(exc)
     assert "commhooks-probe-" not in _names()[0]  # the probe namespace is gone either way
+
+
+def test_sweep_over_rate_limited_links_counts_real_bytes(tmp_path):
+    import json
+
+    from commhooks.bench import cli
+
+    path = tmp_path / "sweep.json"
+    argv = ["--hooks", "noop,fp16", "--sweep", "200mbit,1gbit", "--steps", "4", "--warmup", "1"]
+    argv += ["--predict", "10gbit", "--world-size", "8", "--json", str(path)]
+    assert cli.main(argv) == 0
+    doc = json.loads(path.read_text())
+    rows = {(r["hook"], r["bandwidth"]): r for r in doc["results"]}
+    assert set(rows) == {(h, b) for h in ("noop", "fp16") for b in (2 * 10**8, 10**9)}
+    for (hook, _), row in rows.items():
+        assert row["ok"], row.get("error")
+        assert row["bytes_source"].startswith("interface counters")
+        assert "prediction" in row and row["prediction"]["step_ms"] > 0
+        if hook != "noop":
+            # TCP payload on the wire (counters minus 66 header bytes per packet) against the
+            # ring-allreduce size of what the hook handed to its collectives
+            assert row["wire_vs_analytic"] == pytest.approx(1.0, abs=0.05)
+    fp16 = rows[("fp16", 10**9)]
+    assert fp16["analytic_bytes_per_step"] == fp16["gradient_bytes"] / 2  # two ranks, half size
+    assert fp16["bytes_per_step"] > fp16["analytic_bytes_per_step"]  # headers counted too
+    # noop sends next to nothing (DDP's bucket rebuild of step 1 and the barriers)
+    assert rows[("noop", 10**9)]["bytes_per_step"] < 0.05 * fp16["bytes_per_step"]
+    sweep = doc["sweep"]
+    assert set(sweep) == {"noop", "fp16"}
+    assert set(sweep["fp16"]["speedup_vs_allreduce"]) == {str(2 * 10**8), str(10**9)}
+    pred = doc["prediction"]
+    assert pred["bandwidth"] == 10**10 and pred["world_size"] == 8
+    assert set(pred["hooks"]) == {"noop", "fp16"}
+    assert "commhooks-" not in _names()[0]
