@@ -82,6 +82,8 @@ def run(plan: Plan, argv: list[str]) -> dict:
         check_can_create(plan.latency_s)
     if any(h in hookset.SINGLE_BUCKET_HOOKS for h in plan.hooks):
         print("note: " + TORCH_SINGLE_BUCKET_NOTE.format(mb=hookset.SINGLE_BUCKET_MB))
+    for line in _setting_notes(plan):
+        print(f"settings: {line}")
     started = time.time()
     rows: list[dict] = []
     total = len(plan.hooks) * len(plan.bandwidths)
@@ -127,6 +129,25 @@ def run(plan: Plan, argv: list[str]) -> dict:
         print(f"note: {note}" if note else f"wrote {plan.plot_path}")
     print(f"total time: {time.time() - started:.0f}s")
     return document
+
+
+def _setting_notes(plan: Plan) -> list[str]:
+    lines = []
+    if any("power_sgd" in h for h in plan.hooks):
+        ps = hookset.POWERSGD_SETTINGS
+        lines.append(
+            f"PowerSGD rank {ps['matrix_approximation_rank']}, plain allreduce for the first "
+            f"{ps['start_powerSGD_iter']} steps (start_powerSGD_iter)"
+        )
+    if any("post_local_sgd" in h for h in plan.hooks):
+        ls = hookset.LOCALSGD_SETTINGS
+        lines.append(
+            f"post-local SGD: global allreduce for {ls['start_localSGD_iter']} steps, then "
+            f"local steps (post_local_gradient_allreduce={ls['post_local_gradient_allreduce']}) "
+            f"with parameters averaged every {hookset.AVERAGER_PERIOD} steps"
+        )
+    lines.append(f"{plan.steps} steps per hook, the first {plan.warmup} not timed")
+    return lines
 
 
 def _print_comparisons(comparisons: dict, plan: Plan) -> None:
