@@ -130,3 +130,48 @@ def test_break_even_bandwidth_by_hand():
     bw, verdict = summary.break_even_bps([(b, 0.05 + 1e6 / b) for b in bws], ref)
     assert bw is None and "every bandwidth" in verdict
     assert summary.break_even_bps(hook[:1], ref[:1])[0] is None
+
+
+def _fake_run(step_s, wire=None):
+    rank = {
+        "ok": True,
+        "step_s": step_s,
+        "timed_steps": len(step_s),
+        "losses": [[i, 3.0 - i * 0.1, 0.1 * (i + 1)] for i in range(len(step_s))],
+        "heldout_loss": 2.5,
+        "peak_memory_bytes": 1000,
+        "payload_calls": {"all_reduce": 2 * len(step_s)},
+        "payload_bytes": {"all_reduce": 1_000_000 * len(step_s)},
+        "gradient_bytes": 4_000_000,
+        "wire": wire,
+    }
+    return {"ok": True, "ranks": [rank, dict(rank)]}
+
+
+def test_make_row_figures_by_hand():
+    row = summary.make_row("fp16", None, _fake_run([0.1, 0.3, 0.2, 0.4]), {})
+    assert row["step_ms_median"] == pytest.approx(250.0)
+    assert row["step_ms_p25"] == pytest.approx(175.0) and row["step_ms_p75"] == pytest.approx(325.0)
+    assert row["bytes_per_step"] == pytest.approx(1_000_000)  # two ranks: 2(p-1)/p = 1
+    assert row["compression_ratio"] == pytest.approx(4.0)
+    assert "payload" in row["bytes_source"]
+    # 4 steps: 4.2 MB and 3000 packets on the wire -> payload 4.2e6 - 3000 * 66 per 4 steps
+    wire = {"tx_bytes": 4_200_000, "tx_packets": 3000, "rx_bytes": 0, "rx_packets": 0}
+    row = summary.make_row("fp16", 10**8, _fake_run([0.1, 0.3, 0.2, 0.4], wire), {})
+    assert row["bytes_per_step"] == pytest.approx(1_050_000)
+    assert row["wire_vs_analytic"] == pytest.approx((4_200_000 - 3000 * 66) / 4 / 1_000_000)
+
+
+def test_failed_row_and_plain_text_fallbacks(monkeypatch, capsys, tmp_path):
+    from commhooks.bench import report
+
+    ok = summary.make_row("allreduce", None, _fake_run([0.1, 0.2, 0.3]), {})
+    bad = summary.make_row("torch_bf16", None, {"ok": False, "error": "TypeError: no"}, {})
+    assert bad["ok"] is False and bad["step_ms_median"] is None and bad["error"]
+    for name in ("rich", "rich.console", "rich.table", "matplotlib", "matplotlib.pyplot"):
+        monkeypatch.setitem(__import__("sys").modules, name, None)
+    report.print_table([ok, bad], "title")
+    out = capsys.readouterr().out
+    assert "allreduce" in out and "FAILED torch_bf16 @ loopback: TypeError: no" in out
+    note = report.write_plot(str(tmp_path / "p.png"), [ok, bad], None)
+    assert "matplotlib is not installed" in note and not (tmp_path / "p.png").exists()
