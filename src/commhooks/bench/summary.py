@@ -47,6 +47,9 @@ def make_row(hook: str, bandwidth: int | None, run: dict[str, Any], context: dic
         step_ms_p75=_quantile(ms, 0.75),
         step_ms_min=min(ms),
         step_ms_max=max(ms),
+        # the cost model predicts throughput, i.e. the mean: hooks that communicate only every
+        # k-th step (model averaging) have a median that never sees those steps
+        step_ms_mean=max(statistics.fmean(m) for m in per_rank_ms),
         step_ms=per_rank_ms,
         timed_steps=steps,
         payload_calls_per_step=calls,
@@ -158,14 +161,14 @@ def _collectives(row: dict) -> costmodel.Collectives:
 
 
 def _predict(rows: list[dict], by_bw: dict, plan: Any, out: dict) -> None:
-    """Fill in the cost model's predictions.
+    """Fill in the cost model's predictions (of the mean step time, i.e. throughput).
 
     The compute floor is the fastest noop median over the measured networks, and each hook's
     own overhead (compression, averaging) the smallest excess of its measurement over floor
     plus modelled communication: minima, because a busy machine only ever adds time. Each row
     measured at a bandwidth then gets the model's prediction at that bandwidth, and the run
     gets the prediction at --predict."""
-    floors = [r["step_ms_median"] for r in rows if r["hook"] == "noop" and r["ok"]]
+    floors = [r["step_ms_mean"] for r in rows if r["hook"] == "noop" and r["ok"]]
     if not floors:
         out["prediction_note"] = "predictions need a successful noop run (the compute floor)"
         return
@@ -180,7 +183,7 @@ def _predict(rows: list[dict], by_bw: dict, plan: Any, out: dict) -> None:
         comm = (
             0.0 if bw is None else costmodel.comm_time_s(_collectives(row), plan.ranks, bw, latency)
         )
-        excess = max(0.0, row["step_ms_median"] / 1e3 - floor_s - comm)
+        excess = max(0.0, row["step_ms_mean"] / 1e3 - floor_s - comm)
         if row["hook"] not in overheads or excess < overheads[row["hook"]]:
             overheads[row["hook"]], fitted_at[row["hook"]] = excess, bw
     for row in rows:
@@ -191,11 +194,12 @@ def _predict(rows: list[dict], by_bw: dict, plan: Any, out: dict) -> None:
         bare = costmodel.predict_step_s(floor_s, c, plan.ranks, bw, latency)
         row["prediction"] = {
             "step_ms": pred * 1e3,
-            "error": pred * 1e3 / row["step_ms_median"] - 1,
+            "measured_step_ms_mean": row["step_ms_mean"],
+            "error": pred * 1e3 / row["step_ms_mean"] - 1,
             "overhead_ms": overheads[hook] * 1e3,
             "overhead_fitted_here": fitted_at[hook] == bw,
             "step_ms_without_overhead": bare * 1e3,
-            "error_without_overhead": bare * 1e3 / row["step_ms_median"] - 1,
+            "error_without_overhead": bare * 1e3 / row["step_ms_mean"] - 1,
         }
     if plan.predict_bps is None:
         return
