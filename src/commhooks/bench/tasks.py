@@ -15,6 +15,7 @@ import math
 import os
 import re
 import sysconfig
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,7 @@ __all__ = ["TASKS", "Task", "make_task", "parse_params", "stdlib_corpus"]
 TASKS = ("stdlib-lm", "synthetic")
 _CORPUS_BYTES = 1_500_000  # enough text for the short budgets here, quick to read
 _HELDOUT_EVERY = 10  # about one file in ten is held out
+Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass
@@ -34,10 +36,10 @@ class Task:
     name: str
     model: nn.Module
     describe: dict
-    train_batch: "callable"
-    heldout_batches: list
+    train_batch: Callable[[int, int], Batch]  # (rank, step) -> batch, a pure function
+    heldout_batches: list[Batch]
 
-    def loss(self, batch: tuple[torch.Tensor, torch.Tensor], model: nn.Module) -> torch.Tensor:
+    def loss(self, batch: Batch, model: nn.Module) -> torch.Tensor:
         inputs, targets = batch
         out = model(inputs)
         return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), targets.reshape(-1))
