@@ -65,7 +65,8 @@ def test_unknown_hook_lists_valid_names(capsys):
 def test_bad_flags_say_what_is_accepted(capsys):
     assert "e.g. 50mbit" in _parse_error(capsys, ["--bandwidth", "100megs"])
     assert "not both" in _parse_error(capsys, ["--bandwidth", "1gbit", "--sweep", "1gbit"])
-    assert "--steps 8" in _parse_error(capsys, ["--steps", "4", "--warmup", "5"])
+    assert "at least one step" in _parse_error(capsys, ["--steps", "4", "--warmup", "4"])
+    assert "at least 1" in _parse_error(capsys, ["--steps", "0"])
     assert "at least 2" in _parse_error(capsys, ["--world-size", "1"])
     assert "--predict" in _parse_error(capsys, ["--world-size", "64"])
     assert "needs --bandwidth" in _parse_error(capsys, ["--latency", "5ms"])
@@ -80,6 +81,9 @@ def test_default_plan_and_predict_world():
         ["noop", "allreduce", "fp16", "bf16", "power_sgd", "power_sgd_single_round"]
         + ["post_local_sgd"]
     )
+    assert (plan.steps, plan.warmup) == (40, 5)
+    assert args.parse(["--steps", "3"]).warmup == 1  # a tiny budget still times some steps
+    assert args.parse(["--steps", "1"]).warmup == 0
     plan = args.parse(["--predict", "10gbit", "--world-size", "64", "--compare-torch"])
     assert (plan.predict_bps, plan.predict_world, plan.ranks) == (10**10, 64, 2)
     assert "torch_fp16" in plan.hooks and "torch_power_sgd" in plan.hooks

@@ -56,7 +56,10 @@ def build_parser(prog: str = "commhooks bench") -> argparse.ArgumentParser:
     )
     p.add_argument("--steps", type=int, default=40, help="training steps per hook (default 40)")
     p.add_argument(
-        "--warmup", type=int, default=5, help="first steps left out of the timing (default 5)"
+        "--warmup",
+        type=int,
+        default=None,
+        help="first steps left out of the timing (default: 5, or half of --steps if fewer)",
     )
     p.add_argument(
         "--world-size",
@@ -174,12 +177,13 @@ def _plan(a: argparse.Namespace, parser: argparse.ArgumentParser) -> Plan:
             f"{ranks} ranks on one machine would measure the CPU, not the network; start at most "
             f"{MAX_LOCAL_RANKS} and model larger worlds with --predict RATE --world-size N."
         )
-    if a.steps < 1 or a.warmup < 0:
-        raise ValueError("--steps must be positive and --warmup non-negative.")
-    if a.steps < a.warmup + 3:
+    if a.steps < 1:
+        raise ValueError("--steps must be at least 1.")
+    warmup = min(5, a.steps // 2) if a.warmup is None else a.warmup
+    if not 0 <= warmup < a.steps:
         raise ValueError(
-            f"--steps {a.steps} leaves fewer than 3 timed steps after --warmup "
-            f"{a.warmup}; use --steps {a.warmup + 3} or more."
+            f"--warmup {warmup} must be between 0 and --steps - 1 ({a.steps - 1}): at least one "
+            "step has to be timed."
         )
     if a.bucket_cap_mb <= 0:
         raise ValueError("--bucket-cap-mb must be positive.")
@@ -200,7 +204,7 @@ def _plan(a: argparse.Namespace, parser: argparse.ArgumentParser) -> Plan:
         latency_s=latency,
         ranks=ranks,
         steps=a.steps,
-        warmup=a.warmup,
+        warmup=warmup,
         task=a.task,
         params=parse_params(a.params),
         lr=lr,
