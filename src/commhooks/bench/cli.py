@@ -10,7 +10,7 @@ from typing import Any
 
 from commhooks.bench import hookset, report, summary
 from commhooks.bench.args import Plan, parse
-from commhooks.bench.launcher import run_hook
+from commhooks.bench.launcher import run_hook, start_server
 from commhooks.bench.netns import Network, NetworkError, check_can_create
 from commhooks.bench.units import format_rate
 
@@ -89,7 +89,8 @@ def run(plan: Plan, argv: list[str]) -> dict:
     total = len(plan.hooks) * len(plan.bandwidths)
     progress = _progress()
     with progress or nullcontext():
-        task = progress.add_task("starting", total=total) if progress else None
+        task = progress.add_task("starting rank processes", total=total) if progress else None
+        start_server()
         for bw in plan.bandwidths:
             net = Network(plan.ranks, bw, plan.latency_s) if bw is not None else None
             with net or nullcontext():

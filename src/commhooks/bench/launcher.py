@@ -19,7 +19,7 @@ from typing import Any
 
 from commhooks.bench.worker import rank_entry
 
-__all__ = ["run_hook"]
+__all__ = ["run_hook", "start_server"]
 
 _GRACE_S = 10.0
 
@@ -36,6 +36,13 @@ def _context() -> Any:
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     return ctx
+
+
+def start_server() -> None:
+    """Start the fork server now (it imports torch: seconds), not inside the first hook's run."""
+    proc = _context().Process(target=os.getpid)  # returns once the server has forked it
+    proc.start()
+    proc.join()
 
 
 def run_hook(spec: dict[str, Any], network: Any = None, timeout: float = 600.0) -> dict[str, Any]:
