@@ -1,0 +1,153 @@
+"""Which hooks the bench can run, with which settings, and how each one is attached.
+
+Our hooks are attached through :func:`commhooks.register`, so every hook registered in
+``commhooks.config`` is benchmarkable without touching this module. PyTorch's own hooks are the
+``torch_*`` baselines; they are imported here lazily, only when asked for, and a failure to
+register or run them is reported as a result rather than raised.
+"""
+
+from collections.abc import Iterable
+from typing import Any
+
+__all__ = [
+    "DEFAULT_HOOKS",
+    "HOOK_SETTINGS",
+    "TORCH_HOOKS",
+    "SINGLE_BUCKET_MB",
+    "attach",
+    "available_hooks",
+    "torch_counterparts",
+]
+
+DEFAULT_HOOKS = (
+    "noop",
+    "allreduce",
+    "fp16",
+    "bf16",
+    "power_sgd",
+    "power_sgd_single_round",
+    "post_local_sgd",
+)
+
+# Short warm-ups so that a budget of a few dozen steps is mostly spent in the regime measured.
+POWERSGD_SETTINGS = {"matrix_approximation_rank": 2, "start_powerSGD_iter": 3}
+# Each local rank stands for a machine of its own: after the warm-up no gradient allreduce at
+# all (the default subgroup, one per machine, would be the whole world here), only the
+# periodic parameter averaging.
+LOCALSGD_SETTINGS = {"start_localSGD_iter": 3, "post_local_gradient_allreduce": False}
+AVERAGER_PERIOD = 4
+
+HOOK_SETTINGS: dict[str, dict[str, Any]] = {
+    "power_sgd": POWERSGD_SETTINGS,
+    "batched_power_sgd": POWERSGD_SETTINGS,
+    "power_sgd_single_round": POWERSGD_SETTINGS,
+    "post_local_sgd": LOCALSGD_SETTINGS,
+    "torch_power_sgd": POWERSGD_SETTINGS,
+    "torch_batched_power_sgd": POWERSGD_SETTINGS,
+    "torch_post_local_sgd": LOCALSGD_SETTINGS,
+}
+
+TORCH_HOOKS = (
+    "torch_noop",
+    "torch_allreduce",
+    "torch_fp16",
+    "torch_bf16",
+    "torch_power_sgd",
+    "torch_batched_power_sgd",
+    "torch_post_local_sgd",
+)
+# PyTorch's PowerSGD issues follow-up collectives from future callbacks and aborts on gloo when
+# a model has several buckets; one bucket holding every gradient lets the baseline complete.
+SINGLE_BUCKET_MB = 4096.0
+SINGLE_BUCKET_HOOKS = ("torch_power_sgd", "torch_batched_power_sgd")
+
+_COUNTERPARTS = {
+    "noop": ("torch_noop",),
+    "allreduce": ("torch_allreduce",),
+    "fp16": ("torch_fp16",),
+    "bf16": ("torch_bf16",),
+    "power_sgd": ("torch_power_sgd", "torch_batched_power_sgd"),
+    "batched_power_sgd": ("torch_batched_power_sgd",),
+    "post_local_sgd": ("torch_post_local_sgd",),
+}
+
+
+def available_hooks() -> list[str]:
+    """Names of our hooks registered in this build (``no`` excluded: it is not a hook)."""
+    from commhooks import config
+
+    return [str(k.value if hasattr(k, "value") else k) for k in config._specs() if str(k) != "no"]
+
+
+def torch_counterparts(names: Iterable[str]) -> list[str]:
+    """PyTorch's hooks that correspond to ``names`` (for ``--compare-torch``)."""
+    out: list[str] = []
+    for name in names:
+        for twin in _COUNTERPARTS.get(name, ()):
+            if twin not in out and twin not in names:
+                out.append(twin)
+    return out
+
+
+def settings_for(name: str, available: Iterable[str] | None = None) -> dict[str, Any]:
+    """The state options the bench passes to ``name``, limited to those its spec accepts."""
+    wanted = dict(HOOK_SETTINGS.get(name, {}))
+    if name.startswith("torch_") or not wanted:
+        return wanted
+    from commhooks import config
+
+    accepted = config.hook_spec(name).options
+    return {k: v for k, v in wanted.items() if k in accepted}
+
+
+def attach(ddp: Any, name: str, options: dict[str, Any]) -> Any:
+    """Register hook ``name`` on ``ddp``; return a callable run after each optimizer step.
+
+    The callable is the model averager for post-local SGD (when the build has one), a no-op
+    otherwise.
+    """
+    if name.startswith("torch_"):
+        return _attach_torch(ddp, name, options)
+    import commhooks
+
+    commhooks.register(ddp, name, **options)
+    if name == "post_local_sgd" and hasattr(commhooks, "PeriodicModelAverager"):
+        warmup = options.get("start_localSGD_iter", 0)
+        averager = commhooks.PeriodicModelAverager(period=AVERAGER_PERIOD, warmup_steps=warmup)
+        return lambda: averager.average_parameters(ddp.module.parameters())
+    return lambda: None
+
+
+def _attach_torch(ddp: Any, name: str, options: dict[str, Any]) -> Any:
+    from torch.distributed.algorithms.ddp_comm_hooks import (
+        debugging_hooks,
+        default_hooks,
+        post_localSGD_hook,
+        powerSGD_hook,
+    )
+
+    if name == "torch_power_sgd" or name == "torch_batched_power_sgd":
+        state = powerSGD_hook.PowerSGDState(process_group=None, **options)
+        fn = (
+            powerSGD_hook.powerSGD_hook
+            if name == "torch_power_sgd"
+            else powerSGD_hook.batched_powerSGD_hook
+        )
+        ddp.register_comm_hook(state, fn)
+        return lambda: None
+    if name == "torch_post_local_sgd":
+        from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+
+        state = post_localSGD_hook.PostLocalSGDState(process_group=None, subgroup=None, **options)
+        ddp.register_comm_hook(state, post_localSGD_hook.post_localSGD_hook)
+        warmup = options["start_localSGD_iter"]
+        averager = PeriodicModelAverager(period=AVERAGER_PERIOD, warmup_steps=warmup)
+        return lambda: averager.average_parameters(ddp.module.parameters())
+    simple = {
+        "torch_noop": debugging_hooks.noop_hook,
+        "torch_allreduce": default_hooks.allreduce_hook,
+        "torch_fp16": default_hooks.fp16_compress_hook,
+        "torch_bf16": default_hooks.bf16_compress_hook,
+    }
+    ddp.register_comm_hook(None, simple[name])
+    return lambda: None

@@ -1,0 +1,221 @@
+"""A private, rate-limited network for the ranks: one namespace per rank, joined by a bridge.
+
+Layout for a run with id ``ID`` (process id plus a random suffix, so concurrent runs never
+collide) and ``p`` ranks::
+
+    namespace commhooks-ID-r          host side
+    [bench0 198.18.x.(r+1)/24] ==veth== [chvIDr] --- bridge chbID
+
+Every link is limited in both directions with ``tc tbf`` on its egress: inside the namespace
+(what the rank sends) and on the host end (what the bridge delivers to it). The addresses come
+from the benchmarking range 198.18.0.0/15, a random /24 per run; the bridge has no address and
+no other port, so nothing reaches, or comes from, any other network.
+
+``--latency`` adds a one-way delay between two ranks with ``netem`` (half on each link), when
+the kernel has it; ``tbf``'s own ``latency`` parameter is only the bound on its queue, not a
+delay, so without netem a latency request is refused rather than silently ignored.
+
+Everything is removed by :meth:`Network.close`, which :meth:`Network.__exit__`, an ``atexit``
+handler and the SIGINT/SIGTERM handlers installed while the network exists all call.
+"""
+
+import atexit
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+from types import FrameType
+
+__all__ = ["Network", "NetworkError", "check_can_create"]
+
+IFACE = "bench0"  # the rank's interface name inside its own namespace
+_PREFIX = "commhooks-"
+
+
+class NetworkError(RuntimeError):
+    """The private network cannot be created here (not root, no ``ip``/``tc``, no netem...)."""
+
+
+def check_can_create(latency_s: float = 0.0) -> None:
+    """Raise ``NetworkError`` with the fix when namespaces and tc cannot be used."""
+    if not os.uname().sysname == "Linux":
+        raise NetworkError("--bandwidth needs Linux network namespaces; run without --bandwidth.")
+    if os.geteuid() != 0:
+        raise NetworkError(
+            "--bandwidth needs root: it creates network namespaces, veth links and tc rate "
+            "limits. Run it as root (e.g. `sudo commhooks bench --bandwidth 100mbit`), or drop "
+            "--bandwidth/--sweep for an unlimited loopback run."
+        )
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            raise NetworkError(f"--bandwidth needs the `{tool}` command (package iproute2).")
+    if latency_s > 0:
+        _probe_netem()
+
+
+def _probe_netem() -> None:
+    """Try netem on the loopback of a throw-away namespace, so --latency fails before any run."""
+    ns = f"{_PREFIX}probe-{os.getpid():x}{secrets.token_hex(2)}"
+    try:
+        _run("ip", "netns", "add", ns)
+        _run("tc", "-n", ns, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms")
+    except NetworkError as exc:
+        raise NetworkError(
+            "--latency needs the netem qdisc (kernel module sch_netem), which this kernel does "
+            "not provide; run without --latency: tbf alone limits the rate (its own 'latency' "
+            f"parameter only bounds its queue, it adds no delay). Detail: {exc}"
+        ) from None
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def _run(*cmd: str) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise NetworkError(f"`{' '.join(cmd)}` failed: {proc.stderr.strip() or proc.returncode}")
+
+
+class Network:
+    """Create the namespaces, links and limits on entry; remove all of it on exit."""
+
+    def __init__(self, world_size: int, rate_bps: int, latency_s: float = 0.0, mtu: int = 1500):
+        self.world_size = world_size
+        self.rate_bps = rate_bps
+        self.latency_s = latency_s
+        self.mtu = mtu
+        self.run_id = f"{os.getpid():x}{secrets.token_hex(2)}"[-8:]
+        block = secrets.randbelow(512)  # a random /24 inside 198.18.0.0/15
+        self.subnet = f"198.{18 + block // 256}.{block % 256}"
+        self.bridge = f"chb{self.run_id}"
+        self.namespaces = [f"{_PREFIX}{self.run_id}-{r}" for r in range(world_size)]
+        self.host_ends = [f"chv{self.run_id}{r}" for r in range(world_size)]
+        self.addresses = [f"{self.subnet}.{r + 1}" for r in range(world_size)]
+        self._created = False
+        self._previous: dict[int, object] = {}
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def __enter__(self) -> "Network":
+        self.open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def open(self) -> None:
+        """Create everything; on any failure remove what was created and raise."""
+        check_can_create(self.latency_s)
+        self._created = True
+        atexit.register(self.close)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+        try:
+            self._create()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Remove namespaces and links (idempotent; never raises)."""
+        if not self._created:
+            return
+        self._created = False
+        for ns in self.namespaces:
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
+            for pid in pids.stdout.split():
+                with contextlib.suppress(OSError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)  # our own rank processes, by id
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        for link in [*self.host_ends, self.bridge]:
+            subprocess.run(["ip", "link", "del", link], capture_output=True)
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+        atexit.unregister(self.close)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.close()
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + signum)
+
+    # -- construction ------------------------------------------------------------------------
+
+    def _create(self) -> None:
+        _run("ip", "link", "add", self.bridge, "type", "bridge")
+        _run("ip", "link", "set", self.bridge, "up")
+        for ns, host, addr in zip(self.namespaces, self.host_ends, self.addresses):
+            _run("ip", "netns", "add", ns)
+            _run(
+                "ip",
+                "link",
+                "add",
+                host,
+                "mtu",
+                str(self.mtu),
+                "type",
+                "veth",
+                "peer",
+                "name",
+                IFACE,
+                "mtu",
+                str(self.mtu),
+                "netns",
+                ns,
+            )
+            _run("ip", "link", "set", host, "master", self.bridge)
+            _run("ip", "link", "set", host, "up")
+            _run("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", IFACE)
+            _run("ip", "-n", ns, "link", "set", IFACE, "up")
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+            # Segmentation offload would let one counted "packet" carry 64 KiB; wire-sized
+            # packets make the interface counters include every header a real NIC would send.
+            for cmd in (["ip", "-n", ns], ["ip"]):
+                dev = IFACE if len(cmd) > 1 else host
+                subprocess.run(
+                    [*cmd, "link", "set", dev, "gso_max_size", str(self.mtu)], capture_output=True
+                )
+            self._limit(["tc", "-n", ns], IFACE)
+            self._limit(["tc"], host)
+
+    def _limit(self, tc: list[str], dev: str) -> None:
+        rate = f"{self.rate_bps}bit"
+        # Bucket of ~2 ms at the rate (at least a few full packets) keeps bursts short;
+        # a 100 ms queue absorbs TCP's bursts without drops that would waste the link.
+        burst = max(4 * (self.mtu + 14), self.rate_bps // 8 // 500)
+        limit = ["rate", rate, "burst", str(burst), "latency", "100ms"]
+        if self.latency_s <= 0:
+            _run(*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf", *limit)
+            return
+        delay = f"{self.latency_s / 2 * 1e6:.0f}us"
+        try:
+            _run(*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay", delay)
+        except NetworkError as exc:
+            raise NetworkError(
+                "--latency needs the netem qdisc (kernel module sch_netem), which this kernel "
+                "does not provide; run without --latency (tbf alone limits the rate, its queue "
+                f"bound is not a delay). Detail: {exc}"
+            ) from None
+        _run(*tc, "qdisc", "add", "dev", dev, "parent", "1:", "handle", "2:", "tbf", *limit)
+
+    # -- use ---------------------------------------------------------------------------------
+
+    def command(self, rank: int) -> list[str]:
+        """The prefix that runs a command inside rank ``rank``'s namespace."""
+        return ["ip", "netns", "exec", self.namespaces[rank]]
+
+    def env(self, rank: int) -> dict[str, str]:
+        """Environment that binds gloo to the rank's namespace interface."""
+        return {"GLOO_SOCKET_IFNAME": IFACE, "MASTER_ADDR": self.addresses[0]}
+
+    def leftovers(self) -> list[str]:
+        """Names of this run's namespaces and links that still exist (empty after close)."""
+        ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+        found = [n for n in self.namespaces if n in ns.split()]
+        found += [
+            n for n in [*self.host_ends, self.bridge] if f" {n}:" in links or f" {n}@" in links
+        ]
+        return found

@@ -1,0 +1,239 @@
+"""One rank's training loop, in a process of its own for every hook.
+
+The launcher forks it from a server that has imported torch (or runs
+``python -m commhooks.bench.worker SPEC.json RANK``); a hook that crashes or hangs takes down
+only its own ranks. The rank reads the run from a JSON spec and writes its raw figures to
+``<out>/rank<R>.json``. Figures recorded:
+
+* step times: wall-clock of each whole optimizer step (zero_grad, forward, backward with the
+  hook's communication, optimizer step, model averaging), after ``warmup`` untimed steps;
+* losses: the training loss of every step with its time since the first step;
+* payload: bytes handed to each kind of collective during the timed steps, counted by wrapping
+  ``torch.distributed``'s collective functions in this process (hooks, ours and PyTorch's,
+  call them through the module attribute, so the wrapper sees every call);
+* wire: the counters of the rank's link (``/sys/class/net/IFACE/statistics``) around the timed
+  steps, when it runs in its own network namespace; they are read at the link's host end,
+  whose received bytes are exactly what the rank transmitted;
+* peak memory: the peak resident set size (``ru_maxrss``) minus the resident set just before
+  the task is built, i.e. what the model, optimizer, data, hook state and communication buffers
+  added at their peak;
+* held-out loss of this rank's model after the last step.
+"""
+
+import datetime
+import json
+import os
+import resource
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+__all__ = ["main", "run_rank"]
+
+_COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "broadcast",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+)
+
+
+class PayloadCounter:
+    """Counts calls and tensor bytes of each collective while ``active``."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.calls: dict[str, int] = {}
+        self.bytes: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def install(self, dist: Any) -> None:
+        for name in _COLLECTIVES:
+            original = getattr(dist, name, None)
+            if original is not None:
+                setattr(dist, name, self._wrap(name, original))
+
+    def _wrap(self, name: str, original: Any) -> Any:
+        def counted(tensor_or_list: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.active:
+                # all_gather(list, tensor): the tensor this rank contributes is the 2nd argument
+                tensor = args[0] if name == "all_gather" and args else tensor_or_list
+                size = tensor.numel() * tensor.element_size() if hasattr(tensor, "numel") else 0
+                with self._lock:
+                    self.calls[name] = self.calls.get(name, 0) + 1
+                    self.bytes[name] = self.bytes.get(name, 0) + size
+            return original(tensor_or_list, *args, **kwargs)
+
+        return counted
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _counters(host_end: str | None) -> dict[str, int] | None:
+    """The rank's tx/rx counters, read at the host end of its veth (directions swapped)."""
+    if not host_end:
+        return None
+    base = f"/sys/class/net/{host_end}/statistics/"
+    out = {}
+    for mine, theirs in (("tx", "rx"), ("rx", "tx")):
+        for unit in ("bytes", "packets"):
+            with open(f"{base}{theirs}_{unit}") as f:
+                out[f"{mine}_{unit}"] = int(f.read())
+    return out
+
+
+def enter_namespace(name: str) -> None:
+    """Move this (single-threaded, freshly forked) process into network namespace ``name``."""
+    import ctypes
+
+    clone_newnet = 0x40000000
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, clone_newnet) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into network namespace {name} failed")
+    finally:
+        os.close(fd)
+
+
+def run_rank(spec: dict, rank: int) -> dict:
+    """Train with ``spec["hook"]`` on this rank and return the raw figures."""
+    phases = {"start": time.time()}
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from commhooks.bench import hookset
+    from commhooks.bench.tasks import make_task
+
+    torch.set_num_threads(spec.get("threads", 1))
+    counter = PayloadCounter()
+    counter.install(dist)
+    world = spec["world_size"]
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{spec['store']}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=spec.get("pg_timeout", 120)),
+    )
+    phases["process_group"] = time.time()
+    rss_before = _rss_bytes()
+    task = make_task(spec["task"], seed=spec["seed"], params=spec["params"])
+    ddp = DDP(task.model, bucket_cap_mb=spec["bucket_cap_mb"])
+    after_step = hookset.attach(ddp, spec["hook"], spec["options"])
+    opt = torch.optim.AdamW(ddp.parameters(), lr=spec["lr"])
+    phases["model"] = time.time()
+
+    steps, warmup, iface = (
+        spec["steps"],
+        spec["warmup"],
+        spec.get("host_ends", [None] * world)[rank],
+    )
+    step_s: list[float] = []
+    losses: list[list[float]] = []
+    wire_start = None
+    t0 = time.perf_counter()
+    for step in range(steps):
+        if step == warmup:
+            dist.barrier()
+            wire_start, counter.active = _counters(iface), True
+        batch = task.train_batch(rank, step)
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = task.loss(batch, ddp)
+        loss.backward()
+        opt.step()
+        after_step()
+        end = time.perf_counter()
+        if step >= warmup:
+            step_s.append(end - start)
+        losses.append([step, float(loss.detach()), end - t0])
+    counter.active = False
+    dist.barrier()
+    wire_end = _counters(iface)
+    phases["trained"] = time.time()
+    heldout = task.heldout_loss(task.model)
+    phases["evaluated"] = time.time()
+    wire = None
+    if wire_start is not None and wire_end is not None:
+        wire = {k: wire_end[k] - wire_start[k] for k in wire_end}
+    return {
+        "ok": True,
+        "rank": rank,
+        "step_s": step_s,
+        "losses": losses,
+        "heldout_loss": heldout,
+        "phases": phases,
+        "peak_memory_bytes": max(0, _peak_rss_bytes() - rss_before),
+        "payload_calls": counter.calls,
+        "payload_bytes": counter.bytes,
+        "timed_steps": len(step_s),
+        "wire": wire,
+        "task": task.describe,
+        "gradient_bytes": sum(p.numel() * p.element_size() for p in task.model.parameters()),
+    }
+
+
+def _describe(exc: BaseException) -> str:
+    """One line: type and message, and where it was raised when the message is empty."""
+    text = str(exc).strip().splitlines()
+    if text:
+        return f"{type(exc).__name__}: {text[0]}"[:500]
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return type(exc).__name__
+    last = frames[-1]
+    where = f"{os.path.basename(last.filename)}:{last.lineno}"
+    return f"{type(exc).__name__} (raised in {last.name}, {where})"
+
+
+def rank_entry(spec_path: str, rank: int, log_path: str, env: dict[str, str]) -> None:
+    """Entry point of a forked rank: output to ``log_path``, namespace, environment, run."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.environ.update(env)
+    main([spec_path, str(rank)])
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of a rank process: run, write ``rank<R>.json``, exit 0 or 1."""
+    spec_path, rank = (argv or sys.argv[1:])[:2]
+    rank = int(rank)
+    with open(spec_path) as f:
+        spec = json.load(f)
+    out = os.path.join(spec["out"], f"rank{rank}.json")
+    try:
+        namespaces = spec.get("namespaces")
+        if namespaces:
+            enter_namespace(namespaces[rank])
+        result = run_rank(spec, rank)
+    except BaseException as exc:  # every failure becomes a result the report can show
+        result = {
+            "ok": False,
+            "rank": rank,
+            "error": _describe(exc),
+            "traceback": traceback.format_exc()[-4000:],
+        }
+    with open(out + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(out + ".tmp", out)
+    sys.stdout.flush()
+    # Skip interpreter teardown: a peer may be stuck in a collective this rank will never join.
+    os._exit(0 if result["ok"] else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""``commhooks bench`` end to end on a tiny budget: the default command, the JSON schema, a
+PyTorch baseline that fails becoming a row, and the command-line entry points."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from commhooks.bench import cli, hookset
+
+ROW_KEYS = {
+    "hook": str,
+    "bandwidth": (int, type(None)),
+    "ok": bool,
+    "step_ms_median": float,
+    "bytes_per_step": (int, float),
+    "heldout_loss": float,
+    "peak_memory_bytes": int,
+}
+
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    """The no-argument command with only a tiny budget added (every default hook that exists)."""
+    path = tmp_path_factory.mktemp("bench") / "out.json"
+    assert cli.main(["--steps", "5", "--warmup", "2", "--json", str(path)]) == 0
+    with open(path) as f:
+        return json.load(f)
+
+
+def test_default_command_runs_every_registered_default_hook(default_run, capsys):
+    rows = {r["hook"]: r for r in default_run["results"]}
+    expected = [h for h in hookset.DEFAULT_HOOKS if h in hookset.available_hooks()]
+    assert list(rows) == expected
+    assert all(r["ok"] for r in rows.values()), [r.get("error") for r in rows.values()]
+    assert default_run["settings"]["skipped_hooks"] == [
+        h for h in hookset.DEFAULT_HOOKS if h not in expected
+    ]
+
+
+def test_json_schema(default_run):
+    env = default_run["environment"]
+    for key in ("python", "torch", "commhooks", "world_size", "bandwidths", "date"):
+        assert key in env
+    assert env["world_size"] == 2 and env["bandwidths"] == [None]
+    for row in default_run["results"]:
+        for key, kind in ROW_KEYS.items():
+            assert isinstance(row[key], kind), (row["hook"], key, row[key])
+        assert row["bandwidth"] is None
+        assert row["step_ms_median"] > 0 and row["step_ms_p25"] <= row["step_ms_p75"]
+        assert math.isfinite(row["heldout_loss"]) and row["peak_memory_bytes"] > 0
+        assert len(row["losses"]) == 5 and all(len(x) == 3 for x in row["losses"])
+        times = [x[2] for x in row["losses"]]
+        assert times == sorted(times)
+        assert len(row["step_ms"]) == 2 and len(row["step_ms"][0]) == 3
+
+
+def test_bytes_follow_the_hooks_compression(default_run):
+    rows = {r["hook"]: r for r in default_run["results"]}
+    grad = rows["allreduce"]["gradient_bytes"]
+    # two ranks: a ring allreduce sends 2 (p-1)/p = 1 times the payload per rank
+    assert rows["noop"]["bytes_per_step"] == 0
+    assert rows["allreduce"]["bytes_per_step"] == pytest.approx(grad)
+    assert rows["fp16"]["bytes_per_step"] == pytest.approx(grad / 2)
+    assert rows["fp16"]["compression_ratio"] == pytest.approx(2.0)
+    assert rows["fp16"]["time_vs_allreduce"] == pytest.approx(
+        rows["fp16"]["step_ms_median"] / rows["allreduce"]["step_ms_median"]
+    )
+    # allreduce keeps every rank's model identical; noop trains two separate models
+    a, n = rows["allreduce"]["heldout_loss_per_rank"], rows["noop"]["heldout_loss_per_rank"]
+    assert a[0] == pytest.approx(a[1], abs=1e-6) and n[0] != pytest.approx(n[1], abs=1e-6)
+
+
+def test_failing_torch_baseline_is_a_row_not_an_abort(tmp_path, capsys):
+    path = tmp_path / "t.json"
+    argv = ["--hooks", "allreduce,torch_bf16", "--steps", "4", "--warmup", "1", "--json", str(path)]
+    assert cli.main(argv) == 0
+    rows = {r["hook"]: r for r in json.loads(path.read_text())["results"]}
+    assert rows["allreduce"]["ok"]
+    assert rows["torch_bf16"]["ok"] is False
+    assert "CUDA" in rows["torch_bf16"]["error"] or "NCCL" in rows["torch_bf16"]["error"]
+    assert rows["torch_bf16"]["step_ms_median"] is None
+    assert "FAILED torch_bf16" in capsys.readouterr().out
+
+
+def test_python_dash_m_rejects_unknown_hook_with_valid_names():
+    env = {**os.environ, "PYTHONPATH": SRC}
+    proc = subprocess.run(
+        [sys.executable, "-m", "commhooks", "bench", "--hooks", "nope"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "unknown hook(s) nope" in proc.stderr and "allreduce" in proc.stderr
+
+
+def test_bandwidth_without_root_says_so(monkeypatch):
+    from commhooks.bench import netns
+
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    with pytest.raises(netns.NetworkError, match="needs root"):
+        netns.check_can_create()

@@ -1,0 +1,163 @@
+"""The private network of ``--bandwidth``: created, actually rate-limited, and always removed
+(normal exit, exception, SIGTERM), with names unique per run. Needs root."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from commhooks.bench.netns import IFACE, Network
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces and tc need root")
+
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+RECEIVER = """
+import socket, sys, time
+s = socket.socket(); s.bind((sys.argv[1], 5001)); s.listen(1)
+print("ready", flush=True)
+c, _ = s.accept(); n = 0; t0 = None
+while True:
+    b = c.recv(1 << 16)
+    if not b: break
+    t0 = t0 or time.monotonic(); n += len(b)
+print(n, time.monotonic() - t0, flush=True)
+"""
+SENDER = """
+import socket, sys
+s = socket.create_connection((sys.argv[1], 5001)); s.sendall(b"x" * int(sys.argv[2])); s.close()
+"""
+
+
+def _names() -> tuple[str, str]:
+    ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    return ns, links
+
+
+def _received(host_end: str) -> int:
+    """Bytes the rank behind ``host_end`` has sent (the host end receives them)."""
+    with open(f"/sys/class/net/{host_end}/statistics/rx_bytes") as f:
+        return int(f.read())
+
+
+def _transfer(net: Network, nbytes: int) -> tuple[int, float]:
+    receiver = subprocess.Popen(
+        [*net.command(1), sys.executable, "-c", RECEIVER, net.addresses[1]],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert receiver.stdout.readline().strip() == "ready"
+        subprocess.run(
+            [*net.command(0), sys.executable, "-c", SENDER, net.addresses[1], str(nbytes)],
+            check=True,
+            timeout=60,
+        )
+        got, seconds = receiver.stdout.readline().split()
+        return int(got), float(seconds)
+    finally:
+        receiver.kill()
+        receiver.wait()
+
+
+def test_tbf_link_limits_throughput_and_everything_is_removed():
+    net = Network(2, rate_bps=20_000_000)
+    with net:
+        ns, links = _names()
+        assert all(n in ns for n in net.namespaces)
+        assert net.bridge in links and all(h in links for h in net.host_ends)
+        assert net.subnet.startswith(("198.18.", "198.19."))
+        qdisc = subprocess.run(
+            ["tc", "-n", net.namespaces[0], "qdisc", "show", "dev", IFACE],
+            capture_output=True,
+            text=True,
+        ).stdout
+        assert "tbf" in qdisc and "20Mbit" in qdisc
+        before = _received(net.host_ends[0])
+        got, seconds = _transfer(net, 2_500_000)  # 20 Mbit at 20 Mbit/s: 1 s
+        after = _received(net.host_ends[0])
+        assert got == 2_500_000
+        rate = got * 8 / seconds
+        assert 0.6 * 20e6 < rate < 1.1 * 20e6, rate
+        # the counters saw the payload plus, per 1448-byte segment, its 66 bytes of headers
+        assert 2_500_000 < after - before < 2_500_000 * 1.08
+    assert net.leftovers() == []
+    ns, links = _names()
+    assert not any(n in ns for n in net.namespaces) and net.bridge not in links
+
+
+def test_removed_after_an_exception_and_names_never_collide():
+    first, second = Network(2, 10**9), Network(2, 10**9)
+    assert first.run_id != second.run_id and first.bridge != second.bridge
+    with pytest.raises(RuntimeError), first, second:
+        assert first.leftovers() and second.leftovers()
+        raise RuntimeError("boom")
+    assert first.leftovers() == [] and second.leftovers() == []
+
+
+def test_removed_after_sigterm():
+    script = (
+        "import time\nfrom commhooks.bench.netns import Network\n"
+        "n = Network(2, 10**8); n.open(); print(n.run_id, flush=True); time.sleep(60)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": SRC},
+    )
+    run_id = proc.stdout.readline().strip()
+    assert run_id
+    assert run_id in _names()[0]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    time.sleep(0.2)
+    ns, links = _names()
+    assert run_id not in ns and run_id not in links
+
+
+def test_latency_without_netem_is_refused_before_anything_runs():
+    from commhooks.bench.netns import NetworkError, check_can_create
+
+    try:
+        check_can_create(latency_s=0.005)
+    except NetworkError as exc:  # this kernel has no netem: say so, and what to do
+        assert "netem" in str(exc) and "without --latency" in str(exc)
+    assert "commhooks-probe-" not in _names()[0]  # the probe namespace is gone either way
+
+
+def test_sweep_over_rate_limited_links_counts_real_bytes(tmp_path):
+    import json
+
+    from commhooks.bench import cli
+
+    path = tmp_path / "sweep.json"
+    argv = ["--hooks", "noop,fp16", "--sweep", "200mbit,1gbit", "--steps", "4", "--warmup", "1"]
+    argv += ["--predict", "10gbit", "--world-size", "8", "--json", str(path)]
+    assert cli.main(argv) == 0
+    doc = json.loads(path.read_text())
+    rows = {(r["hook"], r["bandwidth"]): r for r in doc["results"]}
+    assert set(rows) == {(h, b) for h in ("noop", "fp16") for b in (2 * 10**8, 10**9)}
+    for (hook, _), row in rows.items():
+        assert row["ok"], row.get("error")
+        assert row["bytes_source"].startswith("interface counters")
+        assert "prediction" in row and row["prediction"]["step_ms"] > 0
+        if hook != "noop":
+            # TCP payload on the wire (counters minus 66 header bytes per packet) against the
+            # ring-allreduce size of what the hook handed to its collectives
+            assert row["wire_vs_analytic"] == pytest.approx(1.0, abs=0.05)
+    fp16 = rows[("fp16", 10**9)]
+    assert fp16["analytic_bytes_per_step"] == fp16["gradient_bytes"] / 2  # two ranks, half size
+    assert fp16["bytes_per_step"] > fp16["analytic_bytes_per_step"]  # headers counted too
+    # noop sends next to nothing (DDP's bucket rebuild of step 1 and the barriers)
+    assert rows[("noop", 10**9)]["bytes_per_step"] < 0.05 * fp16["bytes_per_step"]
+    sweep = doc["sweep"]
+    assert set(sweep) == {"noop", "fp16"}
+    assert set(sweep["fp16"]["speedup_vs_allreduce"]) == {str(2 * 10**8), str(10**9)}
+    pred = doc["prediction"]
+    assert pred["bandwidth"] == 10**10 and pred["world_size"] == 8
+    assert set(pred["hooks"]) == {"noop", "fp16"}
+    assert "commhooks-" not in _names()[0]

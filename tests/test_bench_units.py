@@ -1,0 +1,181 @@
+"""The bench's pure parts: rate/duration parsing, flag validation, the ring cost model and the
+break-even computation, on hand-computed cases."""
+
+import pytest
+
+from commhooks.bench import args, costmodel, summary
+from commhooks.bench.units import format_rate, parse_duration, parse_rate
+
+
+@pytest.mark.parametrize(
+    "text,bits",
+    [
+        ("100mbit", 100_000_000),
+        ("1gbit", 1_000_000_000),
+        ("1Gbit/s", 1_000_000_000),
+        ("2.5gbit", 2_500_000_000),
+        ("500kbit", 500_000),
+        (" 50MBIT ", 50_000_000),
+    ],
+)
+def test_parse_rate_accepts_bit_units(text, bits):
+    assert parse_rate(text) == bits
+
+
+@pytest.mark.parametrize("text", ["100", "fast", "-5mbit", "100mb", "mbit", "1e9"])
+def test_parse_rate_rejects_with_the_accepted_form(text):
+    with pytest.raises(ValueError, match=r"e\.g\. 50mbit"):
+        parse_rate(text)
+
+
+def test_parse_rate_refuses_bps_as_ambiguous():
+    with pytest.raises(ValueError, match="bytes/s"):
+        parse_rate("100mbps")
+
+
+def test_parse_rate_refuses_too_slow():
+    with pytest.raises(ValueError, match="too slow"):
+        parse_rate("10kbit")
+
+
+def test_parse_duration_and_format_rate():
+    assert parse_duration("5ms") == pytest.approx(0.005)
+    assert parse_duration("250us") == pytest.approx(250e-6)
+    assert parse_duration("0.1s") == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="5ms"):
+        parse_duration("5")
+    assert format_rate(None) == "loopback"
+    assert format_rate(100_000_000) == "100mbit"
+    assert format_rate(2_500_000_000) == "2.5gbit"
+
+
+def _parse_error(capsys, argv):
+    with pytest.raises(SystemExit) as exit_info:
+        args.parse(argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_unknown_hook_lists_valid_names(capsys):
+    err = _parse_error(capsys, ["--hooks", "allreduce,fp17"])
+    assert "fp17" in err and "valid hooks" in err
+    assert "allreduce" in err and "torch_power_sgd" in err and "noop" in err
+
+
+def test_bad_flags_say_what_is_accepted(capsys):
+    assert "e.g. 50mbit" in _parse_error(capsys, ["--bandwidth", "100megs"])
+    assert "not both" in _parse_error(capsys, ["--bandwidth", "1gbit", "--sweep", "1gbit"])
+    assert "at least one step" in _parse_error(capsys, ["--steps", "4", "--warmup", "4"])
+    assert "at least 1" in _parse_error(capsys, ["--steps", "0"])
+    assert "at least 2" in _parse_error(capsys, ["--world-size", "1"])
+    assert "--predict" in _parse_error(capsys, ["--world-size", "64"])
+    assert "needs --bandwidth" in _parse_error(capsys, ["--latency", "5ms"])
+    assert ".png" in _parse_error(capsys, ["--plot", "out.jpg"])
+
+
+def test_default_plan_and_predict_world():
+    plan = args.parse([])
+    assert plan.bandwidths == [None] and plan.ranks == 2 and plan.task == "stdlib-lm"
+    assert {"noop", "allreduce", "fp16", "bf16"} <= set(plan.hooks)
+    assert set(plan.hooks) | set(plan.skipped) == set(
+        ["noop", "allreduce", "fp16", "bf16", "power_sgd", "power_sgd_single_round"]
+        + ["post_local_sgd"]
+    )
+    assert (plan.steps, plan.warmup) == (40, 5)
+    assert args.parse(["--steps", "3"]).warmup == 1  # a tiny budget still times some steps
+    assert args.parse(["--steps", "1"]).warmup == 0
+    plan = args.parse(["--predict", "10gbit", "--world-size", "64", "--compare-torch"])
+    assert (plan.predict_bps, plan.predict_world, plan.ranks) == (10**10, 64, 2)
+    assert "torch_fp16" in plan.hooks and "torch_power_sgd" in plan.hooks
+    plan = args.parse(["--sweep", "1gbit,50mbit,100mbit", "--hooks", "allreduce"])
+    assert plan.bandwidths == [50_000_000, 100_000_000, 1_000_000_000] and plan.sweep
+
+
+def _coll(calls, nbytes):
+    return costmodel.Collectives({"all_reduce": calls}, {"all_reduce": nbytes})
+
+
+def test_ring_allreduce_two_ranks_by_hand():
+    # p=2: each rank sends 2*(1)/2 * 1 MB = 1 MB; 8e6 bit at 100 Mbit/s = 80 ms;
+    # latency: 2(p-1) = 2 rounds per call, 1 call, 5 ms each = 10 ms.
+    c = _coll(1, 1_000_000)
+    assert costmodel.wire_bytes(c, 2) == pytest.approx(1_000_000)
+    t = costmodel.comm_time_s(c, 2, 100e6, latency_s=0.005, wire_factor=1.0)
+    assert t == pytest.approx(0.080 + 0.010)
+
+
+def test_ring_allreduce_four_ranks_by_hand():
+    # p=4, two calls moving 1.2 MB in all: 2*3/4 * 1.2 MB = 1.8 MB -> 14.4 ms at 1 Gbit/s;
+    # latency 2*3 rounds per call * 2 calls * 1 ms = 12 ms; compute 50 ms, overhead 3 ms.
+    c = _coll(2, 1_200_000)
+    assert costmodel.wire_bytes(c, 4) == pytest.approx(1_800_000)
+    t = costmodel.predict_step_s(0.050, c, 4, 1e9, 0.001, overhead_s=0.003, wire_factor=1.0)
+    assert t == pytest.approx(0.050 + 0.003 + 0.0144 + 0.012)
+    # the default wire factor adds the TCP/IP/Ethernet headers of full 1500-byte frames
+    bare = costmodel.comm_time_s(c, 4, 1e9, 0.0, wire_factor=1.0)
+    assert costmodel.comm_time_s(c, 4, 1e9) == pytest.approx(bare * 1514 / 1448)
+
+
+def test_other_collectives_and_single_rank():
+    c = costmodel.Collectives({"all_gather": 1}, {"all_gather": 1000})
+    assert costmodel.wire_bytes(c, 4) == pytest.approx(3000)  # (p-1) * contribution
+    assert costmodel.comm_time_s(_coll(1, 10**6), 1, 1e9) == 0.0
+
+
+def test_break_even_bandwidth_by_hand():
+    # hook: 0.2 s + 1 MB/B, allreduce: 0.1 s + 8 MB/B (B in bytes... here bit/s units cancel):
+    # equal where 0.1 = 7e6 / B, i.e. B = 7e7; the hook sends less, so it wins below that.
+    bws = [5e7, 1e8, 1e9]
+    hook = [(b, 0.2 + 1e6 / b) for b in bws]
+    ref = [(b, 0.1 + 8e6 / b) for b in bws]
+    bw, verdict = summary.break_even_bps(hook, ref)
+    assert bw == pytest.approx(7e7)
+    assert "below" in verdict
+    bw, verdict = summary.break_even_bps([(b, 0.05 + 1e6 / b) for b in bws], ref)
+    assert bw is None and "every bandwidth" in verdict
+    assert summary.break_even_bps(hook[:1], ref[:1])[0] is None
+
+
+def _fake_run(step_s, wire=None):
+    rank = {
+        "ok": True,
+        "step_s": step_s,
+        "timed_steps": len(step_s),
+        "losses": [[i, 3.0 - i * 0.1, 0.1 * (i + 1)] for i in range(len(step_s))],
+        "heldout_loss": 2.5,
+        "peak_memory_bytes": 1000,
+        "payload_calls": {"all_reduce": 2 * len(step_s)},
+        "payload_bytes": {"all_reduce": 1_000_000 * len(step_s)},
+        "gradient_bytes": 4_000_000,
+        "wire": wire,
+    }
+    return {"ok": True, "ranks": [rank, dict(rank)]}
+
+
+def test_make_row_figures_by_hand():
+    row = summary.make_row("fp16", None, _fake_run([0.1, 0.3, 0.2, 0.4]), {})
+    assert row["step_ms_median"] == pytest.approx(250.0)
+    assert row["step_ms_p25"] == pytest.approx(175.0) and row["step_ms_p75"] == pytest.approx(325.0)
+    assert row["bytes_per_step"] == pytest.approx(1_000_000)  # two ranks: 2(p-1)/p = 1
+    assert row["compression_ratio"] == pytest.approx(4.0)
+    assert "payload" in row["bytes_source"]
+    # 4 steps: 4.2 MB and 3000 packets on the wire -> payload 4.2e6 - 3000 * 66 per 4 steps
+    wire = {"tx_bytes": 4_200_000, "tx_packets": 3000, "rx_bytes": 0, "rx_packets": 0}
+    row = summary.make_row("fp16", 10**8, _fake_run([0.1, 0.3, 0.2, 0.4], wire), {})
+    assert row["bytes_per_step"] == pytest.approx(1_050_000)
+    assert row["wire_vs_analytic"] == pytest.approx((4_200_000 - 3000 * 66) / 4 / 1_000_000)
+
+
+def test_failed_row_and_plain_text_fallbacks(monkeypatch, capsys, tmp_path):
+    from commhooks.bench import report
+
+    ok = summary.make_row("allreduce", None, _fake_run([0.1, 0.2, 0.3]), {})
+    bad = summary.make_row("torch_bf16", None, {"ok": False, "error": "TypeError: no"}, {})
+    assert bad["ok"] is False and bad["step_ms_median"] is None and bad["error"]
+    for name in ("rich", "rich.console", "rich.table", "matplotlib", "matplotlib.pyplot"):
+        monkeypatch.setitem(__import__("sys").modules, name, None)
+    report.print_table([ok, bad], "title")
+    out = capsys.readouterr().out
+    assert "allreduce" in out and "FAILED torch_bf16 @ loopback: TypeError: no" in out
+    note = report.write_plot(str(tmp_path / "p.png"), [ok, bad], None)
+    assert "matplotlib is not installed" in note and not (tmp_path / "p.png").exists()
