@@ -61,11 +61,13 @@ class HookSpec:
         make_state: builds the state from ``(process_group, options)``; ``None`` when the state
             is the process group itself.
         options: the option names ``make_state`` accepts.
+        required: the options that have no default and must be given.
     """
 
     hook: Callable[..., Any] | None
     make_state: Callable[[dist.ProcessGroup | None, dict[str, Any]], Any] | None = None
     options: frozenset[str] = field(default_factory=frozenset)
+    required: frozenset[str] = field(default_factory=frozenset)
 
 
 def _specs() -> dict[CommHookType, HookSpec]:
@@ -88,6 +90,7 @@ def _specs() -> dict[CommHookType, HookSpec]:
             post_localSGD_hook,
             state_from_options,
             frozenset({"start_localSGD_iter", "post_local_gradient_allreduce", "subgroup"}),
+            required=frozenset({"start_localSGD_iter"}),
         ),
     }
 
@@ -210,6 +213,12 @@ class HookConfig:
                 "to register(...) or register_from_config(..., process_group=...)."
             )
         _check_options(self.hook, self.options)
+        missing = sorted(_specs()[self.hook].required - set(self.options))
+        if missing:
+            raise ValueError(
+                f"hook '{self.hook}' needs the option(s) {', '.join(missing)}, which have no "
+                f"default; e.g. register(ddp_model, '{self.hook}', {missing[0]}=...)."
+            )
         if self.hook is CommHookType.NO and self.wrapper is not CommHookType.NO:
             raise ValueError(
                 f"wrapper '{self.wrapper}' needs a hook to wrap; hook 'no' keeps DDP's own "
