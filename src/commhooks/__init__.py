@@ -16,6 +16,7 @@ from commhooks.hooks import (
     fp16_compress_wrapper,
     noop_hook,
 )
+from commhooks.hooks.powersgd import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
 
 __version__ = "0.1.0"
 
@@ -28,4 +29,7 @@ __all__ = [
     "fp16_compress_hook",
     "fp16_compress_wrapper",
     "noop_hook",
+    "PowerSGDState",
+    "batched_powerSGD_hook",
+    "powerSGD_hook",
 ]

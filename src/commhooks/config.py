@@ -26,6 +26,7 @@ class CommHookType(str, Enum):
     NOOP = "noop"
     POWER_SGD = "power_sgd"
     BATCHED_POWER_SGD = "batched_power_sgd"
+    POWER_SGD_SINGLE_ROUND = "power_sgd_single_round"
     POST_LOCAL_SGD = "post_local_sgd"
 
     def __str__(self) -> str:
@@ -66,6 +67,28 @@ def _specs() -> dict[CommHookType, HookSpec]:
         CommHookType.FP16: HookSpec(fp16_compress_hook),
         CommHookType.BF16: HookSpec(bf16_compress_hook),
         CommHookType.NOOP: HookSpec(noop_hook),
+        **_powersgd_specs(),
+    }
+
+
+def _powersgd_specs() -> dict[CommHookType, HookSpec]:
+    from commhooks.hooks.powersgd import (
+        _OPTION_NAMES,
+        PowerSGDState,
+        batched_powerSGD_hook,
+        powerSGD_hook,
+    )
+
+    def make(defaults: dict[str, Any]) -> Callable[..., PowerSGDState]:
+        return lambda group, options: PowerSGDState(group, **{**defaults, **options})
+
+    names = frozenset(_OPTION_NAMES)
+    return {
+        CommHookType.POWER_SGD: HookSpec(powerSGD_hook, make({}), names),
+        CommHookType.BATCHED_POWER_SGD: HookSpec(batched_powerSGD_hook, make({}), names),
+        CommHookType.POWER_SGD_SINGLE_ROUND: HookSpec(
+            powerSGD_hook, make({"single_round": True}), names
+        ),
     }
 
 

@@ -8,6 +8,7 @@ from commhooks.hooks.default import (
     fp16_compress_hook,
     fp16_compress_wrapper,
 )
+from commhooks.hooks.powersgd import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
 
 __all__ = [
     "allreduce_hook",
@@ -16,4 +17,7 @@ __all__ = [
     "fp16_compress_hook",
     "fp16_compress_wrapper",
     "noop_hook",
+    "PowerSGDState",
+    "batched_powerSGD_hook",
+    "powerSGD_hook",
 ]
