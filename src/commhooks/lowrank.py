@@ -61,10 +61,10 @@ def orthogonalize_(matrices: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor
     """Make the columns of each matrix in a ``(batch, rows, rank)`` stack orthonormal, in place.
 
     Gram-Schmidt for rank <= 2 (cheaper than a QR call there) and for half precision (which
-    ``torch.linalg.qr`` does not support); Householder QR otherwise. A column that is all zeros,
-    or that depends linearly on the ones before it, comes out as zeros rather than NaN, even with
-    ``epsilon == 0``: a layer whose gradient vanishes then contributes nothing instead of
-    poisoning the weights.
+    ``torch.linalg.qr`` does not support); Householder QR otherwise. Neither gives NaN for a
+    column of zeros, even with ``epsilon == 0``: Gram-Schmidt leaves it zero, QR replaces it by
+    a unit vector orthogonal to the others. A layer whose gradient vanishes then contributes
+    zeros instead of poisoning the weights.
 
     Args:
         matrices: a 3-D stack, or a single 2-D matrix, with no more columns than rows.
@@ -107,11 +107,10 @@ def _safe_norm(col: torch.Tensor, epsilon: float) -> torch.Tensor:
 
 
 def _householder_(stack: torch.Tensor) -> None:
-    q, r = torch.linalg.qr(stack)
-    # A column with no component outside the previous ones has a zero diagonal entry; QR fills
-    # it with an arbitrary unit vector, Gram-Schmidt with zeros. Keep the two paths alike.
-    keep = torch.diagonal(r, dim1=1, dim2=2).ne(0).unsqueeze(1)
-    torch.mul(q, keep, out=stack)
+    # Householder QR never divides by a column norm: a zero column gets a unit vector
+    # orthogonal to the others, which only widens the subspace the gradient is projected on.
+    q, _ = torch.linalg.qr(stack)
+    stack.copy_(q)
 
 
 def left_factor_into(matrices: torch.Tensor, q: torch.Tensor, out: torch.Tensor) -> None:

@@ -116,13 +116,13 @@ class PowerSGDState(HookState):
         self.matrix_approximation_rank = int(matrix_approximation_rank)
         self.start_powerSGD_iter = int(start_powerSGD_iter)
         self.min_compression_rate = min_compression_rate
-        self.use_error_feedback = use_error_feedback
-        self.warm_start = warm_start
+        self.use_error_feedback = bool(use_error_feedback)
+        self.warm_start = bool(warm_start)
         self.orthogonalization_epsilon = float(orthogonalization_epsilon)
         self.random_seed = int(random_seed)
         self.compression_stats_logging_frequency = int(compression_stats_logging_frequency)
-        self.batch_tensors_with_same_shape = batch_tensors_with_same_shape
-        self.single_round = single_round
+        self.batch_tensors_with_same_shape = bool(batch_tensors_with_same_shape)
+        self.single_round = bool(single_round)
         # Draws one seed per bucket call that needs fresh projections, in bucket order, which
         # is the same on every rank; numpy's generator so the sequence is PyTorch's.
         self.rng = np.random.RandomState(self.random_seed)
@@ -184,7 +184,7 @@ class PowerSGDState(HookState):
         self.error_dict.clear()
         warn_once(
             f"powersgd-world-{saved}-{group.size()}",
-            f"PowerSGDState: the error-feedback memory of {count} matrices was reset, because "
+            f"PowerSGDState: the error-feedback memory of {count} tensors was reset, because "
             f"it was saved with world size {saved} and is used with {group.size()}: each rank's "
             "memory is its own share of what compression dropped and does not carry over to "
             "another number of ranks. The warm-start factors and the step count were kept.",
@@ -371,17 +371,18 @@ def _validate(**o: Any) -> None:
         "batch_tensors_with_same_shape",
         "single_round",
     ):
-        checks.append((isinstance(o[flag], bool), f"{flag} must be True or False"))
+        ok = isinstance(o[flag], (bool, np.bool_)) or (is_int(o[flag]) and o[flag] in (0, 1))
+        checks.append((ok, f"{flag} must be True or False"))
     checks.append(
         (
-            not (o["single_round"] is True and o["warm_start"] is False),
+            not (o["single_round"] and not o["warm_start"]),
             "single_round=True needs warm_start=True: each step refines one factor starting "
             "from the other one of the previous step. Set warm_start=True or single_round=False",
         ),
     )
     for ok, message in checks:
         if not ok:
-            name = message.split(" ")[0]
+            name = message.split(" ")[0].split("=")[0]
             raise ValueError(f"PowerSGDState: {message}; got {name}={o.get(name)!r}.")
 
 
