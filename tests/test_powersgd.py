@@ -35,55 +35,63 @@ def _grads_per_step(ddp, data, lr=0.05):
     return torch.stack(out)
 
 
-def _against_pytorch(rank, world_size, options, steps):
+CONFIGS = [
+    dict(matrix_approximation_rank=rank, warm_start=warm)
+    for rank in (1, 3)
+    for warm in (True, False)
+]  # rank 1: Gram-Schmidt; rank 3: QR
+
+
+def _against_pytorch(rank, world_size, steps):
     data = batches(rank, steps)
-    ours = PowerSGDState(None, start_powerSGD_iter=2, **options)
-    theirs = torch_powersgd.PowerSGDState(None, start_powerSGD_iter=2, **options)
-    a = _grads_per_step(make_ddp(make_mlp(), powerSGD_hook, ours, ONE_BUCKET), data)
-    b = _grads_per_step(
-        make_ddp(make_mlp(), torch_powersgd.powerSGD_hook, theirs, ONE_BUCKET), data
-    )
-    return a, b, ours.compression_stats(), theirs.compression_stats()
+    out = []
+    for options in CONFIGS:
+        ours = PowerSGDState(None, start_powerSGD_iter=2, **options)
+        theirs = torch_powersgd.PowerSGDState(None, start_powerSGD_iter=2, **options)
+        a = _grads_per_step(make_ddp(make_mlp(), powerSGD_hook, ours, ONE_BUCKET), data)
+        hook = torch_powersgd.powerSGD_hook
+        b = _grads_per_step(make_ddp(make_mlp(), hook, theirs, ONE_BUCKET), data)
+        out.append((a, b, ours.compression_stats(), theirs.compression_stats()))
+    return out
 
 
-@pytest.mark.parametrize("rank", [1, 3], ids=["rank1-gram-schmidt", "rank3-qr"])
-@pytest.mark.parametrize("warm_start", [True, False], ids=["warm", "cold"])
-def test_same_numerics_as_pytorch_on_one_bucket(rank, warm_start):
-    options = dict(matrix_approximation_rank=rank, warm_start=warm_start)
-    for ours, theirs, our_stats, their_stats in run_on_ranks(_against_pytorch, 2, options, 20):
-        relative = (ours - theirs).norm(dim=1) / theirs.norm(dim=1)
-        assert float(relative.max()) <= 1e-5, relative
-        assert our_stats == their_stats
-        # Compression really ran: the approximated steps differ from the plain first ones' kind.
-        assert our_stats[0] > 1.5
+def test_same_numerics_as_pytorch_on_one_bucket():
+    for per_rank in run_on_ranks(_against_pytorch, 2, 20):
+        for options, (ours, theirs, our_stats, their_stats) in zip(CONFIGS, per_rank):
+            relative = (ours - theirs).norm(dim=1) / theirs.norm(dim=1)
+            assert float(relative.max()) <= 1e-5, (options, relative)
+            assert our_stats == their_stats, options
+            assert our_stats[0] > 1.5, options  # compression really ran
 
 
-def _many_buckets(rank, world_size, options, steps):
+def _many_buckets(rank, world_size, steps, repeats):
     data = batches(rank, steps)
-    hook, seen = count_buckets(powerSGD_hook)
-    state = PowerSGDState(None, start_powerSGD_iter=0, **options)
-    ddp = make_ddp(make_mlp(widths=(32, 48, 48, 48, 40, 8)), hook, state, bucket_cap_mb=0.004)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.02)
-    for x, y in data:
-        opt.zero_grad(set_to_none=True)
-        torch.nn.functional.mse_loss(ddp(x), y).backward()
-        opt.step()
-    return flat_params(ddp.module), len(seen), state.iter
+    out = []
+    for single_round in [False, True] * repeats:
+        hook, seen = count_buckets(powerSGD_hook)
+        state = PowerSGDState(
+            None, start_powerSGD_iter=0, matrix_approximation_rank=2, single_round=single_round
+        )
+        ddp = make_ddp(make_mlp(widths=(32, 48, 48, 48, 40, 8)), hook, state, bucket_cap_mb=0.004)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.02)
+        for x, y in data:
+            opt.zero_grad(set_to_none=True)
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+        out.append((flat_params(ddp.module), len(seen), state.iter))
+    return out
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("single_round", [False, True], ids=["two-rounds", "single-round"])
-def test_many_buckets_never_mismatch_collectives(world_size, single_round):
+def test_many_buckets_never_mismatch_collectives(world_size):
     # PyTorch's hook aborts here with a gloo collective mismatch (its follow-ups are issued from
-    # callbacks); ours orders them. Repeated, since a race does not show up every time.
-    options = dict(matrix_approximation_rank=2, single_round=single_round)
-    for _ in range(3):
-        results = run_on_ranks(_many_buckets, world_size, options, 50)
-        params, buckets, steps = results[0]
+    # callbacks); ours orders them. Both variants, three times each: a race shows now and then.
+    results = run_on_ranks(_many_buckets, world_size, 50, 3)
+    for run, (params, buckets, steps) in enumerate(results[0]):
         assert buckets >= 4 and steps == 50
         assert torch.isfinite(params).all()
-        for other, _, _ in results[1:]:
-            assert torch.equal(other, params)
+        for other in results[1:]:
+            assert torch.equal(other[run][0], params)
 
 
 def _count_collectives(rank, world_size, single_round, monkeypatch_steps):
@@ -113,10 +121,15 @@ def _count_collectives(rank, world_size, single_round, monkeypatch_steps):
     return len(calls), len(seen), sum(calls), sum(p.numel() for p in ddp.parameters())
 
 
+def _count_both(rank, world_size, steps):
+    return [_count_collectives(rank, world_size, single, steps) for single in (True, False)]
+
+
 def test_single_round_sends_one_collective_per_bucket():
     steps = 5
-    one, buckets, one_numel, total = run_on_ranks(_count_collectives, 2, True, steps)[0]
-    two, _, two_numel, _ = run_on_ranks(_count_collectives, 2, False, steps)[0]
+    (one, buckets, one_numel, total), (two, _, two_numel, _) = run_on_ranks(_count_both, 2, steps)[
+        0
+    ]
     assert one == buckets * (steps - 1)
     assert two >= 2 * buckets * (steps - 1)  # P and Q per bucket, plus uncompressed tensors
     assert one_numel < two_numel < total * (steps - 1) / 2  # and both compress
@@ -140,16 +153,24 @@ def _batched(rank, world_size, ours):
     return flat_params(ddp.module), [str(w.message) for w in caught], state.compression_stats()
 
 
+def _batched_both(rank, world_size):
+    ours = _batched(rank, world_size, True)
+    try:
+        _batched(rank, world_size, False)
+    except Exception as exc:  # PyTorch's hook fails inside backward
+        return ours, f"{type(exc).__name__}: {exc}"
+    return ours, None
+
+
 def test_batched_hook_works_on_gloo_where_pytorchs_fails():
-    results = run_on_ranks(_batched, 2, True)
-    params, messages, stats = results[0]
-    assert torch.isfinite(params).all() and torch.equal(params, results[1][0])
+    results = run_on_ranks(_batched_both, 2)
+    (params, messages, stats), failure = results[0]
+    assert torch.isfinite(params).all() and torch.equal(params, results[1][0][0])
     assert not torch.equal(params, flat_params(make_mlp()))
     assert stats[0] > 1
     # Compression from step 0: DDP's rebuild after step 1 changes bucket 0, whose state resets.
     assert any("now holds other parameters" in m for m in messages)
-    with pytest.raises(Exception, match="AssertionError"):
-        run_on_ranks(_batched, 2, False)
+    assert failure is not None and "AssertionError" in failure
 
 
 def _zero_layer(rank, world_size, ours):
@@ -167,11 +188,28 @@ def _zero_layer(rank, world_size, ours):
     return out[: zero.numel()].clone(), out[zero.numel() :].clone()
 
 
-def test_zero_gradient_layer_gives_zeros_not_nan():
-    for zero, other in run_on_ranks(_zero_layer, 2, True):
+def _fake_bucket_checks(rank, world_size):
+    return {
+        "zero": _zero_layer(rank, world_size, True),
+        "zero-pytorch": _zero_layer(rank, world_size, False),
+        "error-feedback": [_error_feedback(rank, world_size, single) for single in (False, True)],
+        "full-rank": _full_rank(rank, world_size),
+        "non-finite": [_non_finite(rank, world_size, single) for single in (False, True)],
+    }
+
+
+@pytest.fixture(scope="module")
+def fake_bucket_results():
+    """Hook calls on chosen tensors, all in one launch of 2 ranks."""
+    return run_on_ranks(_fake_bucket_checks, 2)
+
+
+def test_zero_gradient_layer_gives_zeros_not_nan(fake_bucket_results):
+    for per_rank in fake_bucket_results:
+        zero, other = per_rank["zero"]
         assert torch.equal(zero, torch.zeros_like(zero))
         assert torch.isfinite(other).all() and other.abs().sum() > 0
-    for zero, _ in run_on_ranks(_zero_layer, 2, False):
+        zero, _ = per_rank["zero-pytorch"]
         assert torch.isnan(zero).all()  # PyTorch's hook with the default epsilon
 
 
@@ -196,10 +234,9 @@ def _error_feedback(rank, world_size, single_round):
     return checked
 
 
-@pytest.mark.parametrize("single_round", [False, True], ids=["two-rounds", "single-round"])
-def test_error_feedback_identity(single_round):
-    for checked in run_on_ranks(_error_feedback, 2, single_round):
-        assert checked == 4 * 3
+def test_error_feedback_identity(fake_bucket_results):
+    for per_rank in fake_bucket_results:
+        assert per_rank["error-feedback"] == [4 * 3, 4 * 3]  # both variants, every matrix
 
 
 def _full_rank(rank, world_size):
@@ -216,8 +253,9 @@ def _full_rank(rank, world_size):
     return out, expected / world_size, len(state.q_memory_dict)
 
 
-def test_full_rank_equals_plain_allreduce():
-    for out, expected, compressed in run_on_ranks(_full_rank, 2):
+def test_full_rank_equals_plain_allreduce(fake_bucket_results):
+    for per_rank in fake_bucket_results:
+        out, expected, compressed = per_rank["full-rank"]
         assert compressed == 2
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
@@ -240,14 +278,12 @@ def _non_finite(rank, world_size, single_round):
     return bool(torch.isfinite(out).all()), unchanged, out
 
 
-@pytest.mark.parametrize("single_round", [False, True], ids=["two-rounds", "single-round"])
-def test_non_finite_gradient_keeps_error_memory_clean(single_round):
-    results = run_on_ranks(_non_finite, 2, single_round)
-    for finite, unchanged, _ in results:
-        assert not finite and unchanged  # the overflow shows, on every rank; memory is kept
-    if not single_round:
+def test_non_finite_gradient_keeps_error_memory_clean(fake_bucket_results):
+    for per_rank in fake_bucket_results:
+        for finite, unchanged, _ in per_rank["non-finite"]:
+            assert not finite and unchanged  # the overflow shows on every rank; memory is kept
         # The two-round hook sends the bucket as plain allreduce would instead.
-        assert torch.isinf(results[0][2][3])
+        assert torch.isinf(per_rank["non-finite"][0][2][3])
 
 
 def _wrapped(rank, world_size, wrapper):
@@ -265,15 +301,18 @@ def _wrapped(rank, world_size, wrapper):
     return flat_params(ddp.module), state.error_dict[0].dtype
 
 
-@pytest.mark.parametrize(
-    "wrapper", [commhooks.fp16_compress_wrapper, commhooks.bf16_compress_wrapper]
-)
-def test_cast_wrappers_compose_with_powersgd(wrapper):
-    results = run_on_ranks(_wrapped, 2, wrapper)
-    params, error_dtype = results[0]
-    assert torch.isfinite(params).all() and torch.equal(params, results[1][0])
-    assert not torch.equal(params, flat_params(make_mlp()))
-    assert error_dtype in (torch.float16, torch.bfloat16)
+def _both_wrappers(rank, world_size):
+    wrappers = (commhooks.fp16_compress_wrapper, commhooks.bf16_compress_wrapper)
+    return [_wrapped(rank, world_size, w) for w in wrappers]
+
+
+def test_cast_wrappers_compose_with_powersgd():
+    results = run_on_ranks(_both_wrappers, 2)
+    for i, dtype in enumerate((torch.float16, torch.bfloat16)):
+        params, error_dtype = results[0][i]
+        assert torch.isfinite(params).all() and torch.equal(params, results[1][i][0])
+        assert not torch.equal(params, flat_params(make_mlp()))
+        assert error_dtype == dtype
 
 
 def _ordinals(rank, world_size, cap):
@@ -285,11 +324,23 @@ def _ordinals(rank, world_size, cap):
     return [state._ordinals[id(p)][1] for p in model.parameters()]
 
 
-def test_parameter_ordinals_do_not_depend_on_bucket_size():
+def _misc(rank, world_size):
+    return {
+        "ordinals": [_ordinals(rank, world_size, cap) for cap in (0.004, ONE_BUCKET)],
+        "logging": _logging(rank, world_size),
+        "register": _register(rank, world_size),
+    }
+
+
+@pytest.fixture(scope="module")
+def misc_results():
+    return run_on_ranks(_misc, 2)
+
+
+def test_parameter_ordinals_do_not_depend_on_bucket_size(misc_results):
     # The error memory is keyed by these numbers: a resumed run (maybe with other bucket sizes)
     # must number parameters exactly as the original did.
-    small = run_on_ranks(_ordinals, 2, 0.004)[0]
-    large = run_on_ranks(_ordinals, 2, ONE_BUCKET)[0]
+    small, large = misc_results[0]["ordinals"]
     assert small == large and sorted(small) == list(range(len(small)))
 
 
@@ -308,8 +359,8 @@ def _logging(rank, world_size):
     return stats, state.compression_stats()
 
 
-def test_compression_stats_are_logged_every_n_steps():
-    stats, (rate, before, after) = run_on_ranks(_logging, 2)[0]
+def test_compression_stats_are_logged_every_n_steps(misc_results):
+    stats, (rate, before, after) = misc_results[0]["logging"]
     assert len(stats) == 3  # steps 0, 3, 6
     assert before == 7 * sum(p.numel() for p in make_mlp().parameters())
     assert rate == pytest.approx(before / after) and rate > 2
@@ -323,8 +374,8 @@ def _register(rank, world_size):
     return state.single_round, state.iter, flat_grads(ddp.module)
 
 
-def test_register_by_name():
-    results = run_on_ranks(_register, 2)
+def test_register_by_name(misc_results):
+    results = [r["register"] for r in misc_results]
     assert results[0][:2] == (True, 3)
     assert torch.equal(results[0][2], results[1][2])
     spec = commhooks.config.hook_spec("power_sgd")

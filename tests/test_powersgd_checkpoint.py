@@ -139,7 +139,7 @@ def _broken(sd, what):
     ("what", "match"),
     [
         ("missing-rng", "malformed PowerSGD state dict.*'rng'"),
-        ("bad-tensor", r"malformed.*error\['0'\] must be a 2-D floating-point tensor"),
+        ("bad-tensor", r"malformed.*error\['0'\] must be a floating-point tensor"),
         ("bad-iter", "malformed.*iter must be an integer >= 0"),
     ],
 )

@@ -439,8 +439,10 @@ def _parse_state_dict(sd: Mapping[str, Any], options: dict[str, Any]) -> dict[st
         for name in ("error", "q", "p"):
             store = {}
             for k, t in dict(sd[name]).items():
-                if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() != 2:
-                    raise TypeError(f"{name}[{k!r}] must be a 2-D floating-point tensor")
+                if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                    raise TypeError(f"{name}[{k!r}] must be a floating-point tensor")
+                if name != "error" and t.dim() != 2:
+                    raise TypeError(f"{name}[{k!r}] must be a 2-D factor")
                 store[_key_in(k)] = t
             stores[name] = store
         last_step = {_key_in(k): str(v) for k, v in dict(sd["last_step"]).items()}
