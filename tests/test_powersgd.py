@@ -85,8 +85,8 @@ def _many_buckets(rank, world_size, steps, repeats):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_many_buckets_never_mismatch_collectives(world_size):
     # PyTorch's hook aborts here with a gloo collective mismatch (its follow-ups are issued from
-    # callbacks); ours orders them. Both variants, three times each: a race shows now and then.
-    results = run_on_ranks(_many_buckets, world_size, 50, 3)
+    # callbacks); ours orders them. Both variants, twice each: a race shows now and then.
+    results = run_on_ranks(_many_buckets, world_size, 50, 2)
     for run, (params, buckets, steps) in enumerate(results[0]):
         assert buckets >= 4 and steps == 50
         assert torch.isfinite(params).all()
