@@ -40,6 +40,9 @@ CONFIGS = [
     for rank in (1, 3)
     for warm in (True, False)
 ]  # rank 1: Gram-Schmidt; rank 3: QR
+# Two 48 x 48 layers, compressed with one batched product when asked to.
+CONFIGS.append(dict(matrix_approximation_rank=2, batch_tensors_with_same_shape=True))
+SAME_SHAPES = (32, 48, 48, 48, 8)
 
 
 def _against_pytorch(rank, world_size, steps):
@@ -48,9 +51,12 @@ def _against_pytorch(rank, world_size, steps):
     for options in CONFIGS:
         ours = PowerSGDState(None, start_powerSGD_iter=2, **options)
         theirs = torch_powersgd.PowerSGDState(None, start_powerSGD_iter=2, **options)
-        a = _grads_per_step(make_ddp(make_mlp(), powerSGD_hook, ours, ONE_BUCKET), data)
+        widths = SAME_SHAPES if options.get("batch_tensors_with_same_shape") else None
+        model = make_mlp(widths=widths) if widths else make_mlp()
+        a = _grads_per_step(make_ddp(model, powerSGD_hook, ours, ONE_BUCKET), data)
+        model = make_mlp(widths=widths) if widths else make_mlp()
         hook = torch_powersgd.powerSGD_hook
-        b = _grads_per_step(make_ddp(make_mlp(), hook, theirs, ONE_BUCKET), data)
+        b = _grads_per_step(make_ddp(model, hook, theirs, ONE_BUCKET), data)
         out.append((a, b, ours.compression_stats(), theirs.compression_stats()))
     return out
 
