@@ -113,14 +113,29 @@ def _householder_(stack: torch.Tensor) -> None:
     stack.copy_(q)
 
 
-def left_factor_into(matrices: torch.Tensor, q: torch.Tensor, out: torch.Tensor) -> None:
-    """``P = M Q`` for a ``(batch, n, m)`` stack and ``(batch, m, r)`` factors."""
-    torch.bmm(matrices, q, out=out)
+def left_factor_into(
+    matrices: torch.Tensor, q: torch.Tensor, out: torch.Tensor, exact: bool = True
+) -> None:
+    """``P = M Q`` for a ``(batch, n, m)`` stack and ``(batch, m, r)`` factors.
+
+    ``exact`` uses a row-major ``Q``, the layout PyTorch's hook uses, whose BLAS kernel rounds
+    differently from the one for a ``Q`` stored as ``Qᵀ``. The latter is several times faster on
+    CPU for rank >= 2, but warm-started power iteration amplifies last-bit differences, so it is
+    used only where matching PyTorch bit for bit is not the point.
+    """
+    torch.bmm(matrices, q.contiguous() if exact else q, out=out)
 
 
 def right_factor_into(matrices: torch.Tensor, p: torch.Tensor, out: torch.Tensor) -> None:
-    """``Q = Mᵀ P`` for a ``(batch, n, m)`` stack and ``(batch, n, r)`` factors."""
-    torch.bmm(matrices.transpose(1, 2), p, out=out)
+    """``Q = Mᵀ P`` for a ``(batch, n, m)`` stack and ``(batch, n, r)`` factors.
+
+    When ``out`` is stored as ``Qᵀ`` (its transpose contiguous), computed as ``Qᵀ = Pᵀ M``,
+    which reads ``M`` row by row: the same values, several times faster on CPU.
+    """
+    if out.transpose(1, 2).is_contiguous():
+        torch.bmm(p.transpose(1, 2), matrices, out=out.transpose(1, 2))
+    else:
+        torch.bmm(matrices.transpose(1, 2), p, out=out)
 
 
 def approximate_into(p: torch.Tensor, q: torch.Tensor, out: torch.Tensor) -> None:
