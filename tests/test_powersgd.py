@@ -40,6 +40,7 @@ CONFIGS = [
     for rank in (1, 3)
     for warm in (True, False)
 ]  # rank 1: Gram-Schmidt; rank 3: QR
+CONFIGS.append(dict(matrix_approximation_rank=2))  # Gram-Schmidt over two columns
 # Two 48 x 48 layers, compressed with one batched product when asked to.
 CONFIGS.append(dict(matrix_approximation_rank=2, batch_tensors_with_same_shape=True))
 SAME_SHAPES = (32, 48, 48, 48, 8)

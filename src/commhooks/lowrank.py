@@ -77,10 +77,15 @@ def orthogonalize_(matrices: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor
             f"orthogonalize_ expects (batch, rows, rank) with rank <= rows, got "
             f"{tuple(matrices.shape)}."
         )
+    # Reductions round differently on other memory layouts; work on the row-major layout
+    # PyTorch's hook uses (factors are small, so the copy is cheap) to keep its numerics.
+    work = stack.contiguous()
     if stack.shape[2] <= 2 or stack.dtype in _HALF:
-        _gram_schmidt_(stack, epsilon)
+        _gram_schmidt_(work, epsilon)
     else:
-        _householder_(stack)
+        _householder_(work)
+    if work.data_ptr() != stack.data_ptr():
+        stack.copy_(work)
     return matrices
 
 
