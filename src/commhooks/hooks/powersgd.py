@@ -76,7 +76,8 @@ class PowerSGDState(HookState):
             one factor, alternately ``P`` (``P = M Q`` with the last ``Q``) and ``Q``
             (``Q = Mᵀ P`` with the last ``P``), and sends it packed with the uncompressed
             tensors. Half the rounds and latency; the approximation follows the gradient one step
-            later, which error feedback mostly makes up for. Needs ``warm_start``.
+            later, so it converges more slowly than the default at the same rank (error feedback
+            makes up part of it). Needs ``warm_start``.
 
     Raises:
         ValueError: an option out of range, with the fix in the message.
