@@ -29,9 +29,9 @@ def _optimizer(ddp):
     return torch.optim.SGD(ddp.parameters(), lr=0.02, momentum=0.9)
 
 
-def _original(rank, world_size, folder):
+def _original(rank, world_size, folder, options=OPTIONS):
     data = batches(rank, 2 * HALF)
-    model, state = make_mlp(), PowerSGDState(None, **OPTIONS)
+    model, state = make_mlp(), PowerSGDState(None, **options)
     ddp = make_ddp(model, powerSGD_hook, state)
     opt = _optimizer(ddp)
     _train(ddp, opt, data[:HALF])
@@ -41,12 +41,12 @@ def _original(rank, world_size, folder):
     return flat_params(model), len(state.error_dict), pickle.dumps(state)
 
 
-def _resumed(rank, world_size, folder, bucket_cap_mb):
+def _resumed(rank, world_size, folder, bucket_cap_mb, options=OPTIONS):
     data = batches(rank, 2 * HALF)[HALF:]
     saved = torch.load(os.path.join(folder, f"rank{rank % 2}.pt"), weights_only=True)
     model = make_mlp(seed=123)  # other initial weights: everything must come from the file
     model.load_state_dict(saved["model"])
-    state = PowerSGDState(None, **OPTIONS)
+    state = PowerSGDState(None, **options)
     state.load_state_dict(saved["hook"])
     ddp = make_ddp(model, powerSGD_hook, state, bucket_cap_mb=bucket_cap_mb)
     opt = _optimizer(ddp)
@@ -71,6 +71,15 @@ def test_exact_resume_in_fresh_processes(original):
     ):
         assert torch.equal(params, expected)
         assert messages == []
+
+
+def test_exact_resume_of_the_single_round_variant(tmp_path):
+    # Its state also holds P and which factor each matrix refines next.
+    options = {**OPTIONS, "single_round": True}
+    uninterrupted = run_on_ranks(_original, 2, str(tmp_path), options)
+    resumed = run_on_ranks(_resumed, 2, str(tmp_path), 0.004, options)
+    for (expected, _, _), (params, messages) in zip(uninterrupted, resumed):
+        assert torch.equal(params, expected) and messages == []
 
 
 def test_resume_with_other_bucket_size_fits_per_parameter_state(original):
