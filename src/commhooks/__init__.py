@@ -25,6 +25,7 @@ from commhooks.hooks import (
     noop_hook,
 )
 from commhooks.hooks.local_sgd import PostLocalSGDState, post_localSGD_hook
+from commhooks.hooks.powersgd import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
 from commhooks.optim import PostLocalSGDOptimizer
 from commhooks.state import HookState, StateDictError
 
@@ -52,4 +53,7 @@ __all__ = [
     "fp16_compress_hook",
     "fp16_compress_wrapper",
     "noop_hook",
+    "PowerSGDState",
+    "batched_powerSGD_hook",
+    "powerSGD_hook",
 ]

@@ -43,6 +43,7 @@ class CommHookType(str, Enum):
     NOOP = "noop"
     POWER_SGD = "power_sgd"
     BATCHED_POWER_SGD = "batched_power_sgd"
+    POWER_SGD_SINGLE_ROUND = "power_sgd_single_round"
     POST_LOCAL_SGD = "post_local_sgd"
 
     def __str__(self) -> str:
@@ -91,6 +92,28 @@ def _specs() -> dict[CommHookType, HookSpec]:
             state_from_options,
             frozenset({"start_localSGD_iter", "post_local_gradient_allreduce", "subgroup"}),
             required=frozenset({"start_localSGD_iter"}),
+        ),
+        **_powersgd_specs(),
+    }
+
+
+def _powersgd_specs() -> dict[CommHookType, HookSpec]:
+    from commhooks.hooks.powersgd import (
+        OPTION_NAMES,
+        PowerSGDState,
+        batched_powerSGD_hook,
+        powerSGD_hook,
+    )
+
+    def make(defaults: dict[str, Any]) -> Callable[..., PowerSGDState]:
+        return lambda group, options: PowerSGDState(group, **{**defaults, **options})
+
+    names = frozenset(OPTION_NAMES)
+    return {
+        CommHookType.POWER_SGD: HookSpec(powerSGD_hook, make({}), names),
+        CommHookType.BATCHED_POWER_SGD: HookSpec(batched_powerSGD_hook, make({}), names),
+        CommHookType.POWER_SGD_SINGLE_ROUND: HookSpec(
+            powerSGD_hook, make({"single_round": True}), names
         ),
     }
 

@@ -9,6 +9,7 @@ from commhooks.hooks.default import (
     fp16_compress_wrapper,
 )
 from commhooks.hooks.local_sgd import PostLocalSGDState, post_localSGD_hook
+from commhooks.hooks.powersgd import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
 
 __all__ = [
     "PostLocalSGDState",
@@ -19,4 +20,7 @@ __all__ = [
     "fp16_compress_hook",
     "fp16_compress_wrapper",
     "noop_hook",
+    "PowerSGDState",
+    "batched_powerSGD_hook",
+    "powerSGD_hook",
 ]

@@ -1,0 +1,174 @@
+"""The arithmetic of PowerSGD: which matrices to compress, orthogonalisation, factor products.
+
+Nothing here communicates; the hooks in :mod:`commhooks.hooks.powersgd` decide what is sent.
+Every routine works on batches of matrices shaped ``(batch, rows, cols)`` so that same-shaped
+matrices can be handled with one batched call, and a single matrix is just a batch of one.
+"""
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+__all__ = [
+    "approximate_into",
+    "as_matrix",
+    "compression_sizes",
+    "left_factor_into",
+    "orthogonalize_",
+    "pack_into",
+    "right_factor_into",
+    "should_compress",
+    "square_side",
+    "unpack_from",
+]
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def as_matrix(tensor: torch.Tensor) -> torch.Tensor:
+    """View a gradient as a matrix whose rows follow its first dimension (a scalar: 1 x 1)."""
+    rows = tensor.shape[0] if tensor.dim() > 0 else 1
+    return tensor.view(rows, -1)
+
+
+def compression_sizes(rows: int, cols: int, rank: int) -> tuple[int, int]:
+    """Element counts ``(uncompressed, compressed)`` of a matrix and its rank-``rank`` factors."""
+    return rows * cols, (rows + cols) * rank
+
+
+def should_compress(rows: int, cols: int, rank: int, min_compression_rate: float) -> bool:
+    """Whether the factors are at least ``min_compression_rate`` times smaller than the matrix.
+
+    Below that rate the saved bandwidth does not pay for the extra products and the
+    approximation error, so the matrix is sent as it is.
+    """
+    full, compressed = compression_sizes(rows, cols, rank)
+    return compressed * min_compression_rate < full
+
+
+def effective_rank(rows: int, cols: int, rank: int) -> int:
+    """A matrix has no more than ``min(rows, cols)`` independent directions to keep."""
+    return min(rows, cols, rank)
+
+
+def square_side(numel: int) -> int:
+    """Side of the smallest square matrix that holds ``numel`` elements."""
+    return math.isqrt(max(numel - 1, 0)) + 1 if numel > 0 else 0
+
+
+def orthogonalize_(matrices: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor:
+    """Make the columns of each matrix in a ``(batch, rows, rank)`` stack orthonormal, in place.
+
+    Gram-Schmidt for rank <= 2 (cheaper than a QR call there) and for half precision (which
+    ``torch.linalg.qr`` does not support); Householder QR otherwise. Neither gives NaN for a
+    column of zeros, even with ``epsilon == 0``: Gram-Schmidt leaves it zero, QR replaces it by
+    a unit vector orthogonal to the others. A layer whose gradient vanishes then contributes
+    zeros instead of poisoning the weights.
+
+    Args:
+        matrices: a 3-D stack, or a single 2-D matrix, with no more columns than rows.
+        epsilon: added to each column norm before dividing (PyTorch's
+            ``orthogonalization_epsilon``); 0 keeps the exact projection.
+    """
+    stack = matrices if matrices.dim() == 3 else matrices.unsqueeze(0)
+    if stack.dim() != 3 or stack.shape[2] > stack.shape[1]:
+        raise ValueError(
+            f"orthogonalize_ expects (batch, rows, rank) with rank <= rows, got "
+            f"{tuple(matrices.shape)}."
+        )
+    # Reductions round differently on other memory layouts; work on the row-major layout
+    # PyTorch's hook uses (factors are small, so the copy is cheap) to keep its numerics.
+    work = stack.contiguous()
+    if stack.shape[2] <= 2 or stack.dtype in _HALF:
+        _gram_schmidt_(work, epsilon)
+    else:
+        _householder_(work)
+    if work.data_ptr() != stack.data_ptr():
+        stack.copy_(work)
+    return matrices
+
+
+def _gram_schmidt_(stack: torch.Tensor, epsilon: float) -> None:
+    cols = stack.shape[2]
+    for i in range(cols):
+        col = stack[:, :, i : i + 1]
+        col /= _safe_norm(col, epsilon)
+        if i + 1 < cols:
+            rest = stack[:, :, i + 1 :]
+            rest -= torch.sum(col * rest, dim=1, keepdim=True) * col
+
+
+def _safe_norm(col: torch.Tensor, epsilon: float) -> torch.Tensor:
+    if col.dtype in _HALF:
+        # Squares of half-precision values overflow long before the norm itself does.
+        norm = torch.linalg.vector_norm(col, dim=1, keepdim=True, dtype=torch.float32)
+    else:
+        norm = torch.norm(col, dim=1, keepdim=True)
+    if epsilon > 0:
+        return norm + epsilon
+    # A zero column divided by 1 stays zero; every other column is divided by its exact norm.
+    return norm.masked_fill_(norm == 0, 1.0)
+
+
+def _householder_(stack: torch.Tensor) -> None:
+    # Householder QR never divides by a column norm: a zero column gets a unit vector
+    # orthogonal to the others, which only widens the subspace the gradient is projected on.
+    q, _ = torch.linalg.qr(stack)
+    stack.copy_(q)
+
+
+def left_factor_into(
+    matrices: torch.Tensor, q: torch.Tensor, out: torch.Tensor, exact: bool = True
+) -> None:
+    """``P = M Q`` for a ``(batch, n, m)`` stack and ``(batch, m, r)`` factors.
+
+    ``exact`` uses a row-major ``Q``, the layout PyTorch's hook uses, whose BLAS kernel rounds
+    differently from the one for a ``Q`` stored as ``Qᵀ``. The latter is several times faster on
+    CPU for rank >= 2, but warm-started power iteration amplifies last-bit differences, so it is
+    used only where matching PyTorch bit for bit is not the point.
+    """
+    torch.bmm(matrices, q.contiguous() if exact else q, out=out)
+
+
+def right_factor_into(matrices: torch.Tensor, p: torch.Tensor, out: torch.Tensor) -> None:
+    """``Q = Mᵀ P`` for a ``(batch, n, m)`` stack and ``(batch, n, r)`` factors.
+
+    When ``out`` is stored as ``Qᵀ`` (its transpose contiguous), computed as ``Qᵀ = Pᵀ M``,
+    which reads ``M`` row by row: the same values, several times faster on CPU.
+    """
+    if out.transpose(1, 2).is_contiguous():
+        torch.bmm(p.transpose(1, 2), matrices, out=out.transpose(1, 2))
+    else:
+        torch.bmm(matrices.transpose(1, 2), p, out=out)
+
+
+def approximate_into(p: torch.Tensor, q: torch.Tensor, out: torch.Tensor) -> None:
+    """``M ≈ P Qᵀ``, written into ``out`` (a ``(batch, n, m)`` stack)."""
+    torch.bmm(p, q.transpose(1, 2), out=out)
+
+
+def residual_into(
+    matrices: torch.Tensor, p: torch.Tensor, q: torch.Tensor, out: torch.Tensor
+) -> None:
+    """``out = M - P Qᵀ`` in one pass over ``M`` (the error that feedback carries over)."""
+    torch.baddbmm(matrices, p, q.transpose(1, 2), alpha=-1, out=out)
+
+
+def pack_into(tensors: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """Copy ``tensors`` one after another into the flat ``out``; returns ``out``."""
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        out[offset : offset + n].view_as(t).copy_(t)
+        offset += n
+    return out
+
+
+def unpack_from(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Inverse of :func:`pack_into`: copy consecutive slices of ``flat`` back into ``tensors``."""
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset : offset + n].view_as(t))
+        offset += n

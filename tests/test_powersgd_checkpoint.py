@@ -1,0 +1,187 @@
+"""Saving and resuming PowerSGD state: exact resume, other layouts and world sizes, bad dicts."""
+
+import io
+import os
+import pickle
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from ddp_utils import batches, flat_params, make_ddp, make_mlp
+
+from commhooks import PowerSGDState, powerSGD_hook
+from commhooks.state import StateDictError
+from commhooks.testing import run_on_ranks
+
+OPTIONS = dict(start_powerSGD_iter=3, matrix_approximation_rank=2)
+HALF = 8
+
+
+def _train(ddp, opt, data):
+    for x, y in data:
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+
+
+def _optimizer(ddp):
+    return torch.optim.SGD(ddp.parameters(), lr=0.02, momentum=0.9)
+
+
+def _original(rank, world_size, folder, options=OPTIONS):
+    data = batches(rank, 2 * HALF)
+    model, state = make_mlp(), PowerSGDState(None, **options)
+    ddp = make_ddp(model, powerSGD_hook, state)
+    opt = _optimizer(ddp)
+    _train(ddp, opt, data[:HALF])
+    saved = {"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}
+    torch.save(saved, os.path.join(folder, f"rank{rank}.pt"))
+    _train(ddp, opt, data[HALF:])
+    return flat_params(model), len(state.error_dict), pickle.dumps(state)
+
+
+def _resumed(rank, world_size, folder, bucket_cap_mb, options=OPTIONS):
+    data = batches(rank, 2 * HALF)[HALF:]
+    saved = torch.load(os.path.join(folder, f"rank{rank % 2}.pt"), weights_only=True)
+    model = make_mlp(seed=123)  # other initial weights: everything must come from the file
+    model.load_state_dict(saved["model"])
+    state = PowerSGDState(None, **options)
+    state.load_state_dict(saved["hook"])
+    ddp = make_ddp(model, powerSGD_hook, state, bucket_cap_mb=bucket_cap_mb)
+    opt = _optimizer(ddp)
+    opt.load_state_dict(saved["opt"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train(ddp, opt, data)
+    return flat_params(model), [str(w.message) for w in caught if "PowerSGD" in str(w.message)]
+
+
+@pytest.fixture(scope="module")
+def original(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("powersgd-ckpt"))
+    return folder, run_on_ranks(_original, 2, folder)
+
+
+def test_exact_resume_in_fresh_processes(original):
+    folder, uninterrupted = original
+    assert uninterrupted[0][1] > 0  # error memory existed when saved
+    for (expected, _, _), (params, messages) in zip(
+        uninterrupted, run_on_ranks(_resumed, 2, folder, 0.004)
+    ):
+        assert torch.equal(params, expected)
+        assert messages == []
+
+
+def test_exact_resume_of_the_single_round_variant(tmp_path):
+    # Its state also holds P and which factor each matrix refines next.
+    options = {**OPTIONS, "single_round": True}
+    uninterrupted = run_on_ranks(_original, 2, str(tmp_path), options)
+    resumed = run_on_ranks(_resumed, 2, str(tmp_path), 0.004, options)
+    for (expected, _, _), (params, messages) in zip(uninterrupted, resumed):
+        assert torch.equal(params, expected) and messages == []
+
+
+def test_resume_with_other_bucket_size_fits_per_parameter_state(original):
+    folder, uninterrupted = original
+    for (expected, _, _), (params, messages) in zip(
+        uninterrupted, run_on_ranks(_resumed, 2, folder, 100)
+    ):
+        assert messages == []  # nothing reset: the state is per parameter, not per bucket
+        # Each matrix is compressed on its own and sums are elementwise: same trajectory.
+        assert torch.equal(params, expected)
+
+
+def test_resume_with_other_world_size_resets_error_memory_with_warning(original):
+    folder, _ = original
+    results = run_on_ranks(_resumed, 3, folder, 0.004)
+    for params, messages in results:
+        assert torch.isfinite(params).all() and torch.equal(params, results[0][0])
+        assert len(messages) == 1
+        assert "error-feedback memory" in messages[0] and "world size 2" in messages[0]
+        assert "with 3" in messages[0] and "reset" in messages[0]
+
+
+def _saved_state(folder):
+    return torch.load(os.path.join(folder, "rank0.pt"), weights_only=True)["hook"]
+
+
+def _snapshot(state):
+    buf = io.BytesIO()
+    torch.save(state.state_dict(), buf)
+    return buf.getvalue()
+
+
+def test_state_dict_loads_with_weights_only_and_round_trips(original):
+    sd = _saved_state(original[0])
+    assert sd["kind"] == "powersgd" and sd["iter"] == HALF and sd["error"]
+    state = PowerSGDState(None, **OPTIONS)
+    state.load_state_dict(sd)
+    again = state.state_dict()
+    assert again["rng"]["pos"] == sd["rng"]["pos"]
+    assert torch.equal(again["rng"]["keys"], sd["rng"]["keys"])
+    for name in ("error", "q", "p"):
+        assert again[name].keys() == sd[name].keys()
+        assert all(torch.equal(again[name][k], sd[name][k]) for k in sd[name])
+
+
+def test_pickled_state_drops_group_and_rebinds(original):
+    state = pickle.loads(original[1][0][2])
+    assert state.process_group is None and state.iter == 2 * HALF
+    assert state.error_dict and all(torch.isfinite(t).all() for t in state.error_dict.values())
+    with pytest.raises(TypeError, match="ProcessGroup or None"):
+        state.bind("not a group")
+
+
+def _broken(sd, what):
+    sd = dict(sd)
+    if what == "missing-rng":
+        del sd["rng"]
+    elif what == "bad-tensor":
+        sd["error"] = {**sd["error"], "0": "not a tensor"}
+    elif what == "bad-iter":
+        sd["iter"] = -4
+    return sd
+
+
+@pytest.mark.parametrize(
+    ("what", "match"),
+    [
+        ("missing-rng", "malformed PowerSGD state dict.*'rng'"),
+        ("bad-tensor", r"malformed.*error\['0'\] must be a floating-point tensor"),
+        ("bad-iter", "malformed.*iter must be an integer >= 0"),
+    ],
+)
+def test_malformed_state_dict_raises_and_changes_nothing(original, what, match):
+    state = PowerSGDState(None, **OPTIONS)
+    state.load_state_dict(_saved_state(original[0]))
+    before = _snapshot(state)
+    with pytest.raises(StateDictError, match=match):
+        state.load_state_dict(_broken(_saved_state(original[0]), what))
+    assert _snapshot(state) == before
+
+
+def test_foreign_state_dicts_are_named(original):
+    state = PowerSGDState(None, **OPTIONS)
+    before = _snapshot(state)
+    with pytest.raises(StateDictError, match="saved by a 'post_local_sgd' state"):
+        state.load_state_dict({"kind": "post_local_sgd", "version": 1})
+    with pytest.raises(StateDictError, match="not a commhooks state dict"):
+        state.load_state_dict(make_mlp().state_dict())
+    other = PowerSGDState(None, start_powerSGD_iter=3, matrix_approximation_rank=4)
+    with pytest.raises(StateDictError, match="matrix_approximation_rank: saved 2, here 4"):
+        other.load_state_dict(_saved_state(original[0]))
+    assert _snapshot(state) == before
+
+
+def _reject_other_options(rank, world_size):
+    state = PowerSGDState(None, start_powerSGD_iter=0, matrix_approximation_rank=1 + rank)
+    ddp = make_ddp(make_mlp(), powerSGD_hook, state)
+    x, y = batches(rank, 1)[0]
+    torch.nn.functional.mse_loss(ddp(x), y).backward()
+    dist.barrier()
+
+
+def test_options_differing_between_ranks_are_named():
+    with pytest.raises(Exception, match="matrix_approximation_rank: rank 0=1, rank 1=2"):
+        run_on_ranks(_reject_other_options, 2)
