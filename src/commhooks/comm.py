@@ -209,16 +209,20 @@ def check_same_on_all_ranks(
 
 
 class OrderedIssuer:
-    """Starts collectives in the order their slots were reserved.
+    """Issues follow-up collectives on a group of their own, in the order their slots were reserved.
 
-    A hook reserves a slot for every collective it will issue while it runs on DDP's thread,
-    in bucket order, which is the same on every rank. A follow-up collective (one that needs the
-    result of an earlier one) is started from a future callback, on whatever thread completed
-    that future; the issuer holds it back until every earlier slot has been started. The order
-    of collectives therefore never depends on thread timing.
+    A hook issues its first collectives directly, on DDP's thread, in bucket order: the same on
+    every rank, and interleaved correctly with DDP's own collectives on that group (DDP, for
+    example, allreduces its map of used parameters right after the last bucket's hook). A
+    follow-up collective (one that needs the result of an earlier one) can only be started from
+    a future callback, on whatever thread completed that future, so it cannot safely share a
+    group with anyone. It goes to :attr:`group`, a second group with the same ranks that only
+    follow-ups use, and waits there until every follow-up reserved before it has been started.
+    The order of collectives therefore never depends on thread timing, on either group.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
         self._lock = threading.RLock()
         self._reserved = 0
         self._next = 0
@@ -232,7 +236,7 @@ class OrderedIssuer:
             return slot
 
     def start(self, slot: int, launch: Callable[[], None]) -> None:
-        """Run ``launch`` (which issues one collective, or nothing) once its turn has come."""
+        """Run ``launch`` (which issues one collective on :attr:`group`, or none) in its turn."""
         with self._lock:
             self._ready[slot] = launch
             while self._next in self._ready:
@@ -240,18 +244,13 @@ class OrderedIssuer:
                 self._next += 1
                 run()
 
-    def submit(self, issue: Callable[[], "Future[T]"]) -> "Future[T]":
-        """Reserve a slot and issue ``issue()`` in it; returns its result as a future."""
-        out: Future = Future()
-        self.start(self.reserve(), lambda: _launch_into(issue, out))
-        return out
-
     def then(self, after: "Future[Any]", step: Callable[[Any], "Future[T]"]) -> "Future[T]":
         """When ``after`` completes, run ``step(after.value())`` in a slot reserved now.
 
-        ``step`` may compute, then issue at most one collective (or none) and return a future.
-        If ``after`` failed, the slot is released without running ``step`` and the error is
-        passed on, so later collectives are not held back forever.
+        ``step`` may compute, then issue at most one collective, on :attr:`group` only, and
+        return a future (``completed(...)`` when it sends nothing). If ``after`` failed, the
+        slot is released without running ``step`` and the error is passed on, so later
+        follow-ups are not held back forever.
         """
         slot = self.reserve()
         out: Future = Future()
@@ -298,14 +297,24 @@ _issuers_lock = threading.Lock()
 
 
 def issuer_for(group: dist.ProcessGroup) -> OrderedIssuer:
-    """The issuer shared by every hook communicating on ``group``.
+    """The follow-up issuer of ``group``, shared by every hook that communicates on it.
 
-    One per group rather than per hook state, so two stateful objects on the same group still
-    agree on a single order.
+    The first call creates the follow-up group (same ranks and backend as ``group``). Creating
+    a group is itself collective, so the first call must happen at the same point on every
+    rank: hooks call this from DDP's thread, during their first bucket. With NCCL the new
+    communicator is only set up if a follow-up is ever sent on it.
     """
     with _issuers_lock:
         entry = _issuers.get(id(group))
         if entry is None or entry[0] is not group:
-            entry = (group, OrderedIssuer())
+            entry = (group, OrderedIssuer(_follow_up_group(group)))
             _issuers[id(group)] = entry
         return entry[1]
+
+
+def _follow_up_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    return dist.new_group(
+        ranks=dist.get_process_group_ranks(group),
+        backend=dist.get_backend(group),
+        use_local_synchronization=True,
+    )

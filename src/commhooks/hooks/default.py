@@ -76,9 +76,11 @@ def _cast_average(
     buffer = float_buffer(bucket, owner)
     issuer = comm.issuer_for(group)
     low = _cast_down(buffer, dtype, group.size())
-    reduced = issuer.submit(lambda: comm.allreduce(low, group))
+    reduced = comm.allreduce(low, group)
     # The possible re-send is a follow-up collective: its slot is reserved now, on DDP's thread.
-    return issuer.then(reduced, lambda result: _cast_back_or_resend(result, buffer, group, owner))
+    return issuer.then(
+        reduced, lambda result: _cast_back_or_resend(result, buffer, issuer.group, owner)
+    )
 
 
 def _cast_down(buffer: torch.Tensor, dtype: torch.dtype, world: int) -> torch.Tensor:
@@ -89,12 +91,12 @@ def _cast_down(buffer: torch.Tensor, dtype: torch.dtype, world: int) -> torch.Te
 
 
 def _cast_back_or_resend(
-    result: torch.Tensor, buffer: torch.Tensor, group: dist.ProcessGroup, owner: str
+    result: torch.Tensor, buffer: torch.Tensor, follow_up: dist.ProcessGroup, owner: str
 ) -> torch.futures.Future[torch.Tensor]:
     # ``result`` is identical on every rank, so every rank takes the same branch.
     if bool(torch.isfinite(result).all()):
         return comm.completed(buffer.copy_(result))
-    resent = comm.average(buffer, group)
+    resent = comm.average(buffer, follow_up)
     return resent.then(lambda fut: _warn_if_overflowed(fut.value(), owner, result.dtype))
 
 

@@ -11,8 +11,10 @@ are the same):
 * State is kept per parameter, not per bucket, so DDP's bucket rebuild after the first step,
   a restart, or another ``bucket_cap_mb`` can never apply one layer's error to another layer;
   ``start_powerSGD_iter`` may therefore be 0 or 1.
-* Every collective goes through :func:`commhooks.comm.issuer_for`, so ranks issue them in the
-  same order whatever the thread timing: many buckets work on gloo.
+* First-round collectives are issued on DDP's thread, in bucket order; the ``Q`` round, which
+  needs ``P``'s result, goes through :func:`commhooks.comm.issuer_for` to a follow-up group of
+  its own, in the order its slots were reserved. Ranks therefore issue the same collectives in
+  the same order on each group whatever the thread timing: many buckets work on gloo.
 * The uncompressed tensors' allreduce starts before the compression work, together with the
   ``P`` round, instead of before it; no device-wide synchronisation; error feedback adds the
   remembered error into the gradient in place instead of cloning the bucket. Like PyTorch, it
@@ -749,11 +751,7 @@ def _two_rounds(call: _Call) -> torch.futures.Future[torch.Tensor]:
     packed = torch.empty(sum(t.numel() for t in call.uncompressed), dtype=dtype, device=device)
     _compensate_uncompressed(call)
     lowrank.pack_into(call.uncompressed, packed)
-    plain = (
-        issuer.submit(lambda: _sum_then_mean(packed, group))
-        if packed.numel()
-        else comm.completed(packed)
-    )
+    plain = _sum_then_mean(packed, group) if packed.numel() else comm.completed(packed)
     _compensate_matrices(call)
     _form_groups(call)
     q_all = torch.empty(
@@ -765,11 +763,11 @@ def _two_rounds(call: _Call) -> torch.futures.Future[torch.Tensor]:
     _prepare_known_factors(call, q_all)
     _compute_sent(call, p_all)
     # P is orthogonalised after the sum, so it needs no division by the world size.
-    p_done = issuer.submit(lambda: comm.allreduce(p_all, group))
+    p_done = comm.allreduce(p_all, group)
     both = torch.futures.collect_all([plain, p_done])
     outcome: dict[str, bool] = {}
     q_done = issuer.then(
-        both, lambda futs: _second_round(call, futs, packed, p_all, q_all, outcome)
+        both, lambda futs: _second_round(call, futs, packed, p_all, q_all, outcome, issuer.group)
     )
     _finish_step(call)
     return q_done.then(lambda fut: _after_second_round(call, fut, q_all, outcome))
@@ -782,6 +780,7 @@ def _second_round(
     p_all: torch.Tensor,
     q_all: torch.Tensor,
     outcome: dict[str, bool],
+    follow_up: dist.ProcessGroup,
 ) -> torch.futures.Future:
     for f in futs:
         f.value()  # re-raise a failed collective
@@ -790,13 +789,13 @@ def _second_round(
         # the error memory and factors, so a loss scaler can skip the step and go on cleanly.
         outcome["fallback"] = True
         _undo_compensation(call)
-        return comm.average(call.buffer, call.group)
+        return comm.average(call.buffer, follow_up)
     _unpack_uncompressed(call, packed, update=True)
     for g in call.groups:
         lowrank.orthogonalize_(g.sent, call.state.orthogonalization_epsilon)
         # The new Q overwrites the starting one, in the buffer that is sent next.
         lowrank.right_factor_into(g.stack, g.sent, g.known)
-    return comm.allreduce(q_all, call.group)
+    return comm.allreduce(q_all, follow_up)
 
 
 def _sum_then_mean(packed: torch.Tensor, group: dist.ProcessGroup) -> torch.futures.Future:
@@ -823,7 +822,6 @@ def _after_second_round(
 # -- one round: P or Q, packed with the uncompressed tensors ------------------------------------
 def _one_round(call: _Call) -> torch.futures.Future[torch.Tensor]:
     group = call.group
-    issuer = comm.issuer_for(group)
     dtype, device = call.buffer.dtype, call.buffer.device
     _compensate_uncompressed(call)
     _compensate_matrices(call)
@@ -838,7 +836,7 @@ def _one_round(call: _Call) -> torch.futures.Future[torch.Tensor]:
     lowrank.pack_into(call.uncompressed, send[:unc])
     _prepare_known_factors(call, known)
     _compute_sent(call, send[unc:])
-    done = issuer.submit(lambda: comm.average(send, group))
+    done = comm.average(send, group)
     _finish_step(call)
     return done.then(lambda fut: _after_one_round(call, fut.value(), unc))
 
@@ -913,7 +911,7 @@ def powerSGD_hook(
     ordinals = state._ordinals_of(params)
     if not state._compressing():
         state.maybe_increase_iter(bucket)
-        return comm.issuer_for(group).submit(lambda: comm.average(buffer, group))
+        return comm.average(buffer, group)
     grads = bucket.gradients()
     plan = state._plan(ordinals, grads)
     state._count(plan.numel_before, plan.numel_after, bucket)
@@ -953,7 +951,7 @@ def batched_powerSGD_hook(
     ordinals = state._ordinals_of(bucket.parameters())
     if not state._compressing():
         state.maybe_increase_iter(bucket)
-        return comm.issuer_for(group).submit(lambda: comm.average(buffer, group))
+        return comm.average(buffer, group)
     key = f"bucket{bucket.index()}"
     state._check_layout(key, ordinals)
     length = buffer.numel()
