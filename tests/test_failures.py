@@ -356,3 +356,52 @@ def test_a_hook_raising_on_one_rank_errors_there_and_does_not_hang_the_other(hoo
     assert "state" in error1, error1
     assert error0 != "no error", "rank 0 finished training although rank 1 never communicated"
     assert elapsed0 < 3 * PG_TIMEOUT, f"rank 0 took {elapsed0:.1f}s to fail: {error0}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Degenerate parameters
+# ----------------------------------------------------------------------------------------------
+class WithEmptyLayer(nn.Module):
+    """A model with a zero-size parameter (a layer with no outputs), which DDP accepts."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(32, 16)
+        self.empty = nn.Linear(16, 0)
+        self.b = nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return self.b(h) + self.empty(h).sum()
+
+
+def _empty_parameter(rank, world_size):
+    out = {}
+    for name in HOOKS:
+        ddp = DDP(WithEmptyLayer(), bucket_cap_mb=0.004)
+        commhooks.register(ddp, name, **HOOKS[name])
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        try:
+            for x, y in batches(rank, 4):
+                opt.zero_grad(set_to_none=True)
+                nn.functional.mse_loss(ddp(x), y).backward()
+                opt.step()
+            out[name] = flat_params(ddp.module)
+        except Exception as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
+        dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def empty_parameter():
+    return run_on_ranks(_empty_parameter, 2, timeout=90, pg_timeout=20)
+
+
+@pytest.mark.parametrize("name", list(HOOKS))
+def test_a_zero_size_parameter_is_accepted(name, empty_parameter):
+    params = [r[name] for r in empty_parameter]
+    for rank, p in enumerate(params):
+        assert isinstance(p, torch.Tensor), f"{name}: rank {rank} raised {p}"
+    assert torch.isfinite(params[0]).all() and torch.equal(params[0], params[1])

@@ -350,8 +350,32 @@ def _cast_hooks() -> None:
     check()
 
 
+def _rank_deficient_gradient() -> None:
+    # A rank-1 gradient (one sample through a linear layer) compressed at rank 2 is exactly
+    # representable, so the hook must give it back; no error feedback to hide the difference.
+    u = torch.arange(1.0, 17.0).view(16, 1)
+    v = torch.linspace(-1.0, 1.0, 12).view(1, 12)
+    grad = u @ v
+    errors = {}
+    for single_round in (False, True):
+        state = PowerSGDState(
+            None,
+            matrix_approximation_rank=2,
+            start_powerSGD_iter=0,
+            use_error_feedback=False,
+            single_round=single_round,
+        )
+        for step in range(2):
+            out = powerSGD_hook(state, FakeBucket([grad])).wait().view(16, 12)
+            # One round refines P first (M Q Qᵀ with a random Q): only its Q step is exact.
+            if step == 1 or not single_round:
+                errors[f"single_round={single_round} step {step}"] = _rel_err(out, grad)
+    assert all(e < 1e-4 for e in errors.values()), f"relative errors {errors}"
+
+
 def _run_checks(rank: int, world_size: int) -> dict[str, str]:
     checks = {
+        "powersgd-rank-deficient": _rank_deficient_gradient,
         "powersgd-two-round": lambda: _powersgd_identity(False),
         "powersgd-single-round": lambda: _powersgd_identity(True),
         "cast-hooks": _cast_hooks,
@@ -379,4 +403,9 @@ def test_powersgd_error_feedback_identity_through_the_hook(hook_properties, vari
 
 def test_cast_path_of_the_default_hooks(hook_properties):
     result = hook_properties["cast-hooks"]
+    assert result == "ok", result
+
+
+def test_powersgd_gives_back_a_gradient_of_lower_rank_than_its_factors(hook_properties):
+    result = hook_properties["powersgd-rank-deficient"]
     assert result == "ok", result
