@@ -257,7 +257,7 @@ class HierarchicalModelAverager(ModelAverager):
         return groups
 
     def _options(self) -> dict[str, Any]:
-        return {**super()._options(), "levels": self.levels}
+        return {**super()._options(), "period_group_size_dict": dict(self.levels)}
 
     def _group_due(self) -> dist.ProcessGroup | None:
         if self.step < self.warmup_steps:
@@ -373,19 +373,30 @@ class OuterOptimizerAverager(PeriodicModelAverager):
                 )
             check_bool(name, "nesterov", nesterov)
             outer_optimizer = default_outer_optimizer(outer_lr, outer_momentum, nesterov)
+            # Named as the user passed them, so a cross-rank mismatch names the option.
+            self._outer_options: dict[str, Any] = {
+                "outer_lr": outer_lr,
+                "outer_momentum": outer_momentum,
+                "nesterov": nesterov,
+            }
         elif not callable(outer_optimizer):
             raise ValueError(
                 f"{name}: outer_optimizer must be a callable taking a list of tensors and "
                 f"returning an optimizer, got {type(outer_optimizer).__name__}."
             )
+        else:
+            described = (
+                repr(outer_optimizer)
+                if isinstance(outer_optimizer, functools.partial)
+                else _qualname(outer_optimizer)
+            )
+            self._outer_options = {"outer_optimizer": described}
         self.outer_optimizer_factory = outer_optimizer
         self.snapshot: list[torch.Tensor] | None = None
         self.outer_optimizer: torch.optim.Optimizer | None = None
 
     def _options(self) -> dict[str, Any]:
-        factory = self.outer_optimizer_factory
-        name = repr(factory) if isinstance(factory, functools.partial) else _qualname(factory)
-        return {**super()._options(), "outer_optimizer": name, "synced": self.snapshot is not None}
+        return {**super()._options(), **self._outer_options, "synced": self.snapshot is not None}
 
     def _average(self, params: Params, group: dist.ProcessGroup) -> None:
         tensors = params_with_grads(params)
