@@ -531,6 +531,7 @@ class _Entry:
     rank: int
     step: str
     error_in_matrix: bool = False  # the remembered error was added to a gradient view
+    pending_error: torch.Tensor | None = None  # to add while computing the first product
 
 
 @dataclass
@@ -573,16 +574,26 @@ def _compensate_uncompressed(call: _Call) -> None:
             t.add_(error)
 
 
-def _compensate_matrices(call: _Call) -> None:
-    """Add the remembered error to each matrix, so M = gradient + previous error."""
+def _compensate_matrices(call: _Call, fuse: bool = False) -> None:
+    """Add the remembered error to each matrix, so M = gradient + previous error.
+
+    With ``fuse``, the addition is left to the first product (see :func:`_compute_sent`),
+    which then reads the gradient once instead of twice. Only where each matrix is its own
+    group: a stacked group copies the matrices, which must already hold M.
+    """
     state = call.state
     if not state.use_error_feedback:
         return
+    fuse = fuse and not state.batch_tensors_with_same_shape
     for e in call.entries:
         error = state._stored(state.error_dict, e.key, tuple(e.matrix.shape), e.matrix)
-        if error is not None:
+        if error is None:
+            continue
+        if fuse:
+            e.pending_error = error
+        else:
             e.matrix.add_(error)
-            e.error_in_matrix = True
+        e.error_in_matrix = True
 
 
 def _form_groups(call: _Call) -> None:
@@ -672,12 +683,22 @@ def _compute_sent(call: _Call, send: torch.Tensor) -> None:
             send[offset : offset + _numel(shape)], shape, is_q=g.entries[0].step == _Q_STEP
         )
         offset += _numel(shape)
-        if g.entries[0].step == _Q_STEP:
+        first = g.entries[0]
+        if call.state.single_round and not g.stacked:
+            # Its own numerics: take the fast kernels, fused with the error compensation.
+            if first.step == _Q_STEP:
+                lowrank.compensated_right_factor_into(
+                    first.matrix, first.pending_error, g.known[0], g.sent[0].t()
+                )
+            else:
+                lowrank.compensated_left_factor_into(
+                    first.matrix, first.pending_error, g.known[0].t(), g.sent[0]
+                )
+            first.pending_error = None
+        elif first.step == _Q_STEP:
             lowrank.right_factor_into(g.stack, g.known, g.sent)
         else:
-            # The single-round variant has its own numerics: take the faster kernel there.
-            exact = not call.state.single_round
-            lowrank.left_factor_into(g.stack, g.known, g.sent, exact=exact)
+            lowrank.left_factor_into(g.stack, g.known, g.sent, exact=not call.state.single_round)
 
 
 def _all_finite(*tensors: torch.Tensor) -> bool:
@@ -719,19 +740,23 @@ def _decompress(
 ) -> None:
     """Write ``P Qᵀ`` into the gradients and, if ``update``, remember the new error."""
     state = call.state
+    remember = update and state.use_error_feedback
+    scratch = torch.empty(
+        max((lowrank.scratch_elements(g.stack[0]) for g in call.groups), default=0),
+        dtype=call.buffer.dtype,
+        device=call.buffer.device,
+    )
     for g in call.groups:
         p, q = p_of(g), q_of(g)
-        if update and state.use_error_feedback:
-            for i, e in enumerate(g.entries):
+        for i, e in enumerate(g.entries):
+            error = None
+            if remember:
                 error = state.error_dict.get(e.key)
                 if error is None or error.shape != e.matrix.shape:
                     error = state.error_dict[e.key] = torch.empty_like(e.matrix)
-                lowrank.residual_into(
-                    g.stack[i : i + 1], p[i : i + 1], q[i : i + 1], error.unsqueeze(0)
-                )
-        lowrank.approximate_into(p, q, g.stack)
-        if g.stacked:
-            for i, e in enumerate(g.entries):
+            # Q factors are stored as Qᵀ, so q[i].t() is the contiguous (rank, cols) matrix.
+            lowrank.reconstruct_(g.stack[i], p[i], q[i].t(), error, scratch)
+            if g.stacked:
                 e.matrix.copy_(g.stack[i])
     if call.writeback is not None:
         call.writeback()
@@ -824,7 +849,7 @@ def _one_round(call: _Call) -> torch.futures.Future[torch.Tensor]:
     group = call.group
     dtype, device = call.buffer.dtype, call.buffer.device
     _compensate_uncompressed(call)
-    _compensate_matrices(call)
+    _compensate_matrices(call, fuse=True)
     _form_groups(call)
     unc = sum(t.numel() for t in call.uncompressed)
     known = torch.empty(
