@@ -168,19 +168,28 @@ def _block_rows(matrix: torch.Tensor) -> int:
 
 
 def compensated_left_factor_into(
-    matrix: torch.Tensor, error: torch.Tensor | None, qt: torch.Tensor, out: torch.Tensor
+    matrix: torch.Tensor,
+    error: torch.Tensor | None,
+    qt: torch.Tensor,
+    out: torch.Tensor,
+    scratch: torch.Tensor,
 ) -> None:
     """``matrix += error``, then ``out = matrix Q``, for 2-D ``matrix`` (n, m) and ``qt`` (r, m).
 
     Done block of rows by block of rows, so each block is multiplied while it is still in
-    cache from the addition: one pass over the gradient and its error instead of two.
+    cache from the addition: one pass over the gradient and its error instead of two. Each
+    block's product is formed as ``Qᵀ Mᵀ`` in ``scratch`` (at least ``r`` times the rows of a
+    block), which CPU BLAS computes about twice as fast as ``M Q`` for a thin ``Q``.
     """
     rows = _block_rows(matrix)
+    rank = qt.shape[0]
     for start in range(0, matrix.shape[0], rows):
         block = matrix[start : start + rows]
         if error is not None:
             block.add_(error[start : start + rows])
-        torch.mm(block, qt.t(), out=out[start : start + rows])
+        block_t = scratch[: rank * block.shape[0]].view(rank, block.shape[0])
+        torch.mm(qt, block.t(), out=block_t)
+        out[start : start + rows].copy_(block_t.t())
 
 
 def compensated_right_factor_into(
@@ -226,7 +235,7 @@ def reconstruct_(
 
 
 def scratch_elements(matrix: torch.Tensor) -> int:
-    """Elements of the ``scratch`` that :func:`reconstruct_` needs for a 2-D ``matrix``."""
+    """Elements of the ``scratch`` that the blocked routines here need for a 2-D ``matrix``."""
     return min(matrix.shape[0], _block_rows(matrix)) * matrix.shape[1]
 
 

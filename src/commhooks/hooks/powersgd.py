@@ -561,6 +561,17 @@ class _Call:
     uncompressed_keys: list[Key] = field(default_factory=list)
     writeback: Callable[[], None] | None = None
     groups: list[_Group] = field(default_factory=list)
+    _scratch: torch.Tensor | None = None
+
+    def scratch(self) -> torch.Tensor:
+        """One block's worth of working memory for the blocked products, made once per call."""
+        if self._scratch is None:
+            self._scratch = torch.empty(
+                max((lowrank.scratch_elements(g.stack[0]) for g in self.groups), default=0),
+                dtype=self.buffer.dtype,
+                device=self.buffer.device,
+            )
+        return self._scratch
 
 
 def _compensate_uncompressed(call: _Call) -> None:
@@ -652,7 +663,36 @@ def _prepare_known_factors(call: _Call, known: torch.Tensor) -> None:
                 if t is None:
                     t = torch.randn((1, *shape[1:]), generator=gen, dtype=known.dtype)
                 g.known[i].copy_(t.reshape(shape[1:]))
-        lowrank.orthogonalize_(g.known, state.orthogonalization_epsilon)
+    _orthogonalize_all(call, known, _known_shape, lambda g: g.entries[0].step != _Q_STEP)
+
+
+def _orthogonalize_all(
+    call: _Call,
+    flat: torch.Tensor,
+    shape_of: Callable[[_Group], tuple[int, int, int]],
+    is_q: Callable[[_Group], bool],
+) -> None:
+    """Orthogonalise every group's factor in ``flat``, laid out one group after another.
+
+    Consecutive groups whose factors have the same shape and layout are one stack in ``flat``:
+    they are orthogonalised with one batched call each (a bucket's layers mostly share a few
+    widths), which saves many small per-layer operations on the critical path.
+    """
+    runs: list[list] = []  # [start, end, batch, rows, rank, is_q]
+    offset = 0
+    for g in call.groups:
+        b, rows, rank = shape_of(g)
+        end = offset + b * rows * rank
+        q = is_q(g)
+        last = runs[-1] if runs else None
+        if last is not None and last[1] == offset and tuple(last[3:]) == (rows, rank, q):
+            last[1], last[2] = end, last[2] + b
+        else:
+            runs.append([offset, end, b, rows, rank, q])
+        offset = end
+    for start, end, b, rows, rank, q in runs:
+        stack = _factor_view(flat[start:end], (b, rows, rank), is_q=q)
+        lowrank.orthogonalize_(stack, call.state.orthogonalization_epsilon)
 
 
 def _factor_view(flat: torch.Tensor, shape: tuple[int, int, int], is_q: bool) -> torch.Tensor:
@@ -692,7 +732,7 @@ def _compute_sent(call: _Call, send: torch.Tensor) -> None:
                 )
             else:
                 lowrank.compensated_left_factor_into(
-                    first.matrix, first.pending_error, g.known[0].t(), g.sent[0]
+                    first.matrix, first.pending_error, g.known[0].t(), g.sent[0], call.scratch()
                 )
             first.pending_error = None
         elif first.step == _Q_STEP:
@@ -741,11 +781,7 @@ def _decompress(
     """Write ``P Qᵀ`` into the gradients and, if ``update``, remember the new error."""
     state = call.state
     remember = update and state.use_error_feedback
-    scratch = torch.empty(
-        max((lowrank.scratch_elements(g.stack[0]) for g in call.groups), default=0),
-        dtype=call.buffer.dtype,
-        device=call.buffer.device,
-    )
+    scratch = call.scratch()
     for g in call.groups:
         p, q = p_of(g), q_of(g)
         for i, e in enumerate(g.entries):
@@ -816,8 +852,8 @@ def _second_round(
         _undo_compensation(call)
         return comm.average(call.buffer, follow_up)
     _unpack_uncompressed(call, packed, update=True)
+    _orthogonalize_all(call, p_all, _sent_shape, lambda g: False)
     for g in call.groups:
-        lowrank.orthogonalize_(g.sent, call.state.orthogonalization_epsilon)
         # The new Q overwrites the starting one, in the buffer that is sent next.
         lowrank.right_factor_into(g.stack, g.sent, g.known)
     return comm.allreduce(q_all, follow_up)
