@@ -152,13 +152,6 @@ def approximate_into(p: torch.Tensor, q: torch.Tensor, out: torch.Tensor) -> Non
     torch.bmm(p, q.transpose(1, 2), out=out)
 
 
-def residual_into(
-    matrices: torch.Tensor, p: torch.Tensor, q: torch.Tensor, out: torch.Tensor
-) -> None:
-    """``out = M - P Qᵀ`` in one pass over ``M`` (the error that feedback carries over)."""
-    torch.baddbmm(matrices, p, q.transpose(1, 2), alpha=-1, out=out)
-
-
 # Row blocks of about this many bytes stay in cache between the passes fused over them.
 _BLOCK_BYTES = 1 << 20
 
