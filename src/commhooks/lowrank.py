@@ -12,11 +12,15 @@ import torch
 
 __all__ = [
     "approximate_into",
+    "compensated_left_factor_into",
+    "compensated_right_factor_into",
     "as_matrix",
     "compression_sizes",
     "left_factor_into",
     "orthogonalize_",
     "pack_into",
+    "reconstruct_",
+    "scratch_elements",
     "right_factor_into",
     "should_compress",
     "square_side",
@@ -148,11 +152,84 @@ def approximate_into(p: torch.Tensor, q: torch.Tensor, out: torch.Tensor) -> Non
     torch.bmm(p, q.transpose(1, 2), out=out)
 
 
-def residual_into(
-    matrices: torch.Tensor, p: torch.Tensor, q: torch.Tensor, out: torch.Tensor
+# Row blocks of about this many bytes stay in cache between the passes fused over them.
+_BLOCK_BYTES = 1 << 20
+
+
+def _block_rows(matrix: torch.Tensor) -> int:
+    return max(1, _BLOCK_BYTES // max(1, matrix.shape[1] * matrix.element_size()))
+
+
+def compensated_left_factor_into(
+    matrix: torch.Tensor,
+    error: torch.Tensor | None,
+    qt: torch.Tensor,
+    out: torch.Tensor,
+    scratch: torch.Tensor,
 ) -> None:
-    """``out = M - P Qᵀ`` in one pass over ``M`` (the error that feedback carries over)."""
-    torch.baddbmm(matrices, p, q.transpose(1, 2), alpha=-1, out=out)
+    """``matrix += error``, then ``out = matrix Q``, for 2-D ``matrix`` (n, m) and ``qt`` (r, m).
+
+    Done block of rows by block of rows, so each block is multiplied while it is still in
+    cache from the addition: one pass over the gradient and its error instead of two. Each
+    block's product is formed as ``Qᵀ Mᵀ`` in ``scratch`` (at least ``r`` times the rows of a
+    block), which CPU BLAS computes about twice as fast as ``M Q`` for a thin ``Q``.
+    """
+    rows = _block_rows(matrix)
+    rank = qt.shape[0]
+    for start in range(0, matrix.shape[0], rows):
+        block = matrix[start : start + rows]
+        if error is not None:
+            block.add_(error[start : start + rows])
+        block_t = scratch[: rank * block.shape[0]].view(rank, block.shape[0])
+        torch.mm(qt, block.t(), out=block_t)
+        out[start : start + rows].copy_(block_t.t())
+
+
+def compensated_right_factor_into(
+    matrix: torch.Tensor, error: torch.Tensor | None, p: torch.Tensor, out_t: torch.Tensor
+) -> None:
+    """``matrix += error``, then ``out_t = Pᵀ matrix`` (that is ``Qᵀ``), by blocks of rows.
+
+    ``out_t`` (r, m) accumulates one block's contribution at a time, as in
+    :func:`compensated_left_factor_into`.
+    """
+    rows = _block_rows(matrix)
+    for start in range(0, matrix.shape[0], rows):
+        block = matrix[start : start + rows]
+        if error is not None:
+            block.add_(error[start : start + rows])
+        if start == 0:
+            torch.mm(p[:rows].t(), block, out=out_t)
+        else:
+            out_t.addmm_(p[start : start + rows].t(), block)
+
+
+def reconstruct_(
+    matrix: torch.Tensor,
+    p: torch.Tensor,
+    qt: torch.Tensor,
+    error: torch.Tensor | None,
+    scratch: torch.Tensor,
+) -> None:
+    """``error = matrix - P Qᵀ`` (if ``error`` is given), then ``matrix = P Qᵀ``, in one pass.
+
+    ``P Qᵀ`` is formed one block of rows at a time in ``scratch`` (at least one block's
+    elements), so the matrix is read once and written once, and the error written once,
+    instead of one pass for the residual and another for the approximation.
+    """
+    rows = _block_rows(matrix)
+    for start in range(0, matrix.shape[0], rows):
+        block = matrix[start : start + rows]
+        approx = scratch[: block.numel()].view_as(block)
+        torch.mm(p[start : start + rows], qt, out=approx)
+        if error is not None:
+            torch.sub(block, approx, out=error[start : start + rows])
+        block.copy_(approx)
+
+
+def scratch_elements(matrix: torch.Tensor) -> int:
+    """Elements of the ``scratch`` that the blocked routines here need for a 2-D ``matrix``."""
+    return min(matrix.shape[0], _block_rows(matrix)) * matrix.shape[1]
 
 
 def pack_into(tensors: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,436 @@
+"""One bucket's PowerSGD compression as named steps: two rounds (P, then Q) or one.
+
+The hooks in :mod:`commhooks.hooks.powersgd` build a :class:`_Call` and hand it to
+:func:`run`. Matrices are compressed with the routines of :mod:`commhooks.lowrank`. With one
+bucket all of this runs after backward, on the critical path of the step, so passes over the
+gradients are fused where that is faster: the reconstruction and the new error in one blocked
+pass for both variants, and the error compensation with the single-round variant's product.
+
+Hook modules must not use ``from __future__ import annotations``: DDP rejects string annotations.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from commhooks import comm, lowrank
+from commhooks.hooks._powersgd_state import _P_STEP, _Q_STEP, Key, PowerSGDState
+
+__all__ = ["run", "single_round_step"]
+
+
+# ----------------------------------------------------------------------------------------------
+# One bucket's compression, as named steps
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class _Entry:
+    key: Key
+    matrix: torch.Tensor  # (n, m): where M is built and the approximation is written
+    rank: int
+    step: str
+    error_in_matrix: bool = False  # the remembered error was added to a gradient view
+    pending_error: torch.Tensor | None = None  # to add while computing the first product
+
+
+@dataclass
+class _Group:
+    """Entries of one shape and step, compressed with one batched product (or one entry)."""
+
+    entries: list[_Entry]
+    stack: torch.Tensor  # (B, n, m): a view of the single entry's matrix, or a stacked copy
+    known: torch.Tensor | None = None  # the factor the step starts from, (B, ., r)
+    sent: torch.Tensor | None = None  # the factor the step sends, a view into a send buffer
+
+    @property
+    def stacked(self) -> bool:
+        return len(self.entries) > 1
+
+
+@dataclass
+class _Call:
+    """Everything one hook call needs after its collectives complete."""
+
+    state: PowerSGDState
+    bucket: dist.GradBucket
+    buffer: torch.Tensor
+    group: dist.ProcessGroup
+    entries: list[_Entry]
+    uncompressed: list[torch.Tensor]
+    uncompressed_keys: list[Key] = field(default_factory=list)
+    writeback: Callable[[], None] | None = None
+    groups: list[_Group] = field(default_factory=list)
+    _scratch: torch.Tensor | None = None
+
+    def scratch(self) -> torch.Tensor:
+        """One block's worth of working memory for the blocked products, made once per call."""
+        if self._scratch is None:
+            self._scratch = torch.empty(
+                max((lowrank.scratch_elements(g.stack[0]) for g in self.groups), default=0),
+                dtype=self.buffer.dtype,
+                device=self.buffer.device,
+            )
+        return self._scratch
+
+
+def _compensate_uncompressed(call: _Call) -> None:
+    """Add the remembered error to each tensor sent as it is."""
+    state = call.state
+    if not state.use_error_feedback:
+        return
+    for key, t in zip(call.uncompressed_keys, call.uncompressed):
+        error = state._stored(state.error_dict, key, tuple(t.shape), t)
+        if error is not None:
+            t.add_(error)
+
+
+def _compensate_matrices(call: _Call, fuse: bool = False) -> None:
+    """Add the remembered error to each matrix, so M = gradient + previous error.
+
+    With ``fuse``, the addition is left to the first product (see :func:`_compute_sent`),
+    which then reads the gradient once instead of twice. Only where each matrix is its own
+    group: a stacked group copies the matrices, which must already hold M.
+    """
+    state = call.state
+    if not state.use_error_feedback:
+        return
+    fuse = fuse and not state.batch_tensors_with_same_shape
+    for e in call.entries:
+        error = state._stored(state.error_dict, e.key, tuple(e.matrix.shape), e.matrix)
+        if error is None:
+            continue
+        if fuse:
+            e.pending_error = error
+        else:
+            e.matrix.add_(error)
+        e.error_in_matrix = True
+
+
+def _form_groups(call: _Call) -> None:
+    batch = call.state.batch_tensors_with_same_shape
+    by_kind: dict[tuple, list[_Entry]] = {}
+    for e in call.entries:
+        kind = (tuple(e.matrix.shape), e.rank, e.step) if batch else (id(e),)
+        by_kind.setdefault(kind, []).append(e)
+    for entries in by_kind.values():
+        stack = (
+            torch.stack([e.matrix for e in entries])
+            if len(entries) > 1
+            else entries[0].matrix.unsqueeze(0)
+        )
+        call.groups.append(_Group(entries, stack))
+
+
+def _known_shape(g: _Group) -> tuple[int, int, int]:
+    b, n, m = g.stack.shape
+    rank = g.entries[0].rank
+    return (b, n, rank) if g.entries[0].step == _Q_STEP else (b, m, rank)
+
+
+def _sent_shape(g: _Group) -> tuple[int, int, int]:
+    b, n, m = g.stack.shape
+    rank = g.entries[0].rank
+    return (b, m, rank) if g.entries[0].step == _Q_STEP else (b, n, rank)
+
+
+def _prepare_known_factors(call: _Call, known: torch.Tensor) -> None:
+    """Fill each group's starting factor: the stored one (warm start) or a random projection.
+
+    A bucket call that needs any random projection draws one seed from the state's numpy
+    generator and samples, in group order, on a private CPU generator: the same values on
+    every rank, PyTorch's sequence, and the global RNG untouched.
+    """
+    state, offset, gen = call.state, 0, None
+    for g in call.groups:
+        shape = _known_shape(g)
+        g.known = _factor_view(
+            known[offset : offset + _numel(shape)], shape, is_q=g.entries[0].step != _Q_STEP
+        )
+        offset += _numel(shape)
+        store = state.p_memory_dict if g.entries[0].step == _Q_STEP else state.q_memory_dict
+        warm = state.warm_start or state.single_round
+        stored = [
+            state._stored(store, e.key, shape[1:], known) if warm else None for e in g.entries
+        ]
+        missing = [i for i, t in enumerate(stored) if t is None]
+        if missing and gen is None:
+            gen = torch.Generator().manual_seed(int(state.rng.randint(1_000_000_000)))
+        if len(missing) == len(g.entries):
+            g.known.copy_(torch.randn(shape, generator=gen, dtype=known.dtype))
+        else:
+            for i, t in enumerate(stored):
+                if t is None:
+                    t = torch.randn((1, *shape[1:]), generator=gen, dtype=known.dtype)
+                g.known[i].copy_(t.reshape(shape[1:]))
+    _orthogonalize_all(call, known, _known_shape, lambda g: g.entries[0].step != _Q_STEP)
+
+
+def _orthogonalize_all(
+    call: _Call,
+    flat: torch.Tensor,
+    shape_of: Callable[[_Group], tuple[int, int, int]],
+    is_q: Callable[[_Group], bool],
+) -> None:
+    """Orthogonalise every group's factor in ``flat``, laid out one group after another.
+
+    Consecutive groups whose factors have the same shape and layout are one stack in ``flat``:
+    they are orthogonalised with one batched call each (a bucket's layers mostly share a few
+    widths), which saves many small per-layer operations on the critical path.
+    """
+    runs: list[list] = []  # [start, end, batch, rows, rank, is_q]
+    offset = 0
+    for g in call.groups:
+        b, rows, rank = shape_of(g)
+        end = offset + b * rows * rank
+        q = is_q(g)
+        last = runs[-1] if runs else None
+        if last is not None and last[1] == offset and tuple(last[3:]) == (rows, rank, q):
+            last[1], last[2] = end, last[2] + b
+        else:
+            runs.append([offset, end, b, rows, rank, q])
+        offset = end
+    for start, end, b, rows, rank, q in runs:
+        stack = _factor_view(flat[start:end], (b, rows, rank), is_q=q)
+        lowrank.orthogonalize_(stack, call.state.orthogonalization_epsilon)
+
+
+def _factor_view(flat: torch.Tensor, shape: tuple[int, int, int], is_q: bool) -> torch.Tensor:
+    """A ``(batch, rows, rank)`` factor; ``Q`` factors are stored as ``Qᵀ`` (rank x rows).
+
+    With ``Qᵀ`` contiguous, ``M Q``, ``Mᵀ P`` (computed as ``(Pᵀ M)ᵀ``) and ``P Qᵀ`` all read ``M``
+    row by row; CPU BLAS is several times slower on an n x 2 right-hand side stored row-major.
+    """
+    if not is_q:
+        return flat.view(shape)
+    batch, rows, rank = shape
+    return flat.view(batch, rank, rows).transpose(1, 2)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
+
+
+def _compute_sent(call: _Call, send: torch.Tensor) -> None:
+    """``P = M Q`` (or ``Q = Mᵀ P`` for a single-round Q step) into views of ``send``."""
+    offset = 0
+    for g in call.groups:
+        shape = _sent_shape(g)
+        g.sent = _factor_view(
+            send[offset : offset + _numel(shape)], shape, is_q=g.entries[0].step == _Q_STEP
+        )
+        offset += _numel(shape)
+        first = g.entries[0]
+        if call.state.single_round and not g.stacked:
+            # Its own numerics: take the fast kernels, fused with the error compensation.
+            if first.step == _Q_STEP:
+                lowrank.compensated_right_factor_into(
+                    first.matrix, first.pending_error, g.known[0], g.sent[0].t()
+                )
+            else:
+                lowrank.compensated_left_factor_into(
+                    first.matrix, first.pending_error, g.known[0].t(), g.sent[0], call.scratch()
+                )
+            first.pending_error = None
+        elif first.step == _Q_STEP:
+            lowrank.right_factor_into(g.stack, g.known, g.sent)
+        else:
+            lowrank.left_factor_into(g.stack, g.known, g.sent, exact=not call.state.single_round)
+
+
+def _all_finite(*tensors: torch.Tensor) -> bool:
+    # Decided on reduced data, identical on every rank, so every rank takes the same branch.
+    return all(t.numel() == 0 or bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def _undo_compensation(call: _Call) -> None:
+    if not call.state.use_error_feedback:
+        return
+    for key, t in zip(call.uncompressed_keys, call.uncompressed):
+        if key in call.state.error_dict:
+            t.sub_(call.state.error_dict[key])
+    for e in call.entries:
+        if e.error_in_matrix:
+            e.matrix.sub_(call.state.error_dict[e.key])
+
+
+def _unpack_uncompressed(call: _Call, averaged: torch.Tensor, update: bool) -> None:
+    """Copy the averages back; remember ``local - mean`` (error feedback, as PyTorch does)."""
+    state, offset = call.state, 0
+    remember = update and state.use_error_feedback
+    for key, t in zip(call.uncompressed_keys, call.uncompressed):
+        mean = averaged[offset : offset + t.numel()].view_as(t)
+        offset += t.numel()
+        if remember:
+            error = state.error_dict.get(key)
+            if error is None or error.shape != t.shape:
+                error = state.error_dict[key] = torch.empty_like(t)
+            torch.sub(t, mean, out=error)
+        t.copy_(mean)
+
+
+def _decompress(
+    call: _Call,
+    p_of: Callable[[_Group], torch.Tensor],
+    q_of: Callable[[_Group], torch.Tensor],
+    update: bool,
+) -> None:
+    """Write ``P Qᵀ`` into the gradients and, if ``update``, remember the new error."""
+    state = call.state
+    remember = update and state.use_error_feedback
+    scratch = call.scratch()
+    for g in call.groups:
+        p, q = p_of(g), q_of(g)
+        for i, e in enumerate(g.entries):
+            error = None
+            if remember:
+                error = state.error_dict.get(e.key)
+                if error is None or error.shape != e.matrix.shape:
+                    error = state.error_dict[e.key] = torch.empty_like(e.matrix)
+            # Q factors are stored as Qᵀ, so q[i].t() is the contiguous (rank, cols) matrix.
+            lowrank.reconstruct_(g.stack[i], p[i], q[i].t(), error, scratch)
+            if g.stacked:
+                e.matrix.copy_(g.stack[i])
+    if call.writeback is not None:
+        call.writeback()
+
+
+def _finish_step(call: _Call) -> None:
+    """Per-step bookkeeping done in the hook thread, in bucket order."""
+    call.state.maybe_increase_iter(call.bucket)
+
+
+# -- two rounds: P then Q -----------------------------------------------------------------------
+def _two_rounds(call: _Call) -> torch.futures.Future[torch.Tensor]:
+    group = call.group
+    issuer = comm.issuer_for(group)
+    dtype, device = call.buffer.dtype, call.buffer.device
+    # The uncompressed tensors need no compression work: start their allreduce first.
+    packed = torch.empty(sum(t.numel() for t in call.uncompressed), dtype=dtype, device=device)
+    _compensate_uncompressed(call)
+    lowrank.pack_into(call.uncompressed, packed)
+    plain = _sum_then_mean(packed, group) if packed.numel() else comm.completed(packed)
+    _compensate_matrices(call)
+    _form_groups(call)
+    q_all = torch.empty(
+        sum(_numel(_known_shape(g)) for g in call.groups), dtype=dtype, device=device
+    )
+    p_all = torch.empty(
+        sum(_numel(_sent_shape(g)) for g in call.groups), dtype=dtype, device=device
+    )
+    _prepare_known_factors(call, q_all)
+    _compute_sent(call, p_all)
+    # P is orthogonalised after the sum, so it needs no division by the world size.
+    p_done = comm.allreduce(p_all, group)
+    both = torch.futures.collect_all([plain, p_done])
+    outcome: dict[str, bool] = {}
+    q_done = issuer.then(
+        both, lambda futs: _second_round(call, futs, packed, p_all, q_all, outcome, issuer.group)
+    )
+    _finish_step(call)
+    return q_done.then(lambda fut: _after_second_round(call, fut, q_all, outcome))
+
+
+def _second_round(
+    call: _Call,
+    futs: list,
+    packed: torch.Tensor,
+    p_all: torch.Tensor,
+    q_all: torch.Tensor,
+    outcome: dict[str, bool],
+    follow_up: dist.ProcessGroup,
+) -> torch.futures.Future:
+    for f in futs:
+        f.value()  # re-raise a failed collective
+    if not _all_finite(packed, p_all):
+        # Some rank's gradient was inf/NaN: send the bucket as plain allreduce would and keep
+        # the error memory and factors, so a loss scaler can skip the step and go on cleanly.
+        outcome["fallback"] = True
+        _undo_compensation(call)
+        return comm.average(call.buffer, follow_up)
+    _unpack_uncompressed(call, packed, update=True)
+    _orthogonalize_all(call, p_all, _sent_shape, lambda g: False)
+    for g in call.groups:
+        # The new Q overwrites the starting one, in the buffer that is sent next.
+        lowrank.right_factor_into(g.stack, g.sent, g.known)
+    return comm.allreduce(q_all, follow_up)
+
+
+def _sum_then_mean(packed: torch.Tensor, group: dist.ProcessGroup) -> torch.futures.Future:
+    # PyTorch's order (sum, then divide) rather than DDP's, for the same numerics as its hook.
+    world = group.size()
+    return comm.allreduce(packed, group).then(lambda fut: fut.value().div_(world))
+
+
+def _after_second_round(
+    call: _Call, fut: torch.futures.Future, q_all: torch.Tensor, outcome: dict[str, bool]
+) -> torch.Tensor:
+    fut.value()
+    if outcome.get("fallback"):
+        return call.buffer
+    q_all.div_(call.group.size())
+    _decompress(call, p_of=lambda g: g.sent, q_of=lambda g: g.known, update=True)
+    if call.state.warm_start:
+        for g in call.groups:
+            for i, e in enumerate(g.entries):
+                call.state.q_memory_dict[e.key] = g.known[i]
+    return call.buffer
+
+
+# -- one round: P or Q, packed with the uncompressed tensors ------------------------------------
+def _one_round(call: _Call) -> torch.futures.Future[torch.Tensor]:
+    group = call.group
+    dtype, device = call.buffer.dtype, call.buffer.device
+    _compensate_uncompressed(call)
+    _compensate_matrices(call, fuse=True)
+    _form_groups(call)
+    unc = sum(t.numel() for t in call.uncompressed)
+    known = torch.empty(
+        sum(_numel(_known_shape(g)) for g in call.groups), dtype=dtype, device=device
+    )
+    send = torch.empty(
+        unc + sum(_numel(_sent_shape(g)) for g in call.groups), dtype=dtype, device=device
+    )
+    lowrank.pack_into(call.uncompressed, send[:unc])
+    _prepare_known_factors(call, known)
+    _compute_sent(call, send[unc:])
+    done = comm.average(send, group)
+    _finish_step(call)
+    return done.then(lambda fut: _after_one_round(call, fut.value(), unc))
+
+
+def _after_one_round(call: _Call, send: torch.Tensor, unc: int) -> torch.Tensor:
+    state = call.state
+    ok = _all_finite(send)
+    _unpack_uncompressed(call, send[:unc], update=ok)
+    # With a non-finite input the approximation is non-finite too, which a loss scaler sees;
+    # the error memory and factors stay as they were.
+    _decompress(
+        call,
+        p_of=lambda g: g.known if g.entries[0].step == _Q_STEP else g.sent,
+        q_of=lambda g: g.sent if g.entries[0].step == _Q_STEP else g.known,
+        update=ok,
+    )
+    if ok:
+        for g in call.groups:
+            q_step = g.entries[0].step == _Q_STEP
+            p, q = (g.known, g.sent) if q_step else (g.sent, g.known)
+            for i, e in enumerate(g.entries):
+                state.p_memory_dict[e.key] = p[i].clone()
+                state.q_memory_dict[e.key] = q[i].clone()
+                state._last_step[e.key] = e.step
+    return call.buffer
+
+
+def single_round_step(state: PowerSGDState, key: Key) -> str:
+    """Alternate per matrix; a matrix with no ``P`` yet starts with a ``P`` step."""
+    if key in state.p_memory_dict and state._last_step.get(key) == _P_STEP:
+        return _Q_STEP
+    return _P_STEP
+
+
+def run(call: _Call) -> torch.futures.Future[torch.Tensor]:
+    return _one_round(call) if call.state.single_round else _two_rounds(call)
