@@ -237,7 +237,12 @@ def power_iteration(matrices: torch.Tensor, rank: int, seed: int):
     approx = torch.empty_like(matrices)
     lowrank.approximate_into(p, q_new, approx)
     residual = torch.empty_like(matrices)
-    lowrank.residual_into(matrices, p, q_new, residual)
+    for i in range(b):  # the hooks' fused pass: the error, then the approximation in place
+        rebuilt = matrices[i].clone()
+        scratch = torch.empty(lowrank.scratch_elements(rebuilt), dtype=matrices.dtype)
+        lowrank.reconstruct_(rebuilt, p[i], q_new[i].transpose(0, 1), residual[i], scratch)
+        scale = approx[i].abs().max().item() or 1.0  # same product, another kernel: last bits
+        assert (rebuilt - approx[i]).abs().max().item() <= 1e-5 * scale
     return approx, p, q_new, residual
 
 
@@ -392,8 +397,10 @@ def _rank_deficient_gradient() -> None:
             use_error_feedback=False,
             single_round=single_round,
         )
+        bucket = FakeBucket([grad])  # the same parameters every step, as DDP hands them
         for step in range(2):
-            out = powerSGD_hook(state, FakeBucket([grad])).wait().view(16, 12)
+            bucket.buffer().copy_(grad.view(-1))
+            out = powerSGD_hook(state, bucket).wait().view(16, 12)
             # One round refines P first (M Q Qᵀ with a random Q): only its Q step is exact.
             if step == 1 or not single_round:
                 errors[f"single_round={single_round} step {step}"] = _rel_err(out, grad)

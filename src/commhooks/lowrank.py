@@ -33,7 +33,8 @@ _HALF = (torch.float16, torch.bfloat16)
 def as_matrix(tensor: torch.Tensor) -> torch.Tensor:
     """View a gradient as a matrix whose rows follow its first dimension (a scalar: 1 x 1)."""
     rows = tensor.shape[0] if tensor.dim() > 0 else 1
-    return tensor.view(rows, -1)
+    # Explicit column count: ``view(rows, -1)`` cannot infer it for a tensor with no elements.
+    return tensor.view(rows, math.prod(tensor.shape[1:]))
 
 
 def compression_sizes(rows: int, cols: int, rank: int) -> tuple[int, int]:
@@ -95,12 +96,37 @@ def orthogonalize_(matrices: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor
 
 def _gram_schmidt_(stack: torch.Tensor, epsilon: float) -> None:
     cols = stack.shape[2]
+    # A column that loses nearly all of its norm (all but sqrt(eps) of it) to the projections on
+    # earlier columns keeps mostly rounding error, no longer orthogonal to them; normalised as
+    # it is, P Pᵀ stops being a projection and the gradient comes back badly wrong (PyTorch's
+    # hook returns a rank-1 gradient compressed at rank 2 with half its size wrong). Such a
+    # column is projected out a second time ("twice is enough"); if it is still within eps of
+    # its original norm it lies in the earlier columns' span and becomes zero. Other columns
+    # take exactly the steps of PyTorch's Gram-Schmidt, so ordinary inputs keep its numerics.
+    eps = torch.finfo(stack.dtype).eps
+    collapse = math.sqrt(eps)
+    original = _column_norms(stack) if cols > 1 else None
     for i in range(cols):
         col = stack[:, :, i : i + 1]
+        if i > 0:
+            earlier = stack[:, :, :i]
+            again = col - earlier @ (earlier.transpose(1, 2) @ col)
+            before = original[:, :, i : i + 1]
+            collapsed = _column_norms(col) <= collapse * before
+            col.copy_(torch.where(collapsed, again, col))
+            col.masked_fill_(collapsed & (_column_norms(col) <= eps * before), 0.0)
         col /= _safe_norm(col, epsilon)
         if i + 1 < cols:
             rest = stack[:, :, i + 1 :]
             rest -= torch.sum(col * rest, dim=1, keepdim=True) * col
+
+
+def _column_norms(stack: torch.Tensor) -> torch.Tensor:
+    """Column norms that neither underflow nor overflow, in float32 or wider."""
+    wide = torch.float32 if stack.dtype in _HALF else stack.dtype
+    scale = stack.abs().amax(dim=1, keepdim=True).to(wide)
+    scale = scale.masked_fill(scale == 0, 1.0)
+    return torch.linalg.vector_norm(stack.to(wide) / scale, dim=1, keepdim=True) * scale
 
 
 def _safe_norm(col: torch.Tensor, epsilon: float) -> torch.Tensor:
@@ -109,6 +135,10 @@ def _safe_norm(col: torch.Tensor, epsilon: float) -> torch.Tensor:
         norm = torch.linalg.vector_norm(col, dim=1, keepdim=True, dtype=torch.float32)
     else:
         norm = torch.norm(col, dim=1, keepdim=True)
+    # Squares of very small or very large values underflow to 0 or overflow to inf; only there
+    # use the scaled norm, so ordinary columns are divided exactly as PyTorch divides them.
+    unsafe = ((norm == 0) | torch.isinf(norm)) & (col != 0).any(dim=1, keepdim=True)
+    norm = torch.where(unsafe, _column_norms(col).to(norm.dtype), norm)
     if epsilon > 0:
         return norm + epsilon
     # A zero column divided by 1 stays zero; every other column is divided by its exact norm.
