@@ -66,10 +66,10 @@ def orthogonalize_(matrices: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor
     """Make the columns of each matrix in a ``(batch, rows, rank)`` stack orthonormal, in place.
 
     Gram-Schmidt for rank <= 2 (cheaper than a QR call there) and for half precision (which
-    ``torch.linalg.qr`` does not support); Householder QR otherwise. Neither gives NaN for a
-    column of zeros, even with ``epsilon == 0``: Gram-Schmidt leaves it zero, QR replaces it by
-    a unit vector orthogonal to the others. A layer whose gradient vanishes then contributes
-    zeros instead of poisoning the weights.
+    ``torch.linalg.qr`` does not support; computed in float32); Householder QR otherwise.
+    Neither gives NaN for a column of zeros, even with ``epsilon == 0``: Gram-Schmidt leaves it
+    zero, QR replaces it by a unit vector orthogonal to the others. A layer whose gradient
+    vanishes then contributes zeros instead of poisoning the weights.
 
     Args:
         matrices: a 3-D stack, or a single 2-D matrix, with no more columns than rows.
@@ -84,8 +84,11 @@ def orthogonalize_(matrices: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor
         )
     # Reductions round differently on other memory layouts; work on the row-major layout
     # PyTorch's hook uses (factors are small, so the copy is cheap) to keep its numerics.
-    work = stack.contiguous()
-    if stack.shape[2] <= 2 or stack.dtype in _HALF:
+    # Half precision is orthogonalised in float32: with 8 or 11 significant bits, Gram-Schmidt
+    # cannot tell an ill-conditioned column from a dependent one.
+    half = stack.dtype in _HALF
+    work = stack.float() if half else stack.contiguous()
+    if stack.shape[2] <= 2 or half:
         _gram_schmidt_(work, epsilon)
     else:
         _householder_(work)
