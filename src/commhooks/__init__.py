@@ -1,6 +1,6 @@
 """Gradient communication hooks for PyTorch DistributedDataParallel.
 
-Drop-in for ``torch.distributed.algorithms.ddp_comm_hooks``: the same names and arguments,
+Drop-in for PyTorch's DDP communication hooks: the same names and arguments,
 working on gloo/CPU as well as NCCL/GPU::
 
     from commhooks import fp16_compress_hook
