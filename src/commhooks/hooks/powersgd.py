@@ -67,15 +67,9 @@ def powerSGD_hook(
         state: the :class:`PowerSGDState` with the options and memory.
         bucket: the gradient bucket DDP hands to the hook.
     """
-    owner = "powerSGD_hook"
-    state = _check_state(state, owner)
-    buffer = float_buffer(bucket, owner)
-    group = state._group(owner)
-    params = bucket.parameters()
-    ordinals = state._ordinals_of(params)
-    if not state._compressing():
-        state.maybe_increase_iter(bucket)
-        return comm.average(buffer, group)
+    state, buffer, group, ordinals, warmup = _begin(state, bucket, "powerSGD_hook")
+    if warmup is not None:
+        return warmup
     grads = bucket.gradients()
     plan = state._plan(ordinals, grads)
     state._count(plan.numel_before, plan.numel_after, bucket)
@@ -108,14 +102,9 @@ def batched_powerSGD_hook(
         state: the :class:`PowerSGDState` with the options and memory.
         bucket: the gradient bucket DDP hands to the hook.
     """
-    owner = "batched_powerSGD_hook"
-    state = _check_state(state, owner)
-    buffer = float_buffer(bucket, owner)
-    group = state._group(owner)
-    ordinals = state._ordinals_of(bucket.parameters())
-    if not state._compressing():
-        state.maybe_increase_iter(bucket)
-        return comm.average(buffer, group)
+    state, buffer, group, ordinals, warmup = _begin(state, bucket, "batched_powerSGD_hook")
+    if warmup is not None:
+        return warmup
     key = f"bucket{bucket.index()}"
     state._check_layout(key, ordinals)
     length = buffer.numel()
@@ -131,3 +120,19 @@ def batched_powerSGD_hook(
     call = _Call(state, bucket, buffer, group, [entry], [])
     call.writeback = lambda: buffer.copy_(square[:length])
     return run(call)
+
+
+def _begin(state: Any, bucket: dist.GradBucket, owner: str) -> tuple:
+    """What both hooks do first: check their arguments, then average plainly while warming up.
+
+    Returns ``(state, buffer, group, ordinals, warmup)``, where ``warmup`` is the future of the
+    plain allreduce before compression starts and ``None`` once it has.
+    """
+    state = _check_state(state, owner)
+    buffer = float_buffer(bucket, owner)
+    group = state._group(owner)
+    ordinals = state._ordinals_of(bucket.parameters())
+    if state._compressing():
+        return state, buffer, group, ordinals, None
+    state.maybe_increase_iter(bucket)
+    return state, buffer, group, ordinals, comm.average(buffer, group)
