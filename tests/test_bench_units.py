@@ -71,6 +71,7 @@ def test_bad_flags_say_what_is_accepted(capsys):
     assert "--predict" in _parse_error(capsys, ["--world-size", "64"])
     assert "needs --bandwidth" in _parse_error(capsys, ["--latency", "5ms"])
     assert ".png" in _parse_error(capsys, ["--plot", "out.jpg"])
+    assert "between 1 and 100" in _parse_error(capsys, ["--repeat", "0"])
 
 
 def test_default_plan_and_predict_world():
@@ -164,6 +165,22 @@ def test_make_row_figures_by_hand():
     row = summary.make_row("fp16", 10**8, _fake_run([0.1, 0.3, 0.2, 0.4], wire), {})
     assert row["bytes_per_step"] == pytest.approx(1_050_000)
     assert row["wire_vs_analytic"] == pytest.approx((4_200_000 - 3000 * 66) / 4 / 1_000_000)
+
+
+def test_repeated_runs_pool_their_steps_and_counters():
+    wire = {"tx_bytes": 4_200_000, "tx_packets": 3000, "rx_bytes": 10, "rx_packets": 1}
+    first, second = _fake_run([0.1, 0.3], wire), _fake_run([0.2, 0.4], wire)
+    second["ranks"][1]["peak_memory_bytes"] = 5000
+    pooled = summary.pool_runs([first, second])
+    row = summary.make_row("fp16", 10**8, pooled, {})
+    assert row["repeats"] == 2 and row["timed_steps"] == 4
+    assert row["step_ms_median"] == pytest.approx(250.0)  # as one run of [0.1, 0.3, 0.2, 0.4]
+    assert row["bytes_per_step"] == pytest.approx(2 * 4_200_000 / 4)
+    assert row["peak_memory_bytes"] == 5000
+    failed = {"ok": False, "error": "boom", "ranks": []}
+    assert summary.pool_runs([first, failed]) is failed  # one failed round fails the hook
+    assert summary.pool_runs([first]) is first
+    assert args.parse(["--repeat", "3"]).repeat == 3 and args.parse([]).repeat == 1
 
 
 def test_failed_row_and_plain_text_fallbacks(monkeypatch, capsys, tmp_path):

@@ -285,25 +285,41 @@ def test_a_nan_in_one_gradient_passes_through_like_plain_allreduce(name, bad_ele
         assert (got_bad & expected_bad).any()
     else:
         assert torch.equal(got_bad, expected_bad), f"{name}: not where plain allreduce has it"
-    for r in results:
+    for rank, r in enumerate(results):
         if "bad_ordinal" in r:  # the bad parameter's memory did not take that step
             key = r["bad_ordinal"]
             assert f"error.{key}" in r["memory_before"], "the bad parameter had no error memory"
             for store in ("error", "q", "p"):
                 k = f"{store}.{key}"
                 if k in r["memory_before"]:
-                    assert torch.equal(r["memory_before"][k], r["memory_after"][k]), k
+                    _assert_kept(name, rank, k, r["memory_before"][k], r["memory_after"][k])
 
 
 @pytest.mark.parametrize("name", list(HOOKS))
 def test_an_overflowing_loss_on_one_rank_leaves_the_memory_untouched(name, bad_loss):
     results = _results(bad_loss, name)
     _check_bad_step(results, name)
-    for r in results:
+    for rank, r in enumerate(results):
         before, after = r["memory_before"], r["memory_after"]
         assert before.keys() == after.keys()
         for k in before:
-            assert torch.equal(before[k], after[k]), f"{name}: {k} changed in the skipped step"
+            _assert_kept(name, rank, k, before[k], after[k])
+
+
+def _assert_kept(name, rank, key, before, after):
+    """Memory is kept through a skipped step: bit for bit, except in one documented case.
+
+    The single-round variant adds each rank's gradient into its error memory as it forms the
+    factor it sends; a rank whose own gradient was finite (rank 1 here) takes it back out when
+    the result shows another rank's was not, which restores the old memory to the rounding of
+    that addition. Rank 0 stops at its first block that is not finite: its memory is kept
+    exactly when, as here, that is the first block.
+    """
+    if name == "power_sgd_single_round" and rank == 1 and key.startswith("error."):
+        scale = max(before.abs().max().item(), 1e-12)
+        torch.testing.assert_close(after, before, rtol=0, atol=1e-6 * scale)
+    else:
+        assert torch.equal(before, after), f"{name}: {key} changed in the skipped step"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -8,8 +8,8 @@ from commhooks import lowrank
 
 @pytest.fixture(autouse=True)
 def small_blocks(monkeypatch):
-    # 3 rows of 10 float32 columns per block: several blocks and a ragged last one.
-    monkeypatch.setattr(lowrank, "_BLOCK_BYTES", 3 * 10 * 4)
+    # 3 rows of 10 float64 columns per block: several blocks and a ragged last one.
+    monkeypatch.setattr(lowrank, "_BLOCK_BYTES", 3 * 10 * 8)
 
 
 def _data(n=11, m=10, r=2, seed=0):
@@ -17,28 +17,71 @@ def _data(n=11, m=10, r=2, seed=0):
     return [torch.randn(s, generator=gen, dtype=torch.float64) for s in ((n, m), (n, m), (r, m))]
 
 
-@pytest.mark.parametrize("with_error", [True, False])
-def test_compensated_left_factor(with_error):
-    grad, error, qt = _data()
-    matrix = grad.clone()
+def _pending(n=11, m=10, r=2, with_pending=True):
+    if not with_pending:
+        return None, torch.zeros(n, m, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(7)
+    p0 = torch.randn(n, r, generator=gen, dtype=torch.float64)
+    q0t = torch.randn(r, m, generator=gen, dtype=torch.float64)
+    return (p0, q0t), p0 @ q0t
+
+
+@pytest.mark.parametrize("with_pending", [True, False])
+def test_accumulate_left_factor(with_pending):
+    grad, memory, qt = _data()
+    pending, product = _pending(with_pending=with_pending)
+    expected = memory + grad - product
     out = torch.empty(11, 2, dtype=grad.dtype)
-    scratch = torch.empty(lowrank.scratch_elements(matrix), dtype=grad.dtype)
-    lowrank.compensated_left_factor_into(matrix, error if with_error else None, qt, out, scratch)
-    expected = grad + error if with_error else grad
-    torch.testing.assert_close(matrix, expected)
+    scratch = torch.empty(lowrank.scratch_elements(grad, 2), dtype=grad.dtype)
+    written = lowrank.accumulate_left_factor_(memory, grad, pending, qt, out, scratch)
+    assert written == 11
+    torch.testing.assert_close(memory, expected)
     torch.testing.assert_close(out, expected @ qt.t())
 
 
-@pytest.mark.parametrize("with_error", [True, False])
-def test_compensated_right_factor(with_error):
-    grad, error, _ = _data()
+@pytest.mark.parametrize("with_pending", [True, False])
+def test_accumulate_right_factor(with_pending):
+    grad, memory, _ = _data()
+    pending, product = _pending(with_pending=with_pending)
     p = torch.randn(11, 2, dtype=grad.dtype)
-    matrix = grad.clone()
+    expected = memory + grad - product
     out_t = torch.empty(2, 10, dtype=grad.dtype)
-    lowrank.compensated_right_factor_into(matrix, error if with_error else None, p, out_t)
-    expected = grad + error if with_error else grad
-    torch.testing.assert_close(matrix, expected)
+    scratch = torch.empty(lowrank.scratch_elements(grad, 2), dtype=grad.dtype)
+    written = lowrank.accumulate_right_factor_(memory, grad, pending, p, out_t, scratch)
+    assert written == 11
+    torch.testing.assert_close(memory, expected)
     torch.testing.assert_close(out_t, p.t() @ expected)
+
+
+@pytest.mark.parametrize("left", [True, False])
+def test_accumulation_stops_at_the_first_non_finite_block(left):
+    grad, memory, qt = _data()
+    grad[7, 4] = float("inf")
+    first_bad = 7 // lowrank._block_rows(grad) * lowrank._block_rows(grad)  # its block's start
+    before = memory.clone()
+    scratch = torch.empty(lowrank.scratch_elements(grad, 2), dtype=grad.dtype)
+    if left:
+        out = torch.empty(11, 2, dtype=grad.dtype)
+        written = lowrank.accumulate_left_factor_(memory, grad, None, qt, out, scratch)
+    else:
+        out = torch.empty(2, 10, dtype=grad.dtype)
+        p = torch.randn(11, 2, dtype=grad.dtype)
+        written = lowrank.accumulate_right_factor_(memory, grad, None, p, out, scratch)
+    assert 0 < first_bad == written < 11
+    torch.testing.assert_close(memory[:written], before[:written] + grad[:written])
+    assert torch.equal(memory[written:], before[written:])  # the bad block and later: untouched
+    assert not torch.isfinite(out).all()  # the factor shows it, on every rank after the sum
+
+
+def test_product_and_its_subtraction():
+    _, memory, qt = _data()
+    p = torch.randn(11, 2, dtype=memory.dtype)
+    out = torch.empty_like(memory)
+    lowrank.product_into(out, p, qt)
+    torch.testing.assert_close(out, p @ qt)
+    expected = memory - p @ qt
+    lowrank.subtract_product_(memory, p, qt)
+    torch.testing.assert_close(memory, expected)
 
 
 @pytest.mark.parametrize("with_error", [True, False])
@@ -57,5 +100,7 @@ def test_reconstruct(with_error):
 
 
 def test_scratch_is_one_block_or_the_whole_matrix():
-    assert lowrank.scratch_elements(torch.empty(11, 10)) == 3 * 10
-    assert lowrank.scratch_elements(torch.empty(2, 10)) == 2 * 10
+    assert lowrank.scratch_elements(torch.empty(11, 10, dtype=torch.float64)) == 3 * 10
+    assert lowrank.scratch_elements(torch.empty(2, 10, dtype=torch.float64)) == 2 * 10
+    # and room for a rank-2 factor of the block (3 rows) or of the matrix (10 columns)
+    assert lowrank.scratch_elements(torch.empty(11, 10, dtype=torch.float64), 2) == 3 * 10 + 2 * 10

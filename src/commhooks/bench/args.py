@@ -35,6 +35,7 @@ class Plan:
     predict_bps: int | None = None
     predict_world: int | None = None
     sweep: bool = False
+    repeat: int = 1
     notes: list[str] = field(default_factory=list)
 
 
@@ -91,6 +92,14 @@ def build_parser(prog: str = "commhooks bench") -> argparse.ArgumentParser:
         type=float,
         default=25.0,
         help="DDP bucket size for our hooks (default 25, DDP's)",
+    )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run the list of hooks this many times in turn and pool each hook's timed steps, "
+        "so that a machine that slows down or speeds up during the run affects every hook "
+        "alike (default 1)",
     )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per hook run")
     p.add_argument("--json", dest="json_path", metavar="PATH", help="write every figure as JSON")
@@ -189,6 +198,8 @@ def _plan(a: argparse.Namespace, parser: argparse.ArgumentParser) -> Plan:
         raise ValueError("--bucket-cap-mb must be positive.")
     if a.timeout <= 0:
         raise ValueError("--timeout must be positive.")
+    if not 1 <= a.repeat <= 100:
+        raise ValueError("--repeat must be between 1 and 100.")
     lr = a.lr if a.lr is not None else (3e-3 if a.task == "stdlib-lm" else 1e-3)
     if lr <= 0:
         raise ValueError("--lr must be positive.")
@@ -216,4 +227,5 @@ def _plan(a: argparse.Namespace, parser: argparse.ArgumentParser) -> Plan:
         predict_bps=predict_bps,
         predict_world=predict_world,
         sweep=bool(a.sweep),
+        repeat=a.repeat,
     )

@@ -86,33 +86,44 @@ def run(plan: Plan, argv: list[str]) -> dict:
         print(f"settings: {line}")
     started = time.time()
     rows: list[dict] = []
-    total = len(plan.hooks) * len(plan.bandwidths)
+    total = len(plan.hooks) * len(plan.bandwidths) * plan.repeat
+    done = 0
     progress = _progress()
     with progress or nullcontext():
         task = progress.add_task("starting rank processes", total=total) if progress else None
         start_server()
         for bw in plan.bandwidths:
             net = Network(plan.ranks, bw, plan.latency_s) if bw is not None else None
+            runs: dict[str, list[dict]] = {hook: [] for hook in plan.hooks}
             with net or nullcontext():
-                for hook in plan.hooks:
-                    where = format_rate(bw)
-                    if progress:
-                        progress.update(task, description=f"{hook} @ {where}")
-                    t0 = time.time()
-                    spec, context = _spec(plan, hook)
-                    result = run_hook(spec, net, timeout=plan.timeout_s)
-                    rows.append(summary.make_row(hook, bw, result, context))
-                    status = "ok" if result["ok"] else f"FAILED: {result['error'][:120]}"
-                    line = f"{hook} @ {where}: {time.time() - t0:.1f}s {status}"
-                    if progress:
-                        progress.console.print(line)
-                        progress.advance(task)
-                    else:
-                        print(f"[{len(rows)}/{total}] {line}", flush=True)
+                # Rounds of every hook in turn: a drift of the machine's speed during the run
+                # then shows in every hook's figures instead of in the last hooks' alone.
+                for round_ in range(plan.repeat):
+                    for hook in plan.hooks:
+                        where = format_rate(bw)
+                        if plan.repeat > 1:
+                            where += f", round {round_ + 1}/{plan.repeat}"
+                        if progress:
+                            progress.update(task, description=f"{hook} @ {where}")
+                        t0 = time.time()
+                        spec, _ = _spec(plan, hook)
+                        result = run_hook(spec, net, timeout=plan.timeout_s)
+                        runs[hook].append(result)
+                        done += 1
+                        status = "ok" if result["ok"] else f"FAILED: {result['error'][:120]}"
+                        line = f"{hook} @ {where}: {time.time() - t0:.1f}s {status}"
+                        if progress:
+                            progress.console.print(line)
+                            progress.advance(task)
+                        else:
+                            print(f"[{done}/{total}] {line}", flush=True)
+            for hook in plan.hooks:
+                _, context = _spec(plan, hook)
+                rows.append(summary.make_row(hook, bw, summary.pool_runs(runs[hook]), context))
     comparisons = summary.analyse(rows, plan)
     title = (
         f"commhooks bench: {plan.task}, {plan.ranks} ranks, {plan.steps} steps "
-        f"({plan.warmup} untimed)"
+        f"({plan.warmup} untimed)" + (f", {plan.repeat} rounds" if plan.repeat > 1 else "")
     )
     report.print_table(rows, title)
     _print_comparisons(comparisons, plan)
@@ -148,6 +159,8 @@ def _setting_notes(plan: Plan) -> list[str]:
             f"with parameters averaged every {hookset.AVERAGER_PERIOD} steps"
         )
     lines.append(f"{plan.steps} steps per hook, the first {plan.warmup} not timed")
+    if plan.repeat > 1:
+        lines.append(f"{plan.repeat} rounds of every hook in turn, each hook's timed steps pooled")
     return lines
 
 
@@ -182,6 +195,7 @@ def _settings(plan: Plan) -> dict:
         "skipped_hooks": plan.skipped,
         "steps": plan.steps,
         "warmup_steps": plan.warmup,
+        "repeat": plan.repeat,
         "task": plan.task,
         "lr": plan.lr,
         "seed": plan.seed,

@@ -21,6 +21,38 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
+def pool_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One run's figures from several runs of the same hook (``--repeat``).
+
+    Each rank's timed steps, collective counters and link counters are pooled; the losses
+    and the held-out loss are the first run's (every run trains the same model the same way),
+    the peak memory the largest. A failed run makes the pooled run fail.
+    """
+    failed = [r for r in runs if not r["ok"]]
+    if failed or len(runs) == 1:
+        return failed[0] if failed else runs[0]
+    pooled = []
+    for per_rank in zip(*(r["ranks"] for r in runs)):
+        first = per_rank[0]
+        rank = {**first, "step_s": [s for r in per_rank for s in r["step_s"]]}
+        rank["timed_steps"] = sum(r["timed_steps"] for r in per_rank)
+        for key in ("payload_calls", "payload_bytes"):
+            rank[key] = _sum_counts(r[key] for r in per_rank)
+        wires = [r["wire"] for r in per_rank]
+        rank["wire"] = _sum_counts(wires) if all(wires) else None
+        rank["peak_memory_bytes"] = max(r["peak_memory_bytes"] for r in per_rank)
+        pooled.append(rank)
+    return {**runs[0], "ranks": pooled, "repeats": len(runs)}
+
+
+def _sum_counts(dicts: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
 def make_row(hook: str, bandwidth: int | None, run: dict[str, Any], context: dict) -> dict:
     """One JSON result object from ``launcher.run_hook``'s output."""
     row: dict[str, Any] = {"hook": hook, "bandwidth": bandwidth, **context, "ok": run["ok"]}
@@ -52,6 +84,7 @@ def make_row(hook: str, bandwidth: int | None, run: dict[str, Any], context: dic
         step_ms_mean=max(statistics.fmean(m) for m in per_rank_ms),
         step_ms=per_rank_ms,
         timed_steps=steps,
+        repeats=run.get("repeats", 1),
         payload_calls_per_step=calls,
         payload_bytes_per_step=payload,
         analytic_bytes_per_step=analytic,

@@ -4,7 +4,13 @@ The hooks in :mod:`commhooks.hooks.powersgd` build a :class:`_Call` and hand it 
 :func:`run`. Matrices are compressed with the routines of :mod:`commhooks.lowrank`. With one
 bucket all of this runs after backward, on the critical path of the step, so passes over the
 gradients are fused where that is faster: the reconstruction and the new error in one blocked
-pass for both variants, and the error compensation with the single-round variant's product.
+pass for the two-round variant.
+
+The single-round variant keeps its error memory lazily (see ``PowerSGDState._materialize``):
+one pass before its collective adds the gradient into the memory, subtracts the last step's
+approximation and forms the factor; after the collective, one pass writes ``P Qᵀ`` into the
+gradient. The two-round variant needs three: compensate and multiply, multiply, and write
+both the approximation and the new error.
 
 Hook modules must not use ``from __future__ import annotations``: DDP rejects string annotations.
 """
@@ -31,7 +37,12 @@ class _Entry:
     rank: int
     step: str
     error_in_matrix: bool = False  # the remembered error was added to a gradient view
-    pending_error: torch.Tensor | None = None  # to add while computing the first product
+    # Single round, a matrix compressed on its own: its memory (an error, or a compensated
+    # matrix with the product still to subtract), read but not changed before the collective.
+    memory: torch.Tensor | None = None
+    pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (P, Qᵀ) to subtract
+    written: int = 0  # rows of the memory that now hold gradient + previous error
+    created: bool = False  # the memory was made for it this step
 
 
 @dataclass
@@ -66,8 +77,9 @@ class _Call:
     def scratch(self) -> torch.Tensor:
         """One block's worth of working memory for the blocked products, made once per call."""
         if self._scratch is None:
+            sizes = (lowrank.scratch_elements(g.stack[0], g.entries[0].rank) for g in self.groups)
             self._scratch = torch.empty(
-                max((lowrank.scratch_elements(g.stack[0]) for g in self.groups), default=0),
+                max(sizes, default=0),
                 dtype=self.buffer.dtype,
                 device=self.buffer.device,
             )
@@ -80,40 +92,43 @@ def _compensate_uncompressed(call: _Call) -> None:
     if not state.use_error_feedback:
         return
     for key, t in zip(call.uncompressed_keys, call.uncompressed):
-        error = state._stored(state.error_dict, key, tuple(t.shape), t)
+        error = state._explicit_error(key, tuple(t.shape), t)
         if error is not None:
             t.add_(error)
 
 
-def _compensate_matrices(call: _Call, fuse: bool = False) -> None:
-    """Add the remembered error to each matrix, so M = gradient + previous error.
-
-    With ``fuse``, the addition is left to the first product (see :func:`_compute_sent`),
-    which then reads the gradient once instead of twice. Only where each matrix is its own
-    group: a stacked group copies the matrices, which must already hold M.
-    """
+def _compensate_matrices(call: _Call, entries: list[_Entry]) -> None:
+    """Add the remembered error to each matrix in place, so M = gradient + previous error."""
     state = call.state
     if not state.use_error_feedback:
         return
-    fuse = fuse and not state.batch_tensors_with_same_shape
-    for e in call.entries:
-        error = state._stored(state.error_dict, e.key, tuple(e.matrix.shape), e.matrix)
-        if error is None:
-            continue
-        if fuse:
-            e.pending_error = error
-        else:
+    for e in entries:
+        error = state._explicit_error(e.key, tuple(e.matrix.shape), e.matrix)
+        if error is not None:
             e.matrix.add_(error)
-        e.error_in_matrix = True
+            e.error_in_matrix = True
 
 
-def _form_groups(call: _Call) -> None:
+def _attach_memory(call: _Call, e: _Entry) -> None:
+    """Single round, a matrix on its own: find its memory, to read while forming the factor."""
+    state = call.state
+    if state.use_error_feedback:
+        e.memory = state._stored(state._errors, e.key, tuple(e.matrix.shape), e.matrix)
+        e.pending = state._pending_product(e.key)
+
+
+def _kinds(call: _Call) -> list[list[_Entry]]:
+    """Entries compressed together: of one shape, rank and step if batching, else alone."""
     batch = call.state.batch_tensors_with_same_shape
     by_kind: dict[tuple, list[_Entry]] = {}
     for e in call.entries:
         kind = (tuple(e.matrix.shape), e.rank, e.step) if batch else (id(e),)
         by_kind.setdefault(kind, []).append(e)
-    for entries in by_kind.values():
+    return list(by_kind.values())
+
+
+def _form_groups(call: _Call, kinds: list[list[_Entry]]) -> None:
+    for entries in kinds:
         stack = (
             torch.stack([e.matrix for e in entries])
             if len(entries) > 1
@@ -192,7 +207,9 @@ def _orthogonalize_all(
         offset = end
     for start, end, b, rows, rank, q in runs:
         stack = _factor_view(flat[start:end], (b, rows, rank), is_q=q)
-        lowrank.orthogonalize_(stack, call.state.orthogonalization_epsilon)
+        # The single-round variant has numerics of its own: it takes the faster QR.
+        method = "qr" if call.state.single_round else "auto"
+        lowrank.orthogonalize_(stack, call.state.orthogonalization_epsilon, method)
 
 
 def _factor_view(flat: torch.Tensor, shape: tuple[int, int, int], is_q: bool) -> torch.Tensor:
@@ -225,20 +242,67 @@ def _compute_sent(call: _Call, send: torch.Tensor) -> None:
         offset += _numel(shape)
         first = g.entries[0]
         if call.state.single_round and not g.stacked:
-            # Its own numerics: take the fast kernels, fused with the error compensation.
-            if first.step == _Q_STEP:
-                lowrank.compensated_right_factor_into(
-                    first.matrix, first.pending_error, g.known[0], g.sent[0].t()
-                )
-            else:
-                lowrank.compensated_left_factor_into(
-                    first.matrix, first.pending_error, g.known[0].t(), g.sent[0], call.scratch()
-                )
-            first.pending_error = None
+            _direct_factor(call, first, g.known[0], g.sent[0])
         elif first.step == _Q_STEP:
             lowrank.right_factor_into(g.stack, g.known, g.sent)
         else:
             lowrank.left_factor_into(g.stack, g.known, g.sent, exact=not call.state.single_round)
+
+
+def _direct_factor(call: _Call, e: _Entry, known: torch.Tensor, sent: torch.Tensor) -> None:
+    """Single round, a matrix on its own: memory = gradient + previous error, and its factor.
+
+    One pass of row blocks forms ``M`` in the memory (subtracting the pending product of a
+    memory kept as a compensated matrix) and its factor, so that after the collective only
+    ``P Qᵀ`` is left to write. On CPU, a gradient block that is not finite is not added, nor
+    any after it (checking costs one sum a block there; on a GPU reading it would stall the
+    stream, so there the collective's result is the only check).
+    """
+    state = call.state
+    q_step = e.step == _Q_STEP
+    if not state.use_error_feedback:
+        if q_step:
+            lowrank.right_factor_into(e.matrix.unsqueeze(0), known.unsqueeze(0), sent.unsqueeze(0))
+        else:
+            lowrank.left_factor_into(
+                e.matrix.unsqueeze(0), known.unsqueeze(0), sent.unsqueeze(0), exact=False
+            )
+        return
+    if e.memory is None:
+        e.memory = state._errors[e.key] = torch.zeros_like(e.matrix)
+        e.created = True
+    check = e.memory.device.type == "cpu"
+    args = (e.memory, e.matrix, e.pending)
+    if q_step:
+        e.written = lowrank.accumulate_right_factor_(*args, known, sent.t(), call.scratch(), check)
+    else:
+        e.written = lowrank.accumulate_left_factor_(*args, known.t(), sent, call.scratch(), check)
+    state._compensated.discard(e.key)
+
+
+def _write_direct(call: _Call, g: _Group, p: torch.Tensor, qt: torch.Tensor, ok: bool) -> None:
+    """Single round, after the collective: the gradient becomes ``P Qᵀ``.
+
+    With a finite result the memory now holds the compensated matrix, whose error is that
+    minus ``P Qᵀ``. Otherwise the gradient added into the memory is taken back out, which
+    restores the previous error to the rounding of one addition. A non-finite value that got
+    in (on a GPU, where blocks are not checked, or from a sum that overflowed) restarts from
+    zero instead.
+    """
+    e, state = g.entries[0], call.state
+    if e.memory is not None and ok:
+        state._compensated.add(e.key)
+    elif e.created:
+        del state._errors[e.key]
+    elif e.memory is not None:
+        # Rows before ``written`` hold gradient + previous error, the others are untouched;
+        # both become the previous error, so the whole memory is in one form again.
+        restored = e.memory[: e.written].sub_(e.matrix[: e.written])
+        torch.nan_to_num_(restored, nan=0.0, posinf=0.0, neginf=0.0)
+        if e.pending is not None and e.written < e.memory.shape[0]:
+            p0, q0t = e.pending
+            lowrank.subtract_product_(e.memory[e.written :], p0[e.written :], q0t)
+    lowrank.product_into(e.matrix, p, qt)
 
 
 def _all_finite(*tensors: torch.Tensor) -> bool:
@@ -249,12 +313,13 @@ def _all_finite(*tensors: torch.Tensor) -> bool:
 def _undo_compensation(call: _Call) -> None:
     if not call.state.use_error_feedback:
         return
+    errors = call.state._errors
     for key, t in zip(call.uncompressed_keys, call.uncompressed):
-        if key in call.state.error_dict:
-            t.sub_(call.state.error_dict[key])
+        if key in errors:
+            t.sub_(errors[key])
     for e in call.entries:
         if e.error_in_matrix:
-            e.matrix.sub_(call.state.error_dict[e.key])
+            e.matrix.sub_(errors[e.key])
 
 
 def _unpack_uncompressed(call: _Call, averaged: torch.Tensor, update: bool) -> None:
@@ -265,9 +330,9 @@ def _unpack_uncompressed(call: _Call, averaged: torch.Tensor, update: bool) -> N
         mean = averaged[offset : offset + t.numel()].view_as(t)
         offset += t.numel()
         if remember:
-            error = state.error_dict.get(key)
+            error = state._errors.get(key)
             if error is None or error.shape != t.shape:
-                error = state.error_dict[key] = torch.empty_like(t)
+                error = state._errors[key] = torch.empty_like(t)
             torch.sub(t, mean, out=error)
         t.copy_(mean)
 
@@ -284,12 +349,15 @@ def _decompress(
     scratch = call.scratch()
     for g in call.groups:
         p, q = p_of(g), q_of(g)
+        if state.single_round and not g.stacked:
+            _write_direct(call, g, p[0], q[0].t(), update)
+            continue
         for i, e in enumerate(g.entries):
             error = None
             if remember:
-                error = state.error_dict.get(e.key)
+                error = state._errors.get(e.key)
                 if error is None or error.shape != e.matrix.shape:
-                    error = state.error_dict[e.key] = torch.empty_like(e.matrix)
+                    error = state._errors[e.key] = torch.empty_like(e.matrix)
             # Q factors are stored as Qᵀ, so q[i].t() is the contiguous (rank, cols) matrix.
             lowrank.reconstruct_(g.stack[i], p[i], q[i].t(), error, scratch)
             if g.stacked:
@@ -313,8 +381,8 @@ def _two_rounds(call: _Call) -> torch.futures.Future[torch.Tensor]:
     _compensate_uncompressed(call)
     lowrank.pack_into(call.uncompressed, packed)
     plain = _sum_then_mean(packed, group) if packed.numel() else comm.completed(packed)
-    _compensate_matrices(call)
-    _form_groups(call)
+    _compensate_matrices(call, call.entries)
+    _form_groups(call, _kinds(call))
     q_all = torch.empty(
         sum(_numel(_known_shape(g)) for g in call.groups), dtype=dtype, device=device
     )
@@ -385,8 +453,13 @@ def _one_round(call: _Call) -> torch.futures.Future[torch.Tensor]:
     group = call.group
     dtype, device = call.buffer.dtype, call.buffer.device
     _compensate_uncompressed(call)
-    _compensate_matrices(call, fuse=True)
-    _form_groups(call)
+    kinds = _kinds(call)
+    for entries in kinds:
+        if len(entries) > 1:
+            _compensate_matrices(call, entries)  # stacking copies M: it must be formed first
+        else:
+            _attach_memory(call, entries[0])
+    _form_groups(call, kinds)
     unc = sum(t.numel() for t in call.uncompressed)
     known = torch.empty(
         sum(_numel(_known_shape(g)) for g in call.groups), dtype=dtype, device=device

@@ -57,7 +57,12 @@ class PowerSGDState(HookState):
             (``Q = Mᵀ P`` with the last ``P``), and sends it packed with the uncompressed
             tensors. Half the rounds and latency; the approximation follows the gradient one step
             later, so it converges more slowly than the default at the same rank (error feedback
-            makes up part of it). Needs ``warm_start``.
+            makes up part of it). Needs ``warm_start``. Its error memory is kept as the
+            gradient plus the previous error, the approximation subtracted at the next step,
+            which saves a pass over the gradients after the collective; ``error_dict`` and
+            ``state_dict()`` show the errors themselves, converting the memory in place. On a
+            step whose result is not finite, the gradients added are taken back out: the memory
+            is the previous one to the rounding of that addition.
 
     Raises:
         ValueError: an option out of range, with the fix in the message.
@@ -111,7 +116,11 @@ class PowerSGDState(HookState):
         self.total_numel_before_compression = 0
         self.total_numel_after_compression = 0
         self.next_stats_report = 0
-        self.error_dict: dict[Key, torch.Tensor] = {}
+        # The error memory. With the single-round variant an entry may hold the compensated
+        # matrix of the last step instead (see _materialize); its key is then in _compensated.
+        # ``error_dict`` turns such entries into errors before it shows them.
+        self._errors: dict[Key, torch.Tensor] = {}
+        self._compensated: set[Key] = set()
         self.q_memory_dict: dict[Key, torch.Tensor] = {}
         self.p_memory_dict: dict[Key, torch.Tensor] = {}
         self._last_step: dict[Key, str] = {}
@@ -146,7 +155,72 @@ class PowerSGDState(HookState):
         opts = ", ".join(f"{k}={v!r}" for k, v in self.options().items())
         return f"PowerSGDState({opts}, iter={self.iter})"
 
+    @property
+    def error_dict(self) -> dict[Key, torch.Tensor]:
+        """The error-feedback memory: what compression dropped, per parameter (or bucket).
+
+        The single-round variant keeps it lazily (see :meth:`_materialize`); reading this
+        attribute first brings every entry into the form of an error, in place, at the cost of
+        one pass over the memory.
+        """
+        self._materialize()
+        return self._errors
+
+    @error_dict.setter
+    def error_dict(self, value: dict[Key, torch.Tensor]) -> None:
+        self._errors = dict(value)
+        self._compensated = set()
+
     # -- used by the hooks ------------------------------------------------------------------
+    def _materialize(self) -> None:
+        """Turn every compensated matrix kept by the single-round variant into its error.
+
+        After a single-round step the memory of a matrix holds ``C``, the gradient plus the
+        previous error, and the error is ``C - P Qᵀ`` with the factors just sent (in
+        ``p_memory_dict`` and ``q_memory_dict``). The next step subtracts ``P Qᵀ`` in the same
+        pass that adds its gradient and forms its factor, so after its collective only
+        ``P Qᵀ`` is written into the gradient: one pass over the matrix instead of two.
+        """
+        for key in list(self._compensated):
+            self._materialize_key(key)
+
+    def _materialize_key(self, key: Key) -> None:
+        pending = self._pending_product(key)
+        if pending is not None:
+            lowrank.subtract_product_(self._errors[key], *pending)
+        self._compensated.discard(key)
+
+    def _explicit_error(
+        self, key: Key, shape: tuple[int, ...], like: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The error memory of ``key`` in the form of an error (made so if it was not)."""
+        self._materialize_key(key)
+        return self._stored(self._errors, key, shape, like)
+
+    def _pending_product(self, key: Key) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(P, Qᵀ)`` still to subtract from a compensated entry, or None if it is an error.
+
+        A compensated entry whose factors are gone (reset because they no longer fit) is
+        dropped with them: its error memory starts again from zero.
+        """
+        if key not in self._compensated:
+            return None
+        memory = self._errors.get(key)
+        p, q = self.p_memory_dict.get(key), self.q_memory_dict.get(key)
+        fits = (
+            memory is not None
+            and p is not None
+            and q is not None
+            and memory.dim() == 2
+            and tuple(p.shape) == (memory.shape[0], p.shape[1])
+            and tuple(q.shape) == (memory.shape[1], p.shape[1])
+        )
+        if not fits:
+            self._compensated.discard(key)
+            self._errors.pop(key, None)
+            return None
+        return p.to(memory), q.to(memory).t()
+
     def _group(self, owner: str) -> dist.ProcessGroup:
         group = comm.resolve_group(self.process_group, owner=owner)
         if self._checked_group is not group:
@@ -159,10 +233,11 @@ class PowerSGDState(HookState):
 
     def _reset_if_world_changed(self, group: dist.ProcessGroup) -> None:
         saved, self._saved_world_size = self._saved_world_size, None
-        if saved is None or saved == group.size() or not self.error_dict:
+        if saved is None or saved == group.size() or not self._errors:
             return
-        count = len(self.error_dict)
-        self.error_dict.clear()
+        count = len(self._errors)
+        self._errors.clear()
+        self._compensated.clear()
         warn_once(
             f"powersgd-world-{saved}-{group.size()}",
             f"PowerSGDState: the error-feedback memory of {count} tensors was reset, because "
@@ -224,6 +299,8 @@ class PowerSGDState(HookState):
             return None
         if tuple(t.shape) != shape:
             del store[key]
+            if store is self._errors:
+                self._compensated.discard(key)
             warn_once(
                 f"powersgd-shape-{key}-{tuple(t.shape)}-{shape}",
                 f"PowerSGDState: stored state {tuple(t.shape)} for {_describe(key)} does not fit "
@@ -243,9 +320,10 @@ class PowerSGDState(HookState):
             return
         dropped = [
             d
-            for d in (self.error_dict, self.q_memory_dict, self.p_memory_dict)
+            for d in (self._errors, self.q_memory_dict, self.p_memory_dict)
             if d.pop(key, None) is not None
         ]
+        self._compensated.discard(key)
         self._last_step.pop(key, None)
         if dropped:
             warn_once(
@@ -273,7 +351,7 @@ class PowerSGDState(HookState):
                 "cached_gaussian": float(cached),
             },
             "world_size": _current_world_size(self.process_group),
-            "error": _tensors_out(self.error_dict),
+            "error": _tensors_out(self.error_dict),  # errors, whatever form they were kept in
             "q": _tensors_out(self.q_memory_dict),
             "p": _tensors_out(self.p_memory_dict),
             "last_step": {str(k): v for k, v in self._last_step.items()},
