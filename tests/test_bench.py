@@ -88,6 +88,19 @@ def test_failing_torch_baseline_is_a_row_not_an_abort(tmp_path, capsys):
     assert "FAILED torch_bf16" in capsys.readouterr().out
 
 
+def test_repeated_rounds_in_lockstep_pool_every_timed_step(tmp_path, capsys):
+    path = tmp_path / "r.json"
+    argv = ["--hooks", "noop,power_sgd_single_round", "--steps", "4", "--warmup", "1"]
+    assert cli.main([*argv, "--repeat", "2", "--lockstep", "--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    assert doc["settings"]["repeat"] == 2 and doc["settings"]["lockstep"] is True
+    for row in doc["results"]:
+        assert row["ok"] and row["repeats"] == 2 and row["timed_steps"] == 2 * 3
+        assert [len(per_rank) for per_rank in row["step_ms"]] == [6, 6]
+    out = capsys.readouterr().out
+    assert "round 2/2" in out and "lockstep" in out
+
+
 def test_python_dash_m_rejects_unknown_hook_with_valid_names():
     env = {**os.environ, "PYTHONPATH": SRC}
     proc = subprocess.run(

@@ -36,6 +36,7 @@ class Plan:
     predict_world: int | None = None
     sweep: bool = False
     repeat: int = 1
+    lockstep: bool = False
     notes: list[str] = field(default_factory=list)
 
 
@@ -100,6 +101,13 @@ def build_parser(prog: str = "commhooks bench") -> argparse.ArgumentParser:
         help="run the list of hooks this many times in turn and pool each hook's timed steps, "
         "so that a machine that slows down or speeds up during the run affects every hook "
         "alike (default 1)",
+    )
+    p.add_argument(
+        "--lockstep",
+        action="store_true",
+        help="start every step on all ranks together (an untimed barrier), for every hook: "
+        "ranks on one machine share its memory bandwidth, and a hook that never communicates "
+        "lets them drift apart and share it better than any hook that does",
     )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per hook run")
     p.add_argument("--json", dest="json_path", metavar="PATH", help="write every figure as JSON")
@@ -228,4 +236,5 @@ def _plan(a: argparse.Namespace, parser: argparse.ArgumentParser) -> Plan:
         predict_world=predict_world,
         sweep=bool(a.sweep),
         repeat=a.repeat,
+        lockstep=a.lockstep,
     )

@@ -65,6 +65,7 @@ def _spec(plan: Plan, hook: str) -> tuple[dict, dict]:
         "options": options,
         "bucket_cap_mb": bucket,
         "lr": plan.lr,
+        "lockstep": plan.lockstep,
     }
     context = {"options": options, "bucket_cap_mb": bucket, "latency_s": plan.latency_s or None}
     if hook in ("post_local_sgd", "torch_post_local_sgd"):
@@ -161,6 +162,8 @@ def _setting_notes(plan: Plan) -> list[str]:
     lines.append(f"{plan.steps} steps per hook, the first {plan.warmup} not timed")
     if plan.repeat > 1:
         lines.append(f"{plan.repeat} rounds of every hook in turn, each hook's timed steps pooled")
+    if plan.lockstep:
+        lines.append("lockstep: every step starts on all ranks together (untimed barrier)")
     return lines
 
 
@@ -196,6 +199,7 @@ def _settings(plan: Plan) -> dict:
         "steps": plan.steps,
         "warmup_steps": plan.warmup,
         "repeat": plan.repeat,
+        "lockstep": plan.lockstep,
         "task": plan.task,
         "lr": plan.lr,
         "seed": plan.seed,

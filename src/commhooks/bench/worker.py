@@ -150,6 +150,8 @@ def run_rank(spec: dict, rank: int) -> dict:
             dist.barrier()
             wire_start, counter.active = _counters(iface), True
         batch = task.train_batch(rank, step)
+        if spec.get("lockstep"):
+            dist.barrier()  # untimed: every rank starts the step together
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = task.loss(batch, ddp)
