@@ -38,7 +38,7 @@ class _Entry:
     step: str
     error_in_matrix: bool = False  # the remembered error was added to a gradient view
     # Single round, a matrix compressed on its own: its memory (an error, or a compensated
-    # matrix with the product still to subtract), read but not changed before the collective.
+    # matrix with the product still to subtract), into which the gradient is added.
     memory: torch.Tensor | None = None
     pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (P, Qᵀ) to subtract
     written: int = 0  # rows of the memory that now hold gradient + previous error
@@ -480,7 +480,7 @@ def _after_one_round(call: _Call, send: torch.Tensor, unc: int) -> torch.Tensor:
     ok = _all_finite(send)
     _unpack_uncompressed(call, send[:unc], update=ok)
     # With a non-finite input the approximation is non-finite too, which a loss scaler sees;
-    # the error memory and factors stay as they were.
+    # the factors stay as they were and the error memory is restored (see _write_direct).
     _decompress(
         call,
         p_of=lambda g: g.known if g.entries[0].step == _Q_STEP else g.sent,
