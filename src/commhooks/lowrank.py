@@ -207,8 +207,10 @@ def _block_rows(matrix: torch.Tensor) -> int:
     return max(1, _BLOCK_BYTES // max(1, matrix.shape[1] * matrix.element_size()))
 
 
-def _row_blocks(matrix: torch.Tensor) -> range:
-    return range(0, matrix.shape[0], _block_rows(matrix))
+def _row_blocks(matrix: torch.Tensor) -> list[slice]:
+    """The rows of ``matrix`` in blocks of :func:`_block_rows`, the last one possibly shorter."""
+    n, step = matrix.shape[0], _block_rows(matrix)
+    return [slice(start, min(start + step, n)) for start in range(0, n, step)]
 
 
 def accumulate_left_factor_(
@@ -229,15 +231,13 @@ def accumulate_left_factor_(
     """
     rank = qt.shape[0]
     written = memory.shape[0]
-    for start in _row_blocks(memory):
-        formed, written = _accumulated_block(
-            memory, matrix, pending, start, scratch, written, check
-        )
-        rows = formed.shape[0]
-        offset = 0 if formed.data_ptr() != scratch.data_ptr() else formed.numel()
-        block_t = scratch[offset : offset + rank * rows].view(rank, rows)
+    for rows in _row_blocks(memory):
+        formed, written = _accumulated_block(memory, matrix, pending, rows, scratch, written, check)
+        # After the room for one block, which a block formed in scratch occupies.
+        count = formed.shape[0]
+        block_t = scratch[formed.numel() : formed.numel() + rank * count].view(rank, count)
         torch.mm(qt, formed.t(), out=block_t)
-        out[start : start + rows].copy_(block_t.t())
+        out[rows].copy_(block_t.t())
     return written
 
 
@@ -255,15 +255,12 @@ def accumulate_right_factor_(
     As :func:`accumulate_left_factor_`. Returns the rows of the memory updated.
     """
     written = memory.shape[0]
-    for start in _row_blocks(memory):
-        formed, written = _accumulated_block(
-            memory, matrix, pending, start, scratch, written, check
-        )
-        p_block = p[start : start + formed.shape[0]].t()
-        if start == 0:
-            torch.mm(p_block, formed, out=out_t)
+    for rows in _row_blocks(memory):
+        formed, written = _accumulated_block(memory, matrix, pending, rows, scratch, written, check)
+        if rows.start == 0:
+            torch.mm(p[rows].t(), formed, out=out_t)
         else:
-            out_t.addmm_(p_block, formed)
+            out_t.addmm_(p[rows].t(), formed)
     return written
 
 
@@ -271,23 +268,21 @@ def _accumulated_block(
     memory: torch.Tensor,
     matrix: torch.Tensor,
     pending: tuple[torch.Tensor, torch.Tensor] | None,
-    start: int,
+    rows: slice,
     scratch: torch.Tensor,
     written: int,
     check: bool,
 ) -> tuple[torch.Tensor, int]:
     """One block of ``memory + matrix - P₀ Q₀ᵀ``: in the memory, or in ``scratch`` once a
     block of ``matrix`` was found not finite. Returns it and the rows updated so far."""
-    block = memory[start : start + _block_rows(memory)]
-    rows = block.shape[0]
-    addend = matrix[start : start + rows]
+    block, addend = memory[rows], matrix[rows]
     if written == memory.shape[0] and (not check or _finite(addend)):
         formed = block.add_(addend)
     else:
-        written = min(written, start)
+        written = min(written, rows.start)
         formed = torch.add(block, addend, out=scratch[: block.numel()].view_as(block))
     if pending is not None:
-        formed.addmm_(pending[0][start : start + rows], pending[1], alpha=-1)
+        formed.addmm_(pending[0][rows], pending[1], alpha=-1)
     return formed, written
 
 
@@ -299,17 +294,15 @@ def _finite(t: torch.Tensor) -> bool:
 
 def subtract_product_(memory: torch.Tensor, p: torch.Tensor, qt: torch.Tensor) -> None:
     """``memory -= P Qᵀ`` in place, by blocks of rows."""
-    for start in _row_blocks(memory):
-        block = memory[start : start + _block_rows(memory)]
-        block.addmm_(p[start : start + block.shape[0]], qt, alpha=-1)
+    for rows in _row_blocks(memory):
+        memory[rows].addmm_(p[rows], qt, alpha=-1)
 
 
 def product_into(out: torch.Tensor, p: torch.Tensor, qt: torch.Tensor) -> None:
     """``out = P Qᵀ`` for 2-D ``out`` (n, m), written block of rows by block of rows."""
     rank = p.shape[1]
-    for start in _row_blocks(out):
-        block = out[start : start + _block_rows(out)]
-        p_block = p[start : start + block.shape[0]]
+    for rows in _row_blocks(out):
+        block, p_block = out[rows], p[rows]
         if rank > _OUTER_RANK:
             torch.mm(p_block, qt, out=block)
             continue

@@ -95,6 +95,7 @@ def run(plan: Plan, argv: list[str]) -> dict:
         start_server()
         for bw in plan.bandwidths:
             net = Network(plan.ranks, bw, plan.latency_s) if bw is not None else None
+            specs = {hook: _spec(plan, hook) for hook in plan.hooks}
             runs: dict[str, list[dict]] = {hook: [] for hook in plan.hooks}
             with net or nullcontext():
                 # Rounds of every hook in turn: a drift of the machine's speed during the run
@@ -107,8 +108,7 @@ def run(plan: Plan, argv: list[str]) -> dict:
                         if progress:
                             progress.update(task, description=f"{hook} @ {where}")
                         t0 = time.time()
-                        spec, _ = _spec(plan, hook)
-                        result = run_hook(spec, net, timeout=plan.timeout_s)
+                        result = run_hook(specs[hook][0], net, timeout=plan.timeout_s)
                         runs[hook].append(result)
                         done += 1
                         status = "ok" if result["ok"] else f"FAILED: {result['error'][:120]}"
@@ -119,8 +119,8 @@ def run(plan: Plan, argv: list[str]) -> dict:
                         else:
                             print(f"[{done}/{total}] {line}", flush=True)
             for hook in plan.hooks:
-                _, context = _spec(plan, hook)
-                rows.append(summary.make_row(hook, bw, summary.pool_runs(runs[hook]), context))
+                pooled = summary.pool_runs(runs[hook])
+                rows.append(summary.make_row(hook, bw, pooled, specs[hook][1]))
     comparisons = summary.analyse(rows, plan)
     title = (
         f"commhooks bench: {plan.task}, {plan.ranks} ranks, {plan.steps} steps "
