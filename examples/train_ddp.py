@@ -30,11 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main() -> None:
-    args = build_parser().parse_args()
-
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+def train(args: argparse.Namespace, rank: int) -> None:
     torch.manual_seed(0)
     model = DDP(nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 1)))
     state = commhooks.register(model, args.hook, args.wrapper, **args.options)
@@ -52,6 +48,16 @@ def main() -> None:
             print(f"step {step:3d}  loss {loss.item():.4f}  hook {args.hook}/{args.wrapper}")
     if rank == 0:
         print(f"state {type(state).__name__}")
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    dist.init_process_group("gloo")
+    train(args, dist.get_rank())
+    # The model, its hook and their futures are gone once train() returns. Only then tear the
+    # groups down, with both ranks done: gloo threads that still held Python objects at
+    # interpreter exit would abort the process.
+    dist.barrier()
     dist.destroy_process_group()
 
 
