@@ -117,8 +117,9 @@ def test_ring_allreduce_four_ranks_by_hand():
     assert costmodel.comm_time_s(c, 4, 1e9) == pytest.approx(bare * 1514 / 1448)
 
 
-def test_other_collectives_and_single_rank():
-    c = costmodel.Collectives({"all_gather": 1}, {"all_gather": 1000})
+@pytest.mark.parametrize("kind", ["all_gather", "all_gather_into_tensor", "all_gather_single"])
+def test_other_collectives_and_single_rank(kind):
+    c = costmodel.Collectives({kind: 1}, {kind: 1000})
     assert costmodel.wire_bytes(c, 4) == pytest.approx(3000)  # (p-1) * contribution
     assert costmodel.comm_time_s(_coll(1, 10**6), 1, 1e9) == 0.0
 

@@ -1,12 +1,14 @@
-"""The ordering guarantee of ``comm.OrderedIssuer``, without any process group."""
+"""``comm``: the ordering guarantee of ``OrderedIssuer``, and sums over ranks."""
 
 import random
 import threading
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from commhooks import comm
+from commhooks.testing import run_on_ranks
 
 
 def test_follow_ups_start_in_slot_order_whatever_completes_first():
@@ -53,3 +55,40 @@ def test_a_step_that_raises_fails_only_its_own_future():
     with pytest.raises(ZeroDivisionError):
         out_a.wait()
     assert out_b.wait() == 7
+
+
+def _sums(rank, world_size):
+    from commhooks.bench.worker import PayloadCounter
+
+    group = dist.group.WORLD
+    counter = PayloadCounter()
+    counter.install(dist)
+    counter.active = True
+    gen = torch.Generator().manual_seed(rank)
+    out = {}
+    for name, shape, dtype in (
+        ("small", (40, 3), torch.float32),
+        ("half", (17,), torch.float16),
+        ("large", (comm._EXCHANGE_BYTES // 4 + 1,), torch.float32),
+    ):
+        t = torch.randn(shape, generator=gen).to(dtype)
+        reference = t.clone()
+        dist.all_reduce(reference)
+        result = comm.allreduce(t, group).wait()
+        out[name] = (result is t, torch.equal(t, reference), comm._sums_by_exchange(t, group))
+    return out, counter.calls, counter.bytes
+
+
+def test_allreduce_sums_like_dist_all_reduce_on_any_world_size():
+    # Two gloo ranks exchange small tensors whole and add them; the result is the same bits
+    # as gloo's allreduce, and the bench counts it as the allreduce it stands for.
+    for world_size in (2, 3):
+        for out, calls, sent in run_on_ranks(_sums, world_size):
+            small = world_size == 2
+            assert out["small"] == (True, True, small)
+            assert out["half"] == (True, True, small)
+            assert out["large"] == (True, True, False)
+            assert set(calls) == {"all_reduce"}  # the references, then the sums
+            assert calls["all_reduce"] == 6
+            large = (comm._EXCHANGE_BYTES // 4 + 1) * 4
+            assert sent["all_reduce"] == 2 * (40 * 3 * 4 + 17 * 2 + large)

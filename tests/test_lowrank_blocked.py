@@ -53,24 +53,44 @@ def test_accumulate_right_factor(with_pending):
     torch.testing.assert_close(out_t, p.t() @ expected)
 
 
+@pytest.mark.parametrize("with_pending", [True, False])
 @pytest.mark.parametrize("left", [True, False])
-def test_accumulation_stops_at_the_first_non_finite_block(left):
+def test_accumulation_stops_at_the_first_non_finite_block(left, with_pending):
     grad, memory, qt = _data()
+    pending, product = _pending(with_pending=with_pending)
     grad[7, 4] = float("inf")
     first_bad = 7 // lowrank._block_rows(grad) * lowrank._block_rows(grad)  # its block's start
     before = memory.clone()
     scratch = torch.empty(lowrank.scratch_elements(grad, 2), dtype=grad.dtype)
     if left:
         out = torch.empty(11, 2, dtype=grad.dtype)
-        written = lowrank.accumulate_left_factor_(memory, grad, None, qt, out, scratch)
+        written = lowrank.accumulate_left_factor_(memory, grad, pending, qt, out, scratch)
     else:
         out = torch.empty(2, 10, dtype=grad.dtype)
         p = torch.randn(11, 2, dtype=grad.dtype)
-        written = lowrank.accumulate_right_factor_(memory, grad, None, p, out, scratch)
+        written = lowrank.accumulate_right_factor_(memory, grad, pending, p, out, scratch)
     assert 0 < first_bad == written < 11
-    torch.testing.assert_close(memory[:written], before[:written] + grad[:written])
+    expected = before[:written] + grad[:written] - product[:written]
+    torch.testing.assert_close(memory[:written], expected)
     assert torch.equal(memory[written:], before[written:])  # the bad block and later: untouched
     assert not torch.isfinite(out).all()  # the factor shows it, on every rank after the sum
+
+
+@pytest.mark.parametrize("left", [True, False])
+def test_pending_products_deducted_from_a_thin_factor(left):
+    # A factor of M, corrected for products pending on M (stacked, rank 6 here), equals the
+    # factor of M minus those products: the memory need not be touched to form it.
+    grad, memory, qt = _data()
+    pending, product = _pending(r=6)
+    p = torch.randn(11, 2, dtype=grad.dtype)
+    if left:
+        out = memory @ qt.t()
+        lowrank.deduct_pending_left_(out, pending, qt)
+        torch.testing.assert_close(out, (memory - product) @ qt.t())
+    else:
+        out_t = p.t() @ memory
+        lowrank.deduct_pending_right_(out_t, pending, p)
+        torch.testing.assert_close(out_t, p.t() @ (memory - product))
 
 
 def test_product_and_its_subtraction():
@@ -99,8 +119,9 @@ def test_reconstruct(with_error):
         assert torch.isnan(error).all()  # untouched
 
 
-def test_scratch_is_one_block_or_the_whole_matrix():
-    assert lowrank.scratch_elements(torch.empty(11, 10, dtype=torch.float64)) == 3 * 10
-    assert lowrank.scratch_elements(torch.empty(2, 10, dtype=torch.float64)) == 2 * 10
-    # and room for a rank-2 factor of the block (3 rows) or of the matrix (10 columns)
-    assert lowrank.scratch_elements(torch.empty(11, 10, dtype=torch.float64), 2) == 3 * 10 + 2 * 10
+def test_scratch_is_two_blocks_or_twice_the_whole_matrix():
+    assert lowrank.scratch_elements(torch.empty(11, 10, dtype=torch.float64)) == 2 * 3 * 10
+    assert lowrank.scratch_elements(torch.empty(2, 10, dtype=torch.float64)) == 2 * 2 * 10
+    # and room for a rank-2 factor of a block (3 rows) or of the matrix (10 columns)
+    expected = 2 * 3 * 10 + 2 * 10
+    assert lowrank.scratch_elements(torch.empty(11, 10, dtype=torch.float64), 2) == expected

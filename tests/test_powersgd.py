@@ -20,6 +20,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 
 import commhooks
 from commhooks import PowerSGDState, batched_powerSGD_hook, lowrank, powerSGD_hook
+from commhooks.hooks import _powersgd_state
 from commhooks.testing import run_on_ranks
 
 ONE_BUCKET = 100  # bucket_cap_mb: the whole model in one bucket
@@ -104,11 +105,16 @@ def test_many_buckets_never_mismatch_collectives(world_size):
 
 def _count_collectives(rank, world_size, single_round, monkeypatch_steps):
     calls = []
-    real = dist.all_reduce
+    # Two gloo ranks sum small tensors with an all-gather (see comm.allreduce): count both.
+    names = ("all_reduce", "all_gather_single", "all_gather_into_tensor")
+    real = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
 
-    def counting(tensor, *args, **kwargs):
-        calls.append(tensor.numel())
-        return real(tensor, *args, **kwargs)
+    def counting(name):
+        def counted(first, *args, **kwargs):
+            calls.append((args[0] if name != "all_reduce" else first).numel())
+            return real[name](first, *args, **kwargs)
+
+        return counted
 
     data = batches(rank, monkeypatch_steps)
     state = PowerSGDState(None, start_powerSGD_iter=0, single_round=single_round)
@@ -118,14 +124,16 @@ def _count_collectives(rank, world_size, single_round, monkeypatch_steps):
     x, y = data[0]
     torch.nn.functional.mse_loss(ddp(x), y).backward()  # step 1: DDP's initial single bucket
     opt.step()
-    dist.all_reduce = counting
+    for name in real:
+        setattr(dist, name, counting(name))
     try:
         for x, y in data[1:]:
             opt.zero_grad(set_to_none=True)
             torch.nn.functional.mse_loss(ddp(x), y).backward()
             opt.step()
     finally:
-        dist.all_reduce = real
+        for name, fn in real.items():
+            setattr(dist, name, fn)
     return len(calls), len(seen), sum(calls), sum(p.numel() for p in ddp.parameters())
 
 
@@ -307,13 +315,15 @@ def test_non_finite_gradient_keeps_error_memory_clean(fake_bucket_results):
 def _lazy_memory(rank, world_size):
     """The single-round memory, kept lazily, behaves as if it were an error every step."""
     lowrank._BLOCK_BYTES = 4 * 12 * 4  # 4 rows of the 16 x 12 matrix per block
+    _powersgd_state._MAX_PENDING_RANK = 3  # rank 1: fold the pending products every 3rd step
     gen = torch.Generator().manual_seed(rank)
     shapes = [(16, 12), (12,), (20, 6)]
     numel = sum(torch.Size(s).numel() for s in shapes)
-    steps = [torch.randn(numel, generator=gen) for _ in range(6)]
+    steps = [torch.randn(numel, generator=gen) for _ in range(9)]
     looked, unlooked = (PowerSGDState(None, start_powerSGD_iter=0, single_round=True) for _ in "ab")
     buckets = {id(s): FakeBucket([torch.zeros(s) for s in shapes]) for s in (looked, unlooked)}
     outputs = {"looked": [], "unlooked": []}
+    pending_ranks = []
     for grad in steps:
         for name, state in (("looked", looked), ("unlooked", unlooked)):
             bucket = buckets[id(state)]
@@ -321,39 +331,60 @@ def _lazy_memory(rank, world_size):
             outputs[name].append(powerSGD_hook(state, bucket).wait().clone())
             if name == "looked":
                 _ = state.error_dict  # every step: the memory is turned into errors
-    kept_lazily = len(unlooked._compensated)
-    snapshot = pickle.loads(pickle.dumps(unlooked))  # the lazy form, to compare with later
-    bad = steps[0].clone()
-    if rank == 0:
-        bad[9 * 12 + 5] = float("nan")  # third block of the 16 x 12 matrix
+        pending_ranks.append(sorted(p.shape[1] for p, _ in unlooked._pending.values()))
+    kept_lazily = len(unlooked._pending)
+    errors = (looked.error_dict, pickle.loads(pickle.dumps(unlooked)).error_dict)
     bucket = buckets[id(unlooked)]
-    bucket.buffer().copy_(bad)
-    out = powerSGD_hook(unlooked, bucket).wait()
+
+    def bad_step():
+        """A NaN in the third block of rank 0's 16 x 12 matrix: the step is undone."""
+        before = pickle.loads(pickle.dumps(unlooked))  # the lazy form, to compare with later
+        bad = steps[0].clone()
+        if rank == 0:
+            bad[9 * 12 + 5] = float("nan")
+        bucket.buffer().copy_(bad)
+        out = powerSGD_hook(unlooked, bucket).wait()
+        kept = all(
+            torch.equal(before.q_memory_dict[k], unlooked.q_memory_dict[k])
+            for k in before.q_memory_dict
+        )
+        ranks = sorted(p.shape[1] for p, _ in unlooked._pending.values())
+        after = {k: v.clone() for k, v in unlooked.error_dict.items()}  # later steps write it
+        return before.error_dict, after, bool(torch.isfinite(out).all()), kept, ranks
+
+    # The products pending have rank 3 after 9 steps: the next step folds them in, and the
+    # memory of the rows it did not reach is made an error when the step is undone.
+    fold = bad_step()
+    bucket.buffer().copy_(steps[1])
+    powerSGD_hook(unlooked, bucket).wait()  # pending rank 1: the next step does not fold
+    no_fold = bad_step()
     return {
         "outputs": outputs,
         "kept_lazily": kept_lazily,
-        "errors": (looked.error_dict, snapshot.error_dict),
-        "after_bad": (bool(torch.isfinite(out).all()), unlooked.error_dict),
-        "factors_kept": all(
-            torch.equal(snapshot.q_memory_dict[k], unlooked.q_memory_dict[k])
-            for k in snapshot.q_memory_dict
-        ),
+        "pending_ranks": pending_ranks,
+        "errors": errors,
+        "bad_steps": (fold, no_fold),
     }
 
 
 def test_lazy_memory_matches_an_error_memory_and_survives_a_bad_step():
     for per_rank in run_on_ranks(_lazy_memory, 2):
         assert per_rank["kept_lazily"] == 2  # both matrices
+        # Products pile up to rank 3, then are subtracted in the pass of the next step.
+        assert [r[0] for r in per_rank["pending_ranks"]] == [1, 2, 3, 1, 2, 3, 1, 2, 3]
         for a, b in zip(per_rank["outputs"]["looked"], per_rank["outputs"]["unlooked"]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
         looked, unlooked = per_rank["errors"]
         assert looked.keys() == unlooked.keys()
-        for k in looked:
-            torch.testing.assert_close(looked[k], unlooked[k], rtol=1e-5, atol=1e-6)
-        finite, after = per_rank["after_bad"]
-        assert not finite and per_rank["factors_kept"]
-        for k in unlooked:  # the step was undone: every rank has its memory back
-            torch.testing.assert_close(after[k], unlooked[k], rtol=1e-6, atol=1e-6)
+        for k in looked:  # the same sums in another order: rounding of values of order 1
+            torch.testing.assert_close(looked[k], unlooked[k], rtol=1e-5, atol=1e-5)
+        (*_, fold_ranks), (*_, no_fold_ranks) = per_rank["bad_steps"]
+        assert fold_ranks == [] and no_fold_ranks == [1, 1]
+        for before, after, finite, kept, _ in per_rank["bad_steps"]:
+            assert not finite and kept
+            assert before.keys() == after.keys()
+            for k in before:  # the step was undone: every rank has its memory back
+                torch.testing.assert_close(after[k], before[k], rtol=1e-6, atol=1e-6)
 
 
 def _wrapped(rank, world_size, wrapper):

@@ -16,6 +16,8 @@ __all__ = [
     "approximate_into",
     "as_matrix",
     "compression_sizes",
+    "deduct_pending_left_",
+    "deduct_pending_right_",
     "left_factor_into",
     "orthogonalize_",
     "pack_into",
@@ -199,8 +201,9 @@ def approximate_into(p: torch.Tensor, q: torch.Tensor, out: torch.Tensor) -> Non
 # Up to this rank, P Qᵀ is written as a sum of outer products.
 _OUTER_RANK = 4
 
-# Row blocks of about this many bytes stay in cache between the passes fused over them.
-_BLOCK_BYTES = 1 << 20
+# Row blocks of about this many bytes stay in cache between the passes fused over them; larger
+# blocks also mean fewer operations, whose fixed cost is felt on CPU.
+_BLOCK_BYTES = 2 << 20
 
 
 def _block_rows(matrix: torch.Tensor) -> int:
@@ -231,11 +234,11 @@ def accumulate_left_factor_(
     """
     rank = qt.shape[0]
     written = memory.shape[0]
+    thin = scratch[2 * _block_elements(memory) :]  # after the rooms _accumulated_block uses
     for rows in _row_blocks(memory):
         formed, written = _accumulated_block(memory, matrix, pending, rows, scratch, written, check)
-        # After the room for one block, which a block formed in scratch occupies.
         count = formed.shape[0]
-        block_t = scratch[formed.numel() : formed.numel() + rank * count].view(rank, count)
+        block_t = thin[: rank * count].view(rank, count)
         torch.mm(qt, formed.t(), out=block_t)
         out[rows].copy_(block_t.t())
     return written
@@ -264,6 +267,26 @@ def accumulate_right_factor_(
     return written
 
 
+def deduct_pending_left_(
+    out: torch.Tensor, pending: tuple[torch.Tensor, torch.Tensor], qt: torch.Tensor
+) -> None:
+    """``out -= P₀ (Q₀ᵀ Q)``: turns ``M Q`` into ``(M - P₀ Q₀ᵀ) Q`` on the thin result.
+
+    This is how a factor of a memory is formed while ``P₀ Q₀ᵀ`` is still to be subtracted from
+    it, without a pass over the memory.
+    """
+    p0, q0t = pending
+    out.addmm_(p0, torch.mm(q0t, qt.t()), alpha=-1)
+
+
+def deduct_pending_right_(
+    out_t: torch.Tensor, pending: tuple[torch.Tensor, torch.Tensor], p: torch.Tensor
+) -> None:
+    """``out_t -= (Pᵀ P₀) Q₀ᵀ``: turns ``Pᵀ M`` into ``Pᵀ (M - P₀ Q₀ᵀ)`` on the thin result."""
+    p0, q0t = pending
+    out_t.addmm_(torch.mm(p.t(), p0), q0t, alpha=-1)
+
+
 def _accumulated_block(
     memory: torch.Tensor,
     matrix: torch.Tensor,
@@ -274,15 +297,21 @@ def _accumulated_block(
     check: bool,
 ) -> tuple[torch.Tensor, int]:
     """One block of ``memory + matrix - P₀ Q₀ᵀ``: in the memory, or in ``scratch`` once a
-    block of ``matrix`` was found not finite. Returns it and the rows updated so far."""
+    block of ``matrix`` was found not finite. Returns it and the rows updated so far.
+
+    ``scratch`` has room for two blocks: the first for such a sum, the second for ``P₀ Q₀ᵀ``
+    (a product written out and subtracted is faster on CPU than an in-place ``addmm_``).
+    """
     block, addend = memory[rows], matrix[rows]
+    room = _block_elements(memory)
     if written == memory.shape[0] and (not check or _finite(addend)):
         formed = block.add_(addend)
     else:
         written = min(written, rows.start)
         formed = torch.add(block, addend, out=scratch[: block.numel()].view_as(block))
     if pending is not None:
-        formed.addmm_(pending[0][rows], pending[1], alpha=-1)
+        product = scratch[room : room + block.numel()].view_as(block)
+        formed.sub_(torch.mm(pending[0][rows], pending[1], out=product))
     return formed, written
 
 
@@ -294,8 +323,10 @@ def _finite(t: torch.Tensor) -> bool:
 
 def subtract_product_(memory: torch.Tensor, p: torch.Tensor, qt: torch.Tensor) -> None:
     """``memory -= P Qᵀ`` in place, by blocks of rows."""
+    room = memory.new_empty(_block_elements(memory))
     for rows in _row_blocks(memory):
-        memory[rows].addmm_(p[rows], qt, alpha=-1)
+        block = memory[rows]
+        block.sub_(torch.mm(p[rows], qt, out=room[: block.numel()].view_as(block)))
 
 
 def product_into(out: torch.Tensor, p: torch.Tensor, qt: torch.Tensor) -> None:
@@ -338,10 +369,14 @@ def reconstruct_(
 def scratch_elements(matrix: torch.Tensor, rank: int = 0) -> int:
     """Elements of the ``scratch`` that the blocked routines here need for a 2-D ``matrix``.
 
-    One block of rows, and room for a rank-``rank`` factor of that block or of the matrix.
+    Two blocks of rows, and room for a rank-``rank`` factor of a block or of the matrix.
     """
     rows = min(matrix.shape[0], _block_rows(matrix))
-    return rows * matrix.shape[1] + rank * max(rows, matrix.shape[1])
+    return 2 * _block_elements(matrix) + rank * max(rows, matrix.shape[1])
+
+
+def _block_elements(matrix: torch.Tensor) -> int:
+    return min(matrix.shape[0], _block_rows(matrix)) * matrix.shape[1]
 
 
 def pack_into(tensors: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:

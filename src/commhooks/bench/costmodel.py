@@ -40,6 +40,8 @@ from dataclasses import dataclass
 
 __all__ = ["TCP_WIRE_FACTOR", "Collectives", "comm_time_s", "predict_step_s", "wire_bytes"]
 
+_ALL_GATHERS = ("all_gather", "all_gather_into_tensor", "all_gather_single")
+
 TCP_WIRE_FACTOR = 1514 / 1448  # Ethernet + IPv4 + TCP (timestamps) headers per full segment
 
 
@@ -60,7 +62,7 @@ def wire_bytes(c: Collectives, world_size: int, wire_factor: float = 1.0) -> flo
     for kind, n in c.payload_bytes.items():
         if kind == "all_reduce":
             total += 2 * (p - 1) / p * n
-        elif kind == "all_gather":  # n: what this rank contributes
+        elif kind in _ALL_GATHERS:  # n: what this rank contributes
             total += (p - 1) * n
         elif kind == "broadcast":  # pipelined along a chain: each rank forwards it once
             total += n

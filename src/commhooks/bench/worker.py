@@ -36,10 +36,13 @@ _COLLECTIVES = (
     "all_reduce",
     "all_gather",
     "all_gather_into_tensor",
+    "all_gather_single",
     "broadcast",
     "reduce_scatter_tensor",
     "all_to_all_single",
 )
+# Collectives whose first argument is the output: what this rank contributes comes second.
+_OUTPUT_FIRST = ("all_gather", "all_gather_into_tensor", "all_gather_single")
 
 
 class PayloadCounter:
@@ -50,23 +53,43 @@ class PayloadCounter:
         self.calls: dict[str, int] = {}
         self.bytes: dict[str, int] = {}
         self._lock = threading.Lock()
+        self._inside_exchange = threading.local()
 
     def install(self, dist: Any) -> None:
         for name in _COLLECTIVES:
             original = getattr(dist, name, None)
             if original is not None:
                 setattr(dist, name, self._wrap(name, original))
+        from commhooks import comm
+
+        comm._exchange_and_add = self._wrap_exchange(comm._exchange_and_add)
+
+    def _count(self, name: str, tensor: Any) -> None:
+        if not self.active or getattr(self._inside_exchange, "on", False):
+            return
+        size = tensor.numel() * tensor.element_size() if hasattr(tensor, "numel") else 0
+        with self._lock:
+            self.calls[name] = self.calls.get(name, 0) + 1
+            self.bytes[name] = self.bytes.get(name, 0) + size
 
     def _wrap(self, name: str, original: Any) -> Any:
         def counted(tensor_or_list: Any, *args: Any, **kwargs: Any) -> Any:
-            if self.active:
-                # all_gather(list, tensor): the tensor this rank contributes is the 2nd argument
-                tensor = args[0] if name == "all_gather" and args else tensor_or_list
-                size = tensor.numel() * tensor.element_size() if hasattr(tensor, "numel") else 0
-                with self._lock:
-                    self.calls[name] = self.calls.get(name, 0) + 1
-                    self.bytes[name] = self.bytes.get(name, 0) + size
+            self._count(name, args[0] if name in _OUTPUT_FIRST and args else tensor_or_list)
             return original(tensor_or_list, *args, **kwargs)
+
+        return counted
+
+    def _wrap_exchange(self, original: Any) -> Any:
+        # commhooks sums a small tensor of two gloo ranks with an all-gather (see
+        # comm.allreduce): it is counted as the allreduce it stands for, the collective the same
+        # hook issues at other world sizes, so that predictions for them hold.
+        def counted(tensor: Any, group: Any) -> Any:
+            self._count("all_reduce", tensor)
+            self._inside_exchange.on = True
+            try:
+                return original(tensor, group)
+            finally:
+                self._inside_exchange.on = False
 
         return counted
 

@@ -7,10 +7,10 @@ gradients are fused where that is faster: the reconstruction and the new error i
 pass for the two-round variant.
 
 The single-round variant keeps its error memory lazily (see ``PowerSGDState._materialize``):
-one pass before its collective adds the gradient into the memory, subtracts the last step's
-approximation and forms the factor; after the collective, one pass writes ``P Qᵀ`` into the
-gradient. The two-round variant needs three: compensate and multiply, multiply, and write
-both the approximation and the new error.
+one pass before its collective adds the gradient into the memory and forms the factor (every
+few steps it also subtracts the approximations sent since); after the collective, one pass
+writes ``P Qᵀ`` into the gradient. The two-round variant needs three: compensate and multiply,
+multiply, and write both the approximation and the new error.
 
 Hook modules must not use ``from __future__ import annotations``: DDP rejects string annotations.
 """
@@ -37,10 +37,11 @@ class _Entry:
     rank: int
     step: str
     error_in_matrix: bool = False  # the remembered error was added to a gradient view
-    # Single round, a matrix compressed on its own: its memory (an error, or a compensated
-    # matrix with the product still to subtract), into which the gradient is added.
+    # Single round, a matrix compressed on its own: its memory (the error, plus the products
+    # in ``pending`` that are still to subtract), into which the gradient is added.
     memory: torch.Tensor | None = None
-    pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (P, Qᵀ) to subtract
+    pending: tuple[torch.Tensor, torch.Tensor] | None = None  # stacked (P, Qᵀ) to subtract
+    folds: bool = False  # this step subtracts ``pending`` from the memory
     written: int = 0  # rows of the memory that now hold gradient + previous error
     created: bool = False  # the memory was made for it this step
 
@@ -115,6 +116,7 @@ def _attach_memory(call: _Call, e: _Entry) -> None:
     if state.use_error_feedback:
         e.memory = state._stored(state._errors, e.key, tuple(e.matrix.shape), e.matrix)
         e.pending = state._pending_product(e.key)
+        e.folds = state._fold_due(e.pending, e.rank)
 
 
 def _kinds(call: _Call) -> list[list[_Entry]]:
@@ -252,11 +254,12 @@ def _compute_sent(call: _Call, send: torch.Tensor) -> None:
 def _direct_factor(call: _Call, e: _Entry, known: torch.Tensor, sent: torch.Tensor) -> None:
     """Single round, a matrix on its own: memory = gradient + previous error, and its factor.
 
-    One pass of row blocks forms ``M`` in the memory (subtracting the pending product of a
-    memory kept as a compensated matrix) and its factor, so that after the collective only
-    ``P Qᵀ`` is left to write. On CPU, a gradient block that is not finite is not added, nor
-    any after it (checking costs one sum a block there; on a GPU reading it would stall the
-    stream, so there the collective's result is the only check).
+    One pass of row blocks adds the gradient into the memory and forms the factor of the sum,
+    so that after the collective only ``P Qᵀ`` is left to write. Products still pending are
+    subtracted in that pass when they are due, and otherwise from the thin factor. On CPU, a
+    gradient block that is not finite is not added, nor any after it (checking costs one sum
+    a block there; on a GPU reading it would stall the stream, so there the collective's
+    result is the only check).
     """
     state = call.state
     q_step = e.step == _Q_STEP
@@ -272,34 +275,39 @@ def _direct_factor(call: _Call, e: _Entry, known: torch.Tensor, sent: torch.Tens
         e.memory = state._errors[e.key] = torch.zeros_like(e.matrix)
         e.created = True
     check = e.memory.device.type == "cpu"
-    args = (e.memory, e.matrix, e.pending)
+    args = (e.memory, e.matrix, e.pending if e.folds else None)
     if q_step:
         e.written = lowrank.accumulate_right_factor_(*args, known, sent.t(), call.scratch(), check)
+        if e.pending is not None and not e.folds:
+            lowrank.deduct_pending_right_(sent.t(), e.pending, known)
     else:
         e.written = lowrank.accumulate_left_factor_(*args, known.t(), sent, call.scratch(), check)
-    state._compensated.discard(e.key)
+        if e.pending is not None and not e.folds:
+            lowrank.deduct_pending_left_(sent, e.pending, known.t())
+    if e.folds:
+        del state._pending[e.key]  # now in the memory (a bad step restores that, see below)
 
 
 def _write_direct(call: _Call, g: _Group, p: torch.Tensor, qt: torch.Tensor, ok: bool) -> None:
     """Single round, after the collective: the gradient becomes ``P Qᵀ``.
 
-    With a finite result the memory now holds the compensated matrix, whose error is that
-    minus ``P Qᵀ``. Otherwise the gradient added into the memory is taken back out, which
-    restores the previous error to the rounding of one addition. A non-finite value that got
-    in (on a GPU, where blocks are not checked, or from a sum that overflowed) restarts from
-    zero instead.
+    With a finite result ``P Qᵀ`` joins the products pending on the memory. Otherwise the
+    gradient added into the memory is taken back out, which restores the previous error to
+    the rounding of one addition. A non-finite value that got in (on a GPU, where blocks are
+    not checked, or from a sum that overflowed) restarts from zero instead.
     """
     e, state = g.entries[0], call.state
     if e.memory is not None and ok:
-        state._compensated.add(e.key)
+        state._push_pending(e.key, p, qt)
     elif e.created:
         del state._errors[e.key]
     elif e.memory is not None:
-        # Rows before ``written`` hold gradient + previous error, the others are untouched;
-        # both become the previous error, so the whole memory is in one form again.
+        # Rows before ``written`` hold the gradient added (and, on a step that folds, the
+        # pending products subtracted); the others are untouched. Both become the previous
+        # error, with the products handed to this step subtracted everywhere.
         restored = e.memory[: e.written].sub_(e.matrix[: e.written])
         torch.nan_to_num_(restored, nan=0.0, posinf=0.0, neginf=0.0)
-        if e.pending is not None and e.written < e.memory.shape[0]:
+        if e.folds and e.written < e.memory.shape[0]:
             p0, q0t = e.pending
             lowrank.subtract_product_(e.memory[e.written :], p0[e.written :], q0t)
     lowrank.product_into(e.matrix, p, qt)
