@@ -69,9 +69,13 @@ def _sums(rank, world_size):
     for name, shape, dtype in (
         ("small", (40, 3), torch.float32),
         ("half", (17,), torch.float16),
+        ("strided", (7, 5), torch.float32),  # summed through a contiguous copy
+        ("empty", (0,), torch.float32),
         ("large", (comm._EXCHANGE_BYTES // 4 + 1,), torch.float32),
     ):
         t = torch.randn(shape, generator=gen).to(dtype)
+        if name == "strided":
+            t = t.t()
         reference = t.clone()
         dist.all_reduce(reference)
         result = comm.allreduce(t, group).wait()
@@ -85,10 +89,10 @@ def test_allreduce_sums_like_dist_all_reduce_on_any_world_size():
     for world_size in (2, 3):
         for out, calls, sent in run_on_ranks(_sums, world_size):
             small = world_size == 2
-            assert out["small"] == (True, True, small)
-            assert out["half"] == (True, True, small)
+            for name in ("small", "half", "strided", "empty"):
+                assert out[name] == (True, True, small)
             assert out["large"] == (True, True, False)
             assert set(calls) == {"all_reduce"}  # the references, then the sums
-            assert calls["all_reduce"] == 6
+            assert calls["all_reduce"] == 10
             large = (comm._EXCHANGE_BYTES // 4 + 1) * 4
-            assert sent["all_reduce"] == 2 * (40 * 3 * 4 + 17 * 2 + large)
+            assert sent["all_reduce"] == 2 * (40 * 3 * 4 + 17 * 2 + 35 * 4 + large)

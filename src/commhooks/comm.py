@@ -165,14 +165,15 @@ def _sums_by_exchange(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
         group.size() == 2
         and tensor.device.type == "cpu"
         and tensor.is_floating_point()
-        and tensor.is_contiguous()
         and tensor.numel() * tensor.element_size() <= _EXCHANGE_BYTES
         and "gloo" in str(dist.get_backend(group))
     )
 
 
 def _exchange_and_add(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.Tensor]":
-    flat = tensor.view(-1)
+    # The choice above must not depend on anything that may differ between ranks, such as a
+    # tensor's strides: one that is not contiguous is sent from a copy.
+    flat = tensor.reshape(-1) if tensor.is_contiguous() else tensor.flatten()
     both = flat.new_empty(2 * flat.numel())
     # Renamed in recent PyTorch, where the old name warns on every call.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -182,6 +183,8 @@ def _exchange_and_add(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future
         fut.value()  # raises here if the all-gather failed
         # The same order on both ranks, so they hold the same bits.
         torch.add(both[: flat.numel()], both[flat.numel() :], out=flat)
+        if flat.data_ptr() != tensor.data_ptr():
+            tensor.copy_(flat.view_as(tensor))
         return tensor
 
     return work.get_future().then(add)
