@@ -94,6 +94,7 @@ def test_repeated_rounds_in_lockstep_pool_every_timed_step(tmp_path, capsys):
     assert cli.main([*argv, "--repeat", "2", "--lockstep", "--json", str(path)]) == 0
     doc = json.loads(path.read_text())
     assert doc["settings"]["repeat"] == 2 and doc["settings"]["lockstep"] is True
+    assert doc["settings"]["offload"] is True
     for row in doc["results"]:
         assert row["ok"] and row["repeats"] == 2 and row["timed_steps"] == 2 * 3
         assert [len(per_rank) for per_rank in row["step_ms"]] == [6, 6]

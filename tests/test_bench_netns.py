@@ -89,6 +89,47 @@ def test_tbf_link_limits_throughput_and_everything_is_removed():
     assert not any(n in ns for n in net.namespaces) and net.bridge not in links
 
 
+COUNTS = "from commhooks.bench.worker import _limiter_counts; print(*_limiter_counts())"
+
+
+def _gso_max_size(net: Network) -> int:
+    import json
+
+    out = subprocess.run(
+        ["ip", "-n", net.namespaces[0], "-d", "-j", "link", "show", "dev", IFACE],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return int(json.loads(out)[0]["gso_max_size"])
+
+
+def _limiter(net: Network) -> tuple[int, int]:
+    out = subprocess.run(
+        [*net.command(0), sys.executable, "-c", COUNTS],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": SRC},
+    ).stdout.split()
+    return int(out[0]), int(out[1])
+
+
+@pytest.mark.parametrize("offload", [True, False])
+def test_sent_bytes_count_every_wire_segment_with_or_without_offload(offload):
+    with Network(2, rate_bps=10**9, offload=offload) as net:
+        # Offload on: TCP may hand the link 64 KiB packets; off: every packet is wire-sized.
+        assert (_gso_max_size(net) > 1500) == offload
+        bytes0, packets0 = _limiter(net)
+        got, _ = _transfer(net, 3_000_000)
+        bytes1, packets1 = _limiter(net)
+        assert got == 3_000_000
+        segments = packets1 - packets0
+        # at most 1448 payload bytes a segment, each with 66 bytes of headers on the wire
+        assert segments >= 3_000_000 / 1448
+        assert 3_000_000 + 66 * 3_000_000 / 1448 <= bytes1 - bytes0 < 3_000_000 * 1.08
+
+
 def test_removed_after_an_exception_and_names_never_collide():
     first, second = Network(2, 10**9), Network(2, 10**9)
     assert first.run_id != second.run_id and first.bridge != second.bridge

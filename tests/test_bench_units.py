@@ -83,6 +83,7 @@ def test_default_plan_and_predict_world():
         + ["post_local_sgd"]
     )
     assert (plan.steps, plan.warmup) == (40, 5)
+    assert plan.offload and not args.parse(["--no-offload"]).offload
     assert args.parse(["--steps", "3"]).warmup == 1  # a tiny budget still times some steps
     assert args.parse(["--steps", "1"]).warmup == 0
     plan = args.parse(["--predict", "10gbit", "--world-size", "64", "--compare-torch"])

@@ -37,6 +37,7 @@ class Plan:
     sweep: bool = False
     repeat: int = 1
     lockstep: bool = False
+    offload: bool = True
     notes: list[str] = field(default_factory=list)
 
 
@@ -108,6 +109,13 @@ def build_parser(prog: str = "commhooks bench") -> argparse.ArgumentParser:
         help="start every step on all ranks together (an untimed barrier), for every hook: "
         "ranks on one machine share its memory bandwidth, and a hook that never communicates "
         "lets them drift apart and share it better than any hook that does",
+    )
+    p.add_argument(
+        "--no-offload",
+        dest="offload",
+        action="store_false",
+        help="segment every packet in software, as a NIC without segmentation offload does "
+        "(default: offload on, as on real NICs; the rate limit and byte counts are the same)",
     )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per hook run")
     p.add_argument("--json", dest="json_path", metavar="PATH", help="write every figure as JSON")
@@ -237,4 +245,5 @@ def _plan(a: argparse.Namespace, parser: argparse.ArgumentParser) -> Plan:
         sweep=bool(a.sweep),
         repeat=a.repeat,
         lockstep=a.lockstep,
+        offload=a.offload,
     )

@@ -94,7 +94,9 @@ def run(plan: Plan, argv: list[str]) -> dict:
         task = progress.add_task("starting rank processes", total=total) if progress else None
         start_server()
         for bw in plan.bandwidths:
-            net = Network(plan.ranks, bw, plan.latency_s) if bw is not None else None
+            net = None
+            if bw is not None:
+                net = Network(plan.ranks, bw, plan.latency_s, offload=plan.offload)
             specs = {hook: _spec(plan, hook) for hook in plan.hooks}
             runs: dict[str, list[dict]] = {hook: [] for hook in plan.hooks}
             with net or nullcontext():
@@ -164,6 +166,8 @@ def _setting_notes(plan: Plan) -> list[str]:
         lines.append(f"{plan.repeat} rounds of every hook in turn, each hook's timed steps pooled")
     if plan.lockstep:
         lines.append("lockstep: every step starts on all ranks together (untimed barrier)")
+    if not plan.offload and any(bw is not None for bw in plan.bandwidths):
+        lines.append("no segmentation offload: every packet is cut and reassembled in software")
     return lines
 
 
@@ -200,6 +204,7 @@ def _settings(plan: Plan) -> dict:
         "warmup_steps": plan.warmup,
         "repeat": plan.repeat,
         "lockstep": plan.lockstep,
+        "offload": plan.offload,
         "task": plan.task,
         "lr": plan.lr,
         "seed": plan.seed,
@@ -233,6 +238,7 @@ def _environment(plan: Plan, argv: list[str], elapsed: float) -> dict:
         "latency_s": plan.latency_s or None,
         "network": "loopback"
         if plan.bandwidths == [None]
-        else "one network namespace per rank, veth to a bridge, tc tbf on both ends of each link",
+        else "one network namespace per rank, veth to a bridge, tc tbf on both ends of each link"
+        + ("" if plan.offload else ", no segmentation offload"),
         "elapsed_s": elapsed,
     }

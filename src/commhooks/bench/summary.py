@@ -104,7 +104,8 @@ def make_row(hook: str, bandwidth: int | None, run: dict[str, Any], context: dic
         tcp_payload = tx - packets * HEADER_BYTES
         row.update(
             bytes_per_step=tx,
-            bytes_source="interface counters (tx_bytes of each rank's link, mean over ranks)",
+            bytes_source="interface counters (bytes each rank's link sent, from its rate "
+            "limiter: every wire-sized segment with its headers; mean over ranks)",
             wire=wires,
             wire_packets_per_step=packets,
             wire_payload_bytes_per_step=tcp_payload,

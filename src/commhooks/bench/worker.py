@@ -11,9 +11,9 @@ only its own ranks. The rank reads the run from a JSON spec and writes its raw f
 * payload: bytes handed to each kind of collective during the timed steps, counted by wrapping
   ``torch.distributed``'s collective functions in this process (hooks, ours and PyTorch's,
   call them through the module attribute, so the wrapper sees every call);
-* wire: the counters of the rank's link (``/sys/class/net/IFACE/statistics``) around the timed
-  steps, when it runs in its own network namespace; they are read at the link's host end,
-  whose received bytes are exactly what the rank transmitted;
+* wire: the counters of the rank's link around the timed steps, when it runs in its own
+  network namespace: sent bytes and packets from the rate limiter (``tc -s qdisc``), which
+  counts each wire-sized segment with its headers, received ones at the link's host end;
 * peak memory: the peak resident set size (``ru_maxrss``) minus the resident set just before
   the task is built, i.e. what the model, optimizer, data, hook state and communication buffers
   added at their peak;
@@ -24,6 +24,7 @@ import datetime
 import json
 import os
 import resource
+import subprocess
 import sys
 import threading
 import time
@@ -104,7 +105,13 @@ def _peak_rss_bytes() -> int:
 
 
 def _counters(host_end: str | None) -> dict[str, int] | None:
-    """The rank's tx/rx counters, read at the host end of its veth (directions swapped)."""
+    """The rank's tx/rx counters around the timed steps, in bytes and wire-sized packets.
+
+    Sent traffic is read from the rate limiter on the rank's own link, which counts every
+    segment that goes on the wire with its headers, whether or not TCP handed it over as one
+    offloaded packet. Received traffic is what the host end of the link delivered to the rank
+    (its transmit counters). Without ``tc`` statistics both come from the host end.
+    """
     if not host_end:
         return None
     base = f"/sys/class/net/{host_end}/statistics/"
@@ -113,7 +120,30 @@ def _counters(host_end: str | None) -> dict[str, int] | None:
         for unit in ("bytes", "packets"):
             with open(f"{base}{theirs}_{unit}") as f:
                 out[f"{mine}_{unit}"] = int(f.read())
+    sent = _limiter_counts()
+    if sent is not None:
+        out["tx_bytes"], out["tx_packets"] = sent
     return out
+
+
+def _limiter_counts() -> tuple[int, int] | None:
+    """Bytes and packets through the root qdisc of this namespace's link, if ``tc`` says."""
+    from commhooks.bench.netns import IFACE
+
+    try:
+        done = subprocess.run(
+            ["tc", "-s", "-j", "qdisc", "show", "dev", IFACE],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        qdiscs = json.loads(done.stdout) if done.returncode == 0 else []
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return None
+    for q in qdiscs:
+        if q.get("root") and "bytes" in q and "packets" in q:
+            return int(q["bytes"]), int(q["packets"])
+    return None
 
 
 def enter_namespace(name: str) -> None:
