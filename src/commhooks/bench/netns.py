@@ -12,7 +12,7 @@ offload stays on, as on a real NIC: TCP hands the link packets of up to 64 KiB, 
 charges (and counts) as the wire-sized segments they become, headers included. Without it
 the kernel cuts and reassembles every 1500-byte packet in software, on the very cores that
 train, and the emulated link delivers far less than its rate: on a 2-core machine a 1 Gbit/s
-link moved about 400 Mbit/s (700 with offload), and a 64 KiB exchange took 3 ms longer.
+link moved 250-400 Mbit/s (700-900 with offload), and a 64 KiB exchange took 3 ms longer.
 ``offload=False`` (``--no-offload``) restores that per-packet processing, as of a NIC
 without offload.
 
