@@ -72,6 +72,7 @@ def test_bad_flags_say_what_is_accepted(capsys):
     assert "needs --bandwidth" in _parse_error(capsys, ["--latency", "5ms"])
     assert ".png" in _parse_error(capsys, ["--plot", "out.jpg"])
     assert "between 1 and 100" in _parse_error(capsys, ["--repeat", "0"])
+    assert "--no-offload needs --bandwidth" in _parse_error(capsys, ["--no-offload"])
 
 
 def test_default_plan_and_predict_world():
@@ -83,7 +84,7 @@ def test_default_plan_and_predict_world():
         + ["post_local_sgd"]
     )
     assert (plan.steps, plan.warmup) == (40, 5)
-    assert plan.offload and not args.parse(["--no-offload"]).offload
+    assert plan.offload and not args.parse(["--no-offload", "--bandwidth", "1gbit"]).offload
     assert args.parse(["--steps", "3"]).warmup == 1  # a tiny budget still times some steps
     assert args.parse(["--steps", "1"]).warmup == 0
     plan = args.parse(["--predict", "10gbit", "--world-size", "64", "--compare-torch"])

@@ -180,6 +180,10 @@ def _plan(a: argparse.Namespace, parser: argparse.ArgumentParser) -> Plan:
     latency = parse_duration(a.latency) if a.latency else 0.0
     if latency and bandwidths == [None]:
         raise ValueError("--latency needs --bandwidth or --sweep (loopback has no link to delay).")
+    if not a.offload and bandwidths == [None]:
+        raise ValueError(
+            "--no-offload needs --bandwidth or --sweep (loopback has no link to offload)."
+        )
     if latency > 1.0:
         raise ValueError("--latency above 1s is not a network worth benchmarking; use e.g. 5ms.")
 

@@ -166,7 +166,7 @@ def _setting_notes(plan: Plan) -> list[str]:
         lines.append(f"{plan.repeat} rounds of every hook in turn, each hook's timed steps pooled")
     if plan.lockstep:
         lines.append("lockstep: every step starts on all ranks together (untimed barrier)")
-    if not plan.offload and any(bw is not None for bw in plan.bandwidths):
+    if not plan.offload:
         lines.append("no segmentation offload: every packet is cut and reassembled in software")
     return lines
 
