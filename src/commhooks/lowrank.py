@@ -372,7 +372,7 @@ def scratch_elements(matrix: torch.Tensor, rank: int = 0) -> int:
     Two blocks of rows, and room for a rank-``rank`` factor of a block or of the matrix.
     """
     rows = min(matrix.shape[0], _block_rows(matrix))
-    return 2 * _block_elements(matrix) + rank * max(rows, matrix.shape[1])
+    return 2 * rows * matrix.shape[1] + rank * max(rows, matrix.shape[1])
 
 
 def _block_elements(matrix: torch.Tensor) -> int:

@@ -115,15 +115,20 @@ def _counters(host_end: str | None) -> dict[str, int] | None:
     if not host_end:
         return None
     base = f"/sys/class/net/{host_end}/statistics/"
-    out = {}
-    for mine, theirs in (("tx", "rx"), ("rx", "tx")):
-        for unit in ("bytes", "packets"):
-            with open(f"{base}{theirs}_{unit}") as f:
-                out[f"{mine}_{unit}"] = int(f.read())
+
+    def host_end_count(name: str) -> int:
+        with open(f"{base}{name}") as f:
+            return int(f.read())
+
     sent = _limiter_counts()
-    if sent is not None:
-        out["tx_bytes"], out["tx_packets"] = sent
-    return out
+    if sent is None:  # what the host end received is what the rank sent
+        sent = (host_end_count("rx_bytes"), host_end_count("rx_packets"))
+    return {
+        "tx_bytes": sent[0],
+        "tx_packets": sent[1],
+        "rx_bytes": host_end_count("tx_bytes"),
+        "rx_packets": host_end_count("tx_packets"),
+    }
 
 
 def _limiter_counts() -> tuple[int, int] | None:
