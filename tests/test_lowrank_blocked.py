@@ -93,10 +93,11 @@ def test_pending_products_deducted_from_a_thin_factor(left):
         torch.testing.assert_close(out_t, p.t() @ (memory - product))
 
 
-def test_product_and_its_subtraction():
-    _, memory, qt = _data()
-    p = torch.randn(11, 2, dtype=memory.dtype)
-    out = torch.empty_like(memory)
+@pytest.mark.parametrize("rank", [1, 2, 4, 6])  # sums of outer products up to 4, then mm
+def test_product_and_its_subtraction(rank):
+    _, memory, qt = _data(r=rank)
+    p = torch.randn(11, rank, dtype=memory.dtype)
+    out = torch.full_like(memory, float("nan"))
     lowrank.product_into(out, p, qt)
     torch.testing.assert_close(out, p @ qt)
     expected = memory - p @ qt
@@ -125,3 +126,14 @@ def test_scratch_is_two_blocks_or_twice_the_whole_matrix():
     # and room for a rank-2 factor of a block (3 rows) or of the matrix (10 columns)
     expected = 2 * 3 * 10 + 2 * 10
     assert lowrank.scratch_elements(torch.empty(11, 10, dtype=torch.float64), 2) == expected
+
+
+def test_is_finite():
+    assert lowrank.is_finite(torch.empty(0))
+    assert lowrank.is_finite(torch.randn(5, 4))
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        t = torch.randn(5, 4)
+        t[3, 2] = bad
+        assert not lowrank.is_finite(t)
+    # finite values whose sum overflows are still finite
+    assert lowrank.is_finite(torch.full((4,), torch.finfo(torch.float16).max, dtype=torch.float16))

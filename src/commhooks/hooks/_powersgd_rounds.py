@@ -315,7 +315,7 @@ def _write_direct(call: _Call, g: _Group, p: torch.Tensor, qt: torch.Tensor, ok:
 
 def _all_finite(*tensors: torch.Tensor) -> bool:
     # Decided on reduced data, identical on every rank, so every rank takes the same branch.
-    return all(t.numel() == 0 or bool(torch.isfinite(t).all()) for t in tensors)
+    return all(lowrank.is_finite(t) for t in tensors)
 
 
 def _undo_compensation(call: _Call) -> None:
