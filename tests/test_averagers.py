@@ -4,6 +4,7 @@ import functools
 
 import pytest
 import torch
+import torch.distributed as dist
 from ddp_utils import IN, OUT, flat_params, make_ddp, make_mlp
 
 import commhooks
@@ -79,16 +80,50 @@ def _outer_default():
     return commhooks.OuterOptimizerAverager(period=1)
 
 
-def test_outer_optimizer_applies_nesterov_sgd_to_the_pseudo_gradient():
+def test_outer_optimizer_without_warmup_starts_with_a_plain_average():
     (h0, _, _), (h1, _, _) = run_on_ranks(_scripted_updates, 2, _outer_default, 2)
-    # Step 0: values 1 and 2, plain average 1.5 becomes the snapshot. Step 1: 1.5+2 and 1.5+4,
-    # average 4.5, pseudo-gradient g = 1.5 - 4.5; SGD(lr=0.7, momentum=0.9, nesterov) steps by
-    # -lr * (g + 0.9 * g) on the first step.
+    # No warm-up step to take the snapshot at: step 0 averages 1 and 2 to 1.5, which becomes
+    # the snapshot. Step 1: 1.5+2 and 1.5+4, average 4.5, pseudo-gradient g = 1.5 - 4.5;
+    # SGD(lr=0.7, momentum=0.9, nesterov) steps by -lr * (g + 0.9 * g) on its first step.
     g = 1.5 - 4.5
     expected = 1.5 - 0.7 * (g + 0.9 * g)
     for h in (h0, h1):
         assert h[0][0].item() == pytest.approx(1.5)
         assert h[1][0].item() == pytest.approx(expected)
+
+
+def _outer_after_warmup():
+    return commhooks.OuterOptimizerAverager(period=2, warmup_steps=2)
+
+
+def test_outer_optimizer_first_sync_steps_from_the_warmup_snapshot():
+    results = run_on_ranks(_scripted_updates, 2, _outer_after_warmup, 5)
+    # Step 0: 1 and 2 (warm-up). Step 1 (the last warm-up step): 3 and 6, left as they are;
+    # the snapshot is their average 4.5. Step 2 (first sync): 6 and 12, average 9, so
+    # g1 = 4.5 - 9; Nesterov SGD(lr=0.7, momentum=0.9): buf = g1, step -0.7 * (g1 + 0.9 * buf).
+    g1 = 4.5 - 9.0
+    sync1 = 4.5 - 0.7 * (g1 + 0.9 * g1)
+    # Step 3: local. Step 4 (second sync): sync1 + 4 + 5 and sync1 + 8 + 10, average sync1 + 13.5.
+    g2 = sync1 - (sync1 + 13.5)
+    buf = 0.9 * g1 + g2
+    sync2 = sync1 - 0.7 * (g2 + 0.9 * buf)
+    for rank, (history, _, counted) in enumerate(results):
+        assert counted == 5
+        values = [h[0].item() for h in history]
+        local = [1.0, 3.0] if rank == 0 else [2.0, 6.0]
+        expected = [*local, sync1, sync1 + 4 * (rank + 1), sync2]
+        assert values == pytest.approx(expected), rank
+    # A plain average would have given 9 at the first sync.
+    assert sync1 == pytest.approx(10.485)
+
+
+def _outer_lr_1_vs_periodic(rank, world_size):
+    """Ranks that differ during the warm-up (no hook keeps them in sync)."""
+    plain = functools.partial(
+        commhooks.OuterOptimizerAverager, 3, warmup_steps=2, outer_lr=1.0, outer_momentum=0.0
+    )
+    periodic = functools.partial(commhooks.PeriodicModelAverager, 3, warmup_steps=2)
+    return [_scripted_updates(rank, world_size, make, 9)[0] for make in (plain, periodic)]
 
 
 def _train_with_averager(rank, world_size, make_averager, steps=10, seed=1):
@@ -131,6 +166,10 @@ def test_outer_optimizer_with_lr_1_and_no_momentum_equals_periodic_averaging():
         torch.testing.assert_close(params["plain"], params["periodic"], rtol=0, atol=1e-6)
         torch.testing.assert_close(params["factory"], params["periodic"], rtol=0, atol=1e-6)
         assert (params["nesterov"] - params["periodic"]).abs().max() > 1e-3
+    # Also when the ranks differ at the warm-up snapshot, and at every step, not only the end.
+    for outer, periodic in run_on_ranks(_outer_lr_1_vs_periodic, 2):
+        for a, b in zip(outer, periodic, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
 def _convergence_run(rank, mode, steps, lr=0.3):
@@ -235,6 +274,20 @@ def _hierarchy_errors(rank, world_size):
         except ValueError as exc:
             messages[name] = str(exc)
     return messages
+
+
+def test_malformed_hierarchies_are_rejected_before_the_process_group_is_looked_up():
+    assert not dist.is_initialized()  # a group lookup would raise RuntimeError here
+    cases = [
+        ({}, "non-empty"),
+        ({0: 2, 2: 4}, "every period must be >= 1"),
+        ({2: 0, 4: 4}, "every group size must be >= 1"),
+        ({4: 2, 2: 4}, "strictly increasing"),
+        ({2: 2, 2.5: 4}, "every period must be an integer"),
+    ]
+    for levels, message in cases:
+        with pytest.raises(ValueError, match=message):
+            commhooks.HierarchicalModelAverager(levels)
 
 
 def test_bad_hierarchies_are_rejected_at_construction():

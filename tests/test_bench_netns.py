@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from commhooks.bench.netns import IFACE, Network
+from commhooks.bench.netns import IFACE, Network, NetworkError
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces and tc need root")
 
@@ -140,6 +140,18 @@ def test_removed_after_an_exception_and_names_never_collide():
     assert first.leftovers() == [] and second.leftovers() == []
 
 
+def test_a_name_clash_never_removes_another_runs_network():
+    with Network(2, 10**9) as first:
+        clash = Network(2, 10**9)
+        clash.bridge = first.bridge  # as if both runs had drawn the same name
+        clash.namespaces = list(first.namespaces)
+        with pytest.raises(NetworkError):
+            clash.open()
+        # Nothing of the first run was removed by the second one's cleanup.
+        assert set(first.leftovers()) == {*first.namespaces, *first.host_ends, first.bridge}
+    assert first.leftovers() == []
+
+
 def test_removed_after_sigterm():
     script = (
         "import time\nfrom commhooks.bench.netns import Network\n"
@@ -182,7 +194,11 @@ def test_sweep_over_rate_limited_links_counts_real_bytes(tmp_path):
     assert cli.main(argv) == 0
     doc = json.loads(path.read_text())
     rows = {(r["hook"], r["bandwidth"]): r for r in doc["results"]}
-    assert set(rows) == {(h, b) for h in ("noop", "fp16") for b in (2 * 10**8, 10**9)}
+    # allreduce is added: the sweep's speedups are over it
+    hooks = ("noop", "allreduce", "fp16")
+    assert doc["settings"]["hooks"] == list(hooks)
+    assert any("allreduce" in note for note in doc["settings"]["notes"])
+    assert set(rows) == {(h, b) for h in hooks for b in (2 * 10**8, 10**9)}
     for (hook, _), row in rows.items():
         assert row["ok"], row.get("error")
         assert row["bytes_source"].startswith("interface counters")
@@ -197,9 +213,11 @@ def test_sweep_over_rate_limited_links_counts_real_bytes(tmp_path):
     # noop sends next to nothing (DDP's bucket rebuild of step 1 and the barriers)
     assert rows[("noop", 10**9)]["bytes_per_step"] < 0.05 * fp16["bytes_per_step"]
     sweep = doc["sweep"]
-    assert set(sweep) == {"noop", "fp16"}
-    assert set(sweep["fp16"]["speedup_vs_allreduce"]) == {str(2 * 10**8), str(10**9)}
+    assert set(sweep) == set(hooks)
+    speedups = sweep["fp16"]["speedup_vs_allreduce"]
+    assert set(speedups) == {str(2 * 10**8), str(10**9)}
+    assert all(v > 0 for v in speedups.values())
     pred = doc["prediction"]
     assert pred["bandwidth"] == 10**10 and pred["world_size"] == 8
-    assert set(pred["hooks"]) == {"noop", "fp16"}
+    assert set(pred["hooks"]) == set(hooks)
     assert "commhooks-" not in _names()[0]

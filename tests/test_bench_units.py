@@ -140,6 +140,21 @@ def test_break_even_bandwidth_by_hand():
     assert summary.break_even_bps(hook[:1], ref[:1])[0] is None
 
 
+def test_sweep_without_allreduce_says_what_to_add():
+    rows = [
+        {"hook": h, "bandwidth": bw, "ok": True, "step_ms_median": ms}
+        for h, bw, ms in [("noop", 10**8, 70.0), ("noop", 10**9, 69.0), ("fp16", 10**8, 90.0)]
+    ]
+    rows.append({"hook": "fp16", "bandwidth": 10**9, "ok": True, "step_ms_median": 80.0})
+    by_bw: dict = {}
+    for r in rows:
+        by_bw.setdefault(r["bandwidth"], {})[r["hook"]] = r
+    sweep = summary._sweep(rows, by_bw)
+    for hook in ("noop", "fp16"):
+        assert sweep[hook]["break_even_bandwidth"] is None
+        assert "add allreduce to --hooks" in sweep[hook]["verdict"]
+
+
 def _fake_run(step_s, wire=None):
     rank = {
         "ok": True,

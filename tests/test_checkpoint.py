@@ -101,8 +101,28 @@ def test_foreign_files_are_refused(tmp_path):
         checkpoint.load(text, hook=Counter())
     pickled = tmp_path / "pickled.pt"
     torch.save(Counter(3), pickled)  # a whole object, as the reference saves its state
-    with pytest.raises(checkpoint.CheckpointError, match="weights-only"):
+    with pytest.raises(checkpoint.CheckpointError) as err:
         Counter().load(pickled)
+    message = str(err.value)
+    assert "weights-only load refuses" in message and "Counter" in message
+    assert "weights_only=False" not in message and "state_dict()" in message
+
+
+@pytest.mark.parametrize("writer", ["random_bytes", "pickle_dump"])
+def test_files_torch_did_not_write_are_named_unreadable(tmp_path, writer):
+    path = tmp_path / f"{writer}.pt"
+    if writer == "random_bytes":
+        path.write_bytes(bytes(range(256)) * 4)
+    else:
+        with open(path, "wb") as f:
+            pickle.dump({"hook": {"count": 1}}, f, protocol=4)
+    for call in (lambda: checkpoint.load(path, hook=Counter()), lambda: Counter().load(path)):
+        with pytest.raises(checkpoint.CheckpointError) as err:
+            call()
+        message = str(err.value)
+        assert str(path) in message and "not a file written by torch.save" in message
+        assert "weights-only load refuses" not in message
+        assert "weights_only" not in message, "torch's advice to load unsafely must not leak"
 
 
 def test_wrong_kind_rolls_back_objects_already_loaded(tmp_path):

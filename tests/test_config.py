@@ -100,6 +100,43 @@ def test_option_of_another_hook_names_the_hooks_that_take_it():
     assert checked or not all_options
 
 
+@pytest.mark.parametrize(
+    ("hook", "option", "expected"),
+    [
+        ("batched_power_sgd", "min_compression_rate", ["no per-matrix threshold"]),
+        ("batched_power_sgd", "batch_tensors_with_same_shape", ["nothing to batch"]),
+        ("power_sgd_single_round", "single_round", ["Use hook 'power_sgd' instead"]),
+    ],
+)
+def test_powersgd_hooks_refuse_the_options_they_would_ignore(hook, option, expected):
+    assert option not in config.hook_spec(hook).options
+    for value in (False, True, 1):
+        with pytest.raises(ValueError) as err:
+            HookConfig(hook, options={option: value})
+        message = str(err.value)
+        assert f"option '{option}' does not apply to hook '{hook}'" in message
+        assert "it is an option of: " in message and "power_sgd" in config.hooks_taking(option)
+        for text in [*expected, *config.hooks_taking(option)]:
+            assert text in message
+    with pytest.raises(ValueError, match="does not apply"):
+        HookConfig.from_dict({"comm_hook": hook, "comm_state_option": {option: False}})
+
+
+def test_powersgd_hooks_take_the_options_they_use():
+    takes = {h: config.hook_spec(h).options for h in hook_names() if "power_sgd" in h}
+    assert {"min_compression_rate", "batch_tensors_with_same_shape"} <= takes["power_sgd"]
+    assert takes["batched_power_sgd"] == takes["power_sgd"] - {
+        "min_compression_rate",
+        "batch_tensors_with_same_shape",
+    }
+    assert takes["power_sgd_single_round"] == takes["power_sgd"] - {"single_round"}
+    options = {"matrix_approximation_rank": 2, "single_round": True, "random_seed": 3}
+    cfg = HookConfig("batched_power_sgd", "fp16", options)
+    assert HookConfig.from_dict(cfg.to_dict()) == cfg
+    state = config.hook_spec("power_sgd_single_round").make_state(None, {"warm_start": True})
+    assert state.single_round
+
+
 def test_misplaced_option_message_with_a_stateful_hook(monkeypatch):
     specs = config._specs()
     specs[CommHookType.POWER_SGD] = config.HookSpec(

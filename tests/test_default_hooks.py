@@ -109,12 +109,17 @@ def _noop(rank, world_size):
     local = flat_grads(model)
     ddp = make_ddp(make_mlp(), commhooks.noop_hook)
     torch.nn.functional.mse_loss(ddp(x), y).backward()
-    return local, flat_grads(ddp.module)
+    # Called directly with an explicit group, it hands back the very same buffer.
+    bucket = FakeBucket([local.clone()])
+    direct = commhooks.noop_hook(dist.group.WORLD, bucket).wait()
+    assert direct is bucket.buffer()
+    return local, flat_grads(ddp.module), direct
 
 
 def test_noop_hook_keeps_local_gradient():
-    (l0, g0), (l1, g1) = run_on_ranks(_noop, 2)
+    (l0, g0, d0), (l1, g1, d1) = run_on_ranks(_noop, 2)
     assert torch.equal(l0, g0) and torch.equal(l1, g1)
+    assert torch.equal(l0, d0) and torch.equal(l1, d1)
     assert not torch.equal(g0, g1)
 
 
@@ -132,12 +137,21 @@ def test_wrappers_compose_with_stateless_hooks(wrapper):
     assert torch.equal(a, b)
 
 
-def _overflow(rank, world_size, values):
+def _overflow(rank, world_size, values, buckets=1):
     local = torch.tensor(values[rank], dtype=torch.float32)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out = commhooks.fp16_compress_hook(None, FakeBucket([local.clone()])).wait()
+        for _ in range(buckets):
+            out = commhooks.fp16_compress_hook(None, FakeBucket([local.clone()])).wait()
     return out, [str(w.message) for w in caught]
+
+
+def _divide_then_cast_reference(values, world_size):
+    """Each rank's ``(x / world).half()``, summed in float16, cast back: no overflow handling."""
+    total = torch.zeros(len(values[0]), dtype=torch.float16)
+    for row in values:
+        total += (torch.tensor(row, dtype=torch.float32) / world_size).half()
+    return total.float()
 
 
 def test_fp16_average_too_large_for_fp16_is_resent_in_fp32():
@@ -147,16 +161,54 @@ def test_fp16_average_too_large_for_fp16_is_resent_in_fp32():
         assert any("re-sent" in m for m in messages)
 
 
-def test_fp16_value_that_fits_after_averaging_does_not_become_inf():
+def test_fp16_average_beyond_fp16_range_falls_back_to_fp32_and_warns_once():
+    # 7e4 fits once divided by two, but the average, 7e4, is beyond float16's 65504.
+    values = [[7e4, 0.5], [7e4, 0.5]]
+    for out, messages in run_on_ranks(_overflow, 2, values, buckets=3):
+        assert torch.equal(out, torch.tensor([7e4, 0.5]))
+        assert len(messages) == 1
+        assert "re-sent in torch.float32" in messages[0] and "65504" in messages[0]
+
+
+def test_fp16_value_that_fits_after_averaging_is_divided_before_the_cast():
+    # PyTorch casts 7e4 to inf before dividing; here that element is divided first.
     values = [[7e4, 0.5], [0.0, 0.5]]
-    for out, _ in run_on_ranks(_overflow, 2, values):
-        assert torch.equal(out, torch.tensor([3.5e4, 0.5]))
-
-
-def test_fp16_non_finite_gradient_passes_through_like_allreduce():
-    values = [[float("nan"), 1.0], [1.0, 1.0]]
+    expected = _divide_then_cast_reference(values, 2)
+    assert torch.equal(expected, torch.tensor([35008.0, 0.5]))
     for out, messages in run_on_ranks(_overflow, 2, values):
-        assert torch.isnan(out[0]) and out[1] == 1.0
+        assert torch.equal(out, expected)
+        assert messages == []
+
+
+def _against_pytorch(rank, world_size):
+    torch.manual_seed(rank)
+    local = torch.randn(4000) * 10.0 ** torch.randint(-8, 5, (4000,))
+    local[0::50] = 6e4  # fits float16 on both ranks
+    local[1::50] = 9e4 if rank == 1 else 1.0  # beyond float16 on rank 1; the average fits
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = commhooks.fp16_compress_hook(None, FakeBucket([local.clone()])).wait()
+    theirs = torch_default.fp16_compress_hook(None, FakeBucket([local.clone()])).wait()
+    everyone = [torch.empty_like(local) for _ in range(world_size)]
+    dist.all_gather(everyone, local)
+    return ours, theirs, _divide_then_cast_reference(everyone, world_size), len(caught)
+
+
+def test_fp16_is_bitwise_pytorch_wherever_pytorch_stays_finite():
+    for ours, theirs, reference, warned in run_on_ranks(_against_pytorch, 2):
+        fine = torch.isfinite(theirs)
+        assert not fine.all(), "the data should overflow in PyTorch's hook somewhere"
+        assert torch.equal(ours[fine], theirs[fine])
+        assert torch.equal(ours[~fine], reference[~fine])
+        assert torch.isfinite(ours).all() and warned == 0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_fp16_non_finite_gradient_passes_through_like_allreduce(bad):
+    values = [[bad, 1.0, 7e4], [1.0, 1.0, 0.0]]
+    for out, messages in run_on_ranks(_overflow, 2, values):
+        assert torch.equal(out[0].isnan(), torch.tensor(bad).isnan()) and not out[0].isfinite()
+        assert out[1] == 1.0 and out[2] == 3.5e4  # the rest is plain allreduce's result
         assert not any("re-sent" in m for m in messages)
 
 
@@ -175,7 +227,14 @@ def test_fp16_wrapper_clips_out_of_range_values_with_a_warning():
 
 
 def _bad_inputs(rank, world_size):
-    hooks = [commhooks.allreduce_hook, commhooks.fp16_compress_hook, commhooks.bf16_compress_hook]
+    hooks = [
+        commhooks.allreduce_hook,
+        commhooks.fp16_compress_hook,
+        commhooks.bf16_compress_hook,
+        commhooks.noop_hook,
+        commhooks.fp16_compress_wrapper(commhooks.allreduce_hook),
+        commhooks.bf16_compress_wrapper(commhooks.noop_hook),
+    ]
     messages = []
     for hook in hooks:
         with pytest.raises(TypeError, match="ProcessGroup or None") as err:

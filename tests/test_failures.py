@@ -25,6 +25,7 @@ MISMATCHES = [
     ("PowerSGDState", "matrix_approximation_rank", 1, 2),
     ("PowerSGDState", "start_powerSGD_iter", 2, 3),
     ("PowerSGDState", "single_round", False, True),
+    ("PowerSGDState", "iter", 0, 1),  # resumed from checkpoints of different steps
     ("PostLocalSGDState", "start_localSGD_iter", 2, 3),
     ("PostLocalSGDState", "post_local_gradient_allreduce", True, False),
     ("PeriodicModelAverager", "period", 2, 3),
@@ -41,7 +42,9 @@ def _build(kind, options):
     """The object and a function running one training step with it."""
     if kind in ("PowerSGDState", "PostLocalSGDState"):
         if kind == "PowerSGDState":
+            steps = options.pop("iter", 0)
             state = commhooks.PowerSGDState(None, **{"start_powerSGD_iter": 2, **options})
+            state.iter = steps
             hook = commhooks.powerSGD_hook
         else:
             # An explicit subgroup, so that the only gather is the option check.

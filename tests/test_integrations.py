@@ -238,6 +238,37 @@ def test_accelerate_save_state_and_load_state(tmp_path):
     assert [e["error"][0].item() for e in tally["ranks"]] == [0.0, 10.0]
 
 
+class SingleProcessAccelerator:
+    """What register_hook reads of an ``Accelerator`` that runs one process."""
+
+    num_processes = 1
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        raise AssertionError("nothing is registered with a single process")
+
+
+@pytest.mark.parametrize(
+    ("args", "options", "expected"),
+    [
+        (("powersgd",), {}, "Did you mean 'power_sgd'"),
+        (("fp16", "bf61"), {}, "unknown wrapper 'bf61'"),
+        (("power_sgd",), {"matrix_aproximation_rank": 2}, "Did you mean 'matrix_approx"),
+        (("fp16",), {"matrix_approximation_rank": 2}, "does not apply to hook 'fp16'"),
+        (("power_sgd_single_round",), {"single_round": False}, "Use hook 'power_sgd'"),
+    ],
+)
+def test_accelerate_single_process_still_validates(monkeypatch, args, options, expected):
+    from commhooks import _warnings
+    from commhooks.integrations.accelerate import register_hook
+
+    monkeypatch.setattr(_warnings, "_seen", set())
+    with pytest.raises(ValueError, match=expected):
+        register_hook(SingleProcessAccelerator(), make_mlp(), *args, **options)
+    with pytest.warns(RuntimeWarning, match="single process"):
+        state = register_hook(SingleProcessAccelerator(), make_mlp(), "power_sgd", "fp16")
+    assert state is None
+
+
 # -- Lightning: the strategy's checkpoint entry --------------------------------------------------
 def _lightning_strategy(rank, world_size, path):
     pytest.importorskip("lightning")

@@ -34,19 +34,19 @@ def _steps(ddp, opt, data):
         opt.step()
 
 
-def _resume(rank, world_size, kind, directory, phase):
+def _resume(rank, world_size, kind, directory, phase, save_at):
     data = batches(rank, 2 * STEPS)
     path = os.path.join(directory, f"rank{rank}.pt")
     ddp, state, opt = _build(kind)
     if phase == "uninterrupted":
-        _steps(ddp, opt, data[:STEPS])
+        _steps(ddp, opt, data[:save_at])
         checkpoint = {
             "model": ddp.module.state_dict(),
             "optimizer": opt.state_dict(),
             "hook": state.state_dict(),
         }
         torch.save(checkpoint, path)
-        _steps(ddp, opt, data[STEPS:])
+        _steps(ddp, opt, data[save_at:])
         return flat_params(ddp.module)
     checkpoint = torch.load(path, weights_only=True)
     # After DDP is built: it broadcasts rank 0's parameters, and between averagings the ranks'
@@ -54,17 +54,23 @@ def _resume(rank, world_size, kind, directory, phase):
     ddp.module.load_state_dict(checkpoint["model"])
     opt.load_state_dict(checkpoint["optimizer"])
     state.load_state_dict(checkpoint["hook"])
-    _steps(ddp, opt, data[STEPS:])
-    return flat_params(ddp.module), state.iter, opt.averager.step
+    _steps(ddp, opt, data[save_at:])
+    return flat_params(ddp.module), state.iter, opt.averager.step, checkpoint["optimizer"]
 
 
-@pytest.mark.parametrize("kind", ["periodic", "outer"])
-def test_exact_resume_in_fresh_processes(kind, tmp_path):
-    full = run_on_ranks(_resume, 2, kind, str(tmp_path), "uninterrupted")
-    resumed = run_on_ranks(_resume, 2, kind, str(tmp_path), "resume")
-    for uninterrupted, (params, steps, averager_step) in zip(full, resumed):
+# ("outer", START): saved after the warm-up snapshot and before the first sync, which steps
+# from that snapshot; resuming without it would start with a plain average instead.
+@pytest.mark.parametrize(
+    ("kind", "save_at"), [("periodic", STEPS), ("outer", STEPS), ("outer", START)]
+)
+def test_exact_resume_in_fresh_processes(kind, save_at, tmp_path):
+    full = run_on_ranks(_resume, 2, kind, str(tmp_path), "uninterrupted", save_at)
+    resumed = run_on_ranks(_resume, 2, kind, str(tmp_path), "resume", save_at)
+    for uninterrupted, (params, steps, averager_step, saved) in zip(full, resumed):
         assert torch.equal(params, uninterrupted)
         assert steps == averager_step == 2 * STEPS
+        assert saved["averager"]["step"] == save_at
+        assert saved["averager"].get("synced", True), "the snapshot must have been saved"
     assert not torch.equal(full[0], full[1]), "the run must end between averagings"
 
 
@@ -156,6 +162,57 @@ def test_state_dict_of_another_kind_is_rejected_and_changes_nothing():
     with pytest.raises(StateDictError, match="inner optimizer"):
         wrapper.load_state_dict(foreign_inner)
     assert wrapper.averager.step == 9
+
+
+def test_averagers_refuse_a_state_dict_saved_with_another_schedule():
+    saved = commhooks.PeriodicModelAverager(3, warmup_steps=2)
+    saved.step = 6
+    sd = _roundtrip(saved)
+    assert (sd["period"], sd["warmup_steps"]) == (3, 2)
+    other_period = commhooks.PeriodicModelAverager(4, warmup_steps=2)
+    with pytest.raises(StateDictError, match="period=3, but this one has period=4"):
+        other_period.load_state_dict(sd)
+    other_warmup = commhooks.OuterOptimizerAverager(3, warmup_steps=5)
+    outer_sd = {**sd, "kind": "outer_optimizer_averager", "synced": False, "snapshot": []}
+    with pytest.raises(StateDictError, match="warmup_steps=2, but this one has warmup_steps=5"):
+        other_warmup.load_state_dict(outer_sd)
+    assert other_period.step == other_warmup.step == 0
+
+    inner = torch.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=0.1)
+    wrapper = commhooks.PostLocalSGDOptimizer(inner, commhooks.PeriodicModelAverager(3))
+    wrapper_sd = _roundtrip(wrapper)
+    wrapper_sd["param_groups"][0]["lr"] = 123.0
+    with pytest.raises(StateDictError, match="warmup_steps=0, but this one has warmup_steps=2"):
+        commhooks.PostLocalSGDOptimizer(inner, saved).load_state_dict(wrapper_sd)
+    assert inner.param_groups[0]["lr"] == 0.1 and saved.step == 6
+
+    # State dicts from before the schedule was saved still load.
+    fresh = commhooks.PeriodicModelAverager(4, warmup_steps=7)
+    fresh.load_state_dict({"kind": "periodic_model_averager", "version": 1, "step": 5})
+    assert fresh.step == 5
+
+
+def _hierarchy_mismatch(rank, world_size):
+    saved = commhooks.HierarchicalModelAverager({1: 1, 2: 2})
+    saved.step = 3
+    sd = _roundtrip(saved)
+    other = commhooks.HierarchicalModelAverager({1: 1, 4: 2})
+    try:
+        other.load_state_dict(sd)
+        message = ""
+    except StateDictError as exc:
+        message = str(exc)
+    same = commhooks.HierarchicalModelAverager({1: 1, 2: 2})
+    same.load_state_dict(sd)
+    return sd["period_group_sizes"], message, other.step, same.step
+
+
+def test_hierarchical_averager_refuses_a_state_dict_of_another_hierarchy():
+    for levels, message, other_step, same_step in run_on_ranks(_hierarchy_mismatch, 2):
+        assert levels == [[1, 1], [2, 2]]
+        assert "period_group_size_dict={1: 1, 2: 2}" in message
+        assert "this one has period_group_size_dict={1: 1, 4: 2}" in message
+        assert other_step == 0 and same_step == 3
 
 
 def test_outer_averager_rejects_a_malformed_snapshot_and_changes_nothing():

@@ -1,9 +1,11 @@
 """PowerSGD hooks against PyTorch's (the oracle) and where PyTorch's break, gloo, 2-3 ranks."""
 
 import logging
+import math
 import pickle
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,6 +17,7 @@ from ddp_utils import (
     flat_params,
     make_ddp,
     make_mlp,
+    train,
 )
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
@@ -124,6 +127,7 @@ def _count_collectives(rank, world_size, single_round, monkeypatch_steps):
     x, y = data[0]
     torch.nn.functional.mse_loss(ddp(x), y).backward()  # step 1: DDP's initial single bucket
     opt.step()
+    counted_before = state.compression_stats()[2]
     for name in real:
         setattr(dist, name, counting(name))
     try:
@@ -134,7 +138,8 @@ def _count_collectives(rank, world_size, single_round, monkeypatch_steps):
     finally:
         for name, fn in real.items():
             setattr(dist, name, fn)
-    return len(calls), len(seen), sum(calls), sum(p.numel() for p in ddp.parameters())
+    stats = state.compression_stats()[2] - counted_before
+    return len(calls), len(seen), sum(calls), sum(p.numel() for p in ddp.parameters()), stats
 
 
 def _count_both(rank, world_size, steps):
@@ -143,12 +148,14 @@ def _count_both(rank, world_size, steps):
 
 def test_single_round_sends_one_collective_per_bucket():
     steps = 5
-    (one, buckets, one_numel, total), (two, _, two_numel, _) = run_on_ranks(_count_both, 2, steps)[
-        0
-    ]
+    single, double = run_on_ranks(_count_both, 2, steps)[0]
+    one, buckets, one_numel, total, one_stats = single
+    two, _, two_numel, _, two_stats = double
     assert one == buckets * (steps - 1)
     assert two >= 2 * buckets * (steps - 1)  # P and Q per bucket, plus uncompressed tensors
     assert one_numel < two_numel < total * (steps - 1) / 2  # and both compress
+    # compression_stats() counts what was sent: one factor a step for the single round.
+    assert (one_stats, two_stats) == (one_numel, two_numel)
 
 
 def _batched(rank, world_size, ours):
@@ -204,9 +211,32 @@ def _zero_layer(rank, world_size, ours):
     return out[: zero.numel()].clone(), out[zero.numel() :].clone()
 
 
+def _zero_then_learn(rank, world_size, approximation_rank, single_round):
+    """A layer's gradient vanishes for one step, then comes back: so must its compression."""
+    gen = torch.Generator().manual_seed(rank)
+    bucket = FakeBucket([torch.zeros(16, 12), torch.zeros(16, 12)])
+    state = PowerSGDState(
+        None,
+        start_powerSGD_iter=0,
+        matrix_approximation_rank=approximation_rank,
+        single_round=single_round,
+    )
+    sizes = []
+    for step in range(4):
+        layer = torch.zeros(16, 12) if step == 0 else torch.randn(16, 12, generator=gen)
+        bucket.buffer().copy_(torch.cat([layer.flatten(), torch.randn(192, generator=gen)]))
+        out = powerSGD_hook(state, bucket).wait()
+        sizes.append(float(out[:192].abs().sum()))
+    return sizes
+
+
 def _fake_bucket_checks(rank, world_size):
     return {
         "zero": _zero_layer(rank, world_size, True),
+        "zero-then-learn": [
+            _zero_then_learn(rank, world_size, r, single)
+            for r, single in ((1, False), (2, False), (3, False), (2, True))
+        ],
         "zero-pytorch": _zero_layer(rank, world_size, False),
         "error-feedback": [_error_feedback(rank, world_size, single) for single in (False, True)],
         "full-rank": _full_rank(rank, world_size),
@@ -296,6 +326,14 @@ def _non_finite(rank, world_size, single_round):
     drift = max((saved[k] - errors[k]).abs().max().item() for k in saved) / local.abs().max()
     exact = all(torch.equal(saved[k], errors[k]) for k in saved)
     return bool(torch.isfinite(out).all()), unchanged, out, exact, float(drift)
+
+
+def test_a_layer_learns_again_after_a_zero_gradient(fake_bucket_results):
+    # With warm start, a zero Q would stay zero (M·0 = 0): the layer would get zeros forever.
+    for per_rank in fake_bucket_results:
+        for sizes in per_rank["zero-then-learn"]:
+            assert sizes[0] == 0.0
+            assert all(math.isfinite(x) and x > 0 for x in sizes[1:]), sizes
 
 
 def test_non_finite_gradient_keeps_error_memory_clean(fake_bucket_results):
@@ -425,8 +463,20 @@ def _ordinals(rank, world_size, cap):
     return [state._ordinals[id(p)][1] for p in model.parameters()]
 
 
+def _start_at_one(rank, world_size, single_round):
+    """Compression from step 1: the first compressed step already sees DDP's rebuilt buckets."""
+    state = PowerSGDState(None, start_powerSGD_iter=1, single_round=single_round)
+    model = make_mlp()
+    ddp = make_ddp(model, powerSGD_hook, state, bucket_cap_mb=0.004)
+    train(ddp, batches(rank, 6))
+    ordinal = {state._ordinals_of([p])[0]: p for p in model.parameters()}
+    fits = all(e.numel() == ordinal[k].numel() for k, e in state.error_dict.items())
+    return flat_params(model), state.compression_stats()[0], len(state.error_dict), fits
+
+
 def _misc(rank, world_size):
     return {
+        "start-one": [_start_at_one(rank, world_size, single) for single in (False, True)],
         "ordinals": [_ordinals(rank, world_size, cap) for cap in (0.004, ONE_BUCKET)],
         "logging": _logging(rank, world_size),
         "register": _register(rank, world_size),
@@ -436,6 +486,15 @@ def _misc(rank, world_size):
 @pytest.fixture(scope="module")
 def misc_results():
     return run_on_ranks(_misc, 2)
+
+
+def test_start_at_step_one_works_across_the_bucket_rebuild(misc_results):
+    # PyTorch refuses start_powerSGD_iter=1 with error feedback: its state is keyed by bucket.
+    for run in range(2):
+        params, rate, errors, fits = misc_results[0]["start-one"][run]
+        assert torch.isfinite(params).all() and not torch.equal(params, flat_params(make_mlp()))
+        assert torch.equal(params, misc_results[1]["start-one"][run][0])
+        assert rate > 1 and errors > 0 and fits
 
 
 def test_parameter_ordinals_do_not_depend_on_bucket_size(misc_results):
@@ -493,7 +552,10 @@ def test_register_by_name(misc_results):
         (dict(start_powerSGD_iter=-1), "start_powerSGD_iter must be an integer >= 0"),
         (dict(min_compression_rate=0.5), "min_compression_rate must be a number >= 1"),
         (dict(orthogonalization_epsilon=-1e-8), "orthogonalization_epsilon must be a finite"),
-        (dict(compression_stats_logging_frequency=0), "compression_stats_logging_frequency"),
+        (dict(compression_stats_logging_frequency=2.5), "compression_stats_logging_frequency"),
+        (dict(min_compression_rate=True), "min_compression_rate must be a number"),
+        (dict(orthogonalization_epsilon=True), "orthogonalization_epsilon must be a finite"),
+        (dict(min_compression_rate=float("nan")), "min_compression_rate"),
         (dict(random_seed=-3), "random_seed"),
         (dict(warm_start="yes"), "warm_start must be True or False"),
         (dict(single_round=True, warm_start=False), "single_round=True needs warm_start=True"),
@@ -502,6 +564,21 @@ def test_register_by_name(misc_results):
 def test_bad_options_raise_at_construction(options, match):
     with pytest.raises(ValueError, match=match):
         PowerSGDState(None, **options)
+
+
+def test_options_accepted_as_pytorch_accepts_them():
+    # PyTorch's state logs every step for a frequency of 0 or less, and takes numpy numbers.
+    assert (
+        PowerSGDState(None, compression_stats_logging_frequency=0).options()[
+            "compression_stats_logging_frequency"
+        ]
+        == 1
+    )
+    state = PowerSGDState(
+        None, min_compression_rate=np.float32(3), orthogonalization_epsilon=np.float64(1e-8)
+    )
+    assert type(state.min_compression_rate) is float and state.min_compression_rate == 3.0
+    assert state.orthogonalization_epsilon == pytest.approx(1e-8)
 
 
 def test_start_zero_and_one_are_allowed():

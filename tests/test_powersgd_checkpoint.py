@@ -38,7 +38,12 @@ def _original(rank, world_size, folder, options=OPTIONS):
     saved = {"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}
     torch.save(saved, os.path.join(folder, f"rank{rank}.pt"))
     _train(ddp, opt, data[HALF:])
-    return flat_params(model), len(state.error_dict), pickle.dumps(state)
+    loaded = pickle.loads(pickle.dumps(state))  # where a default group exists, it binds to it
+    bound = (
+        loaded.process_group is dist.group.WORLD
+        and loaded.error_dict.keys() == state.error_dict.keys()
+    )
+    return flat_params(model), len(state.error_dict), pickle.dumps(state), bound
 
 
 def _resumed(rank, world_size, folder, bucket_cap_mb, options=OPTIONS):
@@ -66,7 +71,7 @@ def original(tmp_path_factory):
 def test_exact_resume_in_fresh_processes(original):
     folder, uninterrupted = original
     assert uninterrupted[0][1] > 0  # error memory existed when saved
-    for (expected, _, _), (params, messages) in zip(
+    for (expected, *_), (params, messages) in zip(
         uninterrupted, run_on_ranks(_resumed, 2, folder, 0.004)
     ):
         assert torch.equal(params, expected)
@@ -78,13 +83,13 @@ def test_exact_resume_of_the_single_round_variant(tmp_path):
     options = {**OPTIONS, "single_round": True}
     uninterrupted = run_on_ranks(_original, 2, str(tmp_path), options)
     resumed = run_on_ranks(_resumed, 2, str(tmp_path), 0.004, options)
-    for (expected, _, _), (params, messages) in zip(uninterrupted, resumed):
+    for (expected, *_), (params, messages) in zip(uninterrupted, resumed):
         assert torch.equal(params, expected) and messages == []
 
 
 def test_resume_with_other_bucket_size_fits_per_parameter_state(original):
     folder, uninterrupted = original
-    for (expected, _, _), (params, messages) in zip(
+    for (expected, *_), (params, messages) in zip(
         uninterrupted, run_on_ranks(_resumed, 2, folder, 100)
     ):
         assert messages == []  # nothing reset: the state is per parameter, not per bucket
@@ -126,7 +131,8 @@ def test_state_dict_loads_with_weights_only_and_round_trips(original):
 
 
 def test_pickled_state_drops_group_and_rebinds(original):
-    state = pickle.loads(original[1][0][2])
+    assert all(rank[3] for rank in original[1])  # unpickled in the ranks: the default group
+    state = pickle.loads(original[1][0][2])  # here, with no process group: None, the same at use
     assert state.process_group is None and state.iter == 2 * HALF
     assert state.error_dict and all(torch.isfinite(t).all() for t in state.error_dict.values())
     with pytest.raises(TypeError, match="ProcessGroup or None"):

@@ -128,6 +128,8 @@ class ModelAverager(HookState):
         due = self._group_due()
         if due is not None:
             self._average(params, due)
+        else:
+            self._between_syncs(params)
         self.step += 1
 
     def _options(self) -> dict[str, Any]:
@@ -139,12 +141,21 @@ class ModelAverager(HookState):
     def _average(self, params: Params, group: dist.ProcessGroup) -> None:
         average_parameters(params, group)
 
+    def _between_syncs(self, params: Params) -> None:
+        """Called at the steps that do not average, so a subclass can prepare the next sync.
+
+        Runs after the option check and at the same steps on every rank, so it may communicate.
+        Default: nothing.
+        """
+
     def _restore_transient(self) -> None:
         self._checked = False
 
     # -- state dicts: parse (validate everything) then apply, so a bad dict changes nothing ---
+    # The schedule options are saved with the step so that a counter is never resumed under
+    # another schedule, which would silently average at other steps than the saved run.
     def _save(self) -> dict[str, Any]:
-        return {"step": self.step}
+        return {"step": self.step, "warmup_steps": self.warmup_steps}
 
     def _load(self, state_dict: Mapping[str, Any]) -> None:
         self._apply(self._parse(state_dict))
@@ -156,7 +167,41 @@ class ModelAverager(HookState):
                 f"{type(self).__name__}.load_state_dict: 'step' must be a non-negative integer, "
                 f"got {step!r}."
             )
+        self._check_saved_option(state_dict, "warmup_steps", self.warmup_steps)
         return {"step": step}
+
+    def _check_saved_option(
+        self,
+        state_dict: Mapping[str, Any],
+        key: str,
+        current: Any,
+        name: str | None = None,
+        show: Callable[[Any], str] = repr,
+    ) -> None:
+        """Raise unless the saved ``key`` equals ``current``.
+
+        State dicts written before the options were saved lack the key; they load unchecked.
+
+        Args:
+            state_dict: the dict being loaded.
+            key: its entry for the option.
+            current: this averager's value, in the form :meth:`_save` writes it.
+            name: the option's constructor name, if it differs from ``key``.
+            show: how to write a value in the message, in the form the constructor takes.
+
+        Raises:
+            StateDictError: the saved value differs; the message names both.
+        """
+        if key not in state_dict or state_dict[key] == current:
+            return
+        name = name or key
+        saved = show(state_dict[key])
+        raise StateDictError(
+            f"{type(self).__name__}.load_state_dict: the state dict was saved by an averager "
+            f"with {name}={saved}, but this one has {name}={show(current)}, so its step counter "
+            f"would average at other steps. Build the averager with {name}={saved} to resume "
+            "from this state dict."
+        )
 
     def _apply(self, values: dict[str, Any]) -> None:
         self.step = values["step"]
@@ -194,6 +239,14 @@ class PeriodicModelAverager(ModelAverager):
             return None
         return comm.resolve_group(self.process_group, owner=type(self).__name__)
 
+    def _save(self) -> dict[str, Any]:
+        return {**super()._save(), "period": self.period}
+
+    def _parse(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+        values = super()._parse(state_dict)
+        self._check_saved_option(state_dict, "period", self.period)
+        return values
+
 
 class HierarchicalModelAverager(ModelAverager):
     """Average within groups of several sizes, each on its own period.
@@ -226,8 +279,11 @@ class HierarchicalModelAverager(ModelAverager):
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__(warmup_steps, process_group)
+        # The shape of the hierarchy first: its errors need no process group, and looking one
+        # up first would report a missing group instead of the mistake in the hierarchy.
+        levels = _check_levels(period_group_size_dict)
         world = comm.world_size(comm.resolve_group(process_group, owner=type(self).__name__))
-        self.levels = _check_hierarchy(period_group_size_dict, world)
+        self.levels = _check_fits_world(levels, world)
         self._groups = self._create_groups()
         for period, size in self.levels:
             logger.info("hierarchical averaging: groups of %d ranks every %d steps", size, period)
@@ -273,6 +329,25 @@ class HierarchicalModelAverager(ModelAverager):
         super()._restore_transient()
         self._groups = None
 
+    # Saved as [period, size] pairs: a dict with integer keys does not survive every
+    # checkpointing tool (torch.distributed.checkpoint turns the keys into strings).
+    def _save(self) -> dict[str, Any]:
+        return {**super()._save(), "period_group_sizes": self._level_pairs()}
+
+    def _parse(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+        values = super()._parse(state_dict)
+        self._check_saved_option(
+            state_dict,
+            "period_group_sizes",
+            self._level_pairs(),
+            name="period_group_size_dict",
+            show=_pairs_as_dict,
+        )
+        return values
+
+    def _level_pairs(self) -> list[list[int]]:
+        return [[period, size] for period, size in self.levels]
+
     def bind(self, process_group: dist.ProcessGroup | None) -> "HierarchicalModelAverager":
         """Average within ``process_group`` from now on; its subgroups are created on next use.
 
@@ -283,28 +358,36 @@ class HierarchicalModelAverager(ModelAverager):
         return self
 
 
-def _check_hierarchy(levels: Mapping[int, int], world: int) -> list[tuple[int, int]]:
+def _check_levels(levels: Mapping[int, int]) -> list[tuple[int, int]]:
+    """The hierarchy's ``(period, size)`` pairs, checked for what needs no process group."""
     owner = "HierarchicalModelAverager"
     if not isinstance(levels, Mapping) or not levels:
         raise ValueError(
             f"{owner}: period_group_size_dict must be a non-empty ordered mapping "
-            f"{{period: group size}}, e.g. {{2: 2, 4: {world}}}; got {levels!r}."
+            f"{{period: group size}}, e.g. {{2: 2, 8: 16}} on 16 ranks; got {levels!r}."
         )
     pairs = list(levels.items())
     for period, size in pairs:
         check_int(owner, "every period", period, 1)
         check_int(owner, "every group size", size, 1)
-        if world % size:
-            raise ValueError(
-                f"{owner}: group size {size} does not divide the world size {world}; groups are "
-                f"consecutive blocks of ranks, so every size must divide {world}."
-            )
     periods = [p for p, _ in pairs]
     if any(b <= a for a, b in zip(periods, periods[1:])):
         raise ValueError(
             f"{owner}: periods must be strictly increasing in period_group_size_dict, got "
             f"{periods}. List the smallest group with the shortest period first."
         )
+    return pairs
+
+
+def _check_fits_world(pairs: list[tuple[int, int]], world: int) -> list[tuple[int, int]]:
+    """``pairs`` if their group sizes fit a group of ``world`` ranks."""
+    owner = "HierarchicalModelAverager"
+    for _, size in pairs:
+        if world % size:
+            raise ValueError(
+                f"{owner}: group size {size} does not divide the world size {world}; groups are "
+                f"consecutive blocks of ranks, so every size must divide {world}."
+            )
     if pairs[-1][1] != world:
         raise ValueError(
             f"{owner}: the largest group (the last entry, period {pairs[-1][0]}) must be the "
@@ -312,6 +395,14 @@ def _check_hierarchy(levels: Mapping[int, int], world: int) -> list[tuple[int, i
             f"entry to {{period: {world}}}."
         )
     return pairs
+
+
+def _pairs_as_dict(pairs: Any) -> str:
+    """Saved ``[period, size]`` pairs written as the ``{period: size}`` the constructor takes."""
+    try:
+        return repr({period: size for period, size in pairs})
+    except (TypeError, ValueError):
+        return repr(pairs)  # malformed: show it as it is
 
 
 def default_outer_optimizer(
@@ -326,16 +417,24 @@ def default_outer_optimizer(
 class OuterOptimizerAverager(PeriodicModelAverager):
     """Periodic averaging that applies an outer optimizer to the averaged change (DiLoCo).
 
-    Keeps the parameters as they were at the last sync. At each sync, the change the ranks
-    made since then, averaged (``last sync - average of current``), is treated as a
-    gradient: the parameters go back to their last-sync values and the outer optimizer takes
-    one step with that pseudo-gradient. With outer SGD at learning rate 1 and no momentum this
-    is plain periodic averaging; momentum lets the slow, infrequent global updates build speed.
-    The first sync (no snapshot yet) is a plain average, which then becomes the snapshot.
+    Keeps the parameters as they were at the last sync (the snapshot). At each sync, the
+    change the ranks made since then, averaged (``last sync - average of current``), is
+    treated as a gradient: the parameters go back to their last-sync values and the outer
+    optimizer takes one step with that pseudo-gradient. With outer SGD at learning rate 1 and
+    no momentum this is plain periodic averaging; momentum lets the slow, infrequent global
+    updates build speed.
+
+    The first snapshot is taken at the last warm-up step (``warmup_steps - 1``), as the
+    average over the group of the parameters then: DiLoCo steps from where the local phase
+    started, and the average is the same on every rank even if the warm-up did not keep the
+    parameters in sync (they are left as they are). That costs one more allreduce, at that
+    step. So the first sync already applies the outer optimizer. Without a snapshot at a sync
+    (``warmup_steps=0``, or a state dict saved without one, e.g. by an older release) that sync
+    is a plain average, which becomes the snapshot; the outer optimizer starts at the next.
 
     Args:
         period: steps between syncs.
-        warmup_steps: steps before the first sync.
+        warmup_steps: steps before the first sync; the last of them takes the snapshot.
         process_group: the group to average over; ``None`` for the default group.
         outer_lr: learning rate of the default outer SGD.
         outer_momentum: momentum of the default outer SGD (0 for none).
@@ -398,20 +497,32 @@ class OuterOptimizerAverager(PeriodicModelAverager):
     def _options(self) -> dict[str, Any]:
         return {**super()._options(), **self._outer_options, "synced": self.snapshot is not None}
 
+    def _between_syncs(self, params: Params) -> None:
+        if self.step != self.warmup_steps - 1:
+            return
+        tensors = params_with_grads(params)
+        if not tensors:
+            return
+        group = comm.resolve_group(self.process_group, owner=type(self).__name__)
+        avg = _views(_averaged_flat(tensors, group), tensors)
+        # Copies in each parameter's dtype: the flat buffer has the widest of them.
+        self._start_from([a.to(p.dtype, copy=True) for p, a in zip(tensors, avg)])
+
+    def _start_from(self, snapshot: list[torch.Tensor]) -> None:
+        self.snapshot = snapshot
+        self.outer_optimizer = self.outer_optimizer_factory(snapshot)
+
     def _average(self, params: Params, group: dist.ProcessGroup) -> None:
         tensors = params_with_grads(params)
         if not tensors:
             return
-        if self.snapshot is not None:
-            self._check_fits(tensors)  # before the collective, so no rank is left waiting
+        if self.snapshot is None:
+            average_parameters(tensors, group)
+            self._start_from([p.detach().clone() for p in tensors])
+            return
+        self._check_fits(tensors)  # before the collective, so no rank is left waiting
         avg = _views(_averaged_flat(tensors, group), tensors)
         with torch.no_grad():
-            if self.snapshot is None:
-                for p, a in zip(tensors, avg):
-                    p.copy_(a)
-                self.snapshot = [p.detach().clone() for p in tensors]
-                self.outer_optimizer = self.outer_optimizer_factory(self.snapshot)
-                return
             for snap, a in zip(self.snapshot, avg):
                 # In place in the flat buffer: it is not needed after this.
                 snap.grad = a.neg_().add_(snap).to(snap.dtype)
@@ -442,6 +553,7 @@ class OuterOptimizerAverager(PeriodicModelAverager):
         self.outer_optimizer.load_state_dict(self.outer_optimizer.state_dict())
 
     def _save(self) -> dict[str, Any]:
+        # "synced": there is a snapshot, from the last warm-up step or from a sync.
         synced = self.snapshot is not None
         return {
             **super()._save(),

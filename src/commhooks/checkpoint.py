@@ -114,6 +114,17 @@ def load(path: str | os.PathLike, **objects: Stateful) -> None:
             ) from exc
 
 
+# What torch's weights-only unpickler says when it refuses a type that the file really holds.
+# Every other unpickling error means the bytes are not a torch file (random bytes, pickle.dump).
+_REFUSALS = (
+    "Unsupported global",
+    "is blocked",
+    "Can only create new object",
+    "Can only build",
+    "unrecognized function",
+)
+
+
 def read_weights_only(path: str | os.PathLike, *, what: str) -> Any:
     """``torch.load(path, weights_only=True)`` with errors that say what is wrong with the file."""
     path = os.fspath(path)
@@ -122,12 +133,35 @@ def read_weights_only(path: str | os.PathLike, *, what: str) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        raise CheckpointError(
-            f"{path} holds objects that a weights-only load refuses ({str(exc).splitlines()[0]}). "
-            f"Save {what}s from state_dict(), which holds only tensors and plain values."
-        ) from exc
+        reason = _unpickler_reason(exc)
+        if any(refusal in reason for refusal in _REFUSALS):
+            raise CheckpointError(
+                f"{path} holds objects that a weights-only load refuses ({reason}). Save "
+                f"{what}s from state_dict(), which holds only tensors and plain values."
+            ) from exc
+        raise _unreadable(path, what, reason) from exc
     except Exception as exc:  # torch.load reports damage as many different exception types
-        raise CheckpointError(
-            f"{path} is truncated, corrupt or not a torch file ({type(exc).__name__}: {exc}); it "
-            f"was not loaded. Use the last complete {what}, or save again."
-        ) from exc
+        raise _unreadable(path, what, f"{type(exc).__name__}: {exc}") from exc
+
+
+def _unpickler_reason(exc: Exception) -> str:
+    """The unpickler's own words from a ``torch.load`` error, without torch's advice.
+
+    Torch wraps every weights-only failure in advice to retry with ``weights_only=False``,
+    the opposite of ours, and adds it even when the file is just not a torch file.
+    """
+    text = str(exc)
+    _, marker, rest = text.partition("WeightsUnpickler error:")
+    if not marker:
+        rest = text.removeprefix("Weights only load failed.")
+    lines = [line.strip() for line in rest.splitlines() if line.strip()]
+    reason = lines[0] if lines else type(exc).__name__
+    return reason.split(" Please use ")[0].rstrip(". ")
+
+
+def _unreadable(path: str, what: str, reason: str) -> CheckpointError:
+    return CheckpointError(
+        f"{path} is truncated, corrupt or not a file written by torch.save or "
+        f"commhooks.checkpoint.save (a pickle.dump file, say) ({reason}); it was not loaded. "
+        f"Use the last complete {what}, or save again."
+    )

@@ -61,14 +61,18 @@ class HookSpec:
         hook: the hook function.
         make_state: builds the state from ``(process_group, options)``; ``None`` when the state
             is the process group itself.
-        options: the option names ``make_state`` accepts.
+        options: the option names the hook uses; its state may accept more (the PowerSGD
+            hooks share one state class), but an option the hook would ignore is refused.
         required: the options that have no default and must be given.
+        notes: for options of related hooks that this one refuses, why, and what to use
+            instead; the error message ends with it.
     """
 
     hook: Callable[..., Any] | None
     make_state: Callable[[dist.ProcessGroup | None, dict[str, Any]], Any] | None = None
     options: frozenset[str] = field(default_factory=frozenset)
     required: frozenset[str] = field(default_factory=frozenset)
+    notes: Mapping[str, str] = field(default_factory=dict, compare=False)
 
 
 def _specs() -> dict[CommHookType, HookSpec]:
@@ -108,12 +112,32 @@ def _powersgd_specs() -> dict[CommHookType, HookSpec]:
     def make(defaults: dict[str, Any]) -> Callable[..., PowerSGDState]:
         return lambda group, options: PowerSGDState(group, **{**defaults, **options})
 
-    names = frozenset(OPTION_NAMES)
+    # One state class serves the three hooks, but each uses only some of its options.
+    layerwise = frozenset(OPTION_NAMES)
+    whole = "batched_power_sgd compresses each bucket whole, as one square matrix, so"
+    layerwise_fix = "Use hook 'power_sgd' to compress matrix by matrix, or drop the option."
+    batched_notes = {
+        "min_compression_rate": f"{whole} there is no per-matrix threshold. {layerwise_fix}",
+        "batch_tensors_with_same_shape": f"{whole} there is nothing to batch. {layerwise_fix}",
+    }
+    single_notes = {
+        "single_round": "power_sgd_single_round is power_sgd with single_round=True fixed "
+        "(single_round=False would make it plain power_sgd). Use hook 'power_sgd' instead, "
+        "or drop the option."
+    }
     return {
-        CommHookType.POWER_SGD: HookSpec(powerSGD_hook, make({}), names),
-        CommHookType.BATCHED_POWER_SGD: HookSpec(batched_powerSGD_hook, make({}), names),
+        CommHookType.POWER_SGD: HookSpec(powerSGD_hook, make({}), layerwise),
+        CommHookType.BATCHED_POWER_SGD: HookSpec(
+            batched_powerSGD_hook,
+            make({}),
+            layerwise - set(batched_notes),
+            notes=batched_notes,
+        ),
         CommHookType.POWER_SGD_SINGLE_ROUND: HookSpec(
-            powerSGD_hook, make({"single_round": True}), names
+            powerSGD_hook,
+            make({"single_round": True}),
+            layerwise - set(single_notes),
+            notes=single_notes,
         ),
     }
 
@@ -186,8 +210,8 @@ def _check_options(kind: CommHookType, options: Mapping[str, Any]) -> None:
         if elsewhere:
             raise ValueError(
                 f"option '{option}' does not apply to hook '{kind}' (options it takes: {takes}); "
-                f"it is an option of: {', '.join(elsewhere)}. Choose one of those hooks or "
-                f"drop the option."
+                f"it is an option of: {', '.join(elsewhere)}. "
+                + spec.notes.get(option, "Choose one of those hooks or drop the option.")
             )
         hint = _did_you_mean(option, sorted(spec.options) or all_options)
         raise ValueError(

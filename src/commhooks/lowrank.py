@@ -19,6 +19,7 @@ __all__ = [
     "deduct_pending_left_",
     "deduct_pending_right_",
     "is_finite",
+    "keep_nonzero_columns",
     "left_factor_into",
     "orthogonalize_",
     "pack_into",
@@ -167,6 +168,17 @@ def _householder_(stack: torch.Tensor) -> None:
     # orthogonal to the others, which only widens the subspace the gradient is projected on.
     q, _ = torch.linalg.qr(stack)
     stack.copy_(q)
+
+
+def keep_nonzero_columns(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """``new`` with each column that is all zeros replaced by the same column of ``old``.
+
+    A warm-started power iteration cannot leave a zero column: ``M·0 = 0`` at every later step,
+    so a layer whose gradient vanished once (or fell below the rank) would lose that direction
+    for good. Orthogonalisation before the next use makes the mix orthonormal again. Works on
+    ``(..., rows, rank)`` stacks without reading values back to the host.
+    """
+    return torch.where((new == 0).all(dim=-2, keepdim=True), old, new)
 
 
 def left_factor_into(

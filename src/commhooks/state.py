@@ -7,7 +7,8 @@ Two ways to persist one, both safe:
   reads the file back. This is the recommended way, and the one Accelerate and
   ``torch.distributed.checkpoint`` use.
 * ``pickle`` / ``torch.save(state)``: as in PyTorch's reference hooks. The process group is not
-  picklable and is dropped; an unpickled state communicates on the default group until
+  picklable and is dropped; an unpickled state is bound to the default group (``None`` where
+  ``torch.distributed`` is not initialised yet, which means the same at use) until
   :meth:`HookState.bind` gives it another.
 """
 
@@ -22,6 +23,13 @@ __all__ = ["HookState", "StateDictError"]
 
 class StateDictError(ValueError):
     """A state dict that cannot be loaded into this object; the object is left unchanged."""
+
+
+def _default_group() -> dist.ProcessGroup | None:
+    """The default group where one exists: what PyTorch's reference states bind to on loading."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return None
 
 
 class HookState:
@@ -69,7 +77,7 @@ class HookState:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._process_group = None
+        self._process_group = _default_group()
         self._restore_transient()
 
     def _restore_transient(self) -> None:

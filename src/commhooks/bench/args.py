@@ -154,7 +154,8 @@ def _plan(a: argparse.Namespace, parser: argparse.ArgumentParser) -> Plan:
         hooks = [h for h in requested if h in available]
         skipped = [h for h in requested if h not in available]
     else:
-        requested = list(dict.fromkeys(h.strip() for h in a.hooks.split(",") if h.strip()))
+        names = (h.strip().lower() for h in a.hooks.split(","))  # CommHookType names, any case
+        requested = list(dict.fromkeys(h for h in names if h))
         if not requested:
             raise ValueError(f"--hooks is empty; valid hooks: {', '.join(valid)}.")
         unknown = [h for h in requested if h not in valid]
@@ -188,6 +189,7 @@ def _plan(a: argparse.Namespace, parser: argparse.ArgumentParser) -> Plan:
         raise ValueError("--latency above 1s is not a network worth benchmarking; use e.g. 5ms.")
 
     predict_bps = parse_rate(a.predict) if a.predict else None
+    notes = _add_references(hooks, sweep=bool(a.sweep), predict=predict_bps is not None)
     for flag, value in (("--world-size", a.world_size), ("--ranks", a.ranks)):
         if value is not None and value < 2:
             raise ValueError(f"{flag} must be at least 2 (a single rank communicates nothing).")
@@ -250,4 +252,22 @@ def _plan(a: argparse.Namespace, parser: argparse.ArgumentParser) -> Plan:
         repeat=a.repeat,
         lockstep=a.lockstep,
         offload=a.offload,
+        notes=notes,
     )
+
+
+def _add_references(hooks: list[str], sweep: bool, predict: bool) -> list[str]:
+    """Add, in place, the hooks a sweep or a prediction is computed against; say why.
+
+    A sweep reports each hook's speedup over ``allreduce``, and a prediction builds on the
+    ``noop`` compute floor: without them the figures asked for could not be given.
+    """
+    notes = []
+    for needed, wanted, why in (
+        ("noop", predict, "--predict builds on its compute floor"),
+        ("allreduce", sweep, "--sweep reports each hook's speedup over it"),
+    ):
+        if wanted and needed not in hooks:
+            hooks.insert(0 if needed == "noop" else min(1, len(hooks)), needed)
+            notes.append(f"added hook '{needed}': {why}")
+    return notes

@@ -79,6 +79,8 @@ def run(plan: Plan, argv: list[str]) -> dict:
     """Run ``plan``; print the table; write JSON/PNG when asked. Returns the JSON document."""
     for name in plan.skipped:
         print(f"note: hook '{name}' is not registered in this build of commhooks; skipped.")
+    for line in plan.notes:
+        print(f"note: {line}")
     if any(bw is not None for bw in plan.bandwidths):
         check_can_create(plan.latency_s)
     if any(h in hookset.SINGLE_BUCKET_HOOKS for h in plan.hooks):
@@ -180,7 +182,7 @@ def _print_comparisons(comparisons: dict, plan: Plan) -> None:
         )
         be = info["break_even_bandwidth"]
         be_text = f"break-even {format_rate(be)}; " if be else ""
-        print(f"sweep {hook}: {sp}; {be_text}{info['verdict']}")
+        print(f"sweep {hook}: " + "; ".join(x for x in (sp, be_text + info["verdict"]) if x))
     pred = comparisons.get("prediction")
     if pred:
         print(
@@ -200,6 +202,7 @@ def _settings(plan: Plan) -> dict:
     return {
         "hooks": plan.hooks,
         "skipped_hooks": plan.skipped,
+        "notes": plan.notes,
         "steps": plan.steps,
         "warmup_steps": plan.warmup,
         "repeat": plan.repeat,

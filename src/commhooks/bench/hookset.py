@@ -73,10 +73,10 @@ _COUNTERPARTS = {
 
 
 def available_hooks() -> list[str]:
-    """Names of our hooks registered in this build (``no`` excluded: it is not a hook)."""
+    """Names of our hooks registered in this build, and ``no``: DDP's own allreduce, no hook."""
     from commhooks import config
 
-    return [str(k.value if hasattr(k, "value") else k) for k in config._specs() if str(k) != "no"]
+    return [str(k.value if hasattr(k, "value") else k) for k in config._specs()]
 
 
 def torch_counterparts(names: Iterable[str]) -> list[str]:

@@ -101,7 +101,9 @@ class Network:
         self.rate_bps = rate_bps
         self.latency_s = latency_s
         self.mtu = mtu
-        self.run_id = f"{os.getpid():x}{secrets.token_hex(2)}"[-8:]
+        # The whole process id (at most 6 hex digits) and a random part: unique among running
+        # processes, and "chv" + 10 + a two-digit rank fits a 15-character interface name.
+        self.run_id = f"{os.getpid():x}{secrets.token_hex(2)}"
         block = secrets.randbelow(512)  # a random /24 inside 198.18.0.0/15
         self.subnet = f"198.{18 + block // 256}.{block % 256}"
         self.bridge = f"chb{self.run_id}"
@@ -109,6 +111,9 @@ class Network:
         self.host_ends = [f"chv{self.run_id}{r}" for r in range(world_size)]
         self.addresses = [f"{self.subnet}.{r + 1}" for r in range(world_size)]
         self._created = False
+        # What this run made, so that cleaning up never touches a name someone else holds.
+        self._made_namespaces: list[str] = []
+        self._made_links: list[str] = []
         self._previous: dict[int, object] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -138,14 +143,16 @@ class Network:
         if not self._created:
             return
         self._created = False
-        for ns in self.namespaces:
+        for ns in self._made_namespaces:
             pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
             for pid in pids.stdout.split():
                 with contextlib.suppress(OSError, ValueError):
                     os.kill(int(pid), signal.SIGKILL)  # our own rank processes, by id
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        for link in [*self.host_ends, self.bridge]:
+        for link in reversed(self._made_links):  # veth ends before the bridge they are on
             subprocess.run(["ip", "link", "del", link], capture_output=True)
+        self._made_namespaces.clear()
+        self._made_links.clear()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
@@ -161,9 +168,11 @@ class Network:
 
     def _create(self) -> None:
         _run("ip", "link", "add", self.bridge, "type", "bridge")
+        self._made_links.append(self.bridge)
         _run("ip", "link", "set", self.bridge, "up")
         for ns, host, addr in zip(self.namespaces, self.host_ends, self.addresses):
             _run("ip", "netns", "add", ns)
+            self._made_namespaces.append(ns)
             _run(
                 "ip",
                 "link",
@@ -181,6 +190,7 @@ class Network:
                 "netns",
                 ns,
             )
+            self._made_links.append(host)
             _run("ip", "link", "set", host, "master", self.bridge)
             _run("ip", "link", "set", host, "up")
             _run("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", IFACE)

@@ -278,6 +278,8 @@ def _sweep(rows: list[dict], by_bw: dict) -> dict:
         measured = [v for v in speedups.values() if v is not None]
         if h == "allreduce":
             bw, verdict = None, "the reference"
+        elif not points.get("allreduce"):
+            bw, verdict = None, "no speedup: add allreduce to --hooks to compare against it"
         elif measured and all(0.95 <= v <= 1.05 for v in measured):
             bw, verdict = None, "on par with allreduce (within 5%) at every measured bandwidth"
         else:

@@ -73,6 +73,7 @@ class _Call:
     uncompressed_keys: list[Key] = field(default_factory=list)
     writeback: Callable[[], None] | None = None
     groups: list[_Group] = field(default_factory=list)
+    starts: list[torch.Tensor] = field(default_factory=list)  # each group's Q before the step
     _scratch: torch.Tensor | None = None
 
     def scratch(self) -> torch.Tensor:
@@ -429,6 +430,8 @@ def _second_round(
         return comm.average(call.buffer, follow_up)
     _unpack_uncompressed(call, packed, update=True)
     _orthogonalize_all(call, p_all, _sent_shape, lambda g: False)
+    if call.state.warm_start:  # a direction the new Q loses is taken from the old one
+        call.starts = [g.known.clone() for g in call.groups]
     for g in call.groups:
         # The new Q overwrites the starting one, in the buffer that is sent next.
         lowrank.right_factor_into(g.stack, g.sent, g.known)
@@ -450,9 +453,12 @@ def _after_second_round(
     q_all.div_(call.group.size())
     _decompress(call, p_of=lambda g: g.sent, q_of=lambda g: g.known, update=True)
     if call.state.warm_start:
-        for g in call.groups:
+        for g, start in zip(call.groups, call.starts):
+            # A zero column of Q (a zero gradient, or one of lower rank) would stay zero at
+            # every later step: M·0 = 0. Its previous direction is kept instead.
+            kept = lowrank.keep_nonzero_columns(g.known, start)
             for i, e in enumerate(g.entries):
-                call.state.q_memory_dict[e.key] = g.known[i]
+                call.state.q_memory_dict[e.key] = kept[i]
     return call.buffer
 
 

@@ -4,6 +4,7 @@ Public through :mod:`commhooks.hooks.powersgd`, where the hooks that use it live
 """
 
 import logging
+import numbers
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -52,7 +53,8 @@ class PowerSGDState(HookState):
         orthogonalization_epsilon: added to column norms when orthogonalising. Not needed for
             zero columns, which come out as zeros here.
         random_seed: seed of the projections, identical on every rank.
-        compression_stats_logging_frequency: log :meth:`compression_stats` every this many steps.
+        compression_stats_logging_frequency: log :meth:`compression_stats` every this many steps
+            (0 or less: every step, as PyTorch's state takes it).
         batch_tensors_with_same_shape: compress same-shaped matrices of a bucket with batched
             products; stacking them costs a copy, so it pays on GPUs with many small layers.
         single_round: one collective per bucket per step instead of two. Each step refines only
@@ -106,12 +108,16 @@ class PowerSGDState(HookState):
         )
         self.matrix_approximation_rank = int(matrix_approximation_rank)
         self.start_powerSGD_iter = int(start_powerSGD_iter)
-        self.min_compression_rate = min_compression_rate
+        rate = min_compression_rate
+        self.min_compression_rate = (
+            int(rate) if isinstance(rate, (int, np.integer)) else float(rate)
+        )
         self.use_error_feedback = bool(use_error_feedback)
         self.warm_start = bool(warm_start)
         self.orthogonalization_epsilon = float(orthogonalization_epsilon)
         self.random_seed = int(random_seed)
-        self.compression_stats_logging_frequency = int(compression_stats_logging_frequency)
+        # As PyTorch's state: 0 or less means every step.
+        self.compression_stats_logging_frequency = max(1, int(compression_stats_logging_frequency))
         self.batch_tensors_with_same_shape = bool(batch_tensors_with_same_shape)
         self.single_round = bool(single_round)
         # Draws one seed per bucket call that needs fresh projections, in bucket order, which
@@ -152,7 +158,11 @@ class PowerSGDState(HookState):
                 logger.info("PowerSGD: compression starts after %d plain steps.", self.iter)
 
     def compression_stats(self) -> tuple[float, int, int]:
-        """``(rate, elements before compression, elements after)`` summed over all steps."""
+        """``(rate, elements before compression, elements after)`` summed over all steps.
+
+        "After" counts what was sent: both factors a step, or with ``single_round`` the one
+        factor the step refines.
+        """
         before, after = self.total_numel_before_compression, self.total_numel_after_compression
         return (before / after if after > 0 else 0, before, after)
 
@@ -239,7 +249,10 @@ class PowerSGDState(HookState):
         if self._checked_group is not group:
             # Blocking, once: ranks built with different options would issue collectives of
             # different shapes, which gloo reports as an abort and NCCL as a hang.
-            comm.check_same_on_all_ranks(self.options(), group, owner="PowerSGDState")
+            # The step count too: ranks resumed at different steps would start compressing
+            # at different steps, and their collectives would no longer match.
+            options = {**self.options(), "iter": self.iter}
+            comm.check_same_on_all_ranks(options, group, owner="PowerSGDState")
             self._reset_if_world_changed(group)
             self._checked_group = group
         return group
@@ -405,6 +418,9 @@ def _validate(**o: Any) -> None:
     def is_int(v: Any) -> bool:
         return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
+    def is_real(v: Any) -> bool:  # numpy scalars too; a bool is a flag given by mistake
+        return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
+
     checks = [
         (
             is_int(o["matrix_approximation_rank"]) and o["matrix_approximation_rank"] >= 1,
@@ -415,14 +431,12 @@ def _validate(**o: Any) -> None:
             "start_powerSGD_iter must be an integer >= 0 (0 compresses from the first step)",
         ),
         (
-            isinstance(o["min_compression_rate"], (int, float))
-            and not isinstance(o["min_compression_rate"], bool)
-            and o["min_compression_rate"] >= 1,
+            is_real(o["min_compression_rate"]) and o["min_compression_rate"] >= 1,
             "min_compression_rate must be a number >= 1 (a rate below 1 would 'compress' a matrix "
             "into factors larger than itself)",
         ),
         (
-            isinstance(o["orthogonalization_epsilon"], (int, float))
+            is_real(o["orthogonalization_epsilon"])
             and 0 <= o["orthogonalization_epsilon"] < float("inf"),
             "orthogonalization_epsilon must be a finite number >= 0 (0 is exact; zero columns are "
             "handled without it)",
@@ -432,9 +446,9 @@ def _validate(**o: Any) -> None:
             "random_seed must be an integer in [0, 2**32)",
         ),
         (
-            is_int(o["compression_stats_logging_frequency"])
-            and o["compression_stats_logging_frequency"] >= 1,
-            "compression_stats_logging_frequency must be an integer >= 1",
+            is_int(o["compression_stats_logging_frequency"]),
+            "compression_stats_logging_frequency must be an integer (steps between two logs of "
+            "compression_stats(); 1 or less logs every step)",
         ),
     ]
     for flag in (

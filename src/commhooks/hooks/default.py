@@ -46,9 +46,16 @@ def fp16_compress_hook(
     """Average the bucket in float16, halving the bytes on the wire.
 
     The arithmetic is PyTorch's (cast, then divide by the world size), so results match its
-    ``fp16_compress_hook`` bit for bit. Where float16 cannot hold the result (a value above
-    65504 in a rank's gradient or in the average), PyTorch returns ``inf``; here every rank sees
-    the non-finite sum, so all of them re-send that bucket in its own precision and warn once.
+    ``fp16_compress_hook`` bit for bit wherever PyTorch's stay finite. Where it would not:
+
+    * a rank's value too large for float16 (|x| > 65504) but finite: PyTorch sends ``inf``.
+      Here that element is divided by the world size before the cast instead, so an average
+      that float16 can hold comes out finite. On CPU, buckets that fit pay only for the check,
+      one sum; on an accelerator the masked redo always runs, so the host never waits.
+    * the float16 sum itself overflows (the average is beyond float16's range): every rank sees
+      the same non-finite sum, so all of them re-send that bucket in its own precision and
+      warn once.
+
     Gradients that were already non-finite come out non-finite, exactly as with plain allreduce.
     """
     return _cast_average(process_group, bucket, torch.float16, "fp16_compress_hook")
@@ -84,16 +91,38 @@ def _cast_average(
 
 
 def _cast_down(buffer: torch.Tensor, dtype: torch.dtype, world: int) -> torch.Tensor:
-    if dtype == torch.float16:
-        # PyTorch's order of operations, kept for bitwise compatibility with its hook.
-        return buffer.to(dtype).div_(world)
-    return torch.div(buffer, world, out=torch.empty_like(buffer, dtype=dtype))
+    if dtype != torch.float16:
+        return torch.div(buffer, world, out=torch.empty_like(buffer, dtype=dtype))
+    # PyTorch's order of operations (cast, then divide), kept for bitwise compatibility with its
+    # hook. Summed in float32, the check cannot overflow itself: it is non-finite only when an
+    # element of ``low`` is, which is rare, so the common path adds one reduction and no copy.
+    low = buffer.to(dtype)
+    if low.device.type != "cpu":
+        # On an accelerator, reading the check back would make the host wait for the device;
+        # a few elementwise passes cost less there than that wait.
+        return _divide_overflowed_first(buffer, low, world)
+    if bool(torch.isfinite(low.sum(dtype=torch.float32))):
+        return low.div_(world)
+    return _divide_overflowed_first(buffer, low, world)
+
+
+def _divide_overflowed_first(buffer: torch.Tensor, low: torch.Tensor, world: int) -> torch.Tensor:
+    """Redo, dividing before the cast, only the elements whose cast overflowed.
+
+    Elements that were already ``inf`` or ``NaN`` keep PyTorch's arithmetic, so they reach the
+    sum non-finite, as with plain allreduce; every other element keeps its bits.
+    """
+    overflowed = torch.isinf(low) & torch.isfinite(buffer)
+    early = torch.div(buffer, world).to(low.dtype)
+    return torch.where(overflowed, early, low.div_(world))
 
 
 def _cast_back_or_resend(
     result: torch.Tensor, buffer: torch.Tensor, follow_up: dist.ProcessGroup, owner: str
 ) -> torch.futures.Future[torch.Tensor]:
-    # ``result`` is identical on every rank, so every rank takes the same branch.
+    # ``result`` is the reduced sum, identical on every rank, so every rank takes the same branch
+    # (whether this rank's own input was finite is local, and is only looked at after the
+    # re-send, to choose whether to warn).
     if bool(torch.isfinite(result).all()):
         return comm.completed(buffer.copy_(result))
     resent = comm.average(buffer, follow_up)
@@ -101,11 +130,15 @@ def _cast_back_or_resend(
 
 
 def _warn_if_overflowed(averaged: torch.Tensor, owner: str, dtype: torch.dtype) -> torch.Tensor:
+    # A finite full-precision average means every rank's gradient was finite: the overflow was
+    # the reduced precision's. Otherwise the gradient itself was inf/NaN, which is no news here.
     if bool(torch.isfinite(averaged).all()):
+        advice = " or use bf16" if dtype == torch.float16 else ""
         warn_once(
             f"{owner}-overflow",
-            f"{owner}: a bucket's average did not fit in {dtype}, so that bucket was re-sent in "
-            f"{averaged.dtype}. If this repeats, scale the loss down or use bf16.",
+            f"{owner}: a bucket's average, summed in {dtype}, went beyond its range "
+            f"(+-{torch.finfo(dtype).max:g}) although every gradient was finite, so that bucket "
+            f"was re-sent in {averaged.dtype}. If this repeats, scale the loss down{advice}.",
         )
     return averaged
 

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from commhooks import comm, lowrank
 from commhooks.hooks._bucket import float_buffer
 from commhooks.hooks._powersgd_rounds import _Call, _Entry, run, single_round_step
-from commhooks.hooks._powersgd_state import _BOTH, PowerSGDState
+from commhooks.hooks._powersgd_state import _BOTH, _P_STEP, PowerSGDState
 from commhooks.hooks._powersgd_state import OPTION_NAMES as OPTION_NAMES  # used by config
 
 __all__ = ["PowerSGDState", "batched_powerSGD_hook", "powerSGD_hook"]
@@ -72,11 +72,14 @@ def powerSGD_hook(
         return warmup
     grads = bucket.gradients()
     plan = state._plan(ordinals, grads)
-    state._count(plan.numel_before, plan.numel_after, bucket)
     entries = []
     for i, ordinal, n, m, r in plan.compressed:
         step = single_round_step(state, ordinal) if state.single_round else _BOTH
         entries.append(_Entry(ordinal, grads[i].view(n, m), r, step))
+    after = plan.numel_after
+    if state.single_round:  # one factor a step: P (n x r) or Q (m x r), not both
+        after -= sum(_idle_factor(e) for e in entries)
+    state._count(plan.numel_before, after, bucket)
     call = _Call(
         state,
         bucket,
@@ -110,7 +113,7 @@ def batched_powerSGD_hook(
     length = buffer.numel()
     side = lowrank.square_side(length)
     rank = lowrank.effective_rank(side, side, state.matrix_approximation_rank)
-    state._count(length, 2 * side * rank, bucket)
+    state._count(length, (1 if state.single_round else 2) * side * rank, bucket)
     # The bucket stays as it was until the result is written back: the error is added to the
     # padded copy, so a fallback to plain allreduce sends the untouched gradient.
     square = torch.zeros(side * side, dtype=buffer.dtype, device=buffer.device)
@@ -120,6 +123,12 @@ def batched_powerSGD_hook(
     call = _Call(state, bucket, buffer, group, [entry], [])
     call.writeback = lambda: buffer.copy_(square[:length])
     return run(call)
+
+
+def _idle_factor(e: _Entry) -> int:
+    """Elements of the factor a single-round step does not send: ``Q`` on a P step, or ``P``."""
+    n, m = e.matrix.shape
+    return (m if e.step == _P_STEP else n) * e.rank
 
 
 def _begin(state: Any, bucket: dist.GradBucket, owner: str) -> tuple:

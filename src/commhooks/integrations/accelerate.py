@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from commhooks._warnings import warn_once
-from commhooks.config import CommHookType, register
+from commhooks.config import CommHookType, HookConfig, register_from_config
 from commhooks.integrations.checkpoint import PerRankState
 
 __all__ = ["find_ddp", "prepare_with_hook", "register_hook"]
@@ -69,8 +69,10 @@ def register_hook(
         in DDP (a single process has nothing to communicate).
 
     Raises:
-        ValueError: anything ``commhooks.register`` rejects.
+        ValueError: anything ``commhooks.register`` rejects. Names and options are checked
+            even with a single process, so a typo fails on the laptop, not on the cluster.
     """
+    config = HookConfig(hook, wrapper, options)
     ddp = find_ddp(model)
     if ddp is None:
         if getattr(accelerator, "num_processes", 1) > 1:
@@ -87,7 +89,7 @@ def register_hook(
             "`ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes N ...`.)",
         )
         return None
-    state = register(ddp, hook, wrapper, process_group, **options)
+    state = register_from_config(ddp, config, process_group)
     if hasattr(state, "state_dict") and hasattr(state, "load_state_dict"):
         accelerator.register_for_checkpointing(PerRankState(state, process_group))
     return state
