@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from ddp_utils import batches, make_ddp, make_mlp, train
 
+import commhooks
 from commhooks import allreduce_hook, config, register
 from commhooks.config import CommHookType, hook_names, hook_spec
 from commhooks.integrations.checkpoint import DistributedCheckpointState, PerRankState
@@ -324,6 +325,20 @@ def _lightning_strategy(rank, world_size, path):
         out["stateless_refuses"] = False
     except ValueError as exc:
         out["stateless_refuses"] = "keeps none" in str(exc)
+    # DDPStrategy's own arguments, which it registers only on CUDA: registered here, on CPU.
+    lightning_state = commhooks.PowerSGDState(None, start_powerSGD_iter=0)
+    lightning_style = CommHookDDPStrategy(
+        ddp_comm_state=lightning_state,
+        ddp_comm_hook=commhooks.powerSGD_hook,
+        ddp_comm_wrapper=commhooks.fp16_compress_wrapper,
+        cluster_environment=strategy().cluster_environment,
+    )
+    lightning_style.configure_ddp()
+    x, y = batches(rank, 1)[0]
+    torch.nn.functional.mse_loss(lightning_style.model(x), y).backward()
+    out["ddp_comm_kwargs"] = lightning_style.hook_state is lightning_state and (
+        lightning_state.iter == 1 and lightning_state.compression_stats()[0] > 1
+    )
     return out
 
 
@@ -343,8 +358,10 @@ def test_lightning_strategy_validates_at_construction():
 
     with pytest.raises(ValueError, match="Did you mean 'power_sgd'|unknown hook 'powersgd'"):
         CommHookDDPStrategy("powersgd")
-    with pytest.raises(ValueError, match="drop ddp_comm_hook"):
+    with pytest.raises(ValueError, match="not both"):
         CommHookDDPStrategy("fp16", ddp_comm_hook=lambda s, b: None)
+    with pytest.raises(ValueError, match="need ddp_comm_hook"):
+        CommHookDDPStrategy(ddp_comm_state=object())
     assert CommHookDDPStrategy("FP16", "bf16").hook_config.to_dict() == {
         "hook": "fp16",
         "wrapper": "bf16",

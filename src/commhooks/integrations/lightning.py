@@ -11,6 +11,10 @@ checkpoint under ``"commhooks"``, restoring it when training resumes from that c
     strategy = CommHookDDPStrategy("power_sgd", hook_options={"matrix_approximation_rank": 2})
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy)
 
+Code written for ``DDPStrategy`` keeps its arguments: ``CommHookDDPStrategy(ddp_comm_state=...,
+ddp_comm_hook=..., ddp_comm_wrapper=...)`` registers them as ``DDPStrategy`` would on CUDA, on
+any device.
+
 Requires the optional extra: ``pip install "commhooks[lightning]"``.
 """
 
@@ -46,7 +50,9 @@ class CommHookDDPStrategy(DDPStrategy):
             A separate mapping because the remaining keyword arguments go to DDP itself, as in
             ``DDPStrategy`` (``bucket_cap_mb``, ``find_unused_parameters``...).
         hook_process_group: the group the hook communicates on (``None``: DDP's group).
-        **kwargs: passed to ``DDPStrategy``.
+        **kwargs: passed to ``DDPStrategy``, except its ``ddp_comm_hook``, ``ddp_comm_state``
+            and ``ddp_comm_wrapper``, which this strategy registers itself, on any device,
+            instead of ``hook``/``wrapper``/``hook_options``.
 
     Raises:
         ValueError: an invalid hook choice, at construction, before any process starts.
@@ -54,20 +60,14 @@ class CommHookDDPStrategy(DDPStrategy):
 
     def __init__(
         self,
-        hook: CommHookType | str | HookConfig = CommHookType.ALLREDUCE,
+        hook: CommHookType | str | HookConfig | None = None,
         wrapper: CommHookType | str | None = None,
         hook_options: Mapping[str, Any] | None = None,
         hook_process_group: dist.ProcessGroup | None = None,
         **kwargs: Any,
     ) -> None:
-        clashing = sorted(
-            k for k in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper") if k in kwargs
-        )
-        if clashing:
-            raise ValueError(
-                f"CommHookDDPStrategy chooses the hook itself; drop {', '.join(clashing)} and "
-                "pass hook=..., wrapper=..., hook_options=... instead."
-            )
+        self._lightning_hook = _lightning_hook_args(kwargs, hook, wrapper, hook_options)
+        hook = CommHookType.ALLREDUCE if hook is None else hook
         if isinstance(hook, HookConfig):
             if wrapper is not None or hook_options:
                 raise ValueError("pass either a HookConfig or hook/wrapper/hook_options, not both.")
@@ -82,7 +82,12 @@ class CommHookDDPStrategy(DDPStrategy):
     def configure_ddp(self) -> None:
         """Wrap the model in DDP (as ``DDPStrategy`` does), then register the hook."""
         super().configure_ddp()
-        self.hook_state = register_from_config(self.model, self.hook_config, self._hook_group)
+        if self._lightning_hook is not None:
+            hook, state, wrapper = self._lightning_hook
+            self.model.register_comm_hook(state, hook if wrapper is None else wrapper(hook))
+            self.hook_state = state
+        else:
+            self.hook_state = register_from_config(self.model, self.hook_config, self._hook_group)
         pending, self._pending_hook_state = self._pending_hook_state, None
         if pending is not None:
             per_rank = self._per_rank()
@@ -127,3 +132,27 @@ class CommHookDDPStrategy(DDPStrategy):
             else:
                 per_rank.load_state_dict(saved)
         return checkpoint
+
+
+def _lightning_hook_args(
+    kwargs: dict[str, Any], hook: Any, wrapper: Any, hook_options: Any
+) -> tuple[Any, Any, Any] | None:
+    """Take ``DDPStrategy``'s own hook arguments out of ``kwargs``: ``(hook, state, wrapper)``.
+
+    ``DDPStrategy`` would register them only on CUDA; this strategy registers them itself.
+    """
+    names = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper")
+    given = {k: kwargs.pop(k, None) for k in names}
+    if all(v is None for v in given.values()):
+        return None
+    if given["ddp_comm_hook"] is None:
+        raise ValueError(
+            "ddp_comm_state and ddp_comm_wrapper need ddp_comm_hook: pass the hook function too, "
+            "or choose a hook by name with hook=..."
+        )
+    if hook is not None or wrapper is not None or hook_options:
+        raise ValueError(
+            "pass either hook=..., wrapper=..., hook_options=... or DDPStrategy's "
+            "ddp_comm_hook=..., ddp_comm_state=..., ddp_comm_wrapper=..., not both."
+        )
+    return given["ddp_comm_hook"], given["ddp_comm_state"], given["ddp_comm_wrapper"]
