@@ -1,6 +1,7 @@
 """Every hook under the ways DDP is really used (gloo, 2 ranks).
 
-Each test runs the allreduce, fp16, PowerSGD and post-local SGD hooks through
+Each test runs every hook that communicates (allreduce, fp16, bf16, the three PowerSGD
+variants and post-local SGD) through
 ``commhooks.register`` and checks that training stays finite and the replicas stay identical;
 for the allreduce hook, it also checks bitwise equality with DDP without a hook.
 """
@@ -23,6 +24,9 @@ HOOKS = {
     "fp16": {},
     "power_sgd": {"matrix_approximation_rank": 2, "start_powerSGD_iter": 2},
     "post_local_sgd": {"start_localSGD_iter": 2},
+    "bf16": {},
+    "batched_power_sgd": {"matrix_approximation_rank": 1, "start_powerSGD_iter": 2},
+    "power_sgd_single_round": {"matrix_approximation_rank": 2, "start_powerSGD_iter": 2},
 }
 NAMES = list(HOOKS)
 
