@@ -1,9 +1,9 @@
 """Every hook under the ways DDP is really used (gloo, 2 ranks).
 
 Each test runs every hook that communicates (allreduce, fp16, bf16, the three PowerSGD
-variants and post-local SGD) through
-``commhooks.register`` and checks that training stays finite and the replicas stay identical;
-for the allreduce hook, it also checks bitwise equality with DDP without a hook.
+variants and post-local SGD) through ``commhooks.register`` and checks that training stays
+finite and the replicas stay identical; for the allreduce hook, it also checks bitwise equality
+with DDP without a hook.
 """
 
 import contextlib
