@@ -121,3 +121,22 @@ def test_bandwidth_without_root_says_so(monkeypatch):
     monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
     with pytest.raises(netns.NetworkError, match="needs root"):
         netns.check_can_create()
+
+
+def test_floors_send_what_single_round_powersgd_sends(tmp_path):
+    path = tmp_path / "f.json"
+    hooks = "noop,floor_sync,floor_wire,floor_memory,power_sgd_single_round"
+    argv = ["--hooks", hooks, "--steps", "7", "--warmup", "4", "--json", str(path)]
+    assert cli.main(argv) == 0
+    rows = {r["hook"]: r for r in json.loads(path.read_text())["results"]}
+    assert all(r["ok"] for r in rows.values()), [r.get("error") for r in rows.values()]
+    single = rows["power_sgd_single_round"]["bytes_per_step"]
+    assert single > 0
+    assert rows["floor_wire"]["bytes_per_step"] == pytest.approx(single)
+    assert rows["floor_memory"]["bytes_per_step"] == pytest.approx(single)
+    assert 0 < rows["floor_sync"]["bytes_per_step"] <= 8
+    # The first two leave each rank's gradient alone: they train exactly as noop does.
+    for name in ("floor_sync", "floor_wire"):
+        assert rows[name]["heldout_loss_per_rank"] == rows["noop"]["heldout_loss_per_rank"]
+    # The last one overwrites it with its fixed low-rank product.
+    assert rows["floor_memory"]["heldout_loss_per_rank"] != rows["noop"]["heldout_loss_per_rank"]

@@ -50,7 +50,8 @@ def build_parser(prog: str = "commhooks bench") -> argparse.ArgumentParser:
     p.add_argument(
         "--hooks",
         help="comma-separated hook names (default: "
-        f"{','.join(hookset.DEFAULT_HOOKS)}); torch_* names run PyTorch's hooks",
+        f"{','.join(hookset.DEFAULT_HOOKS)}); torch_* names run PyTorch's hooks, floor_sync, "
+        "floor_wire and floor_memory what any PowerSGD design pays (see the README)",
     )
     p.add_argument(
         "--compare-torch",
@@ -147,7 +148,7 @@ def _rates(text: str, flag: str) -> list[int]:
 
 def _plan(a: argparse.Namespace, parser: argparse.ArgumentParser) -> Plan:
     available = hookset.available_hooks()
-    valid = available + list(hookset.TORCH_HOOKS)
+    valid = available + list(hookset.TORCH_HOOKS) + list(hookset.FLOOR_HOOKS)
     skipped: list[str] = []
     if a.hooks is None:
         requested = list(hookset.DEFAULT_HOOKS)

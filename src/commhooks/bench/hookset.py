@@ -12,6 +12,7 @@ from typing import Any
 __all__ = [
     "DEFAULT_HOOKS",
     "HOOK_SETTINGS",
+    "FLOOR_HOOKS",
     "TORCH_HOOKS",
     "SINGLE_BUCKET_MB",
     "attach",
@@ -56,6 +57,12 @@ TORCH_HOOKS = (
     "torch_batched_power_sgd",
     "torch_post_local_sgd",
 )
+# Reference floors (see ``commhooks_baselines.floors``): the cost of communicating at all, of
+# sending single-round PowerSGD's bytes, and of error feedback's memory passes, without any
+# compression work. They imitate PowerSGD at the rank it is benchmarked with.
+FLOOR_HOOKS = ("floor_sync", "floor_wire", "floor_memory")
+for _name in FLOOR_HOOKS:
+    HOOK_SETTINGS[_name] = POWERSGD_SETTINGS
 # PyTorch's PowerSGD issues follow-up collectives from future callbacks and aborts on gloo when
 # a model has several buckets; one bucket holding every gradient lets the baseline complete.
 SINGLE_BUCKET_MB = 4096.0
@@ -92,7 +99,7 @@ def torch_counterparts(names: Iterable[str]) -> list[str]:
 def settings_for(name: str, available: Iterable[str] | None = None) -> dict[str, Any]:
     """The state options the bench passes to ``name``, limited to those its spec accepts."""
     wanted = dict(HOOK_SETTINGS.get(name, {}))
-    if name.startswith("torch_") or not wanted:
+    if name.startswith(("torch_", "floor_")) or not wanted:
         return wanted
     from commhooks import config
 
@@ -108,6 +115,11 @@ def attach(ddp: Any, name: str, options: dict[str, Any]) -> Any:
     """
     if name.startswith("torch_"):
         return _attach_torch(ddp, name, options)
+    if name in FLOOR_HOOKS:
+        from commhooks_baselines.floors import attach_floor
+
+        attach_floor(ddp, name, options)
+        return lambda: None
     import commhooks
 
     commhooks.register(ddp, name, **options)
