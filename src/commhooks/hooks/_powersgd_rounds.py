@@ -157,9 +157,14 @@ def _prepare_known_factors(call: _Call, known: torch.Tensor) -> None:
 
     A bucket call that needs any random projection draws one seed from the state's numpy
     generator and samples, in group order, on a private CPU generator: the same values on
-    every rank, PyTorch's sequence, and the global RNG untouched.
+    every rank, PyTorch's sequence, and the global RNG untouched. A call draws its seed
+    wherever PyTorch's hook does (every step without warm start, and on the first step that
+    compresses), even with nothing to sample, so that every later bucket draws the seed it
+    would draw there: a bucket of vectors only still takes its turn.
     """
-    state, offset, gen = call.state, 0, None
+    state, offset = call.state, 0
+    warm = state.warm_start or state.single_round
+    gen = _seeded(state) if not warm or state.iter == state.start_powerSGD_iter else None
     for g in call.groups:
         shape = _known_shape(g)
         g.known = _factor_view(
@@ -167,13 +172,12 @@ def _prepare_known_factors(call: _Call, known: torch.Tensor) -> None:
         )
         offset += _numel(shape)
         store = state.p_memory_dict if g.entries[0].step == _Q_STEP else state.q_memory_dict
-        warm = state.warm_start or state.single_round
         stored = [
             state._stored(store, e.key, shape[1:], known) if warm else None for e in g.entries
         ]
         missing = [i for i, t in enumerate(stored) if t is None]
         if missing and gen is None:
-            gen = torch.Generator().manual_seed(int(state.rng.randint(1_000_000_000)))
+            gen = _seeded(state)
         if len(missing) == len(g.entries):
             g.known.copy_(torch.randn(shape, generator=gen, dtype=known.dtype))
         else:
@@ -182,6 +186,10 @@ def _prepare_known_factors(call: _Call, known: torch.Tensor) -> None:
                     t = torch.randn((1, *shape[1:]), generator=gen, dtype=known.dtype)
                 g.known[i].copy_(t.reshape(shape[1:]))
     _orthogonalize_all(call, known, _known_shape, lambda g: g.entries[0].step != _Q_STEP)
+
+
+def _seeded(state: PowerSGDState) -> torch.Generator:
+    return torch.Generator().manual_seed(int(state.rng.randint(1_000_000_000)))
 
 
 def _orthogonalize_all(
