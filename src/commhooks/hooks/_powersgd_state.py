@@ -120,8 +120,8 @@ class PowerSGDState(HookState):
         self.compression_stats_logging_frequency = max(1, int(compression_stats_logging_frequency))
         self.batch_tensors_with_same_shape = bool(batch_tensors_with_same_shape)
         self.single_round = bool(single_round)
-        # Draws one seed per bucket call that needs fresh projections, in bucket order, which
-        # is the same on every rank; numpy's generator so the sequence is PyTorch's.
+        # Draws one seed per bucket call wherever PyTorch's hook draws one, in bucket order,
+        # which is the same on every rank; numpy's generator so the sequence is PyTorch's.
         self.rng = np.random.RandomState(self.random_seed)
         self.iter = 0
         self.total_numel_before_compression = 0
