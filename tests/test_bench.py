@@ -47,7 +47,7 @@ def test_json_schema(default_run):
     env = default_run["environment"]
     for key in ("python", "torch", "commhooks", "world_size", "bandwidths", "date"):
         assert key in env
-    assert env["world_size"] == 2 and env["bandwidths"] == [None]
+    assert env["world_size"] == 2 and env["bandwidths"] == [None] and env["bandwidth"] is None
     for row in default_run["results"]:
         for key, kind in ROW_KEYS.items():
             assert isinstance(row[key], kind), (row["hook"], key, row[key])

@@ -194,6 +194,7 @@ def test_sweep_over_rate_limited_links_counts_real_bytes(tmp_path):
     assert cli.main(argv) == 0
     doc = json.loads(path.read_text())
     rows = {(r["hook"], r["bandwidth"]): r for r in doc["results"]}
+    assert doc["environment"]["bandwidth"] == [200_000_000, 1_000_000_000]
     # allreduce is added: the sweep's speedups are over it
     hooks = ("noop", "allreduce", "fp16")
     assert doc["settings"]["hooks"] == list(hooks)

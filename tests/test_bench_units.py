@@ -3,7 +3,7 @@ break-even computation, on hand-computed cases."""
 
 import pytest
 
-from commhooks.bench import args, costmodel, summary
+from commhooks.bench import args, costmodel, hookset, summary
 from commhooks.bench.units import format_rate, parse_duration, parse_rate
 
 
@@ -90,6 +90,11 @@ def test_default_plan_and_predict_world():
     plan = args.parse(["--predict", "10gbit", "--world-size", "64", "--compare-torch"])
     assert (plan.predict_bps, plan.predict_world, plan.ranks) == (10**10, 64, 2)
     assert "torch_fp16" in plan.hooks and "torch_power_sgd" in plan.hooks
+    # Every PowerSGD variant is compared with PyTorch's PowerSGD.
+    for hook in ("power_sgd", "power_sgd_single_round", "batched_power_sgd"):
+        assert any("power_sgd" in h for h in hookset.torch_counterparts([hook])), hook
+        plan = args.parse(["--hooks", hook, "--compare-torch"])
+        assert any(h.startswith("torch_") and "power_sgd" in h for h in plan.hooks), hook
     plan = args.parse(["--sweep", "1gbit,50mbit,100mbit", "--hooks", "allreduce"])
     assert plan.bandwidths == [50_000_000, 100_000_000, 1_000_000_000] and plan.sweep
 

@@ -237,6 +237,8 @@ def _environment(plan: Plan, argv: list[str], elapsed: float) -> dict:
         "cpus": os.cpu_count(),
         "world_size": plan.ranks,
         "backend": "gloo",
+        # The link rate in bit/s (null on loopback); a sweep lists each rate it ran.
+        "bandwidth": plan.bandwidths[0] if len(plan.bandwidths) == 1 else plan.bandwidths,
         "bandwidths": plan.bandwidths,
         "latency_s": plan.latency_s or None,
         "network": "loopback"

@@ -74,6 +74,7 @@ _COUNTERPARTS = {
     "fp16": ("torch_fp16",),
     "bf16": ("torch_bf16",),
     "power_sgd": ("torch_power_sgd", "torch_batched_power_sgd"),
+    "power_sgd_single_round": ("torch_power_sgd",),
     "batched_power_sgd": ("torch_batched_power_sgd",),
     "post_local_sgd": ("torch_post_local_sgd",),
 }
