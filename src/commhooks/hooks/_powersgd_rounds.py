@@ -297,18 +297,24 @@ def _direct_factor(call: _Call, e: _Entry, known: torch.Tensor, sent: torch.Tens
         del state._pending[e.key]  # now in the memory (a bad step restores that, see below)
 
 
-def _write_direct(call: _Call, g: _Group, p: torch.Tensor, qt: torch.Tensor, ok: bool) -> None:
-    """Single round, after the collective: the gradient becomes ``P Qᵀ``.
+def _write_direct(call: _Call, g: _Group, p: torch.Tensor, qt: torch.Tensor) -> None:
+    """Single round, after a finite result: the gradient becomes ``P Qᵀ``, which joins the
+    products pending on the memory."""
+    e = g.entries[0]
+    if e.memory is not None:
+        call.state._push_pending(e.key, p, qt)
+    lowrank.product_into(e.matrix, p, qt)
 
-    With a finite result ``P Qᵀ`` joins the products pending on the memory. Otherwise the
-    gradient added into the memory is taken back out, which restores the previous error to
-    the rounding of one addition. A non-finite value that got in (on a GPU, where blocks are
-    not checked, or from a sum that overflowed) restarts from zero instead.
+
+def _restore_direct(call: _Call, e: _Entry) -> None:
+    """Single round, after a result that is not finite: the memory goes back to the last error.
+
+    The gradient added into the memory is taken back out, which restores the previous error
+    to the rounding of one addition. A non-finite value that got in (on a GPU, where blocks
+    are not checked, or from a sum that overflowed) restarts from zero instead.
     """
-    e, state = g.entries[0], call.state
-    if e.memory is not None and ok:
-        state._push_pending(e.key, p, qt)
-    elif e.created:
+    state = call.state
+    if e.created:
         del state._errors[e.key]
     elif e.memory is not None:
         # Rows before ``written`` hold the gradient added (and, on a step that folds, the
@@ -319,7 +325,6 @@ def _write_direct(call: _Call, g: _Group, p: torch.Tensor, qt: torch.Tensor, ok:
         if e.folds and e.written < e.memory.shape[0]:
             p0, q0t = e.pending
             lowrank.subtract_product_(e.memory[e.written :], p0[e.written :], q0t)
-    lowrank.product_into(e.matrix, p, qt)
 
 
 def _all_finite(*tensors: torch.Tensor) -> bool:
@@ -367,7 +372,7 @@ def _decompress(
     for g in call.groups:
         p, q = p_of(g), q_of(g)
         if state.single_round and not g.stacked:
-            _write_direct(call, g, p[0], q[0].t(), update)
+            _write_direct(call, g, p[0], q[0].t())
             continue
         for i, e in enumerate(g.entries):
             error = None
@@ -492,31 +497,60 @@ def _one_round(call: _Call) -> torch.futures.Future[torch.Tensor]:
     lowrank.pack_into(call.uncompressed, send[:unc])
     _prepare_known_factors(call, known)
     _compute_sent(call, send[unc:])
+    issuer = comm.issuer_for(group)
     done = comm.average(send, group)
+    outcome: dict[str, bool] = {}
+    checked = issuer.then(
+        done, lambda sent: _fall_back_unless_finite(call, sent, outcome, issuer.group)
+    )
     _finish_step(call)
-    return done.then(lambda fut: _after_one_round(call, fut.value(), unc))
+    return checked.then(lambda fut: _after_one_round(call, fut, send, unc, outcome))
 
 
-def _after_one_round(call: _Call, send: torch.Tensor, unc: int) -> torch.Tensor:
+def _fall_back_unless_finite(
+    call: _Call,
+    send: torch.Tensor,
+    outcome: dict[str, bool],
+    follow_up: dist.ProcessGroup,
+) -> torch.futures.Future:
+    """Single round: a result that is not finite means some rank's gradient was not.
+
+    Every rank sees the same result, so every rank then does what the two-round variant does
+    after its first round: it puts its memory and gradient back as they were and sends the
+    bucket as plain allreduce would, a second collective on that step only. A loss scaler
+    sees inf/NaN exactly where plain allreduce puts them and skips the step.
+    """
+    if _all_finite(send):
+        return comm.completed(send)
+    outcome["fallback"] = True
+    _undo_compensation(call)
+    for g in call.groups:
+        if not g.stacked:
+            _restore_direct(call, g.entries[0])
+    return comm.average(call.buffer, follow_up)
+
+
+def _after_one_round(
+    call: _Call, fut: torch.futures.Future, send: torch.Tensor, unc: int, outcome: dict[str, bool]
+) -> torch.Tensor:
+    fut.value()
+    if outcome.get("fallback"):
+        return call.buffer
     state = call.state
-    ok = _all_finite(send)
-    _unpack_uncompressed(call, send[:unc], update=ok)
-    # With a non-finite input the approximation is non-finite too, which a loss scaler sees;
-    # the factors stay as they were and the error memory is restored (see _write_direct).
+    _unpack_uncompressed(call, send[:unc], update=True)
     _decompress(
         call,
         p_of=lambda g: g.known if g.entries[0].step == _Q_STEP else g.sent,
         q_of=lambda g: g.sent if g.entries[0].step == _Q_STEP else g.known,
-        update=ok,
+        update=True,
     )
-    if ok:
-        for g in call.groups:
-            q_step = g.entries[0].step == _Q_STEP
-            p, q = (g.known, g.sent) if q_step else (g.sent, g.known)
-            for i, e in enumerate(g.entries):
-                state.p_memory_dict[e.key] = p[i].clone()
-                state.q_memory_dict[e.key] = q[i].clone()
-                state._last_step[e.key] = e.step
+    for g in call.groups:
+        q_step = g.entries[0].step == _Q_STEP
+        p, q = (g.known, g.sent) if q_step else (g.sent, g.known)
+        for i, e in enumerate(g.entries):
+            state.p_memory_dict[e.key] = p[i].clone()
+            state.q_memory_dict[e.key] = q[i].clone()
+            state._last_step[e.key] = e.step
     return call.buffer
 
 

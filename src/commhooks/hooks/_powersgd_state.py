@@ -68,8 +68,9 @@ class PowerSGDState(HookState):
             (the pending factors take up to ``16 (n + m)`` elements for an ``n x m`` matrix,
             3% of the gradients of a 6M-parameter MLP); ``error_dict`` and
             ``state_dict()`` show the errors themselves, converting the memory in place. On a
-            step whose result is not finite, the gradients added are taken back out: the memory
-            is the previous one to the rounding of that addition.
+            step whose result is not finite, the gradients added are taken back out (the memory
+            is the previous one to the rounding of that addition) and the bucket is sent again
+            as plain allreduce would, so a loss scaler sees inf/NaN where it puts them.
 
     Raises:
         ValueError: an option out of range, with the fix in the message.
