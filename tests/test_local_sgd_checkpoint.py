@@ -164,7 +164,7 @@ def test_state_dict_of_another_kind_is_rejected_and_changes_nothing():
     assert wrapper.averager.step == 9
 
 
-def test_averagers_refuse_a_state_dict_saved_with_another_schedule():
+def test_averagers_refuse_another_period_and_restore_the_warmup():
     saved = commhooks.PeriodicModelAverager(3, warmup_steps=2)
     saved.step = 6
     sd = _roundtrip(saved)
@@ -172,17 +172,26 @@ def test_averagers_refuse_a_state_dict_saved_with_another_schedule():
     other_period = commhooks.PeriodicModelAverager(4, warmup_steps=2)
     with pytest.raises(StateDictError, match="period=3, but this one has period=4"):
         other_period.load_state_dict(sd)
+    assert other_period.step == 0
+    # The warm-up is part of the saved schedule: restored, with a warning when it differs.
     other_warmup = commhooks.OuterOptimizerAverager(3, warmup_steps=5)
     outer_sd = {**sd, "kind": "outer_optimizer_averager", "synced": False, "snapshot": []}
-    with pytest.raises(StateDictError, match="warmup_steps=2, but this one has warmup_steps=5"):
+    with pytest.warns(UserWarning, match="restored warmup_steps=2 .* built with warmup_steps=5"):
         other_warmup.load_state_dict(outer_sd)
-    assert other_period.step == other_warmup.step == 0
+    assert (other_warmup.step, other_warmup.warmup_steps) == (6, 2)
+    plain = commhooks.PeriodicModelAverager(3)
+    with pytest.warns(UserWarning, match="restored warmup_steps=2"):
+        plain.load_state_dict(sd)
+    assert (plain.step, plain.warmup_steps) == (6, 2)
+    with pytest.raises(StateDictError, match="'warmup_steps' must be a non-negative integer"):
+        commhooks.PeriodicModelAverager(3).load_state_dict({**sd, "warmup_steps": -1})
 
     inner = torch.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=0.1)
     wrapper = commhooks.PostLocalSGDOptimizer(inner, commhooks.PeriodicModelAverager(3))
     wrapper_sd = _roundtrip(wrapper)
+    wrapper_sd["averager"]["period"] = 4
     wrapper_sd["param_groups"][0]["lr"] = 123.0
-    with pytest.raises(StateDictError, match="warmup_steps=0, but this one has warmup_steps=2"):
+    with pytest.raises(StateDictError, match="period=4, but this one has period=3"):
         commhooks.PostLocalSGDOptimizer(inner, saved).load_state_dict(wrapper_sd)
     assert inner.param_groups[0]["lr"] == 0.1 and saved.step == 6
 

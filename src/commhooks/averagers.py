@@ -18,6 +18,7 @@ every rank must agree on.
 
 import functools
 import logging
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar
 
@@ -152,8 +153,10 @@ class ModelAverager(HookState):
         self._checked = False
 
     # -- state dicts: parse (validate everything) then apply, so a bad dict changes nothing ---
-    # The schedule options are saved with the step so that a counter is never resumed under
-    # another schedule, which would silently average at other steps than the saved run.
+    # The schedule is saved with the step so that a counter is never resumed under another
+    # schedule, which would silently average at other steps than the saved run. The warm-up
+    # is restored from the state dict, as an optimizer restores its learning rate; the period
+    # (and a hierarchy) decide which groups average at all, so a different one is refused.
     def _save(self) -> dict[str, Any]:
         return {"step": self.step, "warmup_steps": self.warmup_steps}
 
@@ -167,8 +170,13 @@ class ModelAverager(HookState):
                 f"{type(self).__name__}.load_state_dict: 'step' must be a non-negative integer, "
                 f"got {step!r}."
             )
-        self._check_saved_option(state_dict, "warmup_steps", self.warmup_steps)
-        return {"step": step}
+        warmup = state_dict.get("warmup_steps", self.warmup_steps)
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise StateDictError(
+                f"{type(self).__name__}.load_state_dict: 'warmup_steps' must be a non-negative "
+                f"integer, got {warmup!r}."
+            )
+        return {"step": step, "warmup_steps": warmup}
 
     def _check_saved_option(
         self,
@@ -204,7 +212,17 @@ class ModelAverager(HookState):
         )
 
     def _apply(self, values: dict[str, Any]) -> None:
+        warmup = values.get("warmup_steps", self.warmup_steps)
+        if warmup != self.warmup_steps:
+            warnings.warn(
+                f"{type(self).__name__}.load_state_dict: restored warmup_steps={warmup} from the "
+                f"state dict (this averager was built with warmup_steps={self.warmup_steps}), "
+                "so the resumed run averages at the steps the saved one would have.",
+                UserWarning,
+                stacklevel=3,
+            )
         self.step = values["step"]
+        self.warmup_steps = warmup
         self._checked = False
 
 
