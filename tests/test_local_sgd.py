@@ -173,6 +173,35 @@ def test_bad_state_options():
         commhooks.post_localSGD_hook(None, FakeBucket([torch.zeros(2)]))
 
 
+def _custom_groups(rank, world_size):
+    import torch.distributed as dist
+
+    everyone = dist.new_group([0, 1])
+    only_first = dist.new_group([0])
+    state = commhooks.PostLocalSGDState(everyone, None, start_localSGD_iter=1)
+    bucket = FakeBucket([torch.full((3,), float(rank))])
+    outs = [commhooks.post_localSGD_hook(state, bucket).wait().clone() for _ in range(2)]
+    refused = kept = None
+    if rank == 0:
+        try:
+            commhooks.PostLocalSGDState(only_first, None, 1)
+        except ValueError as exc:
+            refused = str(exc)
+        quiet = commhooks.PostLocalSGDState(
+            only_first, None, 1, post_local_gradient_allreduce=False
+        )
+        kept = quiet.process_group is only_first
+    return outs, state.subgroup_source, refused, kept
+
+
+def test_per_machine_subgroups_with_a_group_of_every_rank():
+    (outs, source, refused, kept), _ = run_on_ranks(_custom_groups, 2)
+    assert torch.equal(outs[0], torch.full((3,), 0.5))  # warm-up: averaged over both ranks
+    assert source and source.startswith("one subgroup per machine")
+    assert refused and "pass subgroup= explicitly" in refused
+    assert kept  # no gradient averaging after the warm-up: no subgroup needed
+
+
 def _mismatched(rank, world_size):
     state = commhooks.PostLocalSGDState(None, None, start_localSGD_iter=rank)
     commhooks.post_localSGD_hook(state, FakeBucket([torch.zeros(3)])).wait()

@@ -76,7 +76,7 @@ class PostLocalSGDState(HookState):
                 f"{type(subgroup).__name__}."
             )
         super().__init__(process_group)
-        _check_default_subgroup_allowed(process_group, subgroup)
+        _check_default_subgroup_allowed(process_group, subgroup, post_local_gradient_allreduce)
         self.start_localSGD_iter = start_localSGD_iter
         self.post_local_gradient_allreduce = post_local_gradient_allreduce
         self.iter = 0
@@ -105,7 +105,7 @@ class PostLocalSGDState(HookState):
             raise TypeError(f"subgroup must be a ProcessGroup, got {type(subgroup).__name__}")
         explicit = self._subgroup_explicit if subgroup is _UNCHANGED else subgroup is not None
         if not explicit:
-            _check_default_subgroup_allowed(process_group, None)
+            _check_default_subgroup_allowed(process_group, None, self.post_local_gradient_allreduce)
         super().bind(process_group)
         if subgroup is not _UNCHANGED:
             self._subgroup = subgroup
@@ -188,15 +188,23 @@ class PostLocalSGDState(HookState):
 
 
 def _check_default_subgroup_allowed(
-    process_group: dist.ProcessGroup | None, subgroup: dist.ProcessGroup | None
+    process_group: dist.ProcessGroup | None,
+    subgroup: dist.ProcessGroup | None,
+    gradients_averaged: bool,
 ) -> None:
     # Per-machine groups are created by every rank of the default group; ranks outside a
-    # custom group would never join that collective, so we do not guess for them.
-    if subgroup is None and not comm.is_world(process_group):
-        raise ValueError(
-            "PostLocalSGDState: subgroup=None (one subgroup per machine) needs the default "
-            "process group. With a custom process_group, pass subgroup= explicitly."
-        )
+    # custom group would never join that collective, so we do not guess for them. Without
+    # gradient averaging after the warm-up no subgroup is ever made, and a group of every
+    # rank in order is the default group under another name.
+    if subgroup is not None or not gradients_averaged or comm.is_world(process_group):
+        return
+    if comm.global_ranks(process_group) == list(range(dist.get_world_size())):
+        return
+    raise ValueError(
+        "PostLocalSGDState: subgroup=None (one subgroup per machine) needs a process group "
+        "of every rank. With a process_group of some ranks only, pass subgroup= explicitly "
+        "(or post_local_gradient_allreduce=False, which never uses one)."
+    )
 
 
 def post_localSGD_hook(
