@@ -143,7 +143,17 @@ def _overflow(rank, world_size, values, buckets=1):
         warnings.simplefilter("always")
         for _ in range(buckets):
             out = commhooks.fp16_compress_hook(None, FakeBucket([local.clone()])).wait()
+    assert all(issubclass(w.category, commhooks.CommHooksWarning) for w in caught)
     return out, [str(w.message) for w in caught]
+
+
+def test_warnings_are_filterable_as_ours_as_user_and_as_runtime_warnings():
+    assert issubclass(commhooks.CommHooksWarning, UserWarning)
+    assert issubclass(commhooks.CommHooksWarning, RuntimeWarning)
+    with pytest.warns(UserWarning, match="restored warmup_steps=1"):
+        commhooks.PeriodicModelAverager(2).load_state_dict(
+            commhooks.PeriodicModelAverager(2, warmup_steps=1).state_dict()
+        )
 
 
 def _divide_then_cast_reference(values, world_size):

@@ -8,6 +8,7 @@ working on gloo/CPU as well as NCCL/GPU::
 """
 
 from commhooks import checkpoint
+from commhooks._warnings import CommHooksWarning
 from commhooks.averagers import (
     HierarchicalModelAverager,
     ModelAverager,
@@ -32,6 +33,7 @@ from commhooks.state import HookState, StateDictError
 __version__ = "0.1.0"
 
 __all__ = [
+    "CommHooksWarning",
     "HookState",
     "StateDictError",
     "checkpoint",

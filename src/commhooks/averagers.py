@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from commhooks import comm
 from commhooks._validate import check_bool, check_int
+from commhooks._warnings import CommHooksWarning
 from commhooks.state import HookState, StateDictError
 
 __all__ = [
@@ -218,7 +219,7 @@ class ModelAverager(HookState):
                 f"{type(self).__name__}.load_state_dict: restored warmup_steps={warmup} from the "
                 f"state dict (this averager was built with warmup_steps={self.warmup_steps}), "
                 "so the resumed run averages at the steps the saved one would have.",
-                UserWarning,
+                CommHooksWarning,
                 stacklevel=3,
             )
         self.step = values["step"]

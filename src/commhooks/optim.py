@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from commhooks._warnings import CommHooksWarning
 from commhooks.averagers import ModelAverager
 from commhooks.state import HookState, StateDictError
 
@@ -136,6 +137,7 @@ class PostLocalSGDOptimizer(HookState, torch.optim.Optimizer):
             warnings.warn(
                 "PostLocalSGDOptimizer.load_state_dict: no averager step in the state dict; the "
                 "averager restarts at step 0 (its warm-up runs again).",
+                CommHooksWarning,
                 stacklevel=3,
             )
         self._load_inner({k: v for k, v in state_dict.items() if k != "step"})
