@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from ddp_utils import batches, flat_params, make_ddp, make_mlp
 
-from commhooks import PowerSGDState, powerSGD_hook
+from commhooks import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
 from commhooks.state import StateDictError
 from commhooks.testing import run_on_ranks
 
@@ -29,10 +29,10 @@ def _optimizer(ddp):
     return torch.optim.SGD(ddp.parameters(), lr=0.02, momentum=0.9)
 
 
-def _original(rank, world_size, folder, options=OPTIONS):
+def _original(rank, world_size, folder, options=OPTIONS, hook=powerSGD_hook, bucket_cap_mb=0.004):
     data = batches(rank, 2 * HALF)
     model, state = make_mlp(), PowerSGDState(None, **options)
-    ddp = make_ddp(model, powerSGD_hook, state)
+    ddp = make_ddp(model, hook, state, bucket_cap_mb)
     opt = _optimizer(ddp)
     _train(ddp, opt, data[:HALF])
     saved = {"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}
@@ -46,14 +46,14 @@ def _original(rank, world_size, folder, options=OPTIONS):
     return flat_params(model), len(state.error_dict), pickle.dumps(state), bound
 
 
-def _resumed(rank, world_size, folder, bucket_cap_mb, options=OPTIONS):
+def _resumed(rank, world_size, folder, bucket_cap_mb, options=OPTIONS, hook=powerSGD_hook):
     data = batches(rank, 2 * HALF)[HALF:]
     saved = torch.load(os.path.join(folder, f"rank{rank % 2}.pt"), weights_only=True)
     model = make_mlp(seed=123)  # other initial weights: everything must come from the file
     model.load_state_dict(saved["model"])
     state = PowerSGDState(None, **options)
     state.load_state_dict(saved["hook"])
-    ddp = make_ddp(model, powerSGD_hook, state, bucket_cap_mb=bucket_cap_mb)
+    ddp = make_ddp(model, hook, state, bucket_cap_mb=bucket_cap_mb)
     opt = _optimizer(ddp)
     opt.load_state_dict(saved["opt"])
     with warnings.catch_warnings(record=True) as caught:
@@ -85,6 +85,18 @@ def test_exact_resume_of_the_single_round_variant(tmp_path):
     resumed = run_on_ranks(_resumed, 2, str(tmp_path), 0.004, options)
     for (expected, *_), (params, messages) in zip(uninterrupted, resumed):
         assert torch.equal(params, expected) and messages == []
+
+
+@pytest.mark.parametrize("single_round", [False, True])
+def test_exact_resume_of_the_batched_hook_in_one_bucket(tmp_path, single_round):
+    # A fresh DDP's first bucket holds the parameters in another order than the rebuilt one
+    # the state was saved with: the gradients are gathered in the saved order.
+    options = {**OPTIONS, "single_round": single_round}
+    folder = str(tmp_path)
+    uninterrupted = run_on_ranks(_original, 2, folder, options, batched_powerSGD_hook, 100)
+    resumed = run_on_ranks(_resumed, 2, folder, 100, options, batched_powerSGD_hook)
+    for (expected, memory, *_), (params, messages) in zip(uninterrupted, resumed):
+        assert memory > 0 and torch.equal(params, expected) and messages == []
 
 
 def test_resume_with_other_bucket_size_fits_per_parameter_state(original):

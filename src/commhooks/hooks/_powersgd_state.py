@@ -339,12 +339,24 @@ class PowerSGDState(HookState):
             t = store[key] = t.to(device=like.device, dtype=like.dtype)
         return t
 
-    def _check_layout(self, key: str, signature: tuple[int, ...]) -> None:
-        """Forget a whole-bucket state when the bucket now holds other parameters."""
+    def _bucket_order(self, key: str, signature: tuple[int, ...]) -> list[int] | None:
+        """Where a whole-bucket state applies: the bucket's parameters in the state's order.
+
+        The state of ``key`` was made for a bucket holding the parameters ``signature`` names
+        in some order. If this bucket holds the same parameters in another order (a fresh
+        DDP's first step, before it rebuilds its buckets), returns the positions in this
+        bucket of the state's parameters, in the state's order: compressing the gradients
+        gathered in that order keeps the state's numerics. Returns ``None`` when the order is
+        the bucket's own; forgets the state, with a warning, when the parameters differ.
+        """
         old = self._layouts.get(key)
-        self._layouts[key] = signature
         if old is None or old == signature:
-            return
+            self._layouts[key] = signature
+            return None
+        if sorted(old) == sorted(signature) and len(set(old)) == len(old):
+            where = {ordinal: i for i, ordinal in enumerate(signature)}
+            return [where[ordinal] for ordinal in old]
+        self._layouts[key] = signature
         dropped = [
             d
             for d in (self._errors, self.q_memory_dict, self.p_memory_dict)
@@ -356,10 +368,11 @@ class PowerSGDState(HookState):
             warn_once(
                 f"powersgd-layout-{key}",
                 f"batched_powerSGD_hook: {_describe(key)} now holds other parameters than when "
-                "its error memory and factors were made (DDP rebuilds its buckets after the "
-                "first step, and a restart may bucket differently), so that state was reset. "
-                "Use powerSGD_hook, whose state is per parameter, to avoid this.",
+                "its error memory and factors were made (DDP may split its buckets differently "
+                "after the first step, and a restart with another bucket_cap_mb does), so that "
+                "state was reset. Use powerSGD_hook, whose state is per parameter, to avoid this.",
             )
+        return None
 
     # -- checkpointing ----------------------------------------------------------------------
     def _save(self) -> dict[str, Any]:

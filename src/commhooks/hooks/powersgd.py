@@ -25,6 +25,7 @@ are the same):
 Hook modules must not use ``from __future__ import annotations``: DDP rejects string annotations.
 """
 
+import functools
 from typing import Any
 
 import torch
@@ -109,7 +110,7 @@ def batched_powerSGD_hook(
     if warmup is not None:
         return warmup
     key = f"bucket{bucket.index()}"
-    state._check_layout(key, ordinals)
+    order = state._bucket_order(key, ordinals)
     length = buffer.numel()
     side = lowrank.square_side(length)
     rank = lowrank.effective_rank(side, side, state.matrix_approximation_rank)
@@ -117,11 +118,19 @@ def batched_powerSGD_hook(
     # The bucket stays as it was until the result is written back: the error is added to the
     # padded copy, so a fallback to plain allreduce sends the untouched gradient.
     square = torch.zeros(side * side, dtype=buffer.dtype, device=buffer.device)
-    square[:length].copy_(buffer)
+    flat = square[:length]
+    if order is None:
+        flat.copy_(buffer)
+        writeback = functools.partial(buffer.copy_, flat)
+    else:  # the same parameters in another order: laid out as the state expects them
+        grads = bucket.gradients()
+        pieces = [grads[i].reshape(-1) for i in order]
+        lowrank.pack_into(pieces, flat)
+        writeback = functools.partial(lowrank.unpack_from, flat, pieces)
     step = single_round_step(state, key) if state.single_round else _BOTH
     entry = _Entry(key, square.view(side, side), rank, step)
     call = _Call(state, bucket, buffer, group, [entry], [])
-    call.writeback = lambda: buffer.copy_(square[:length])
+    call.writeback = writeback
     return run(call)
 
 
