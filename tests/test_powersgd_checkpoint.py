@@ -119,6 +119,34 @@ def test_resume_with_other_world_size_resets_error_memory_with_warning(original)
         assert "with 3" in messages[0] and "reset" in messages[0]
 
 
+def _one_file_for_all(rank, world_size, folder):
+    # What a checkpoint written by one rank for all (Accelerate's save_state with the state
+    # registered as it is) hands every rank: rank 0's state.
+    saved = _saved_state(folder)
+    state = PowerSGDState(None, **OPTIONS)
+    state.load_state_dict(saved)
+    ddp = make_ddp(make_mlp(), powerSGD_hook, state)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train(ddp, _optimizer(ddp), batches(rank, 2))
+    return [str(w.message) for w in caught if "PowerSGD" in str(w.message)]
+
+
+def test_memory_saved_by_another_rank_is_reset_with_a_warning(original):
+    folder, _ = original
+    first, second = run_on_ranks(_one_file_for_all, 2, folder)
+    assert first == []  # rank 0 gets its own memory back
+    assert len(second) == 1 and "saved by rank 0 and loaded by rank 1" in second[0]
+    assert "PerRankState" in second[0] and "reset" in second[0]
+
+
+def test_a_state_past_its_start_without_memory_warns_on_load(original):
+    folder, _ = original
+    saved = {**_saved_state(folder), "error": {}}
+    with pytest.warns(UserWarning, match="holds no error-feedback memory"):
+        PowerSGDState(None, **OPTIONS).load_state_dict(saved)
+
+
 def _saved_state(folder):
     return torch.load(os.path.join(folder, "rank0.pt"), weights_only=True)["hook"]
 

@@ -5,6 +5,7 @@ Public through :mod:`commhooks.hooks.powersgd`, where the hooks that use it live
 
 import logging
 import numbers
+import warnings
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from commhooks import comm, lowrank
-from commhooks._warnings import warn_once
+from commhooks._warnings import CommHooksWarning, warn_once
 from commhooks.state import HookState, StateDictError
 
 __all__ = ["OPTION_NAMES", "Key", "PowerSGDState"]
@@ -138,6 +139,7 @@ class PowerSGDState(HookState):
         self._last_step: dict[Key, str] = {}
         self._layouts: dict[str, tuple[int, ...]] = {}
         self._saved_world_size: int | None = None
+        self._saved_rank: int | None = None
         self._restore_transient()
 
     def _restore_transient(self) -> None:
@@ -260,17 +262,35 @@ class PowerSGDState(HookState):
 
     def _reset_if_world_changed(self, group: dist.ProcessGroup) -> None:
         saved, self._saved_world_size = self._saved_world_size, None
+        saved_rank, self._saved_rank = getattr(self, "_saved_rank", None), None
+        if saved == group.size() and saved_rank is not None and self._errors:
+            here = comm.group_rank(group)
+            if saved_rank != here:
+                self._forget_errors(
+                    f"powersgd-rank-{saved_rank}-{here}",
+                    f"it was saved by rank {saved_rank} and loaded by rank {here}: a checkpoint "
+                    "written by one rank for all (Accelerate's save_state does that with a "
+                    "registered object) holds that rank's memory only. Wrap the state in "
+                    "commhooks.integrations.PerRankState to save every rank's.",
+                )
+            return
         if saved is None or saved == group.size() or not self._errors:
             return
+        self._forget_errors(
+            f"powersgd-world-{saved}-{group.size()}",
+            f"it was saved with world size {saved} and is used with {group.size()}: each rank's "
+            "memory is its own share of what compression dropped and does not carry over to "
+            "another number of ranks.",
+        )
+
+    def _forget_errors(self, key: str, why: str) -> None:
         count = len(self._errors)
         self._errors.clear()
         self._pending.clear()
         warn_once(
-            f"powersgd-world-{saved}-{group.size()}",
+            key,
             f"PowerSGDState: the error-feedback memory of {count} tensors was reset, because "
-            f"it was saved with world size {saved} and is used with {group.size()}: each rank's "
-            "memory is its own share of what compression dropped and does not carry over to "
-            "another number of ranks. The warm-start factors and the step count were kept.",
+            f"{why} The warm-start factors and the step count were kept.",
         )
 
     def _compressing(self) -> bool:
@@ -391,6 +411,7 @@ class PowerSGDState(HookState):
                 "cached_gaussian": float(cached),
             },
             "world_size": _current_world_size(self.process_group),
+            "rank": _current_rank(self.process_group),
             "error": _tensors_out(self.error_dict),  # errors, whatever form they were kept in
             "q": _tensors_out(self.q_memory_dict),
             "p": _tensors_out(self.p_memory_dict),
@@ -408,8 +429,18 @@ class PowerSGDState(HookState):
         self.error_dict, self.q_memory_dict = parsed["error"], parsed["q"]
         self.p_memory_dict, self._last_step = parsed["p"], parsed["last_step"]
         self._layouts = parsed["layouts"]
-        self._saved_world_size = parsed["world_size"]
+        self._saved_world_size, self._saved_rank = parsed["world_size"], parsed["rank"]
         self._checked_group = None
+        if self.use_error_feedback and self.iter > self.start_powerSGD_iter and not self._errors:
+            warnings.warn(
+                f"PowerSGDState.load_state_dict: the state is at step {self.iter}, past "
+                f"start_powerSGD_iter={self.start_powerSGD_iter}, but holds no error-feedback "
+                "memory, so training resumes without it. A checkpoint that keeps one copy of "
+                "each key for all ranks (torch.distributed.checkpoint with a plain state_dict) "
+                "loses it: save commhooks.integrations.DistributedCheckpointState(state).",
+                CommHooksWarning,
+                stacklevel=3,
+            )
 
 
 OPTION_NAMES = (
@@ -490,6 +521,12 @@ def _describe(key: Key) -> str:
     return f"bucket {key[len('bucket') :]}" if isinstance(key, str) else f"parameter #{key}"
 
 
+def _current_rank(group: dist.ProcessGroup | None) -> int:
+    if dist.is_available() and dist.is_initialized():
+        return comm.group_rank(group)
+    return -1
+
+
 def _current_world_size(group: dist.ProcessGroup | None) -> int:
     if dist.is_available() and dist.is_initialized():
         return comm.world_size(group)
@@ -555,6 +592,7 @@ def _parse_state_dict(sd: Mapping[str, Any], options: dict[str, Any]) -> dict[st
             "next_stats_report": _nonneg_int(sd["next_stats_report"], "next_stats_report"),
             "rng": rng_state,
             "world_size": int(sd["world_size"]),
+            "rank": int(sd.get("rank", -1)),  # not in dicts of earlier releases
             "error": stores["error"],
             "q": stores["q"],
             "p": stores["p"],
@@ -569,8 +607,9 @@ def _parse_state_dict(sd: Mapping[str, Any], options: dict[str, Any]) -> dict[st
             f"{where}: malformed PowerSGD state dict ({missing}). Pass the unchanged output of "
             "PowerSGDState.state_dict()."
         ) from exc
-    if parsed["world_size"] < 0:
-        parsed["world_size"] = None
+    for name in ("world_size", "rank"):
+        if parsed[name] < 0:
+            parsed[name] = None
     return parsed
 
 
