@@ -92,9 +92,16 @@ def count_buckets(hook: Callable) -> tuple[Callable, set[int]]:
 class FakeBucket:
     """Enough of ``dist.GradBucket`` to call a hook directly on a tensor of our choosing."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor], index: int = 0, last: bool = True):
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor],
+        index: int = 0,
+        last: bool = True,
+        device: torch.device | str = "cpu",
+    ):
         self._shapes = [t.shape for t in tensors]
-        self._buffer = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
+        flat = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
+        self._buffer = flat.to(device)
         self._params = [torch.zeros(s) for s in self._shapes]
         self._index, self._last = index, last
 

@@ -2,6 +2,7 @@
 
 import random
 import threading
+from unittest import mock
 
 import pytest
 import torch
@@ -9,6 +10,12 @@ import torch.distributed as dist
 
 from commhooks import comm
 from commhooks.testing import run_on_ranks
+
+
+def test_futures_of_cpu_tensors_need_no_stream_order():
+    t = torch.ones(3)
+    assert comm.future_devices(t, [t, 2.0], None) == []
+    assert comm.completed(t).wait() is t
 
 
 def test_follow_ups_start_in_slot_order_whatever_completes_first():
@@ -55,6 +62,54 @@ def test_a_step_that_raises_fails_only_its_own_future():
     with pytest.raises(ZeroDivisionError):
         out_a.wait()
     assert out_b.wait() == 7
+
+
+def test_held_follow_ups_wait_for_a_later_slot_without_hold_then_run_first_in_order():
+    issuer = comm.OrderedIssuer()
+    started: list[int] = []
+
+    def step(i):
+        return lambda v: (started.append(i), comm.completed(v))[1]
+
+    outs = [issuer.then(comm.completed(i), step(i), hold=True) for i in range(3)]
+    assert started == [] and issuer.pending == 3  # their collectives are done, yet they wait
+    last_first = torch.futures.Future()
+    outs.append(issuer.then(last_first, step(3)))
+    assert started == [0, 1, 2]  # released, in order, on this thread
+    last_first.set_result(3)
+    assert started == [0, 1, 2, 3]
+    assert [o.wait() for o in outs] == [0, 1, 2, 3] and issuer.pending == 0
+
+
+def _held_against_inline(rank, world_size):
+    """The hooks with follow-ups held until the last bucket, as on a GPU, and without."""
+    from ddp_utils import batches, flat_params, make_ddp, make_mlp, train
+
+    import commhooks
+
+    out = {}
+    for hold in (False, True):
+        with mock.patch.object(comm, "holds_follow_ups", lambda devices, hold=hold: hold):
+            for name, hook, state in (
+                ("fp16", commhooks.fp16_compress_hook, None),
+                ("power_sgd", commhooks.powerSGD_hook, dict(start_powerSGD_iter=1)),
+                (
+                    "single_round",
+                    commhooks.powerSGD_hook,
+                    dict(start_powerSGD_iter=1, single_round=True),
+                ),
+            ):
+                ps = commhooks.PowerSGDState(None, **state) if state else None
+                ddp = make_ddp(make_mlp(), hook, ps)
+                train(ddp, batches(rank, 6))
+                out[name, hold] = flat_params(ddp.module)
+    return out
+
+
+def test_holding_follow_ups_until_the_last_bucket_changes_no_result():
+    for out in run_on_ranks(_held_against_inline, 2):
+        for name in ("fp16", "power_sgd", "single_round"):
+            assert torch.equal(out[name, True], out[name, False]), name
 
 
 def _sums(rank, world_size):

@@ -105,3 +105,19 @@ def test_lightning_example_registers_on_cpu(tmp_path):
     else:
         assert state_line != "state NoneType"
         assert len(checkpoint["commhooks"]["ranks"]) == 2
+
+
+def test_gpu_step_time_runs_on_gloo_without_a_gpu(tmp_path):
+    out_json = tmp_path / "steps.json"
+    out = run(
+        [sys.executable, str(EXAMPLES / "gpu_step_time.py"), "--device", "cpu", "--width", "64",
+         "--layers", "2", "--batch", "8", "--steps", "3", "--warmup", "1", "--rounds", "1",
+         "--bucket-cap-mb", "4096", "--hooks", "noop,power_sgd,torch_power_sgd,torch_bf16",
+         "--json", str(out_json)],
+        tmp_path,
+        {"MASTER_PORT": str(free_port())},
+    )  # fmt: skip
+    assert "x PyTorch's" in out  # power_sgd against torch_power_sgd
+    results = json.loads(out_json.read_text())["results"]
+    assert results["4096/power_sgd"]["median_ms"] > 0
+    assert "error" in results["4096/torch_bf16"]  # PyTorch refuses its bf16 hook without CUDA

@@ -1,4 +1,5 @@
-"""The blocked routines of lowrank equal the plain formulas across block boundaries."""
+"""The fused routines of lowrank equal the plain formulas, across block boundaries on CPU and
+taking each matrix in one piece as on a GPU (forced here on CPU tensors)."""
 
 import pytest
 import torch
@@ -6,10 +7,13 @@ import torch
 from commhooks import lowrank
 
 
-@pytest.fixture(autouse=True)
-def small_blocks(monkeypatch):
+@pytest.fixture(autouse=True, params=["blocks", "whole"])
+def layout(request, monkeypatch):
     # 3 rows of 10 float64 columns per block: several blocks and a ragged last one.
     monkeypatch.setattr(lowrank, "_BLOCK_BYTES", 3 * 10 * 8)
+    if request.param == "whole":
+        monkeypatch.setattr(lowrank, "_blocked", lambda matrix: False)
+    return request.param
 
 
 def _data(n=11, m=10, r=2, seed=0):
@@ -55,11 +59,13 @@ def test_accumulate_right_factor(with_pending):
 
 @pytest.mark.parametrize("with_pending", [True, False])
 @pytest.mark.parametrize("left", [True, False])
-def test_accumulation_stops_at_the_first_non_finite_block(left, with_pending):
+def test_accumulation_stops_at_the_first_non_finite_block(left, with_pending, layout):
     grad, memory, qt = _data()
     pending, product = _pending(with_pending=with_pending)
     grad[7, 4] = float("inf")
     first_bad = 7 // lowrank._block_rows(grad) * lowrank._block_rows(grad)  # its block's start
+    if layout == "whole":
+        first_bad = 0  # the whole matrix is one block
     before = memory.clone()
     scratch = torch.empty(lowrank.scratch_elements(grad, 2), dtype=grad.dtype)
     if left:
@@ -69,11 +75,34 @@ def test_accumulation_stops_at_the_first_non_finite_block(left, with_pending):
         out = torch.empty(2, 10, dtype=grad.dtype)
         p = torch.randn(11, 2, dtype=grad.dtype)
         written = lowrank.accumulate_right_factor_(memory, grad, pending, p, out, scratch)
-    assert 0 < first_bad == written < 11
+    assert first_bad == written < 11
     expected = before[:written] + grad[:written] - product[:written]
     torch.testing.assert_close(memory[:written], expected)
     assert torch.equal(memory[written:], before[written:])  # the bad block and later: untouched
     assert not torch.isfinite(out).all()  # the factor shows it, on every rank after the sum
+
+
+@pytest.mark.parametrize("with_pending", [True, False])
+@pytest.mark.parametrize("left", [True, False])
+def test_unchecked_accumulation_adds_non_finite_elements_as_zeros(left, with_pending):
+    # What a GPU does, where reading a check back would stall: every other element is added,
+    # and the memory keeps its value where the gradient is not finite.
+    grad, memory, qt = _data()
+    pending, product = _pending(with_pending=with_pending)
+    grad[7, 4], grad[2, 1] = float("inf"), float("nan")
+    expected = memory + grad.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0) - product
+    scratch = torch.empty(lowrank.scratch_elements(grad, 2), dtype=grad.dtype)
+    if left:
+        out = torch.empty(11, 2, dtype=grad.dtype)
+        written = lowrank.accumulate_left_factor_(memory, grad, pending, qt, out, scratch, False)
+        torch.testing.assert_close(out, expected @ qt.t())
+    else:
+        out = torch.empty(2, 10, dtype=grad.dtype)
+        p = torch.randn(11, 2, dtype=grad.dtype)
+        written = lowrank.accumulate_right_factor_(memory, grad, pending, p, out, scratch, False)
+        torch.testing.assert_close(out, p.t() @ expected)
+    assert written == 11
+    torch.testing.assert_close(memory, expected)
 
 
 @pytest.mark.parametrize("left", [True, False])
@@ -120,7 +149,10 @@ def test_reconstruct(with_error):
         assert torch.isnan(error).all()  # untouched
 
 
-def test_scratch_is_two_blocks_or_twice_the_whole_matrix():
+def test_scratch_is_two_blocks_or_twice_the_whole_matrix(layout):
+    if layout == "whole":
+        assert lowrank.scratch_elements(torch.empty(11, 10, dtype=torch.float64), 2) == 0
+        return
     assert lowrank.scratch_elements(torch.empty(11, 10, dtype=torch.float64)) == 2 * 3 * 10
     assert lowrank.scratch_elements(torch.empty(2, 10, dtype=torch.float64)) == 2 * 2 * 10
     # and room for a rank-2 factor of a block (3 rows) or of the matrix (10 columns)

@@ -1,9 +1,11 @@
 """PowerSGD hooks against PyTorch's (the oracle) and where PyTorch's break, gloo, 2-3 ranks."""
 
+import contextlib
 import logging
 import math
 import pickle
 import warnings
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -23,7 +25,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 
 import commhooks
 from commhooks import PowerSGDState, batched_powerSGD_hook, lowrank, powerSGD_hook
-from commhooks.hooks import _powersgd_state
+from commhooks.hooks import _powersgd_rounds, _powersgd_state
 from commhooks.testing import run_on_ranks
 
 ONE_BUCKET = 100  # bucket_cap_mb: the whole model in one bucket
@@ -243,10 +245,10 @@ def test_batched_hook_works_on_gloo_where_pytorchs_fails():
     assert failure is not None and "AssertionError" in failure
 
 
-def _zero_layer(rank, world_size, ours):
+def _zero_layer(rank, world_size, ours, device="cpu"):
     torch.manual_seed(rank)
     zero, other = torch.zeros(16, 12), torch.randn(16, 12)
-    bucket = FakeBucket([zero, other])
+    bucket = FakeBucket([zero, other], device=device)
     if ours:
         state, hook = PowerSGDState(None, start_powerSGD_iter=0), powerSGD_hook
     else:
@@ -258,10 +260,10 @@ def _zero_layer(rank, world_size, ours):
     return out[: zero.numel()].clone(), out[zero.numel() :].clone()
 
 
-def _zero_then_learn(rank, world_size, approximation_rank, single_round):
+def _zero_then_learn(rank, world_size, approximation_rank, single_round, device="cpu"):
     """A layer's gradient vanishes for one step, then comes back: so must its compression."""
     gen = torch.Generator().manual_seed(rank)
-    bucket = FakeBucket([torch.zeros(16, 12), torch.zeros(16, 12)])
+    bucket = FakeBucket([torch.zeros(16, 12), torch.zeros(16, 12)], device=device)
     state = PowerSGDState(
         None,
         start_powerSGD_iter=0,
@@ -288,6 +290,8 @@ def _fake_bucket_checks(rank, world_size):
         "error-feedback": [_error_feedback(rank, world_size, single) for single in (False, True)],
         "full-rank": _full_rank(rank, world_size),
         "non-finite": [_non_finite(rank, world_size, single) for single in (False, True)],
+        "non-finite-unchecked": _non_finite_unchecked(rank, world_size),
+        "gpu-paths": _gpu_paths(rank, world_size),
     }
 
 
@@ -306,10 +310,10 @@ def test_zero_gradient_layer_gives_zeros_not_nan(fake_bucket_results):
         assert torch.isnan(zero).all()  # PyTorch's hook with the default epsilon
 
 
-def _error_feedback(rank, world_size, single_round):
+def _error_feedback(rank, world_size, single_round, device="cpu"):
     gen = torch.Generator().manual_seed(rank)
     shapes = [(16, 12), (12,), (20, 3, 2), (16, 12)]
-    bucket = FakeBucket([torch.randn(s, generator=gen) for s in shapes])
+    bucket = FakeBucket([torch.randn(s, generator=gen) for s in shapes], device=device)
     state = PowerSGDState(None, start_powerSGD_iter=0, single_round=single_round)
     checked = 0
     for _ in range(4):
@@ -353,9 +357,10 @@ def test_full_rank_equals_plain_allreduce(fake_bucket_results):
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-def _non_finite(rank, world_size, single_round):
+def _non_finite(rank, world_size, single_round, device="cpu"):
     gen = torch.Generator().manual_seed(rank)
-    bucket = FakeBucket([torch.randn(16, 12, generator=gen), torch.randn(12, generator=gen)])
+    tensors = [torch.randn(16, 12, generator=gen), torch.randn(12, generator=gen)]
+    bucket = FakeBucket(tensors, device=device)
     state = PowerSGDState(None, start_powerSGD_iter=0, single_round=single_round)
     powerSGD_hook(state, bucket).wait()
     saved = {k: v.clone() for k, v in state.error_dict.items()}
@@ -369,10 +374,47 @@ def _non_finite(rank, world_size, single_round):
     unchanged = saved.keys() == errors.keys() and all(
         torch.equal(factors[k], state.q_memory_dict[k]) for k in factors
     )
-    # Largest change of the error memory, relative to the gradient's scale.
-    drift = max((saved[k] - errors[k]).abs().max().item() for k in saved) / local.abs().max()
+    # Largest change of the error memory, relative to the finite gradient's scale.
+    scale = local[torch.isfinite(local)].abs().max()
+    drift = max((saved[k] - errors[k]).abs().max().item() for k in saved) / scale
     exact = all(torch.equal(saved[k], errors[k]) for k in saved)
     return bool(torch.isfinite(out).all()), unchanged, out, exact, float(drift)
+
+
+@contextlib.contextmanager
+def _as_on_a_gpu():
+    """CPU tensors take a GPU's paths: whole matrices, and no check read back to the host."""
+    with (
+        mock.patch.object(_powersgd_rounds, "reads_back_checks", lambda memory: False),
+        mock.patch.object(lowrank, "_blocked", lambda matrix: False),
+    ):
+        yield
+
+
+def _non_finite_unchecked(rank, world_size):
+    with _as_on_a_gpu():
+        return _non_finite(rank, world_size, True)
+
+
+def _gpu_paths(rank, world_size):
+    with _as_on_a_gpu():
+        return [_error_feedback(rank, world_size, single) for single in (False, True)]
+
+
+def test_error_feedback_identity_on_a_gpu_s_paths(fake_bucket_results):
+    for per_rank in fake_bucket_results:
+        assert per_rank["gpu-paths"] == [4 * 3, 4 * 3]
+
+
+def test_non_finite_gradient_unchecked_keeps_error_memory_to_rounding(fake_bucket_results):
+    # Non-finite elements are added as zeros and the factor is marked NaN on the device: every
+    # rank falls back, and every rank's memory is the old one to the rounding of one addition,
+    # the rank whose gradient held the inf included.
+    for per_rank in fake_bucket_results:
+        finite, unchanged, out, _, drift = per_rank["non-finite-unchecked"]
+        assert not finite and unchanged
+        assert drift < 1e-6
+        assert torch.isinf(out[3]) and torch.isfinite(torch.cat([out[:3], out[4:]])).all()
 
 
 def test_a_layer_learns_again_after_a_zero_gradient(fake_bucket_results):

@@ -23,10 +23,13 @@ __all__ = [
     "backend_for_device",
     "check_same_on_all_ranks",
     "completed",
+    "future_devices",
+    "new_future",
     "gather_objects",
     "group_rank",
     "is_default_group",
     "global_ranks",
+    "holds_follow_ups",
     "is_world",
     "issuer_for",
     "new_groups",
@@ -130,9 +133,47 @@ def new_groups(rank_lists: list[list[int]]) -> list[dist.ProcessGroup | None]:
     return out
 
 
+def future_devices(*values: Any) -> list[torch.device]:
+    """The CUDA devices of the tensors in ``values``: what a future holding them must know.
+
+    A future created here with those devices records, when its result is set, an event on
+    each device's current stream, and whoever waits on it (DDP included) makes its own stream
+    wait for that event. A future that does not know them hands over tensors whose kernels may
+    still be queued on another stream: on a GPU, the consumer would read them half written.
+    """
+    found: dict[str, torch.device] = {}
+    for value in values:
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+                found[str(t.device)] = t.device
+    return list(found.values())
+
+
+def new_future(devices: list[torch.device] | None = None) -> "Future[Any]":
+    """A future to complete by hand, synchronised with the streams of ``devices`` if any."""
+    return Future(devices=devices) if devices else Future()
+
+
+def holds_follow_ups(devices: list[torch.device]) -> bool:
+    """Whether a hook holds its follow-ups until the step's last bucket (on a GPU).
+
+    A follow-up reads a check back to the host, which waits until the device has caught up.
+    NCCL completes a collective's future as soon as it is queued, so a follow-up runs on DDP's
+    thread right away: reading there would stop the backward pass from being queued further, at
+    every bucket, and with it the overlap of communication and computation. Held until the last
+    bucket (the whole backward pass is queued by then), the first read waits once and the others
+    find the device idle. On CPU a read waits for nothing, and follow-ups run when they can.
+    """
+    return bool(devices)
+
+
 def completed(value: T) -> "Future[T]":
-    """A future already holding ``value``: what a hook that sends nothing returns."""
-    fut: Future = Future()
+    """A future already holding ``value``: what a hook that sends nothing returns.
+
+    The result is set on the current streams, so consumers wait for the kernels that produced
+    ``value`` (see :func:`future_devices`).
+    """
+    fut: Future = new_future(future_devices(value))
     fut.set_result(value)
     return fut
 
@@ -270,6 +311,7 @@ class OrderedIssuer:
         self._reserved = 0
         self._next = 0
         self._ready: dict[int, Callable[[], None]] = {}
+        self._held: set[int] = set()
 
     def reserve(self) -> int:
         """Claim the next slot. Call only from the hook's own thread."""
@@ -282,32 +324,58 @@ class OrderedIssuer:
         """Run ``launch`` (which issues one collective on :attr:`group`, or none) in its turn."""
         with self._lock:
             self._ready[slot] = launch
-            while self._next in self._ready:
-                run = self._ready.pop(self._next)
-                self._next += 1
-                run()
+            self._drain()
 
-    def then(self, after: "Future[Any]", step: Callable[[Any], "Future[T]"]) -> "Future[T]":
+    def _drain(self) -> None:
+        while self._next in self._ready and self._next not in self._held:
+            run = self._ready.pop(self._next)
+            self._next += 1
+            run()
+
+    def then(
+        self,
+        after: "Future[Any]",
+        step: Callable[[Any], "Future[T]"],
+        devices: list[torch.device] | None = None,
+        hold: bool = False,
+    ) -> "Future[T]":
         """When ``after`` completes, run ``step(after.value())`` in a slot reserved now.
 
         ``step`` may compute, then issue at most one collective, on :attr:`group` only, and
         return a future (``completed(...)`` when it sends nothing). If ``after`` failed, the
         slot is released without running ``step`` and the error is passed on, so later
         follow-ups are not held back forever.
+
+        ``devices`` are the CUDA devices of the tensors involved (:func:`future_devices`).
+        ``step`` may run later, on another thread than the one ``after`` completed on, so its
+        stream is made to wait for ``after`` there; the future returned is synchronised with
+        the streams ``step``'s result was produced on.
+
+        With ``hold``, ``step`` waits, even once ``after`` has completed, until a later slot is
+        reserved without ``hold``; held steps then run first, in order (see
+        :func:`holds_follow_ups`).
         """
-        slot = self.reserve()
-        out: Future = Future()
+        with self._lock:
+            slot = self.reserve()
+            if hold:
+                self._held.add(slot)
+            else:  # every held slot is an earlier one
+                self._held.clear()
+        out: Future = new_future(devices)
 
         def on_done(fut: Future) -> None:
             try:
-                value = fut.value()
+                fut.value()
             except BaseException as exc:  # forwarded to the caller's future
                 self.start(slot, lambda: None)
                 out.set_exception(exc)
                 return
-            self.start(slot, lambda: _launch_into(lambda: step(value), out))
+            self.start(slot, lambda: _launch_into(lambda: step(fut.wait()), out))
 
         after.add_done_callback(on_done)
+        if not hold:
+            with self._lock:
+                self._drain()
         return out
 
     @property

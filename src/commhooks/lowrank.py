@@ -229,6 +229,16 @@ def _row_blocks(matrix: torch.Tensor) -> list[slice]:
     return [slice(start, min(start + step, n)) for start in range(0, n, step)]
 
 
+def _blocked(matrix: torch.Tensor) -> bool:
+    """Whether the fused passes here go block of rows by block of rows.
+
+    On a CPU a block stays in cache between the operations fused over it. A GPU streams whole
+    matrices at its full memory bandwidth, and there each block would only add kernel
+    launches (a 4096 x 4096 float32 matrix is 32 blocks): it takes each matrix in one piece.
+    """
+    return matrix.device.type == "cpu"
+
+
 def accumulate_left_factor_(
     memory: torch.Tensor,
     matrix: torch.Tensor,
@@ -242,9 +252,15 @@ def accumulate_left_factor_(
 
     With ``check``, a block of ``matrix`` that is not finite is not added, nor any block
     after it (their sums are formed in ``scratch`` for ``out`` only): a non-finite gradient
-    never enters the memory. ``out`` is complete either way, and then not finite. Returns the
+    never enters the memory. ``out`` is complete either way, and then not finite. Without
+    ``check`` (on a GPU, where reading a block's sum back would stall the stream), non-finite
+    elements are added as zeros and ``out`` may be finite: the caller marks it. Returns the
     rows of the memory updated.
     """
+    if not _blocked(memory):
+        formed, written = _accumulated_whole(memory, matrix, pending, check)
+        torch.mm(formed, qt.t(), out=out)
+        return written
     rank = qt.shape[0]
     written = memory.shape[0]
     thin = scratch[2 * _block_elements(memory) :]  # after the rooms _accumulated_block uses
@@ -270,6 +286,10 @@ def accumulate_right_factor_(
 
     As :func:`accumulate_left_factor_`. Returns the rows of the memory updated.
     """
+    if not _blocked(memory):
+        formed, written = _accumulated_whole(memory, matrix, pending, check)
+        torch.mm(p.t(), formed, out=out_t)
+        return written
     written = memory.shape[0]
     for rows in _row_blocks(memory):
         formed, written = _accumulated_block(memory, matrix, pending, rows, scratch, written, check)
@@ -300,6 +320,27 @@ def deduct_pending_right_(
     out_t.addmm_(torch.mm(p.t(), p0), q0t, alpha=-1)
 
 
+def _accumulated_whole(
+    memory: torch.Tensor,
+    matrix: torch.Tensor,
+    pending: tuple[torch.Tensor, torch.Tensor] | None,
+    check: bool,
+) -> tuple[torch.Tensor, int]:
+    """:func:`_accumulated_block` over the whole matrix at once (a GPU's way)."""
+    written = memory.shape[0]
+    if not check:
+        # As for a block: a non-finite element is added as zero, and nothing is read back.
+        formed = memory.add_(matrix.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0))
+    elif is_finite(matrix):
+        formed = memory.add_(matrix)
+    else:
+        formed, written = memory + matrix, 0
+    if pending is not None:
+        # One fused kernel, without a matrix of scratch to write the product into.
+        formed.addmm_(pending[0], pending[1], alpha=-1)
+    return formed, written
+
+
 def _accumulated_block(
     memory: torch.Tensor,
     matrix: torch.Tensor,
@@ -318,6 +359,12 @@ def _accumulated_block(
     block, addend = memory[rows], matrix[rows]
     room = _block_elements(memory)
     if written == memory.shape[0] and (not check or is_finite(addend)):
+        if not check:
+            # Unchecked (nothing is read back), a non-finite element is added as zero: the
+            # memory keeps its value there, and the caller marks the factor as not finite.
+            addend = torch.nan_to_num(
+                addend, nan=0.0, posinf=0.0, neginf=0.0, out=scratch[: block.numel()].view_as(block)
+            )
         formed = block.add_(addend)
     else:
         written = min(written, rows.start)
@@ -328,17 +375,26 @@ def _accumulated_block(
     return formed, written
 
 
-def is_finite(t: torch.Tensor) -> bool:
-    """Whether every element of ``t`` is finite (an empty tensor is).
+def is_finite(*tensors: torch.Tensor) -> bool:
+    """Whether every element of ``tensors`` is finite (an empty tensor is).
 
-    A sum is one fast pass with a scalar result; only if it is not finite (an inf or NaN, or
-    finite values whose sum overflows) are the elements themselves checked.
+    A sum is one fast pass with a scalar result, and the sums of all tensors are read back
+    together (one wait for the device, where there is one); only if the total is not finite
+    (an inf or NaN, or finite values whose sum overflows) are the elements themselves checked.
+    Half precision is summed in float32, where a sum of float16 values cannot overflow.
     """
-    return math.isfinite(t.sum().item()) or bool(torch.isfinite(t).all())
+    sums = [t.sum(dtype=torch.float32) if t.dtype in _HALF else t.sum() for t in tensors]
+    if not sums:
+        return True
+    total = sums[0] if len(sums) == 1 else torch.stack([x.to(sums[0].dtype) for x in sums]).sum()
+    return math.isfinite(total.item()) or all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def subtract_product_(memory: torch.Tensor, p: torch.Tensor, qt: torch.Tensor) -> None:
     """``memory -= P Qᵀ`` in place, by blocks of rows."""
+    if not _blocked(memory):
+        memory.addmm_(p, qt, alpha=-1)
+        return
     room = memory.new_empty(_block_elements(memory))
     for rows in _row_blocks(memory):
         block = memory[rows]
@@ -347,6 +403,9 @@ def subtract_product_(memory: torch.Tensor, p: torch.Tensor, qt: torch.Tensor) -
 
 def product_into(out: torch.Tensor, p: torch.Tensor, qt: torch.Tensor) -> None:
     """``out = P Qᵀ`` for 2-D ``out`` (n, m), written block of rows by block of rows."""
+    if not _blocked(out):
+        torch.mm(p, qt, out=out)
+        return
     rank = p.shape[1]
     for rows in _row_blocks(out):
         block, p_block = out[rows], p[rows]
@@ -373,6 +432,16 @@ def reconstruct_(
     elements), so the matrix is read once and written once, and the error written once,
     instead of one pass for the residual and another for the approximation.
     """
+    if not _blocked(matrix):
+        if error is not None:
+            # Without a scratch matrix: the approximation is formed in ``error`` and turned
+            # into the residual there, then formed again in ``matrix`` (the same kernel on the
+            # same inputs, so the same bits): two thin products cost less than a matrix of
+            # memory on a GPU.
+            torch.mm(p, qt, out=error)
+            torch.sub(matrix, error, out=error)
+        torch.mm(p, qt, out=matrix)
+        return
     rows = _block_rows(matrix)
     for start in range(0, matrix.shape[0], rows):
         block = matrix[start : start + rows]
@@ -386,8 +455,11 @@ def reconstruct_(
 def scratch_elements(matrix: torch.Tensor, rank: int = 0) -> int:
     """Elements of the ``scratch`` that the blocked routines here need for a 2-D ``matrix``.
 
-    Two blocks of rows, and room for a rank-``rank`` factor of a block or of the matrix.
+    Two blocks of rows, and room for a rank-``rank`` factor of a block or of the matrix; none
+    where the matrix is taken in one piece (on a GPU).
     """
+    if not _blocked(matrix):
+        return 0
     rows = min(matrix.shape[0], _block_rows(matrix))
     return 2 * rows * matrix.shape[1] + rank * max(rows, matrix.shape[1])
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from commhooks import comm, lowrank
 from commhooks.hooks._powersgd_state import _P_STEP, _Q_STEP, Key, PowerSGDState
 
-__all__ = ["run", "single_round_step"]
+__all__ = ["reads_back_checks", "run", "single_round_step"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -260,6 +260,14 @@ def _compute_sent(call: _Call, send: torch.Tensor) -> None:
             lowrank.left_factor_into(g.stack, g.known, g.sent, exact=not call.state.single_round)
 
 
+def reads_back_checks(memory: torch.Tensor) -> bool:
+    """Whether the single-round pass checks each gradient block by reading a sum back.
+
+    Only on CPU, where that costs one sum a block; on a GPU it would stall the stream.
+    """
+    return memory.device.type == "cpu"
+
+
 def _direct_factor(call: _Call, e: _Entry, known: torch.Tensor, sent: torch.Tensor) -> None:
     """Single round, a matrix on its own: memory = gradient + previous error, and its factor.
 
@@ -267,8 +275,9 @@ def _direct_factor(call: _Call, e: _Entry, known: torch.Tensor, sent: torch.Tens
     so that after the collective only ``P Qᵀ`` is left to write. Products still pending are
     subtracted in that pass when they are due, and otherwise from the thin factor. On CPU, a
     gradient block that is not finite is not added, nor any after it (checking costs one sum
-    a block there; on a GPU reading it would stall the stream, so there the collective's
-    result is the only check).
+    a block there). On a GPU, reading a check back would stall the stream: non-finite elements
+    are added as zeros and the factor is set to NaN on the device, so the collective's result,
+    the same on every rank, says that some rank's gradient was not finite.
     """
     state = call.state
     q_step = e.step == _Q_STEP
@@ -283,7 +292,7 @@ def _direct_factor(call: _Call, e: _Entry, known: torch.Tensor, sent: torch.Tens
     if e.memory is None:
         e.memory = state._errors[e.key] = torch.zeros_like(e.matrix)
         e.created = True
-    check = e.memory.device.type == "cpu"
+    check = reads_back_checks(e.memory)
     args = (e.memory, e.matrix, e.pending if e.folds else None)
     if q_step:
         e.written = lowrank.accumulate_right_factor_(*args, known, sent.t(), call.scratch(), check)
@@ -293,6 +302,8 @@ def _direct_factor(call: _Call, e: _Entry, known: torch.Tensor, sent: torch.Tens
         e.written = lowrank.accumulate_left_factor_(*args, known.t(), sent, call.scratch(), check)
         if e.pending is not None and not e.folds:
             lowrank.deduct_pending_left_(sent, e.pending, known.t())
+    if not check:
+        sent.masked_fill_(~torch.isfinite(e.matrix).all(), float("nan"))
     if e.folds:
         del state._pending[e.key]  # now in the memory (a bad step restores that, see below)
 
@@ -310,8 +321,9 @@ def _restore_direct(call: _Call, e: _Entry) -> None:
     """Single round, after a result that is not finite: the memory goes back to the last error.
 
     The gradient added into the memory is taken back out, which restores the previous error
-    to the rounding of one addition. A non-finite value that got in (on a GPU, where blocks
-    are not checked, or from a sum that overflowed) restarts from zero instead.
+    to the rounding of one addition; its non-finite elements were added as zeros (on a GPU)
+    or not at all (on CPU), and are taken out as such. A sum that overflowed restarts from
+    zero instead.
     """
     state = call.state
     if e.created:
@@ -320,7 +332,8 @@ def _restore_direct(call: _Call, e: _Entry) -> None:
         # Rows before ``written`` hold the gradient added (and, on a step that folds, the
         # pending products subtracted); the others are untouched. Both become the previous
         # error, with the products handed to this step subtracted everywhere.
-        restored = e.memory[: e.written].sub_(e.matrix[: e.written])
+        added = e.matrix[: e.written].nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+        restored = e.memory[: e.written].sub_(added)
         torch.nan_to_num_(restored, nan=0.0, posinf=0.0, neginf=0.0)
         if e.folds and e.written < e.memory.shape[0]:
             p0, q0t = e.pending
@@ -329,7 +342,7 @@ def _restore_direct(call: _Call, e: _Entry) -> None:
 
 def _all_finite(*tensors: torch.Tensor) -> bool:
     # Decided on reduced data, identical on every rank, so every rank takes the same branch.
-    return all(lowrank.is_finite(t) for t in tensors)
+    return lowrank.is_finite(*tensors)
 
 
 def _undo_compensation(call: _Call) -> None:
@@ -388,6 +401,12 @@ def _decompress(
         call.writeback()
 
 
+def _follow_up_options(call: _Call) -> tuple[list[torch.device], bool]:
+    """The devices of the follow-up's tensors, and whether it waits for the last bucket."""
+    devices = comm.future_devices(call.buffer)
+    return devices, comm.holds_follow_ups(devices) and not call.bucket.is_last()
+
+
 def _finish_step(call: _Call) -> None:
     """Per-step bookkeeping done in the hook thread, in bucket order."""
     call.state.maybe_increase_iter(call.bucket)
@@ -418,7 +437,9 @@ def _two_rounds(call: _Call) -> torch.futures.Future[torch.Tensor]:
     both = torch.futures.collect_all([plain, p_done])
     outcome: dict[str, bool] = {}
     q_done = issuer.then(
-        both, lambda futs: _second_round(call, futs, packed, p_all, q_all, outcome, issuer.group)
+        both,
+        lambda futs: _second_round(call, futs, packed, p_all, q_all, outcome, issuer.group),
+        *_follow_up_options(call),
     )
     _finish_step(call)
     return q_done.then(lambda fut: _after_second_round(call, fut, q_all, outcome))
@@ -434,7 +455,9 @@ def _second_round(
     follow_up: dist.ProcessGroup,
 ) -> torch.futures.Future:
     for f in futs:
-        f.value()  # re-raise a failed collective
+        # Re-raises a failed collective; on a GPU, also makes this stream wait for its result
+        # (the list gathering them knows no streams).
+        f.wait()
     if not _all_finite(packed, p_all):
         # Some rank's gradient was inf/NaN: send the bucket as plain allreduce would and keep
         # the error memory and factors, so a loss scaler can skip the step and go on cleanly.
@@ -501,7 +524,9 @@ def _one_round(call: _Call) -> torch.futures.Future[torch.Tensor]:
     done = comm.average(send, group)
     outcome: dict[str, bool] = {}
     checked = issuer.then(
-        done, lambda sent: _fall_back_unless_finite(call, sent, outcome, issuer.group)
+        done,
+        lambda sent: _fall_back_unless_finite(call, sent, outcome, issuer.group),
+        *_follow_up_options(call),
     )
     _finish_step(call)
     return checked.then(lambda fut: _after_one_round(call, fut, send, unc, outcome))

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from commhooks import comm
+from commhooks import comm, lowrank
 from commhooks._warnings import warn_once
 from commhooks.hooks._bucket import float_buffer, group_state
 
@@ -85,8 +85,12 @@ def _cast_average(
     low = _cast_down(buffer, dtype, group.size())
     reduced = comm.allreduce(low, group)
     # The possible re-send is a follow-up collective: its slot is reserved now, on DDP's thread.
+    devices = comm.future_devices(buffer)
     return issuer.then(
-        reduced, lambda result: _cast_back_or_resend(result, buffer, issuer.group, owner)
+        reduced,
+        lambda result: _cast_back_or_resend(result, buffer, issuer.group, owner),
+        devices,
+        hold=comm.holds_follow_ups(devices) and not bucket.is_last(),
     )
 
 
@@ -112,9 +116,10 @@ def _divide_overflowed_first(buffer: torch.Tensor, low: torch.Tensor, world: int
     Elements that were already ``inf`` or ``NaN`` keep PyTorch's arithmetic, so they reach the
     sum non-finite, as with plain allreduce; every other element keeps its bits.
     """
-    overflowed = torch.isinf(low) & torch.isfinite(buffer)
-    early = torch.div(buffer, world).to(low.dtype)
-    return torch.where(overflowed, early, low.div_(world))
+    # Where ``low`` is infinite, ``buffer`` was either too large for float16 (divided first,
+    # it may fit) or infinite itself (divided first, it stays the same infinity).
+    early = torch.div(buffer, world, out=torch.empty_like(low))
+    return torch.where(torch.isinf(low), early, low.div_(world))
 
 
 def _cast_back_or_resend(
@@ -123,7 +128,7 @@ def _cast_back_or_resend(
     # ``result`` is the reduced sum, identical on every rank, so every rank takes the same branch
     # (whether this rank's own input was finite is local, and is only looked at after the
     # re-send, to choose whether to warn).
-    if bool(torch.isfinite(result).all()):
+    if lowrank.is_finite(result):
         return comm.completed(buffer.copy_(result))
     resent = comm.average(buffer, follow_up)
     return resent.then(lambda fut: _warn_if_overflowed(fut.value(), owner, result.dtype))

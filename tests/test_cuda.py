@@ -1,0 +1,355 @@
+"""Every hook on CUDA tensors: NCCL with one GPU per rank, and gloo with ranks sharing a GPU.
+
+Skipped where torch sees no GPU (CI has none); the CPU suite checks the same properties on
+gloo. On a machine with one GPU, NCCL runs one rank (NCCL refuses two ranks on one device)
+and gloo runs two ranks on that GPU, which exercises the multi-rank paths on CUDA tensors:
+``python -m pytest tests/test_cuda.py``.
+"""
+
+import io
+
+import pytest
+import torch
+from ddp_utils import IN, OUT, make_mlp
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_default
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import commhooks
+from commhooks import comm
+from commhooks.testing import run_on_ranks
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+STEPS = 8
+ONE_BUCKET = 100.0  # bucket_cap_mb: the whole model in one bucket
+SMALL_BUCKETS = 0.004  # several buckets for the small MLP
+
+
+def _device(rank: int) -> torch.device:
+    if not torch.cuda.is_available():  # the rank functions also run on CPU, for their own checks
+        return torch.device("cpu")
+    index = rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def _data(rank: int, device: torch.device, steps: int = STEPS) -> list:
+    gen = torch.Generator().manual_seed(100 + rank)
+    return [
+        (
+            torch.randn(16, IN, generator=gen).to(device),
+            torch.randn(16, OUT, generator=gen).to(device),
+        )
+        for _ in range(steps)
+    ]
+
+
+def _ddp(device, hook=None, state=None, bucket_cap_mb=SMALL_BUCKETS, widths=None, register=None):
+    model = (make_mlp(widths=widths) if widths else make_mlp()).to(device)
+    ids = [device.index] if device.type == "cuda" else None
+    ddp = DDP(model, device_ids=ids, bucket_cap_mb=bucket_cap_mb)
+    if register is not None:
+        state = commhooks.register(ddp, register)
+    elif hook is not None:
+        ddp.register_comm_hook(state, hook)
+    return ddp, state
+
+
+def _grads(ddp: nn.Module, data: list, lr: float = 0.05) -> torch.Tensor:
+    """The averaged gradient of every step, on the CPU, as one row per step."""
+    opt = torch.optim.SGD(ddp.parameters(), lr=lr)
+    rows = []
+    for x, y in data:
+        opt.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        rows.append(torch.cat([p.grad.reshape(-1) for p in ddp.parameters()]).cpu())
+        opt.step()
+    return torch.stack(rows)
+
+
+def _params(ddp: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in ddp.parameters()]).cpu()
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(((a - b).norm(dim=1) / b.norm(dim=1).clamp_min(1e-30)).max())
+
+
+def test_futures_make_the_consumer_wait_for_the_stream_that_produced_the_result():
+    # A follow-up runs on whatever stream its thread has; DDP reads the result on its own.
+    # If the futures do not carry the stream order, the read below sees the zeros.
+    issuer = comm.OrderedIssuer()
+    tensor = torch.zeros(1 << 20, device="cuda")
+    assert comm.future_devices([torch.ones(1), tensor]) == [tensor.device]
+
+    def slow_fill(value: torch.Tensor) -> torch.futures.Future:
+        torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU clock cycles on the current stream
+        return comm.completed(value.fill_(1.0))
+
+    with torch.cuda.stream(torch.cuda.Stream()):
+        out = issuer.then(comm.completed(tensor), slow_fill, comm.future_devices(tensor))
+    assert bool((out.wait() == 1.0).all())
+
+
+# ----------------------------------------------------------------------------------------------
+# Rank functions (module level, so the rank processes can import them)
+# ----------------------------------------------------------------------------------------------
+def _default_hooks_against_plain_ddp_and_pytorch(rank: int, world_size: int) -> dict:
+    device = _device(rank)
+    data = _data(rank, device)
+    plain = _grads(_ddp(device)[0], data)
+    out = {"device": str(device), "plain": plain}
+    ours = {
+        "allreduce": commhooks.allreduce_hook,
+        "fp16": commhooks.fp16_compress_hook,
+        "bf16": commhooks.bf16_compress_hook,
+        "fp16_wrapper": commhooks.fp16_compress_wrapper(commhooks.allreduce_hook),
+        "bf16_wrapper": commhooks.bf16_compress_wrapper(commhooks.allreduce_hook),
+        "noop": commhooks.noop_hook,
+    }
+    for name, hook in ours.items():
+        out[name] = _grads(_ddp(device, hook)[0], data)
+    theirs = {
+        "fp16": torch_default.fp16_compress_hook,
+        "fp16_wrapper": torch_default.fp16_compress_wrapper(torch_default.allreduce_hook),
+    }
+    if device.type == "cuda":  # PyTorch refuses its bf16 hooks without CUDA
+        theirs["bf16"] = torch_default.bf16_compress_hook
+        theirs["bf16_wrapper"] = torch_default.bf16_compress_wrapper(torch_default.allreduce_hook)
+    for name, hook in theirs.items():
+        out[f"torch_{name}"] = _grads(_ddp(device, hook)[0], data)
+    # A local model without DDP: what the no-op hook must hand back.
+    local = make_mlp().to(device)
+    out["local"] = _grads(local, data)
+    # By name, as users configure it: bf16 must be accepted on this backend.
+    out["registered_bf16"] = _grads(_ddp(device, register="bf16")[0], data)
+    return out
+
+
+# One GPU per NCCL rank; PyTorch's default backend with CUDA pairs gloo for CPU tensors.
+NCCL_BACKENDS = ["nccl", "cpu:gloo,cuda:nccl"]
+
+
+def _nccl_world() -> int:
+    return min(2, torch.cuda.device_count())
+
+
+@pytest.mark.parametrize("backend", NCCL_BACKENDS)
+def test_default_hooks_on_nccl(backend):
+    world = _nccl_world()
+    for r in run_on_ranks(_default_hooks_against_plain_ddp_and_pytorch, world, backend=backend):
+        _check_default_hooks(r)
+
+
+def test_default_hooks_on_cuda_tensors_with_gloo():
+    for r in run_on_ranks(_default_hooks_against_plain_ddp_and_pytorch, 2, backend="gloo"):
+        _check_default_hooks(r)
+
+
+def _check_default_hooks(r: dict) -> None:
+    assert r["device"].startswith("cuda")
+    assert torch.equal(r["allreduce"], r["plain"])
+    for name in ("fp16", "bf16", "fp16_wrapper", "bf16_wrapper"):
+        assert torch.equal(r[name], r[f"torch_{name}"]), name
+        assert not torch.equal(r[name], r["plain"]), f"{name} did not reduce the precision"
+    assert torch.equal(r["registered_bf16"], r["bf16"])
+    assert torch.equal(r["noop"], r["local"])
+
+
+def _powersgd_against_pytorch(rank: int, world_size: int) -> list:
+    device = _device(rank)
+    data = _data(rank, device, 20)
+    out = []
+    for options in (
+        dict(matrix_approximation_rank=1),
+        dict(matrix_approximation_rank=1, warm_start=False),
+        dict(matrix_approximation_rank=3),  # QR
+        dict(matrix_approximation_rank=3, warm_start=False),
+    ):
+        ours = commhooks.PowerSGDState(None, start_powerSGD_iter=2, **options)
+        theirs = torch_powersgd.PowerSGDState(None, start_powerSGD_iter=2, **options)
+        a = _grads(_ddp(device, commhooks.powerSGD_hook, ours, ONE_BUCKET)[0], data)
+        b = _grads(_ddp(device, torch_powersgd.powerSGD_hook, theirs, ONE_BUCKET)[0], data)
+        out.append((options, _relative(a, b), ours.compression_stats()[0]))
+    return out
+
+
+def test_powersgd_matches_pytorch_on_nccl():
+    for per_rank in run_on_ranks(_powersgd_against_pytorch, _nccl_world(), backend="nccl"):
+        for options, relative, rate in per_rank:
+            assert relative <= 1e-5, (options, relative)
+            assert rate > 1.5, options
+
+
+def test_powersgd_matches_pytorch_on_cuda_tensors_with_gloo():
+    for per_rank in run_on_ranks(_powersgd_against_pytorch, 2, backend="gloo"):
+        for options, relative, rate in per_rank:
+            assert relative <= 1e-5, (options, relative)
+            assert rate > 1.5, options
+
+
+def _stateful_hooks_on_many_buckets(rank: int, world_size: int) -> dict:
+    """Every stateful hook on several buckets: replicas must stay identical and finite."""
+    device = _device(rank)
+    data = _data(rank, device, 30)
+    out = {}
+    variants = {
+        "power_sgd": (commhooks.powerSGD_hook, dict(matrix_approximation_rank=2)),
+        "power_sgd_batched_shapes": (
+            commhooks.powerSGD_hook,
+            dict(matrix_approximation_rank=2, batch_tensors_with_same_shape=True),
+        ),
+        "single_round": (commhooks.powerSGD_hook, dict(single_round=True)),
+        "batched": (commhooks.batched_powerSGD_hook, dict(matrix_approximation_rank=1)),
+        "fp16_power_sgd": (
+            commhooks.fp16_compress_wrapper(commhooks.powerSGD_hook),
+            dict(matrix_approximation_rank=2),
+        ),
+    }
+    widths = (IN, 48, 48, 48, OUT)  # same-shaped layers, batched together when asked to
+    for name, (hook, options) in variants.items():
+        state = commhooks.PowerSGDState(None, start_powerSGD_iter=1, **options)
+        ddp, _ = _ddp(device, hook, state, widths=widths)
+        grads = _grads(ddp, data)
+        out[name] = (_params(ddp), bool(torch.isfinite(grads).all()), state.compression_stats())
+    return out
+
+
+@pytest.mark.parametrize("backend", [*NCCL_BACKENDS, "gloo"])
+def test_stateful_hooks_on_many_buckets_keep_replicas_identical(backend):
+    world = 2 if backend == "gloo" else _nccl_world()
+    results = run_on_ranks(_stateful_hooks_on_many_buckets, world, backend=backend)
+    for name in results[0]:
+        for params, finite, stats in (r[name] for r in results):
+            assert finite, name
+            assert stats[0] > 1.0, (name, stats)
+            assert torch.equal(params, results[0][name][0]), name
+
+
+def _full_rank_equals_allreduce(rank: int, world_size: int) -> dict:
+    device = _device(rank)
+    data = _data(rank, device)
+    plain = _grads(_ddp(device)[0], data)
+    out = {}
+    for name, hook, rank_ in (
+        ("power_sgd", commhooks.powerSGD_hook, 64),
+        ("batched", commhooks.batched_powerSGD_hook, 200),
+    ):
+        state = commhooks.PowerSGDState(
+            None, matrix_approximation_rank=rank_, start_powerSGD_iter=0
+        )
+        # Below 1 only here, so that full-rank factors (larger than the matrix) are really used.
+        state.min_compression_rate = 0.5
+        grads = _grads(_ddp(device, hook, state, ONE_BUCKET)[0], data)
+        out[name] = (_relative(grads, plain), len(state.q_memory_dict))
+    return out
+
+
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_powersgd_at_full_rank_equals_allreduce(backend):
+    world = 2 if backend == "gloo" else _nccl_world()
+    for r in run_on_ranks(_full_rank_equals_allreduce, world, backend=backend):
+        assert r["power_sgd"][0] <= 1e-4 and r["power_sgd"][1] >= 4, r  # every weight matrix
+        assert r["batched"][0] <= 1e-4 and r["batched"][1] == 1, r
+
+
+def _fake_bucket_checks(rank: int, world_size: int) -> dict:
+    # The CPU suite's checks on chosen tensors, with the bucket on this rank's GPU.
+    from test_powersgd import _error_feedback, _non_finite, _zero_layer, _zero_then_learn
+
+    device = _device(rank)
+    return {
+        "zero": _zero_layer(rank, world_size, True, device),
+        "zero-then-learn": [
+            _zero_then_learn(rank, world_size, r, single, device)
+            for r, single in ((1, False), (3, False), (2, True))
+        ],
+        "error-feedback": [_error_feedback(rank, world_size, s, device) for s in (False, True)],
+        "non-finite": [_non_finite(rank, world_size, s, device) for s in (False, True)],
+    }
+
+
+@pytest.fixture(scope="module")
+def fake_bucket_results():
+    return run_on_ranks(_fake_bucket_checks, 2, backend="gloo")
+
+
+def test_zero_gradient_comes_back_as_zeros_and_learns_again(fake_bucket_results):
+    for r in fake_bucket_results:
+        zero, other = r["zero"]
+        assert torch.equal(zero, torch.zeros_like(zero))
+        assert bool(torch.isfinite(other).all()) and bool(other.abs().sum() > 0)
+        for sizes in r["zero-then-learn"]:
+            assert sizes[0] == 0.0 and all(x > 0 for x in sizes[1:]), sizes
+
+
+def test_error_feedback_identity(fake_bucket_results):
+    for r in fake_bucket_results:
+        assert r["error-feedback"] == [4 * 3, 4 * 3]
+
+
+def test_non_finite_gradient_keeps_error_memory_and_factors(fake_bucket_results):
+    for rank, r in enumerate(fake_bucket_results):
+        for single, (finite, unchanged, out, exact, drift) in enumerate(r["non-finite"]):
+            assert not finite and unchanged, (single, rank)
+            assert exact or (single and drift < 1e-6), (single, rank, drift)
+            assert torch.isinf(out[3]) and torch.isfinite(torch.cat([out[:3], out[4:]])).all()
+
+
+def _resume(rank: int, world_size: int, single_round: bool) -> tuple:
+    """Train 8 steps, saving after 4; restore that save into fresh objects and train the last 4."""
+    device = _device(rank)
+    data = _data(rank, device)
+    options = dict(matrix_approximation_rank=2, start_powerSGD_iter=1, single_round=single_round)
+    state = commhooks.PowerSGDState(None, **options)
+    ddp, _ = _ddp(device, commhooks.powerSGD_hook, state)
+    first = _grads(ddp, data[:4])
+    buf = io.BytesIO()
+    torch.save({"model": ddp.module.state_dict(), "hook": state.state_dict()}, buf)
+    uninterrupted = _grads(ddp, data[4:])
+
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True, map_location="cpu")
+    model = make_mlp(seed=123).to(device)  # everything must come from the file
+    model.load_state_dict(saved["model"])
+    restored = commhooks.PowerSGDState(None, **options)
+    restored.load_state_dict(saved["hook"])
+    ids = [device.index] if device.type == "cuda" else None
+    ddp = DDP(model, device_ids=ids, bucket_cap_mb=SMALL_BUCKETS)
+    ddp.register_comm_hook(restored, commhooks.powerSGD_hook)
+    return bool(first.abs().sum() > 0), uninterrupted, _grads(ddp, data[4:])
+
+
+@pytest.mark.parametrize("single_round", [False, True])
+def test_powersgd_resumes_exactly_from_a_cpu_checkpoint(single_round):
+    for trained, uninterrupted, resumed in run_on_ranks(_resume, 2, single_round, backend="gloo"):
+        assert trained
+        assert torch.equal(uninterrupted, resumed)
+
+
+def _post_local_sgd(rank: int, world_size: int) -> list:
+    device = _device(rank)
+    state = commhooks.PostLocalSGDState(None, None, start_localSGD_iter=3)
+    ddp, _ = _ddp(device, commhooks.post_localSGD_hook, state)
+    opt = commhooks.PostLocalSGDOptimizer(
+        torch.optim.SGD(ddp.parameters(), lr=0.05),
+        commhooks.PeriodicModelAverager(period=2, warmup_steps=3),
+    )
+    params = []
+    for x, y in _data(rank, device):
+        opt.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+        params.append(_params(ddp))
+    return params
+
+
+def test_post_local_sgd_and_averaging_on_cuda_tensors():
+    # Each rank its own machine: gradients are averaged for the first 3 steps only; the
+    # parameters are averaged after the steps whose 0-based index is 3, 5, 7.
+    a, b = run_on_ranks(_post_local_sgd, 2, backend="gloo", env={"LOCAL_WORLD_SIZE": "1"})
+    for index, (pa, pb) in enumerate(zip(a, b)):
+        averaged = index < 3 or (index - 3) % 2 == 0
+        assert torch.equal(pa, pb) == averaged, index
