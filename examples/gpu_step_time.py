@@ -153,7 +153,7 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     return results
 
 
-def report(results: dict[str, Any], args: argparse.Namespace) -> None:
+def report(results: dict[str, Any]) -> None:
     for key, row in results.items():
         cap, name = key.split("/")
         if "error" in row:
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
             f"torch {torch.__version__}, {world} x {name}, {backend}; MLP {args.layers} x "
             f"{args.width} ({grads:.0f} MiB of gradients), batch {args.batch}"
         )
-        report(results, args)
+        report(results)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"settings": vars(args), "world_size": world, "results": results}, f)

@@ -23,6 +23,7 @@ __all__ = [
     "backend_for_device",
     "check_same_on_all_ranks",
     "completed",
+    "follow_up_options",
     "future_devices",
     "new_future",
     "gather_objects",
@@ -165,6 +166,14 @@ def holds_follow_ups(devices: list[torch.device]) -> bool:
     find the device idle. On CPU a read waits for nothing, and follow-ups run when they can.
     """
     return bool(devices)
+
+
+def follow_up_options(buffer: torch.Tensor, last_bucket: bool) -> tuple[list[torch.device], bool]:
+    """What a hook passes to :meth:`OrderedIssuer.then` for a follow-up on ``buffer``'s bucket:
+    the CUDA devices involved, and whether the follow-up is held (every bucket but the last,
+    on a GPU; see :func:`holds_follow_ups`)."""
+    devices = future_devices(buffer)
+    return devices, holds_follow_ups(devices) and not last_bucket
 
 
 def completed(value: T) -> "Future[T]":

@@ -386,7 +386,7 @@ def is_finite(*tensors: torch.Tensor) -> bool:
     sums = [t.sum(dtype=torch.float32) if t.dtype in _HALF else t.sum() for t in tensors]
     if not sums:
         return True
-    total = sums[0] if len(sums) == 1 else torch.stack([x.to(sums[0].dtype) for x in sums]).sum()
+    total = sum(sums[1:], sums[0])
     return math.isfinite(total.item()) or all(bool(torch.isfinite(t).all()) for t in tensors)
 
 

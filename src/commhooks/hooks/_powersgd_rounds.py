@@ -401,12 +401,6 @@ def _decompress(
         call.writeback()
 
 
-def _follow_up_options(call: _Call) -> tuple[list[torch.device], bool]:
-    """The devices of the follow-up's tensors, and whether it waits for the last bucket."""
-    devices = comm.future_devices(call.buffer)
-    return devices, comm.holds_follow_ups(devices) and not call.bucket.is_last()
-
-
 def _finish_step(call: _Call) -> None:
     """Per-step bookkeeping done in the hook thread, in bucket order."""
     call.state.maybe_increase_iter(call.bucket)
@@ -439,7 +433,7 @@ def _two_rounds(call: _Call) -> torch.futures.Future[torch.Tensor]:
     q_done = issuer.then(
         both,
         lambda futs: _second_round(call, futs, packed, p_all, q_all, outcome, issuer.group),
-        *_follow_up_options(call),
+        *comm.follow_up_options(call.buffer, call.bucket.is_last()),
     )
     _finish_step(call)
     return q_done.then(lambda fut: _after_second_round(call, fut, q_all, outcome))
@@ -526,7 +520,7 @@ def _one_round(call: _Call) -> torch.futures.Future[torch.Tensor]:
     checked = issuer.then(
         done,
         lambda sent: _fall_back_unless_finite(call, sent, outcome, issuer.group),
-        *_follow_up_options(call),
+        *comm.follow_up_options(call.buffer, call.bucket.is_last()),
     )
     _finish_step(call)
     return checked.then(lambda fut: _after_one_round(call, fut, send, unc, outcome))

@@ -85,12 +85,10 @@ def _cast_average(
     low = _cast_down(buffer, dtype, group.size())
     reduced = comm.allreduce(low, group)
     # The possible re-send is a follow-up collective: its slot is reserved now, on DDP's thread.
-    devices = comm.future_devices(buffer)
     return issuer.then(
         reduced,
         lambda result: _cast_back_or_resend(result, buffer, issuer.group, owner),
-        devices,
-        hold=comm.holds_follow_ups(devices) and not bucket.is_last(),
+        *comm.follow_up_options(buffer, bucket.is_last()),
     )
 
 
