@@ -320,8 +320,8 @@ def _error_feedback(rank, world_size, single_round, device="cpu"):
         grads = [g.clone() for g in bucket.gradients()]
         before = {k: v.clone() for k, v in state.error_dict.items()}
         powerSGD_hook(state, bucket).wait()
-        for ordinal, (g, approx) in enumerate(zip(grads, bucket.gradients())):
-            n = g.shape[0]
+        for i, (g, approx) in enumerate(zip(grads, bucket.gradients())):
+            n, ordinal = g.shape[0], len(grads) - 1 - i  # parameters are numbered from the last
             if lowrank.should_compress(n, g.numel() // n, 1, 2):
                 prev = before.get(ordinal, torch.zeros_like(g.view(n, -1)))
                 new = state.error_dict[ordinal]

@@ -8,13 +8,15 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_utils import batches, flat_params, make_ddp, make_mlp
+from ddp_utils import IN, OUT, batches, flat_params, make_ddp, make_mlp
 
 from commhooks import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
 from commhooks.state import StateDictError
 from commhooks.testing import run_on_ranks
 
 OPTIONS = dict(start_powerSGD_iter=3, matrix_approximation_rank=2)
+# Two hidden layers of one shape: state applied to the wrong one would fit it without a warning.
+WIDTHS = (IN, 64, 64, 64, OUT)
 HALF = 8
 
 
@@ -29,10 +31,12 @@ def _optimizer(ddp):
     return torch.optim.SGD(ddp.parameters(), lr=0.02, momentum=0.9)
 
 
-def _original(rank, world_size, folder, options=OPTIONS, hook=powerSGD_hook, bucket_cap_mb=0.004):
+def _original(
+    rank, world_size, folder, options=OPTIONS, hook=powerSGD_hook, bucket_cap_mb=0.004, **ddp
+):
     data = batches(rank, 2 * HALF)
-    model, state = make_mlp(), PowerSGDState(None, **options)
-    ddp = make_ddp(model, hook, state, bucket_cap_mb)
+    model, state = make_mlp(widths=WIDTHS), PowerSGDState(None, **options)
+    ddp = make_ddp(model, hook, state, bucket_cap_mb, **ddp)
     opt = _optimizer(ddp)
     _train(ddp, opt, data[:HALF])
     saved = {"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}
@@ -46,14 +50,15 @@ def _original(rank, world_size, folder, options=OPTIONS, hook=powerSGD_hook, buc
     return flat_params(model), len(state.error_dict), pickle.dumps(state), bound
 
 
-def _resumed(rank, world_size, folder, bucket_cap_mb, options=OPTIONS, hook=powerSGD_hook):
+def _resumed(rank, world_size, folder, bucket_cap_mb, options=OPTIONS, hook=powerSGD_hook, **ddp):
     data = batches(rank, 2 * HALF)[HALF:]
     saved = torch.load(os.path.join(folder, f"rank{rank % 2}.pt"), weights_only=True)
-    model = make_mlp(seed=123)  # other initial weights: everything must come from the file
+    # Other initial weights: everything must come from the file.
+    model = make_mlp(seed=123, widths=WIDTHS)
     model.load_state_dict(saved["model"])
     state = PowerSGDState(None, **options)
     state.load_state_dict(saved["hook"])
-    ddp = make_ddp(model, hook, state, bucket_cap_mb=bucket_cap_mb)
+    ddp = make_ddp(model, hook, state, bucket_cap_mb=bucket_cap_mb, **ddp)
     opt = _optimizer(ddp)
     opt.load_state_dict(saved["opt"])
     with warnings.catch_warnings(record=True) as caught:
@@ -109,6 +114,70 @@ def test_resume_with_other_bucket_size_fits_per_parameter_state(original):
         assert torch.equal(params, expected)
 
 
+@pytest.mark.parametrize(
+    "saved, resumed",
+    [((0.004, True), (100, True)), ((100, True), (0.004, True)), ((0.004, True), (0.004, False))],
+)
+def test_resume_with_unused_parameter_search_and_other_buckets(tmp_path, saved, resumed):
+    # With find_unused_parameters=True, DDP's first step already runs in buckets of the
+    # bucket_cap_mb given; each parameter must still find its own state.
+    folder, options = str(tmp_path), {**OPTIONS, "single_round": True}
+    first = run_on_ranks(
+        _original, 2, folder, options, powerSGD_hook, saved[0], find_unused_parameters=saved[1]
+    )
+    second = run_on_ranks(
+        _resumed, 2, folder, resumed[0], options, find_unused_parameters=resumed[1]
+    )
+    for (expected, memory, *_), (params, messages) in zip(first, second):
+        assert memory > 0 and messages == []
+        assert torch.equal(params, expected)
+
+
+def _first_seen_original(rank, world_size, folder):
+    # What a release that numbered parameters as first seen trained and saved (version 1).
+    data = batches(rank, 2 * HALF)
+    model, state = make_mlp(widths=WIDTHS), PowerSGDState(None, **OPTIONS)
+    state._numbering = "first_seen"
+    ddp = make_ddp(model, powerSGD_hook, state)
+    opt = _optimizer(ddp)
+    _train(ddp, opt, data[:HALF])
+    hook = {**state.state_dict(), "version": 1}
+    del hook["numbering"]
+    saved = {"model": model.state_dict(), "opt": opt.state_dict(), "hook": hook}
+    torch.save(saved, os.path.join(folder, f"rank{rank}.pt"))
+    _train(ddp, opt, data[HALF:])
+    return (flat_params(model),)
+
+
+def test_a_version_1_state_resumes_with_its_own_numbering(tmp_path):
+    folder = str(tmp_path)
+    first = run_on_ranks(_first_seen_original, 2, folder)
+    for (expected,), (params, messages) in zip(first, run_on_ranks(_resumed, 2, folder, 0.004)):
+        assert messages == [] and torch.equal(params, expected)
+
+
+def _numbers(rank, world_size, bucket_cap_mb, find_unused):
+    model, state = make_mlp(widths=WIDTHS), PowerSGDState(None, **OPTIONS)
+    ddp = make_ddp(model, powerSGD_hook, state, bucket_cap_mb, find_unused_parameters=find_unused)
+    _train(ddp, _optimizer(ddp), batches(rank, 1))
+    names = {id(p): name for name, p in model.named_parameters()}
+    return {names[id(ref())]: n for ref, n in state._ordinals.values()}
+
+
+def test_parameters_are_numbered_from_the_last_whatever_the_first_buckets():
+    order = [name for name, _ in make_mlp(widths=WIDTHS).named_parameters()]
+    expected = {name: len(order) - 1 - i for i, name in enumerate(order)}
+    for cap, unused in [(0.004, False), (0.004, True), (0.02, True), (100, True)]:
+        assert run_on_ranks(_numbers, 1, cap, unused) == [expected], (cap, unused)
+
+
+def test_a_state_pickled_before_numbering_was_saved_numbers_as_first_seen():
+    state = PowerSGDState(None, **OPTIONS)
+    del state._numbering
+    assert pickle.loads(pickle.dumps(state))._numbering == "first_seen"
+    assert pickle.loads(pickle.dumps(PowerSGDState(None)))._numbering == "from_last"
+
+
 def test_resume_with_other_world_size_resets_error_memory_with_warning(original):
     folder, _ = original
     results = run_on_ranks(_resumed, 3, folder, 0.004)
@@ -125,7 +194,7 @@ def _one_file_for_all(rank, world_size, folder):
     saved = _saved_state(folder)
     state = PowerSGDState(None, **OPTIONS)
     state.load_state_dict(saved)
-    ddp = make_ddp(make_mlp(), powerSGD_hook, state)
+    ddp = make_ddp(make_mlp(widths=WIDTHS), powerSGD_hook, state)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _train(ddp, _optimizer(ddp), batches(rank, 2))
@@ -187,6 +256,8 @@ def _broken(sd, what):
         sd["error"] = {**sd["error"], "0": "not a tensor"}
     elif what == "bad-iter":
         sd["iter"] = -4
+    elif what == "bad-numbering":
+        sd["numbering"] = "alphabetical"
     return sd
 
 
@@ -196,6 +267,7 @@ def _broken(sd, what):
         ("missing-rng", "malformed PowerSGD state dict.*'rng'"),
         ("bad-tensor", r"malformed.*error\['0'\] must be a floating-point tensor"),
         ("bad-iter", "malformed.*iter must be an integer >= 0"),
+        ("bad-numbering", "malformed.*numbering must be 'from_last' or 'first_seen'"),
     ],
 )
 def test_malformed_state_dict_raises_and_changes_nothing(original, what, match):
@@ -213,7 +285,7 @@ def test_foreign_state_dicts_are_named(original):
     with pytest.raises(StateDictError, match="saved by a 'post_local_sgd' state"):
         state.load_state_dict({"kind": "post_local_sgd", "version": 1})
     with pytest.raises(StateDictError, match="not a commhooks state dict"):
-        state.load_state_dict(make_mlp().state_dict())
+        state.load_state_dict(make_mlp(widths=WIDTHS).state_dict())
     other = PowerSGDState(None, start_powerSGD_iter=3, matrix_approximation_rank=4)
     with pytest.raises(StateDictError, match="matrix_approximation_rank: saved 2, here 4"):
         other.load_state_dict(_saved_state(original[0]))
@@ -222,7 +294,7 @@ def test_foreign_state_dicts_are_named(original):
 
 def _reject_other_options(rank, world_size):
     state = PowerSGDState(None, start_powerSGD_iter=0, matrix_approximation_rank=1 + rank)
-    ddp = make_ddp(make_mlp(), powerSGD_hook, state)
+    ddp = make_ddp(make_mlp(widths=WIDTHS), powerSGD_hook, state)
     x, y = batches(rank, 1)[0]
     torch.nn.functional.mse_loss(ddp(x), y).backward()
     dist.barrier()

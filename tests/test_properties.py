@@ -336,7 +336,8 @@ def _powersgd_identity(single_round: bool) -> None:
             out = powerSGD_hook(state, bucket).wait()
             assert out.shape == bucket.buffer().shape and out.dtype == grads[0].dtype
             assert torch.isfinite(out).all(), "finite gradients gave a non-finite result"
-            for key, (g, approx) in enumerate(zip(grads, bucket.gradients())):
+            for i, (g, approx) in enumerate(zip(grads, bucket.gradients())):
+                key = len(grads) - 1 - i  # parameters are numbered from the last
                 assert approx.shape == g.shape
                 as_m = lowrank.as_matrix(g)
                 prev = before.get(key, torch.zeros_like(as_m)).view_as(as_m)

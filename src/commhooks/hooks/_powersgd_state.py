@@ -25,6 +25,7 @@ __all__ = ["OPTION_NAMES", "Key", "PowerSGDState"]
 logger = logging.getLogger("commhooks.hooks.powersgd")
 
 Key = int | str  # a parameter ordinal (layer-wise hook) or "bucket<i>" (batched hook)
+_FROM_LAST, _FIRST_SEEN = "from_last", "first_seen"  # how parameters are numbered
 _BOTH, _P_STEP, _Q_STEP = "pq", "p", "q"  # two rounds; single round refining P, or Q
 # The single-round memory defers subtracting approximations until they stack up to this rank:
 # one wider product a few steps apart costs less than a thin one every step.
@@ -78,7 +79,8 @@ class PowerSGDState(HookState):
     """
 
     kind = "powersgd"
-    version = 1
+    # 2: parameters numbered from the last one (see _ordinals_of); 1 numbered them as first seen.
+    version = 2
     _transient = ("_ordinals", "_next_ordinal", "_plans", "_checked_group")
 
     def __init__(
@@ -140,9 +142,12 @@ class PowerSGDState(HookState):
         self._layouts: dict[str, tuple[int, ...]] = {}
         self._saved_world_size: int | None = None
         self._saved_rank: int | None = None
+        self._numbering = _FROM_LAST
         self._restore_transient()
 
     def _restore_transient(self) -> None:
+        if not hasattr(self, "_numbering"):  # pickled by a release that numbered as first seen
+            self._numbering = _FIRST_SEEN
         self._ordinals: dict[int, tuple[weakref.ref, int]] = {}
         self._next_ordinal = 0
         self._plans: dict[tuple[int, ...], _Plan] = {}
@@ -297,21 +302,29 @@ class PowerSGDState(HookState):
         return self.iter >= self.start_powerSGD_iter
 
     def _ordinals_of(self, params: list[torch.Tensor]) -> tuple[int, ...]:
-        """Stable numbers for parameters, in the order first seen.
+        """Stable numbers for parameters: their position in DDP's list, counted from the end.
 
-        DDP's first step hands the hooks every parameter in the same order in every fresh
-        process (one bucket holding all of them, or its initial buckets in index order), so a
-        resumed run numbers its parameters as the original did, whatever the bucket sizes.
+        DDP's first step hands the hooks either one bucket with all its parameters in their
+        order, or (with ``find_unused_parameters=True``) buckets of ``bucket_cap_mb`` that
+        each hold a run of consecutive parameters in order, the last run first. Numbering
+        each bucket's new parameters from its end, in the order the buckets come, gives the
+        last parameter 0, the one before it 1, and so on in either case: a resumed run finds
+        each parameter's state whatever its bucket sizes. (Not with parameters of several
+        dtypes and ``find_unused_parameters=True``: DDP then buckets each dtype apart, and the
+        runs of the dtypes interleave by bucket size.) States saved by releases that numbered
+        parameters as first seen keep that numbering.
         """
-        out = []
+        known = {}
         for p in params:
             entry = self._ordinals.get(id(p))
-            if entry is None or entry[0]() is not p:
-                entry = (weakref.ref(p), self._next_ordinal)
-                self._ordinals[id(p)] = entry
-                self._next_ordinal += 1
-            out.append(entry[1])
-        return tuple(out)
+            if entry is not None and entry[0]() is p:
+                known[id(p)] = entry[1]
+        new = [p for p in params if id(p) not in known]
+        for p in reversed(new) if self._numbering == _FROM_LAST else new:
+            known[id(p)] = self._next_ordinal
+            self._ordinals[id(p)] = (weakref.ref(p), self._next_ordinal)
+            self._next_ordinal += 1
+        return tuple(known[id(p)] for p in params)
 
     def _plan(self, ordinals: tuple[int, ...], grads: list[torch.Tensor]) -> "_Plan":
         plan = self._plans.get(ordinals)
@@ -417,6 +430,7 @@ class PowerSGDState(HookState):
             "p": _tensors_out(self.p_memory_dict),
             "last_step": {str(k): v for k, v in self._last_step.items()},
             "layouts": {k: list(v) for k, v in self._layouts.items()},
+            "numbering": self._numbering,
         }
 
     def _load(self, sd: Mapping[str, Any]) -> None:
@@ -429,6 +443,7 @@ class PowerSGDState(HookState):
         self.error_dict, self.q_memory_dict = parsed["error"], parsed["q"]
         self.p_memory_dict, self._last_step = parsed["p"], parsed["last_step"]
         self._layouts = parsed["layouts"]
+        self._numbering = parsed["numbering"]
         self._saved_world_size, self._saved_rank = parsed["world_size"], parsed["rank"]
         self._checked_group = None
         if self.use_error_feedback and self.iter > self.start_powerSGD_iter and not self._errors:
@@ -518,7 +533,9 @@ def _validate(**o: Any) -> None:
 
 
 def _describe(key: Key) -> str:
-    return f"bucket {key[len('bucket') :]}" if isinstance(key, str) else f"parameter #{key}"
+    if isinstance(key, str):
+        return f"bucket {key[len('bucket') :]}"
+    return f"parameter #{key} (counted from DDP's last parameter, 0 being the last)"
 
 
 def _current_rank(group: dist.ProcessGroup | None) -> int:
@@ -598,7 +615,11 @@ def _parse_state_dict(sd: Mapping[str, Any], options: dict[str, Any]) -> dict[st
             "p": stores["p"],
             "last_step": last_step,
             "layouts": {str(k): tuple(int(i) for i in v) for k, v in dict(sd["layouts"]).items()},
+            # Version 1 numbered the parameters as first seen.
+            "numbering": str(sd["numbering"]) if sd.get("version", 1) >= 2 else _FIRST_SEEN,
         }
+        if parsed["numbering"] not in (_FROM_LAST, _FIRST_SEEN):
+            raise ValueError(f"numbering must be {_FROM_LAST!r} or {_FIRST_SEEN!r}")
     except StateDictError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
