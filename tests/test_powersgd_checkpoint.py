@@ -171,6 +171,26 @@ def test_parameters_are_numbered_from_the_last_whatever_the_first_buckets():
         assert run_on_ranks(_numbers, 1, cap, unused) == [expected], (cap, unused)
 
 
+def _other_model(rank, world_size, folder):
+    state = PowerSGDState(None, **OPTIONS)
+    state.load_state_dict(torch.load(os.path.join(folder, f"rank{rank}.pt"))["hook"])
+    ddp = make_ddp(make_mlp(widths=(IN, 64, 64, 48, OUT)), powerSGD_hook, state)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train(ddp, _optimizer(ddp), batches(rank, 2))
+    return [str(w.message) for w in caught if "PowerSGD" in str(w.message)]
+
+
+def test_state_of_another_model_is_reset_naming_the_parameter(original):
+    for messages in run_on_ranks(_other_model, 2, original[0]):
+        # The last layer is 8 x 48 here, 8 x 64 in the file: the second parameter from the end.
+        assert any(
+            "(8, 64) for parameter #1 (counted from DDP's last parameter" in m
+            and "does not fit its gradient now (8, 48)" in m
+            for m in messages
+        ), messages
+
+
 def test_a_state_pickled_before_numbering_was_saved_numbers_as_first_seen():
     state = PowerSGDState(None, **OPTIONS)
     del state._numbering

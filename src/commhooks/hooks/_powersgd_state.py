@@ -361,9 +361,10 @@ class PowerSGDState(HookState):
             del store[key]
             if store is self._errors:
                 self._pending.pop(key, None)
+            what = _describe(key, self._numbering)
             warn_once(
                 f"powersgd-shape-{key}-{tuple(t.shape)}-{shape}",
-                f"PowerSGDState: stored state {tuple(t.shape)} for {_describe(key)} does not fit "
+                f"PowerSGDState: stored state {tuple(t.shape)} for {what} does not fit "
                 f"its gradient now {shape}; it was reset (error memory to zero, factors to new "
                 "random ones). This happens when a checkpoint of another model is loaded.",
             )
@@ -532,9 +533,11 @@ def _validate(**o: Any) -> None:
             raise ValueError(f"PowerSGDState: {message}; got {name}={o.get(name)!r}.")
 
 
-def _describe(key: Key) -> str:
+def _describe(key: Key, numbering: str = _FROM_LAST) -> str:
     if isinstance(key, str):
         return f"bucket {key[len('bucket') :]}"
+    if numbering == _FIRST_SEEN:
+        return f"parameter #{key} (in the order DDP's first step presented them)"
     return f"parameter #{key} (counted from DDP's last parameter, 0 being the last)"
 
 
