@@ -173,7 +173,8 @@ def test_parameters_are_numbered_from_the_last_whatever_the_first_buckets():
 
 def _other_model(rank, world_size, folder):
     state = PowerSGDState(None, **OPTIONS)
-    state.load_state_dict(torch.load(os.path.join(folder, f"rank{rank}.pt"))["hook"])
+    saved = torch.load(os.path.join(folder, f"rank{rank}.pt"), weights_only=True)
+    state.load_state_dict(saved["hook"])
     ddp = make_ddp(make_mlp(widths=(IN, 64, 64, 48, OUT)), powerSGD_hook, state)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
