@@ -32,14 +32,27 @@ def _optimizer(ddp):
 
 
 def _original(
-    rank, world_size, folder, options=OPTIONS, hook=powerSGD_hook, bucket_cap_mb=0.004, **ddp
+    rank,
+    world_size,
+    folder,
+    options=OPTIONS,
+    hook=powerSGD_hook,
+    bucket_cap_mb=0.004,
+    version_1=False,
+    **ddp,
 ):
     data = batches(rank, 2 * HALF)
     model, state = make_mlp(widths=WIDTHS), PowerSGDState(None, **options)
+    if version_1:  # what a release that numbered parameters as first seen trained and saved
+        state._numbering = "first_seen"
     ddp = make_ddp(model, hook, state, bucket_cap_mb, **ddp)
     opt = _optimizer(ddp)
     _train(ddp, opt, data[:HALF])
-    saved = {"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}
+    hook_state = state.state_dict()
+    if version_1:
+        hook_state["version"] = 1
+        del hook_state["numbering"]
+    saved = {"model": model.state_dict(), "opt": opt.state_dict(), "hook": hook_state}
     torch.save(saved, os.path.join(folder, f"rank{rank}.pt"))
     _train(ddp, opt, data[HALF:])
     loaded = pickle.loads(pickle.dumps(state))  # where a default group exists, it binds to it
@@ -133,26 +146,10 @@ def test_resume_with_unused_parameter_search_and_other_buckets(tmp_path, saved, 
         assert torch.equal(params, expected)
 
 
-def _first_seen_original(rank, world_size, folder):
-    # What a release that numbered parameters as first seen trained and saved (version 1).
-    data = batches(rank, 2 * HALF)
-    model, state = make_mlp(widths=WIDTHS), PowerSGDState(None, **OPTIONS)
-    state._numbering = "first_seen"
-    ddp = make_ddp(model, powerSGD_hook, state)
-    opt = _optimizer(ddp)
-    _train(ddp, opt, data[:HALF])
-    hook = {**state.state_dict(), "version": 1}
-    del hook["numbering"]
-    saved = {"model": model.state_dict(), "opt": opt.state_dict(), "hook": hook}
-    torch.save(saved, os.path.join(folder, f"rank{rank}.pt"))
-    _train(ddp, opt, data[HALF:])
-    return (flat_params(model),)
-
-
 def test_a_version_1_state_resumes_with_its_own_numbering(tmp_path):
     folder = str(tmp_path)
-    first = run_on_ranks(_first_seen_original, 2, folder)
-    for (expected,), (params, messages) in zip(first, run_on_ranks(_resumed, 2, folder, 0.004)):
+    first = run_on_ranks(_original, 2, folder, version_1=True)
+    for (expected, *_), (params, messages) in zip(first, run_on_ranks(_resumed, 2, folder, 0.004)):
         assert messages == [] and torch.equal(params, expected)
 
 
@@ -172,14 +169,8 @@ def test_parameters_are_numbered_from_the_last_whatever_the_first_buckets():
 
 
 def _other_model(rank, world_size, folder):
-    state = PowerSGDState(None, **OPTIONS)
     saved = torch.load(os.path.join(folder, f"rank{rank}.pt"), weights_only=True)
-    state.load_state_dict(saved["hook"])
-    ddp = make_ddp(make_mlp(widths=(IN, 64, 64, 48, OUT)), powerSGD_hook, state)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        _train(ddp, _optimizer(ddp), batches(rank, 2))
-    return [str(w.message) for w in caught if "PowerSGD" in str(w.message)]
+    return _warnings_after_loading(rank, saved["hook"], widths=(IN, 64, 64, 48, OUT))
 
 
 def test_state_of_another_model_is_reset_naming_the_parameter(original):
@@ -209,17 +200,21 @@ def test_resume_with_other_world_size_resets_error_memory_with_warning(original)
         assert "with 3" in messages[0] and "reset" in messages[0]
 
 
-def _one_file_for_all(rank, world_size, folder):
-    # What a checkpoint written by one rank for all (Accelerate's save_state with the state
-    # registered as it is) hands every rank: rank 0's state.
-    saved = _saved_state(folder)
+def _warnings_after_loading(rank, saved, widths=WIDTHS):
+    """PowerSGD's warnings over two steps of a model of ``widths`` with ``saved`` loaded."""
     state = PowerSGDState(None, **OPTIONS)
     state.load_state_dict(saved)
-    ddp = make_ddp(make_mlp(widths=WIDTHS), powerSGD_hook, state)
+    ddp = make_ddp(make_mlp(widths=widths), powerSGD_hook, state)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _train(ddp, _optimizer(ddp), batches(rank, 2))
     return [str(w.message) for w in caught if "PowerSGD" in str(w.message)]
+
+
+def _one_file_for_all(rank, world_size, folder):
+    # What a checkpoint written by one rank for all (Accelerate's save_state with the state
+    # registered as it is) hands every rank: rank 0's state.
+    return _warnings_after_loading(rank, _saved_state(folder))
 
 
 def test_memory_saved_by_another_rank_is_reset_with_a_warning(original):
