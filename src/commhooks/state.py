@@ -12,17 +12,80 @@ Two ways to persist one, both safe:
   :meth:`HookState.bind` gives it another.
 """
 
+import math
+import numbers
 import os
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["HookState", "StateDictError"]
+__all__ = ["HookState", "StateDictError", "check_count", "check_tensor"]
 
 
 class StateDictError(ValueError):
     """A state dict that cannot be loaded into this object; the object is left unchanged."""
+
+
+# A loaded tensor may claim far more elements than its file holds (an expanded, stride-0
+# tensor); copied or saved again, it would allocate all of them.
+def check_tensor(
+    where: str,
+    value: Any,
+    *,
+    dtype: torch.dtype | None = None,
+    shape: tuple[int, ...] | None = None,
+    floating: bool = False,
+    finite: bool = True,
+) -> torch.Tensor:
+    """Return ``value`` if it is a tensor a state dict may hold, else raise ``StateDictError``.
+
+    A tensor from a file must be dense and contiguous (so it holds every element it claims),
+    of the expected dtype and shape when they are known, and finite unless told otherwise:
+    a NaN in a memory that is added to every step would poison training for good.
+
+    Args:
+        where: names the entry in the message, e.g. ``"PowerSGDState 'error'['3']"``.
+        value: the loaded object.
+        dtype, shape: what the entry must be, when known.
+        floating: the tensor must be of a floating-point dtype.
+        finite: every element must be finite.
+    """
+    if not isinstance(value, torch.Tensor):
+        raise StateDictError(f"{where} must be a tensor, got {type(value).__name__}.")
+    if value.layout != torch.strided or not value.is_contiguous():
+        raise StateDictError(
+            f"{where} must be a dense, contiguous tensor (as state_dict() saves it); got "
+            f"layout {value.layout}, shape {tuple(value.shape)}, strides "
+            f"{value.stride() if value.layout == torch.strided else '-'}."
+        )
+    if floating and not value.is_floating_point():
+        raise StateDictError(f"{where} must be a floating-point tensor, got {value.dtype}.")
+    if dtype is not None and value.dtype != dtype:
+        raise StateDictError(f"{where} must be of dtype {dtype}, got {value.dtype}.")
+    if shape is not None and tuple(value.shape) != tuple(shape):
+        raise StateDictError(f"{where} must have shape {tuple(shape)}, got {tuple(value.shape)}.")
+    if finite and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+        raise StateDictError(
+            f"{where} holds inf or NaN; loading it would make every later step non-finite. "
+            "Load an earlier checkpoint, or start this state afresh."
+        )
+    return value
+
+
+def check_count(where: str, value: Any, minimum: int = 0) -> int:
+    """Return ``value`` as an ``int >= minimum``; a float, bool, inf or NaN is refused."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        shown = value if isinstance(value, (int, float, str)) else type(value).__name__
+        if isinstance(value, float) and not math.isfinite(value):
+            shown = value
+        raise StateDictError(f"{where} must be an integer >= {minimum}, got {shown!r}.")
+    if int(value) < minimum:
+        raise StateDictError(f"{where} must be an integer >= {minimum}, got {int(value)}.")
+    return int(value)
 
 
 def _default_group() -> dist.ProcessGroup | None:
@@ -123,13 +186,13 @@ class HookState:
                 f"this release (up to {self.version}). Upgrade commhooks to load it."
             )
 
-    def save(self, path: "str | os.PathLike") -> None:
+    def save(self, path: "str | os.PathLike[str]") -> None:
         """Write :meth:`state_dict` to ``path`` atomically (readable with ``weights_only=True``)."""
         from commhooks.checkpoint import write_atomically
 
         write_atomically(self.state_dict(), path)
 
-    def load(self, path: "str | os.PathLike") -> None:
+    def load(self, path: "str | os.PathLike[str]") -> None:
         """Load a file written by :meth:`save`, with a clear error if it is not one.
 
         Raises:

@@ -1,0 +1,128 @@
+"""The compression core's small parts, each in one process: options, error memory, tensor checks."""
+
+import dataclasses
+import warnings
+from typing import ClassVar
+
+import numpy as np
+import pytest
+import torch
+
+from commhooks.memory import ErrorFeedback
+from commhooks.options import Options, flag, integer, one_of, option, real
+from commhooks.state import StateDictError, check_count, check_tensor
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Demo(Options):
+    owner: ClassVar[str] = "DemoState"
+    rank: int = option(1, "lower rank => more compression", check=integer(1, hint="try 1 or 2"))
+    rate: float = option(2, "minimum gain", check=real(minimum=1, keep_int=True))
+    feedback: bool = option(True, "remember what was dropped", check=flag(strict=False))
+    bits: int = option(8, "bits per element", check=one_of(4, 8))
+    period: int = option(reason="steps between averages", check=integer(minimum=1))
+
+    def check_together(self) -> None:
+        if self.bits == 4 and not self.feedback:
+            raise ValueError("DemoState: bits=4 needs feedback=True.")
+
+
+def test_options_normalise_and_describe_themselves() -> None:
+    o = _Demo(period=np.int64(3), feedback=np.bool_(False), rate=3)
+    assert (o.period, type(o.period), o.feedback, o.rate) == (3, int, False, 3)
+    assert _Demo.names() == ("rank", "rate", "feedback", "bits", "period")
+    assert _Demo.required() == frozenset({"period"})
+    assert _Demo.defaults()["rank"] == 1 and "period" not in _Demo.defaults()
+    assert _Demo.reason("rank") == "lower rank => more compression"
+    assert o.as_dict()["period"] == 3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        o.rank = 2  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("values", "words"),
+    [
+        ({"rank": 0}, "rank must be an integer >= 1 (try 1 or 2); got rank=0"),
+        ({"rank": True}, "got rank=True"),
+        ({"rate": float("nan")}, "rate must be a finite number >= 1"),
+        ({"feedback": "False"}, "feedback must be True or False"),
+        ({"bits": 2}, "bits must be one of 4, 8"),
+        ({"bits": 4, "feedback": False}, "bits=4 needs feedback=True"),
+    ],
+)
+def test_options_refuse_bad_values_with_the_fix(values: dict[str, object], words: str) -> None:
+    with pytest.raises(ValueError, match="DemoState") as info:
+        _Demo(period=1, **values)  # type: ignore[arg-type]
+    assert words in str(info.value)
+
+
+def test_options_from_mapping_suggests_the_nearest_name() -> None:
+    with pytest.raises(ValueError, match="Did you mean 'rank'"):
+        _Demo.from_mapping({"rnak": 2, "period": 1})
+    with pytest.raises(ValueError, match="'period' has no default"):
+        _Demo.from_mapping({})
+    assert _Demo.from_mapping({"period": 2}).replace(rank=4).rank == 4
+
+
+def test_memory_compensates_records_and_withdraws() -> None:
+    memory = ErrorFeedback("DemoState")
+    grad = torch.ones(2, 3)
+    assert not memory.compensate_("w", grad)
+    memory.record("w", torch.full((2, 3), 0.5))
+    assert memory.compensate_("w", grad)
+    assert torch.equal(grad, torch.full((2, 3), 1.5))
+    memory.withdraw_("w", grad)
+    assert torch.equal(grad, torch.ones(2, 3))
+    slot = memory.slot("w", grad)
+    slot.fill_(0.25)
+    assert torch.equal(memory.get("w", grad), torch.full((2, 3), 0.25))  # type: ignore[arg-type]
+
+
+def test_memory_drops_residuals_that_do_not_fit_or_are_not_finite() -> None:
+    memory = ErrorFeedback("DemoState")
+    memory.record(0, torch.ones(4))
+    memory.record(1, torch.tensor([1.0, float("nan")]))
+    with pytest.warns(UserWarning, match="does not fit"):
+        assert memory.get(0, torch.zeros(5)) is None
+    with pytest.warns(UserWarning, match="inf or NaN"):
+        assert memory.drop_non_finite() == [1]
+    assert len(memory) == 0
+
+
+def test_memory_state_dict_round_trip_and_refusals() -> None:
+    memory = ErrorFeedback("DemoState")
+    base = torch.arange(6.0)
+    memory.record(3, base[2:4])  # a view: only its own elements are saved
+    saved = memory.state_dict()
+    assert saved["3"].untyped_storage().nbytes() == 2 * 4
+    other = ErrorFeedback("DemoState")
+    other.load_state_dict(saved, int, "DemoState 'error'")
+    assert torch.equal(other.get(3, torch.zeros(2)), torch.tensor([2.0, 3.0]))  # type: ignore[arg-type]
+    for bad in (
+        {"x": torch.zeros(2)},
+        {"1": torch.tensor([float("inf")])},
+        {"1": torch.zeros(1).expand(10**9)},
+        {"1": torch.zeros(2, dtype=torch.int64)},
+        {"1": [0.0]},
+    ):
+        with pytest.raises(StateDictError, match="DemoState 'error'"):
+            other.load_state_dict(bad, int, "DemoState 'error'")
+    assert 3 in other  # a refused dict changed nothing
+
+
+def test_check_tensor_and_count() -> None:
+    ok = torch.zeros(2, 3)
+    assert check_tensor("e", ok, dtype=torch.float32, shape=(2, 3)) is ok
+    with pytest.raises(StateDictError, match="shape"):
+        check_tensor("e", ok, shape=(3, 2))
+    with pytest.raises(StateDictError, match="dense, contiguous"):
+        check_tensor("e", ok.t())
+    with pytest.raises(StateDictError, match="dense, contiguous"):
+        check_tensor("e", ok.to_sparse())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_tensor("e", torch.tensor([float("nan")]), finite=False)
+    assert check_count("iter", 5) == 5 and check_count("iter", torch.tensor(2)) == 2
+    for bad in (float("inf"), 1.5, True, -1, "3", None):
+        with pytest.raises(StateDictError, match="iter must be an integer"):
+            check_count("iter", bad)
