@@ -126,3 +126,20 @@ def test_check_tensor_and_count() -> None:
     for bad in (float("inf"), 1.5, True, -1, "3", None):
         with pytest.raises(StateDictError, match="iter must be an integer"):
             check_count("iter", bad)
+
+
+def test_numbering_counts_from_the_last_parameter_whatever_the_buckets() -> None:
+    from commhooks.numbering import FIRST_SEEN, ParameterNumbering
+
+    params = [torch.zeros(1) for _ in range(5)]
+    whole = ParameterNumbering()
+    assert whole.numbers(params) == (4, 3, 2, 1, 0)
+    split = ParameterNumbering()  # buckets of runs of consecutive parameters, the last run first
+    assert split.numbers(params[3:]) == (1, 0)
+    assert split.numbers(params[:3]) == (4, 3, 2)
+    assert split.numbers(params[1:4]) == (3, 2, 1) and split.number_of(params[0]) == 4
+    seen = ParameterNumbering(FIRST_SEEN)
+    assert seen.numbers(params[3:]) == (0, 1)
+    assert "first step" in seen.describe(0) and "last" in whole.describe(0)
+    with pytest.raises(ValueError, match="numbering must be"):
+        ParameterNumbering("by_name")

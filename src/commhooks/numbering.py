@@ -1,0 +1,70 @@
+"""Stable numbers for the parameters DDP hands to a hook, whatever its bucket layout.
+
+State kept per bucket index is applied to the wrong tensors once DDP rebuilds its buckets after
+the first step, and again after a restart (a fresh DDP starts with its initial layout). State
+kept per parameter is not, provided each parameter gets the same number in every run:
+:class:`ParameterNumbering` gives it one from the order in which DDP presents the parameters.
+"""
+
+import weakref
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["FIRST_SEEN", "FROM_LAST", "ParameterNumbering"]
+
+FROM_LAST = "from_last"
+"""The last parameter of DDP's list is 0, the one before it 1, and so on (the default)."""
+FIRST_SEEN = "first_seen"
+"""Numbers in the order the hook first met the parameters (states of format version 1)."""
+
+
+class ParameterNumbering:
+    """Numbers parameters from the end of DDP's list, the same for any bucket size.
+
+    DDP's first step hands the hooks either one bucket with all its parameters in their order,
+    or (with ``find_unused_parameters=True``) buckets of ``bucket_cap_mb`` that each hold a run
+    of consecutive parameters in order, the last run first. Numbering each bucket's new
+    parameters from its end, in the order the buckets come, gives the last parameter 0, the one
+    before it 1, and so on in either case: a resumed run finds each parameter's state whatever
+    its bucket sizes. (Not with parameters of several dtypes and ``find_unused_parameters=True``:
+    DDP then buckets each dtype apart, and the runs of the dtypes interleave by bucket size.)
+
+    Parameters are held by weak reference: the numbering never keeps a model alive. The
+    numbering itself is not saved (it is recomputed from the first step), only its scheme.
+
+    Args:
+        scheme: :data:`FROM_LAST`, or :data:`FIRST_SEEN` for states saved that way.
+    """
+
+    def __init__(self, scheme: str = FROM_LAST) -> None:
+        if scheme not in (FROM_LAST, FIRST_SEEN):
+            raise ValueError(f"numbering must be {FROM_LAST!r} or {FIRST_SEEN!r}, got {scheme!r}")
+        self.scheme = scheme
+        self._numbers: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        self._next = 0
+
+    def numbers(self, params: Sequence[torch.Tensor]) -> tuple[int, ...]:
+        """The number of each parameter of a bucket, numbering those not seen before."""
+        known: dict[int, int] = {}
+        for p in params:
+            entry = self._numbers.get(id(p))
+            if entry is not None and entry[0]() is p:
+                known[id(p)] = entry[1]
+        new = [p for p in params if id(p) not in known]
+        for p in reversed(new) if self.scheme == FROM_LAST else new:
+            known[id(p)] = self._next
+            self._numbers[id(p)] = (weakref.ref(p), self._next)
+            self._next += 1
+        return tuple(known[id(p)] for p in params)
+
+    def number_of(self, param: torch.Tensor) -> int | None:
+        """The number given to ``param``, or ``None`` if it has not been seen."""
+        entry = self._numbers.get(id(param))
+        return entry[1] if entry is not None and entry[0]() is param else None
+
+    def describe(self, number: int) -> str:
+        """Words for parameter ``number`` in messages, saying how it was counted."""
+        if self.scheme == FIRST_SEEN:
+            return f"parameter #{number} (in the order DDP's first step presented them)"
+        return f"parameter #{number} (counted from DDP's last parameter, 0 being the last)"
