@@ -23,6 +23,7 @@ __all__ = [
     "backend_for_device",
     "check_same_on_all_ranks",
     "completed",
+    "follow_up_group",
     "follow_up_options",
     "future_devices",
     "new_future",
@@ -427,12 +428,16 @@ def issuer_for(group: dist.ProcessGroup) -> OrderedIssuer:
     with _issuers_lock:
         entry = _issuers.get(id(group))
         if entry is None or entry[0] is not group:
-            entry = (group, OrderedIssuer(_follow_up_group(group)))
+            entry = (group, OrderedIssuer(follow_up_group(group)))
             _issuers[id(group)] = entry
         return entry[1]
 
 
-def _follow_up_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+def follow_up_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A new group with ``group``'s ranks and backend, for an :class:`OrderedIssuer` of its own.
+
+    Creating a group is collective: call it at the same point on every rank of ``group``.
+    """
     return dist.new_group(
         ranks=dist.get_process_group_ranks(group),
         backend=dist.get_backend(group),
