@@ -241,7 +241,7 @@ def _full_rank_equals_allreduce(rank: int, world_size: int) -> dict:
             None, matrix_approximation_rank=rank_, start_powerSGD_iter=0
         )
         # Below 1 only here, so that full-rank factors (larger than the matrix) are really used.
-        state.min_compression_rate = 0.5
+        object.__setattr__(state.settings, "min_compression_rate", 0.5)
         grads = _grads(_ddp(device, hook, state, ONE_BUCKET)[0], data)
         out[name] = (_relative(grads, plain), len(state.q_memory_dict))
     return out

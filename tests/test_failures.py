@@ -216,7 +216,7 @@ def _train_through_a_bad_step(rank, world_size, name, how):
             out["grads"] = grads
             out["memory_after"] = _memory(state)
             if isinstance(state, commhooks.PowerSGDState) and not name.startswith("batched"):
-                out["bad_ordinal"] = state._ordinals[id(first)][1]
+                out["bad_ordinal"] = state.numbering.number_of(first)
         if torch.isfinite(grads).all():  # what a loss scaler does: skip a non-finite step
             opt.step()
         out["losses"].append(loss.item())

@@ -25,7 +25,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 
 import commhooks
 from commhooks import PowerSGDState, batched_powerSGD_hook, lowrank, powerSGD_hook
-from commhooks.hooks import _powersgd_rounds, _powersgd_state
+from commhooks.memory import LazyErrorFeedback
 from commhooks.testing import run_on_ranks
 
 ONE_BUCKET = 100  # bucket_cap_mb: the whole model in one bucket
@@ -342,7 +342,7 @@ def _full_rank(rank, world_size):
     tensors.append(torch.randn(6, 2, 3, generator=gen))
     state = PowerSGDState(None, matrix_approximation_rank=8, start_powerSGD_iter=0)
     # Below 1 only here, so that full-rank factors (larger than the matrix) are really used.
-    state.min_compression_rate = 0.5
+    object.__setattr__(state.settings, "min_compression_rate", 0.5)
     bucket = FakeBucket(tensors)
     expected = bucket.buffer().clone()
     dist.all_reduce(expected)
@@ -385,7 +385,7 @@ def _non_finite(rank, world_size, single_round, device="cpu"):
 def _as_on_a_gpu():
     """CPU tensors take a GPU's paths: whole matrices, and no check read back to the host."""
     with (
-        mock.patch.object(_powersgd_rounds, "reads_back_checks", lambda memory: False),
+        mock.patch.object(lowrank, "reads_back_checks", lambda memory: False),
         mock.patch.object(lowrank, "_blocked", lambda matrix: False),
     ):
         yield
@@ -443,7 +443,7 @@ def test_non_finite_gradient_keeps_error_memory_clean(fake_bucket_results):
 def _lazy_memory(rank, world_size):
     """The single-round memory, kept lazily, behaves as if it were an error every step."""
     lowrank._BLOCK_BYTES = 4 * 12 * 4  # 4 rows of the 16 x 12 matrix per block
-    _powersgd_state._MAX_PENDING_RANK = 3  # rank 1: fold the pending products every 3rd step
+    LazyErrorFeedback.max_pending_rank = 3  # rank 1: fold the pending products every 3rd step
     gen = torch.Generator().manual_seed(rank)
     shapes = [(16, 12), (12,), (20, 6)]
     numel = sum(torch.Size(s).numel() for s in shapes)
@@ -459,8 +459,8 @@ def _lazy_memory(rank, world_size):
             outputs[name].append(powerSGD_hook(state, bucket).wait().clone())
             if name == "looked":
                 _ = state.error_dict  # every step: the memory is turned into errors
-        pending_ranks.append(sorted(p.shape[1] for p, _ in unlooked._pending.values()))
-    kept_lazily = len(unlooked._pending)
+        pending_ranks.append(sorted(unlooked.memory.pending_ranks().values()))
+    kept_lazily = len(unlooked.memory.pending_ranks())
     errors = (looked.error_dict, pickle.loads(pickle.dumps(unlooked)).error_dict)
     bucket = buckets[id(unlooked)]
 
@@ -476,7 +476,7 @@ def _lazy_memory(rank, world_size):
             torch.equal(before.q_memory_dict[k], unlooked.q_memory_dict[k])
             for k in before.q_memory_dict
         )
-        ranks = sorted(p.shape[1] for p, _ in unlooked._pending.values())
+        ranks = sorted(unlooked.memory.pending_ranks().values())
         after = {k: v.clone() for k, v in unlooked.error_dict.items()}  # later steps write it
         return before.error_dict, after, bool(torch.isfinite(out).all()), kept, ranks
 
@@ -550,7 +550,7 @@ def _ordinals(rank, world_size, cap):
     ddp = make_ddp(model, powerSGD_hook, state, bucket_cap_mb=cap)
     x, y = batches(rank, 1)[0]
     torch.nn.functional.mse_loss(ddp(x), y).backward()
-    return [state._ordinals[id(p)][1] for p in model.parameters()]
+    return [state.numbering.number_of(p) for p in model.parameters()]
 
 
 def _start_at_one(rank, world_size, single_round):
@@ -559,7 +559,7 @@ def _start_at_one(rank, world_size, single_round):
     model = make_mlp()
     ddp = make_ddp(model, powerSGD_hook, state, bucket_cap_mb=0.004)
     train(ddp, batches(rank, 6))
-    ordinal = {state._ordinals_of([p])[0]: p for p in model.parameters()}
+    ordinal = {state.numbering.numbers([p])[0]: p for p in model.parameters()}
     fits = all(e.numel() == ordinal[k].numel() for k, e in state.error_dict.items())
     return flat_params(model), state.compression_stats()[0], len(state.error_dict), fits
 

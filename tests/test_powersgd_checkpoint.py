@@ -44,7 +44,7 @@ def _original(
     data = batches(rank, 2 * HALF)
     model, state = make_mlp(widths=WIDTHS), PowerSGDState(None, **options)
     if version_1:  # what a release that numbered parameters as first seen trained and saved
-        state._numbering = "first_seen"
+        state.numbering.scheme = "first_seen"
     ddp = make_ddp(model, hook, state, bucket_cap_mb, **ddp)
     opt = _optimizer(ddp)
     _train(ddp, opt, data[:HALF])
@@ -157,8 +157,7 @@ def _numbers(rank, world_size, bucket_cap_mb, find_unused):
     model, state = make_mlp(widths=WIDTHS), PowerSGDState(None, **OPTIONS)
     ddp = make_ddp(model, powerSGD_hook, state, bucket_cap_mb, find_unused_parameters=find_unused)
     _train(ddp, _optimizer(ddp), batches(rank, 1))
-    names = {id(p): name for name, p in model.named_parameters()}
-    return {names[id(ref())]: n for ref, n in state._ordinals.values()}
+    return {name: state.numbering.number_of(p) for name, p in model.named_parameters()}
 
 
 def test_parameters_are_numbered_from_the_last_whatever_the_first_buckets():
@@ -183,11 +182,66 @@ def test_state_of_another_model_is_reset_naming_the_parameter(original):
         ), messages
 
 
+class _Pickled:
+    """Pickles as a PowerSGDState with the attributes ``attrs``, as earlier releases did."""
+
+    def __init__(self, attrs):
+        self.attrs = attrs
+
+    def __reduce__(self):
+        return (object.__new__, (PowerSGDState,), self.attrs)
+
+
+def _legacy_pickle(numbering=None, **memories):
+    """A state pickled by a release that kept its options and memories as attributes."""
+    attrs = {
+        **PowerSGDState(None, **OPTIONS).options(),
+        "_process_group": None,
+        "rng": PowerSGDState(None).rng,
+        "iter": 7,
+        "total_numel_before_compression": 0,
+        "total_numel_after_compression": 0,
+        "next_stats_report": 0,
+        "_errors": {},
+        "_pending": {},
+        "q_memory_dict": {},
+        "p_memory_dict": {},
+        "_last_step": {},
+        "_layouts": {},
+        "_saved_world_size": None,
+        "_saved_rank": None,
+        **memories,
+    }
+    if numbering is not None:
+        attrs["_numbering"] = numbering
+    return pickle.dumps(_Pickled(attrs))
+
+
 def test_a_state_pickled_before_numbering_was_saved_numbers_as_first_seen():
-    state = PowerSGDState(None, **OPTIONS)
-    del state._numbering
-    assert pickle.loads(pickle.dumps(state))._numbering == "first_seen"
-    assert pickle.loads(pickle.dumps(PowerSGDState(None)))._numbering == "from_last"
+    assert pickle.loads(_legacy_pickle()).numbering.scheme == "first_seen"
+    assert pickle.loads(_legacy_pickle("from_last")).numbering.scheme == "from_last"
+    assert pickle.loads(pickle.dumps(PowerSGDState(None))).numbering.scheme == "from_last"
+
+
+def test_a_state_pickled_before_its_parts_keeps_its_memory_and_factors():
+    error, q, p = torch.ones(4, 3), torch.ones(3, 2), torch.ones(4, 2)
+    pending = (torch.full((4, 1), 0.5), torch.ones(1, 3))  # one product still to subtract
+    state = pickle.loads(
+        _legacy_pickle(
+            "from_last",
+            _errors={0: error.clone(), 1: torch.ones(5)},
+            _pending={0: pending},
+            q_memory_dict={0: q},
+            p_memory_dict={0: p},
+            _last_step={0: "p"},
+        )
+    )
+    assert state.iter == 7 and state.settings.matrix_approximation_rank == 2
+    assert state.memory.pending_ranks() == {0: 1}
+    assert torch.equal(state.error_dict[0], error - 0.5) and state.memory.pending_ranks() == {}
+    assert torch.equal(state.error_dict[1], torch.ones(5))
+    assert torch.equal(state.q_memory_dict[0], q) and torch.equal(state.p_memory_dict[0], p)
+    assert state.factors.next_step(0) == "q" and state.hook_name == "powerSGD_hook"
 
 
 def test_resume_with_other_world_size_resets_error_memory_with_warning(original):

@@ -9,8 +9,9 @@ collectives in the order their slots were reserved, whichever thread gets there 
 """
 
 import threading
-from collections.abc import Callable
-from typing import Any, TypeVar
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -61,7 +62,7 @@ def resolve_group(group: Any, *, owner: str = "this hook") -> dist.ProcessGroup:
             "before the first backward pass."
         )
     if group is None:
-        return dist.group.WORLD
+        return _world()
     if group is dist.GroupMember.NON_GROUP_MEMBER:
         raise ValueError(
             f"{owner}: this rank (global rank {dist.get_rank()}) is not a member of the process "
@@ -73,6 +74,14 @@ def resolve_group(group: Any, *, owner: str = "this hook") -> dist.ProcessGroup:
             f"{owner} expects a torch.distributed.ProcessGroup or None, got {type(group).__name__}."
         )
     return group
+
+
+def _world() -> dist.ProcessGroup:
+    """The default group; only called once torch.distributed is initialised."""
+    world = dist.group.WORLD
+    if world is None:  # not initialised: resolve_group has said so already
+        raise RuntimeError("torch.distributed has no default process group yet.")
+    return world
 
 
 def is_default_group(group: dist.ProcessGroup | None) -> bool:
@@ -110,7 +119,7 @@ def is_world(group: dist.ProcessGroup | None) -> bool:
 
 def global_ranks(group: dist.ProcessGroup | None) -> list[int]:
     """The global ranks of ``group``'s members, in group-rank order."""
-    return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    return dist.get_process_group_ranks(group if group is not None else _world())
 
 
 def new_groups(rank_lists: list[list[int]]) -> list[dist.ProcessGroup | None]:
@@ -151,9 +160,9 @@ def future_devices(*values: Any) -> list[torch.device]:
     return list(found.values())
 
 
-def new_future(devices: list[torch.device] | None = None) -> "Future[Any]":
+def new_future(devices: Sequence[torch.device] | None = None) -> "Future[Any]":
     """A future to complete by hand, synchronised with the streams of ``devices`` if any."""
-    return Future(devices=devices) if devices else Future()
+    return Future(devices=list(devices)) if devices else Future()
 
 
 def holds_follow_ups(devices: list[torch.device]) -> bool:
@@ -183,7 +192,7 @@ def completed(value: T) -> "Future[T]":
     The result is set on the current streams, so consumers wait for the kernels that produced
     ``value`` (see :func:`future_devices`).
     """
-    fut: Future = new_future(future_devices(value))
+    fut: Future[T] = new_future(future_devices(value))
     fut.set_result(value)
     return fut
 
@@ -208,7 +217,12 @@ def allreduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.T
     if _sums_by_exchange(tensor, group):
         return _exchange_and_add(tensor, group)
     work = dist.all_reduce(tensor, group=group, async_op=True)
-    return work.get_future().then(_first)
+    return _future_of(work).then(_first)
+
+
+def _future_of(work: Any) -> "Future[list[torch.Tensor]]":
+    """The future of an asynchronous collective's ``Work`` (typed: torch's stubs say ``Any``)."""
+    return cast("Future[list[torch.Tensor]]", work.get_future())
 
 
 def _sums_by_exchange(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
@@ -230,7 +244,7 @@ def _exchange_and_add(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     work = gather(both, flat, group=group, async_op=True)
 
-    def add(fut: Future) -> torch.Tensor:
+    def add(fut: "Future[list[torch.Tensor]]") -> torch.Tensor:
         fut.value()  # raises here if the all-gather failed
         # The same order on both ranks, so they hold the same bits.
         torch.add(both[: flat.numel()], both[flat.numel() :], out=flat)
@@ -238,7 +252,7 @@ def _exchange_and_add(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future
             tensor.copy_(flat.view_as(tensor))
         return tensor
 
-    return work.get_future().then(add)
+    return _future_of(work).then(add)
 
 
 def average(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.Tensor]":
@@ -264,7 +278,7 @@ def gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any
 
     For checkpoints written by one rank: only that rank holds every rank's copy.
     """
-    group = group or dist.group.WORLD
+    group = group or _world()
     first = dist.get_global_rank(group, 0)
     out: list[Any] | None = (
         [None] * dist.get_world_size(group) if dist.get_rank() == first else None
@@ -316,12 +330,22 @@ class OrderedIssuer:
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
-        self.group = group
+        self._group = group
         self._lock = threading.RLock()
         self._reserved = 0
         self._next = 0
         self._ready: dict[int, Callable[[], None]] = {}
         self._held: set[int] = set()
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The group of the follow-ups: the only group a step may issue a collective on."""
+        if self._group is None:
+            raise RuntimeError(
+                "OrderedIssuer: made without a group, so its steps cannot issue collectives; "
+                "build it as OrderedIssuer(comm.follow_up_group(group))."
+            )
+        return self._group
 
     def reserve(self) -> int:
         """Claim the next slot. Call only from the hook's own thread."""
@@ -371,14 +395,14 @@ class OrderedIssuer:
                 self._held.add(slot)
             else:  # every held slot is an earlier one
                 self._held.clear()
-        out: Future = new_future(devices)
+        out: Future[T] = new_future(devices)
 
-        def on_done(fut: Future) -> None:
+        def on_done(fut: "Future[Any]") -> None:
             try:
                 fut.value()
             except BaseException as exc:  # forwarded to the caller's future
                 self.start(slot, lambda: None)
-                out.set_exception(exc)
+                _fail(out, exc)
                 return
             self.start(slot, lambda: _launch_into(lambda: step(fut.wait()), out))
 
@@ -399,7 +423,7 @@ def _launch_into(issue: Callable[[], "Future[T]"], out: "Future[T]") -> None:
     try:
         inner = issue()
     except BaseException as exc:
-        out.set_exception(exc)
+        _fail(out, exc)
         return
     inner.add_done_callback(lambda fut: _forward(fut, out))
 
@@ -408,29 +432,39 @@ def _forward(src: "Future[T]", dst: "Future[T]") -> None:
     try:
         value = src.value()
     except BaseException as exc:
-        dst.set_exception(exc)
+        _fail(dst, exc)
         return
     dst.set_result(value)
 
 
-_issuers: dict[int, tuple[dist.ProcessGroup, OrderedIssuer]] = {}
+def _fail(fut: "Future[Any]", exc: BaseException) -> None:
+    # torch's stub types the argument of set_exception as the result type; it takes any error.
+    fut.set_exception(cast(Any, exc))
+
+
+# Keyed by the group itself, weakly: an entry goes when its group does (for example after
+# dist.destroy_process_group), with the follow-up group it holds.
+_issuers: "weakref.WeakKeyDictionary[dist.ProcessGroup, OrderedIssuer]" = (
+    weakref.WeakKeyDictionary()
+)
 _issuers_lock = threading.Lock()
 
 
 def issuer_for(group: dist.ProcessGroup) -> OrderedIssuer:
-    """The follow-up issuer of ``group``, shared by every hook that communicates on it.
+    """The follow-up issuer of ``group``, shared by the stateless hooks that communicate on it.
 
-    The first call creates the follow-up group (same ranks and backend as ``group``). Creating
-    a group is itself collective, so the first call must happen at the same point on every
-    rank: hooks call this from DDP's thread, during their first bucket. With NCCL the new
-    communicator is only set up if a follow-up is ever sent on it.
+    A hook with a state of its own owns its issuer instead
+    (``OrderedIssuer(follow_up_group(group))``). The first call for a group creates the
+    follow-up group (same ranks and backend as ``group``). Creating a group is itself
+    collective, so the first call must happen at the same point on every rank: hooks call this
+    from DDP's thread, during their first bucket. With NCCL the new communicator is only set up
+    if a follow-up is ever sent on it.
     """
     with _issuers_lock:
-        entry = _issuers.get(id(group))
-        if entry is None or entry[0] is not group:
-            entry = (group, OrderedIssuer(follow_up_group(group)))
-            _issuers[id(group)] = entry
-        return entry[1]
+        issuer = _issuers.get(group)
+        if issuer is None:
+            issuer = _issuers[group] = OrderedIssuer(follow_up_group(group))
+        return issuer
 
 
 def follow_up_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
@@ -438,8 +472,11 @@ def follow_up_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
 
     Creating a group is collective: call it at the same point on every rank of ``group``.
     """
-    return dist.new_group(
+    made = dist.new_group(
         ranks=dist.get_process_group_ranks(group),
         backend=dist.get_backend(group),
         use_local_synchronization=True,
     )
+    if made is None:  # only for a rank outside the ranks, which calls this never
+        raise RuntimeError("follow_up_group: this rank is not in the group it was given.")
+    return cast(dist.ProcessGroup, made)

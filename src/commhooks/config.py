@@ -9,7 +9,6 @@ in). The same choice loads from a mapping (JSON, YAML) through :class:`HookConfi
 """
 
 import contextlib
-import difflib
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from typing import Any
 import torch.distributed as dist
 
 from commhooks import comm
+from commhooks.options import Options, suggest
 
 __all__ = [
     "CommHookType",
@@ -53,9 +53,16 @@ class CommHookType(str, Enum):
 WRAPPERS = (CommHookType.NO, CommHookType.FP16, CommHookType.BF16)
 
 
+StateMaker = Callable[[dist.ProcessGroup | None, Mapping[str, Any]], Any]
+"""Builds a hook's state from ``(process_group, options)``."""
+
+
 @dataclass(frozen=True)
 class HookSpec:
     """How to build and register one kind of hook.
+
+    A hook with an options class is declared with :meth:`of`, which derives the option names,
+    the required ones and the validation from that class.
 
     Attributes:
         hook: the hook function.
@@ -66,13 +73,59 @@ class HookSpec:
         required: the options that have no default and must be given.
         notes: for options of related hooks that this one refuses, why, and what to use
             instead; the error message ends with it.
+        settings: the hook's options class, whose checks validate the values too.
+        fixed: options the hook sets itself, which the user may not give.
     """
 
     hook: Callable[..., Any] | None
-    make_state: Callable[[dist.ProcessGroup | None, dict[str, Any]], Any] | None = None
+    make_state: StateMaker | None = None
     options: frozenset[str] = field(default_factory=frozenset)
     required: frozenset[str] = field(default_factory=frozenset)
     notes: Mapping[str, str] = field(default_factory=dict, compare=False)
+    settings: type[Options] | None = None
+    fixed: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+    @classmethod
+    def of(
+        cls,
+        hook: Callable[..., Any],
+        settings: type[Options],
+        make_state: StateMaker,
+        fixed: Mapping[str, Any] | None = None,
+        notes: Mapping[str, str] | None = None,
+    ) -> "HookSpec":
+        """The spec of a hook whose options are the fields of ``settings``.
+
+        Args:
+            hook: the hook function.
+            settings: its options class: names, defaults and checks come from it.
+            make_state: builds the state from ``(process_group, options)``; it receives the
+                ``fixed`` options with the user's.
+            fixed: options this hook sets itself (refused from the user, who is told why in
+                ``notes``).
+            notes: options of ``settings`` that this hook refuses, each with why and what to
+                use instead.
+        """
+        fixed, notes = dict(fixed or {}), dict(notes or {})
+
+        def make(group: dist.ProcessGroup | None, options: Mapping[str, Any]) -> Any:
+            return make_state(group, {**fixed, **options})
+
+        refused = set(fixed) | set(notes)
+        return cls(
+            hook,
+            make,
+            frozenset(settings.names()) - refused,
+            settings.required() - refused,
+            notes,
+            settings,
+            fixed,
+        )
+
+    def check_values(self, options: Mapping[str, Any]) -> None:
+        """Raise ``ValueError`` for an option value (or combination) the hook's options refuse."""
+        if self.settings is not None:
+            self.settings.from_mapping({**self.fixed, **options})
 
 
 def _specs() -> dict[CommHookType, HookSpec]:
@@ -103,17 +156,17 @@ def _specs() -> dict[CommHookType, HookSpec]:
 
 def _powersgd_specs() -> dict[CommHookType, HookSpec]:
     from commhooks.hooks.powersgd import (
-        OPTION_NAMES,
-        PowerSGDState,
+        PowerSGDOptions,
         batched_powerSGD_hook,
         powerSGD_hook,
+        state_maker,
     )
 
-    def make(defaults: dict[str, Any]) -> Callable[..., PowerSGDState]:
-        return lambda group, options: PowerSGDState(group, **{**defaults, **options})
-
     # One state class serves the three hooks, but each uses only some of its options.
-    layerwise = frozenset(OPTION_NAMES)
+    layerwise, batched = (
+        state_maker(powerSGD_hook.__name__),
+        state_maker(batched_powerSGD_hook.__name__),
+    )
     whole = "batched_power_sgd compresses each bucket whole, as one square matrix, so"
     layerwise_fix = "Use hook 'power_sgd' to compress matrix by matrix, or drop the option."
     batched_notes = {
@@ -126,17 +179,15 @@ def _powersgd_specs() -> dict[CommHookType, HookSpec]:
         "or drop the option."
     }
     return {
-        CommHookType.POWER_SGD: HookSpec(powerSGD_hook, make({}), layerwise),
-        CommHookType.BATCHED_POWER_SGD: HookSpec(
-            batched_powerSGD_hook,
-            make({}),
-            layerwise - set(batched_notes),
-            notes=batched_notes,
+        CommHookType.POWER_SGD: HookSpec.of(powerSGD_hook, PowerSGDOptions, layerwise),
+        CommHookType.BATCHED_POWER_SGD: HookSpec.of(
+            batched_powerSGD_hook, PowerSGDOptions, batched, notes=batched_notes
         ),
-        CommHookType.POWER_SGD_SINGLE_ROUND: HookSpec(
+        CommHookType.POWER_SGD_SINGLE_ROUND: HookSpec.of(
             powerSGD_hook,
-            make({"single_round": True}),
-            layerwise - set(single_notes),
+            PowerSGDOptions,
+            layerwise,
+            fixed={"single_round": True},
             notes=single_notes,
         ),
     }
@@ -168,15 +219,10 @@ def parse_name(
     if name is None or name not in valid:
         names = [v.value for v in valid]
         raise ValueError(
-            f"unknown {what} {value!r}.{_did_you_mean(str(value).lower(), names)} "
+            f"unknown {what} {value!r}.{suggest(str(value).lower(), names)} "
             f"Valid {what}s: {', '.join(names)}."
         )
     return name
-
-
-def _did_you_mean(name: str, candidates: list[str]) -> str:
-    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
-    return f" Did you mean '{close[0]}'?" if close else ""
 
 
 def hook_spec(hook: CommHookType | str) -> HookSpec:
@@ -213,7 +259,7 @@ def _check_options(kind: CommHookType, options: Mapping[str, Any]) -> None:
                 f"it is an option of: {', '.join(elsewhere)}. "
                 + spec.notes.get(option, "Choose one of those hooks or drop the option.")
             )
-        hint = _did_you_mean(option, sorted(spec.options) or all_options)
+        hint = suggest(option, sorted(spec.options) or all_options)
         raise ValueError(
             f"unknown option '{option}' for hook '{kind}'.{hint} Options it takes: {takes}."
         )
@@ -232,8 +278,8 @@ class HookConfig:
     ``from_dict`` also reads the options nested under ``"options"`` and Accelerate's key names
     (``comm_hook``, ``comm_wrapper``, ``comm_state_option``).
 
-    Names and option names are checked when the config is built; option values are checked by
-    the hook's state when it is built, and the backend when it is registered.
+    Names, option names and (for hooks with an options class) option values are checked when
+    the config is built; the backend when it is registered.
 
     Attributes:
         hook: the hook (a name is normalised to its ``CommHookType``).
@@ -260,7 +306,8 @@ class HookConfig:
                 "to register(...) or register_from_config(..., process_group=...)."
             )
         _check_options(self.hook, self.options)
-        missing = sorted(_specs()[self.hook].required - set(self.options))
+        spec = _specs()[self.hook]
+        missing = sorted(spec.required - set(self.options))
         if missing:
             raise ValueError(
                 f"hook '{self.hook}' needs the option(s) {', '.join(missing)}, which have no "
@@ -272,11 +319,12 @@ class HookConfig:
                 f"allreduce. Use hook='allreduce', wrapper='{self.wrapper}' "
                 f"(or simply hook='{self.wrapper}')."
             )
+        spec.check_values(self.options)
 
     @property
     def stateful(self) -> bool:
         """Whether the hook keeps a state object worth checkpointing."""
-        return _specs()[self.hook].make_state is not None  # type: ignore[index]
+        return _specs()[CommHookType(self.hook)].make_state is not None
 
     @classmethod
     def from_dict(cls, mapping: Mapping[str, Any]) -> "HookConfig":
@@ -327,7 +375,7 @@ class HookConfig:
 
     def to_yaml(self) -> str:
         """The mapping form as YAML. Needs PyYAML."""
-        return _yaml().safe_dump(self.to_dict(), sort_keys=False)
+        return str(_yaml().safe_dump(self.to_dict(), sort_keys=False))
 
 
 def _yaml() -> Any:
@@ -396,6 +444,8 @@ def register_from_config(
     spec = _specs()[kind]
     state = spec.make_state(group, dict(config.options)) if spec.make_state else group
     fn = spec.hook
+    if fn is None:  # only hook 'no', returned above
+        raise ValueError(f"hook '{kind}' registers no hook.")
     if wrap is not CommHookType.NO:
         from commhooks.hooks import bf16_compress_wrapper, fp16_compress_wrapper
 
@@ -423,13 +473,14 @@ def _check_target(
             "model. Register a single hook (combine a hook with a cast through wrapper='fp16' or "
             "'bf16'), or build a new DistributedDataParallel model."
         )
-    if process_group is None and not comm.is_default_group(ddp_model.process_group):
+    chosen: dist.ProcessGroup | None = process_group
+    if chosen is None and not comm.is_default_group(ddp_model.process_group):
         # The hook must average over the ranks DDP synchronises, not the whole world.
-        process_group = ddp_model.process_group
-    group = comm.resolve_group(process_group, owner="commhooks.register")
+        chosen = ddp_model.process_group
+    group = comm.resolve_group(chosen, owner="commhooks.register")
     if CommHookType.BF16 in (kind, wrap):
         _check_bf16(group, getattr(ddp_model, "device_type", "cpu"))
-    return process_group
+    return chosen
 
 
 def _check_bf16(group: dist.ProcessGroup, device_type: str) -> None:
@@ -455,7 +506,7 @@ def _nccl_version() -> tuple[int, ...] | None:
     import torch
 
     try:
-        version = torch.cuda.nccl.version()
+        version = torch.cuda.nccl.version()  # type: ignore[no-untyped-call]  # torch's own
     except Exception:  # no CUDA build: nothing to check against
         return None
     return tuple(version) if isinstance(version, tuple) else None

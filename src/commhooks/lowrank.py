@@ -24,6 +24,7 @@ __all__ = [
     "orthogonalize_",
     "pack_into",
     "product_into",
+    "reads_back_checks",
     "reconstruct_",
     "scratch_elements",
     "right_factor_into",
@@ -127,6 +128,7 @@ def _gram_schmidt_(stack: torch.Tensor, epsilon: float) -> None:
     for i in range(cols):
         col = stack[:, :, i : i + 1]
         if i > 0:
+            assert original is not None  # computed whenever there is a second column
             earlier = stack[:, :, :i]
             again = col - earlier @ (earlier.transpose(1, 2) @ col)
             before = original[:, :, i : i + 1]
@@ -144,7 +146,8 @@ def _column_norms(stack: torch.Tensor) -> torch.Tensor:
     wide = torch.float32 if stack.dtype in _HALF else stack.dtype
     scale = stack.abs().amax(dim=1, keepdim=True).to(wide)
     scale = scale.masked_fill(scale == 0, 1.0)
-    return torch.linalg.vector_norm(stack.to(wide) / scale, dim=1, keepdim=True) * scale
+    norms: torch.Tensor = torch.linalg.vector_norm(stack.to(wide) / scale, dim=1, keepdim=True)
+    return norms * scale
 
 
 def _safe_norm(col: torch.Tensor, epsilon: float) -> torch.Tensor:
@@ -227,6 +230,14 @@ def _row_blocks(matrix: torch.Tensor) -> list[slice]:
     """The rows of ``matrix`` in blocks of :func:`_block_rows`, the last one possibly shorter."""
     n, step = matrix.shape[0], _block_rows(matrix)
     return [slice(start, min(start + step, n)) for start in range(0, n, step)]
+
+
+def reads_back_checks(matrix: torch.Tensor) -> bool:
+    """Whether a fused pass over ``matrix`` checks each block of its addend by reading a sum back.
+
+    Only on CPU, where that costs one sum a block; on a GPU it would stall the stream.
+    """
+    return matrix.device.type == "cpu"
 
 
 def _blocked(matrix: torch.Tensor) -> bool:

@@ -41,8 +41,19 @@ class ParameterNumbering:
         if scheme not in (FROM_LAST, FIRST_SEEN):
             raise ValueError(f"numbering must be {FROM_LAST!r} or {FIRST_SEEN!r}, got {scheme!r}")
         self.scheme = scheme
+        self._start_over()
+
+    def _start_over(self) -> None:
         self._numbers: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self._next = 0
+
+    def __getstate__(self) -> dict[str, str]:
+        # Weak references cannot be pickled, and the numbers are found again at the first step.
+        return {"scheme": self.scheme}
+
+    def __setstate__(self, state: dict[str, str]) -> None:
+        self.scheme = state["scheme"]
+        self._start_over()
 
     def numbers(self, params: Sequence[torch.Tensor]) -> tuple[int, ...]:
         """The number of each parameter of a bucket, numbering those not seen before."""

@@ -20,11 +20,12 @@ import difflib
 import math
 import numbers
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar, cast, overload
 
 __all__ = [
     "Checker",
     "Options",
+    "SettingView",
     "flag",
     "integer",
     "one_of",
@@ -37,6 +38,7 @@ Checker = Callable[[str, str, Any], Any]
 """``check(owner, name, value) -> value``: the value normalised, or ``ValueError`` with the fix."""
 
 OptionsT = TypeVar("OptionsT", bound="Options")
+V = TypeVar("V")
 
 _REASON, _CHECK = "reason", "check"
 
@@ -131,6 +133,42 @@ class Options:
         return dataclasses.replace(self, **changes)
 
 
+class _Configured(Protocol):
+    @property
+    def settings(self) -> Options: ...
+
+
+class SettingView(Generic[V]):
+    """A read-only attribute of a state that shows one field of its options (``settings``).
+
+    States keep the attributes of the objects they port (``state.matrix_approximation_rank``
+    on a PowerSGD state) while their options are spelled, and checked, once, in their options
+    class. Options are fixed when the state is built: assigning raises ``AttributeError``
+    naming the fix, since ranks that changed an option apart would issue different collectives.
+    """
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, objtype: type | None = None) -> "SettingView[V]": ...
+
+    @overload
+    def __get__(self, obj: _Configured, objtype: type | None = None) -> V: ...
+
+    def __get__(self, obj: _Configured | None, objtype: type | None = None) -> "V | SettingView[V]":
+        if obj is None:
+            return self
+        return cast(V, getattr(obj.settings, self.name))
+
+    def __set__(self, obj: _Configured, value: V) -> None:
+        owner = type(obj).__name__
+        raise AttributeError(
+            f"{owner}.{self.name} is fixed when the state is built (it is read from "
+            f"{owner}.settings); build a new {owner}(..., {self.name}={value!r}) to change it."
+        )
+
+
 def suggest(name: str, candidates: "tuple[str, ...] | list[str]") -> str:
     """``" Did you mean 'x'?"`` for the closest candidate, or an empty string."""
     close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
@@ -176,19 +214,23 @@ def real(
     maximum: float | None = None,
     hint: str = "",
     keep_int: bool = False,
+    finite: bool = True,
 ) -> Checker:
     """A finite real number in ``[minimum, maximum]``, returned as ``float``.
 
     ``keep_int`` returns integers unchanged (where PyTorch's own state keeps the type given).
+    ``finite=False`` also takes an infinity within the bounds (never NaN), where PyTorch's own
+    state gives it a meaning.
     """
-    rule = "a finite number" + _bounds(minimum, maximum)
+    rule = ("a finite number" if finite else "a number") + _bounds(minimum, maximum)
 
     def check(owner: str, name: str, value: Any) -> float | int:
         if not isinstance(value, numbers.Real) or isinstance(value, bool) or _is_numpy_bool(value):
             raise _refuse(owner, name, value, rule, hint)
         number = float(value)
         if (
-            not math.isfinite(number)
+            math.isnan(number)
+            or (finite and math.isinf(number))
             or (minimum is not None and number < minimum)
             or (maximum is not None and number > maximum)
         ):
@@ -229,9 +271,14 @@ def one_of(*choices: Any, hint: str = "") -> Checker:
 
 def _bounds(minimum: float | None, maximum: float | None) -> str:
     if minimum is not None and maximum is not None:
-        return f" in [{minimum:g}, {maximum:g}]"
+        return f" in [{_shown(minimum)}, {_shown(maximum)}]"
     if minimum is not None:
-        return f" >= {minimum:g}"
+        return f" >= {_shown(minimum)}"
     if maximum is not None:
-        return f" <= {maximum:g}"
+        return f" <= {_shown(maximum)}"
     return ""
+
+
+def _shown(bound: float) -> str:
+    # Integers in full (a seed's bound is 4294967295, not 4.29497e+09).
+    return str(bound) if isinstance(bound, int) else f"{bound:g}"

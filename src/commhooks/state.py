@@ -38,6 +38,7 @@ def check_tensor(
     shape: tuple[int, ...] | None = None,
     floating: bool = False,
     finite: bool = True,
+    any_order: bool = False,
 ) -> torch.Tensor:
     """Return ``value`` if it is a tensor a state dict may hold, else raise ``StateDictError``.
 
@@ -51,10 +52,16 @@ def check_tensor(
         dtype, shape: what the entry must be, when known.
         floating: the tensor must be of a floating-point dtype.
         finite: every element must be finite.
+        any_order: also take a dense tensor whose dimensions are stored in another order (a
+            transposed one), as earlier releases saved some.
     """
     if not isinstance(value, torch.Tensor):
-        raise StateDictError(f"{where} must be a tensor, got {type(value).__name__}.")
-    if value.layout != torch.strided or not value.is_contiguous():
+        kind = "a floating-point tensor" if floating else "a tensor"
+        raise StateDictError(f"{where} must be {kind}, got {type(value).__name__}.")
+    dense = value.layout == torch.strided and (
+        value.is_contiguous() or (any_order and _dense_in_some_order(value))
+    )
+    if not dense:
         raise StateDictError(
             f"{where} must be a dense, contiguous tensor (as state_dict() saves it); got "
             f"layout {value.layout}, shape {tuple(value.shape)}, strides "
@@ -72,6 +79,19 @@ def check_tensor(
             "Load an earlier checkpoint, or start this state afresh."
         )
     return value
+
+
+def _dense_in_some_order(t: torch.Tensor) -> bool:
+    """Whether ``t`` stores each of its elements once, in a storage that holds them all."""
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda pair: pair[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    needed = (t.storage_offset() + t.numel()) * t.element_size()
+    return t.untyped_storage().nbytes() >= needed
 
 
 def check_count(where: str, value: Any, minimum: int = 0) -> int:
@@ -180,7 +200,12 @@ class HookState:
                 f"'{self.kind}'. Load it into the same kind of hook state it came from."
             )
         version = state_dict.get("version")
-        if not isinstance(version, int) or version > self.version:
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            raise StateDictError(
+                f"{name}.load_state_dict: the state dict's version must be a positive integer, "
+                f"got {version!r}. Pass the unchanged output of state_dict()."
+            )
+        if version > self.version:
             raise StateDictError(
                 f"{name}.load_state_dict: state dict version {version!r} is not supported by "
                 f"this release (up to {self.version}). Upgrade commhooks to load it."

@@ -1,0 +1,198 @@
+"""The PowerSGD hooks: check, number the bucket's parameters, plan, and run a pipeline.
+
+``powerSGD_hook`` compresses each gradient matrix of a bucket to rank-``r`` factors ``P`` (n x r)
+and ``Q`` (m x r) and averages those instead of the matrix; vectors and matrices too small to
+gain are averaged as they are. ``batched_powerSGD_hook`` treats the whole bucket as one
+zero-padded square matrix. Both take a :class:`PowerSGDState`.
+
+How this differs from PyTorch's hooks of the same names (the numerics of the default options
+are the same):
+
+* State is kept per parameter, not per bucket, so DDP's bucket rebuild after the first step,
+  a restart, or another ``bucket_cap_mb`` can never apply one layer's error to another layer;
+  ``start_powerSGD_iter`` may therefore be 0 or 1.
+* First-round collectives are issued on DDP's thread, in bucket order; the ``Q`` round, which
+  needs ``P``'s result, goes through the state's :class:`~commhooks.comm.OrderedIssuer` to a
+  follow-up group of its own, in the order its slots were reserved. Ranks therefore issue the
+  same collectives in the same order on each group whatever the thread timing: many buckets
+  work on gloo.
+* The uncompressed tensors' allreduce starts before the compression work, together with the
+  ``P`` round, instead of before it; no device-wide synchronisation; error feedback adds the
+  remembered error into the gradient in place instead of cloning the bucket. Like PyTorch, it
+  also remembers ``local - mean`` for the tensors sent uncompressed (small, and keeping it makes
+  the numerics PyTorch's to the last bit where the order of operations allows).
+* ``single_round=True`` sends one collective per bucket per step (see :class:`PowerSGDState`).
+
+A hook uses only the bucket's methods (``index``, ``buffer``, ``gradients``, ``parameters``,
+``is_last``): any object that has them can stand for DDP's ``GradBucket``.
+
+Hook modules must not use ``from __future__ import annotations``: DDP rejects string annotations.
+"""
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from commhooks import comm, lowrank
+from commhooks.factors import BOTH, P_STEP
+from commhooks.hooks._bucket import float_buffer
+
+from .codec import BATCHED, LAYERWISE
+from .one_round import one_round
+from .state import PowerSGDState
+from .step import BucketStep, Matrix
+from .two_rounds import two_rounds
+
+__all__ = ["batched_powerSGD_hook", "powerSGD_hook", "state_maker"]
+
+Future = torch.futures.Future
+
+
+def powerSGD_hook(
+    state: PowerSGDState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """Average the bucket with each large gradient matrix compressed to rank-``r`` factors.
+
+    Plain allreduce for the first ``state.start_powerSGD_iter`` steps. Then, per bucket: the
+    uncompressed tensors (vectors, small matrices) are packed and their average started; each
+    other gradient ``M`` (plus its remembered error) is approximated by ``P Qᵀ`` with one power
+    iteration: ``P = M Q``, sum ``P``, orthogonalise, ``Q = Mᵀ P``, average ``Q``. The error
+    ``M - P Qᵀ`` is remembered. With ``state.single_round``, one factor per step and one
+    collective (see :class:`PowerSGDState`).
+
+    Args:
+        state: the :class:`PowerSGDState` with the options and memory.
+        bucket: the gradient bucket DDP hands to the hook.
+
+    Raises:
+        TypeError: ``state`` is not a :class:`PowerSGDState`, or the bucket is not a dense
+            floating-point one.
+        StateDictError: ``state`` belongs to :func:`batched_powerSGD_hook`.
+    """
+    state, buffer, group = _begin(state, bucket, LAYERWISE)
+    numbers = state.numbering.numbers(bucket.parameters())
+    if not state.compressing():
+        return _warm_up(state, bucket, buffer, group)
+    grads = bucket.gradients()
+    plan = state.plan(numbers, grads)
+    single = state.settings.single_round
+    matrices = [
+        Matrix(number, grads[i].view(n, m), r, state.factors.next_step(number) if single else BOTH)
+        for i, number, n, m, r in plan.compressed
+    ]
+    # A single-round step sends one factor: P (n x r) or Q (m x r), not both.
+    idle = sum(_idle_factor(m) for m in matrices) if single else 0
+    state.count_elements(plan.numel_before, plan.numel_after - idle, bucket)
+    vectors = [grads[i] for i in plan.uncompressed]
+    keys: list[int | str] = [numbers[i] for i in plan.uncompressed]
+    return _run(BucketStep(state, bucket, buffer, group, matrices, vectors, keys))
+
+
+def batched_powerSGD_hook(
+    state: PowerSGDState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """Average the bucket compressed as one zero-padded square matrix of rank-``r`` factors.
+
+    Cheaper than :func:`powerSGD_hook` (one product per bucket) but far less accurate unless
+    the rank is 1, since a flat bucket has no low-rank structure across layers. State is kept
+    per bucket and reset (with a warning) when DDP rebuilds the bucket with other parameters.
+
+    Args:
+        state: the :class:`PowerSGDState` with the options and memory.
+        bucket: the gradient bucket DDP hands to the hook.
+
+    Raises:
+        TypeError: as :func:`powerSGD_hook`.
+        StateDictError: ``state`` belongs to :func:`powerSGD_hook`.
+    """
+    state, buffer, group = _begin(state, bucket, BATCHED)
+    numbers = state.numbering.numbers(bucket.parameters())
+    if not state.compressing():
+        return _warm_up(state, bucket, buffer, group)
+    key = f"bucket{bucket.index()}"
+    order = state.bucket_order(key, numbers)
+    length = buffer.numel()
+    side = lowrank.square_side(length)
+    rank = lowrank.effective_rank(side, side, state.settings.matrix_approximation_rank)
+    single = state.settings.single_round
+    state.count_elements(length, (1 if single else 2) * side * rank, bucket)
+    # The bucket stays as it was until the result is written back: the error is added to the
+    # padded copy, so a fallback to plain allreduce sends the untouched gradient.
+    square = buffer.new_zeros(side * side)
+    writeback = _gather(bucket, buffer, square[:length], order)
+    matrix = Matrix(
+        key, square.view(side, side), rank, state.factors.next_step(key) if single else BOTH
+    )
+    return _run(BucketStep(state, bucket, buffer, group, [matrix], [], [], writeback))
+
+
+def state_maker(
+    hook: str,
+) -> Callable[[dist.ProcessGroup | None, Mapping[str, Any]], PowerSGDState]:
+    """How :func:`commhooks.register` builds the state of ``hook`` (a hook's ``__name__``).
+
+    The state knows its hook from the start, so a state dict of the other hook is refused when
+    it is loaded, not at the first step.
+    """
+
+    def make(group: dist.ProcessGroup | None, options: Mapping[str, Any]) -> PowerSGDState:
+        state = PowerSGDState(group, **options)
+        state.hook_name = hook
+        return state
+
+    return make
+
+
+def _begin(
+    state: Any, bucket: dist.GradBucket, hook: str
+) -> tuple[PowerSGDState, torch.Tensor, dist.ProcessGroup]:
+    """What both hooks do first, before any collective: check their arguments, get the group."""
+    if not isinstance(state, PowerSGDState):
+        raise TypeError(
+            f"{hook} needs a commhooks.PowerSGDState as its state, got {type(state).__name__}. "
+            f"Register it as ddp_model.register_comm_hook(PowerSGDState(None, ...), {hook})."
+        )
+    buffer = float_buffer(bucket, hook)
+    if buffer.layout != torch.strided:
+        raise TypeError(
+            f"{hook} cannot compress bucket {bucket.index()}: it holds a sparse gradient "
+            f"(layout {buffer.layout}), such as nn.Embedding(..., sparse=True) makes. Register "
+            "commhooks.allreduce_hook for this model, or make the layer's gradients dense "
+            "(sparse=False)."
+        )
+    return state, buffer, state.prepare(hook)
+
+
+def _warm_up(
+    state: PowerSGDState, bucket: dist.GradBucket, buffer: torch.Tensor, group: dist.ProcessGroup
+) -> "Future[torch.Tensor]":
+    """Plain allreduce, before compression starts."""
+    state.maybe_increase_iter(bucket)
+    return comm.average(buffer, group)
+
+
+def _run(step: BucketStep) -> "Future[torch.Tensor]":
+    return one_round(step) if step.state.settings.single_round else two_rounds(step)
+
+
+def _idle_factor(m: Matrix) -> int:
+    """Elements of the factor a single-round step does not send: ``Q`` on a P step, or ``P``."""
+    n, cols = m.view.shape
+    return (cols if m.step == P_STEP else n) * m.rank
+
+
+def _gather(
+    bucket: dist.GradBucket, buffer: torch.Tensor, flat: torch.Tensor, order: list[int] | None
+) -> Callable[[], object]:
+    """Copy the bucket into ``flat`` in the state's order; return what copies the result back."""
+    if order is None:
+        flat.copy_(buffer)
+        return functools.partial(buffer.copy_, flat)
+    # The same parameters in another order: laid out as the state expects them.
+    grads = bucket.gradients()
+    pieces = [grads[i].reshape(-1) for i in order]
+    lowrank.pack_into(pieces, flat)
+    return functools.partial(lowrank.unpack_from, flat, pieces)

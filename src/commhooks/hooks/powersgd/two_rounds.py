@@ -1,0 +1,120 @@
+"""PowerSGD's default step on a bucket: two rounds of communication, ``P`` then ``Q``.
+
+With one bucket all of this runs after backward, on the critical path of the step, so passes
+over the gradients are fused where that is faster: the reconstruction and the new error in one
+blocked pass (:func:`commhooks.lowrank.reconstruct_`). Three passes in all: compensate and
+multiply, multiply, and write both the approximation and the new error.
+
+Hook modules must not use ``from __future__ import annotations``: DDP rejects string annotations.
+"""
+
+import torch
+import torch.distributed as dist
+
+from commhooks import comm, lowrank
+
+from .step import (
+    BucketStep,
+    compensate_matrices,
+    compensate_vectors,
+    decompress,
+    fall_back,
+    form_batches,
+    kinds,
+    lay_out_known,
+    lay_out_sent,
+    orthogonalize_all,
+    sent_factor,
+    sent_numel,
+    sent_shape,
+    start_factors,
+    unpack_vectors,
+)
+
+__all__ = ["two_rounds"]
+
+Future = torch.futures.Future
+
+
+def two_rounds(step: BucketStep) -> "Future[torch.Tensor]":
+    """One power iteration per matrix ``M`` (gradient plus remembered error), as in the paper.
+
+    ``Q`` is the last step's (warm start) or random, orthogonal; ``P = M Q``, summed over the
+    ranks and orthogonalised; ``Q = Mᵀ P``, averaged; ``M ≈ P Qᵀ``, and ``M - P Qᵀ`` is
+    remembered. The tensors sent as they are (vectors, small matrices) are averaged with the
+    first round. The first round is issued here, on DDP's thread; the second in the state's
+    issuer, in slot order.
+    """
+    state, group = step.state, step.group
+    # The uncompressed tensors need no compression work: their average starts first.
+    compensate_vectors(step)
+    packed = lowrank.pack_into(step.vectors, step.new_flat(step.vector_numel()))
+    plain = _sum_then_mean(packed, group) if packed.numel() else comm.completed(packed)
+    compensate_matrices(step, step.matrices)  # M = gradient + remembered error
+    form_batches(step, kinds(step))
+    q = lay_out_known(step)
+    p = step.new_flat(sent_numel(step))
+    lay_out_sent(step, p)
+    start_factors(step, q)  # Q: warm start or random, orthogonalised
+    for batch in step.batches:
+        sent_factor(step, batch)  # P = M Q
+    # P is orthogonalised after the sum, so it needs no division by the world size.
+    p_sum = comm.allreduce(p, group)
+    done = state.issuer.then(
+        torch.futures.collect_all([plain, p_sum]),
+        lambda firsts: _second_round(step, firsts, packed, p, q),
+        *comm.follow_up_options(step.buffer, step.bucket.is_last()),
+    )
+    state.maybe_increase_iter(step.bucket)
+    return done
+
+
+def _second_round(
+    step: BucketStep,
+    firsts: "list[Future[torch.Tensor]]",
+    packed: torch.Tensor,
+    p: torch.Tensor,
+    q: torch.Tensor,
+) -> "Future[torch.Tensor]":
+    """From the summed ``P``: ``Q = Mᵀ P``, averaged, then ``M ≈ P Qᵀ``; in the issuer's slot."""
+    for first in firsts:
+        # Re-raises a failed collective; on a GPU, also makes this stream wait for its result
+        # (the list gathering them knows no streams).
+        first.wait()
+    if not lowrank.is_finite(packed, p):  # reduced data: every rank decides alike
+        return fall_back(step)
+    unpack_vectors(step, packed)
+    orthogonalize_all(step, p, sent_shape, lambda batch: False)
+    # A direction the new Q loses is taken from the old one.
+    starts = [b.known.clone() for b in step.batches] if step.state.settings.warm_start else []
+    for b in step.batches:
+        # Q = Mᵀ P overwrites the starting Q, in the buffer that is sent next.
+        lowrank.right_factor_into(b.stack, b.sent, b.known)
+    q_sum = comm.allreduce(q, step.state.issuer.group)
+    return q_sum.then(lambda done: _approximate(step, done, q, starts))
+
+
+def _approximate(
+    step: BucketStep,
+    done: "Future[torch.Tensor]",
+    q: torch.Tensor,
+    starts: list[torch.Tensor],
+) -> torch.Tensor:
+    """``M ≈ P Qᵀ`` into the gradients, ``M - P Qᵀ`` into the memory; keep ``Q``."""
+    done.wait()
+    q.div_(step.group.size())
+    for b in step.batches:
+        decompress(step, b, b.sent, b.known)
+    for b, start in zip(step.batches, starts):
+        # A zero column of Q (a zero gradient, or one of lower rank) would stay zero at every
+        # later step: M·0 = 0. Its previous direction is kept instead.
+        kept = lowrank.keep_nonzero_columns(b.known, start)
+        for i, m in enumerate(b.matrices):
+            step.state.factors.keep(m.key, None, kept[i])
+    return step.write_back()
+
+
+def _sum_then_mean(packed: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.Tensor]":
+    # PyTorch's order (sum, then divide) rather than DDP's, for the same numerics as its hook.
+    world = group.size()
+    return comm.allreduce(packed, group).then(lambda fut: fut.value().div_(world))
