@@ -255,8 +255,9 @@ def test_malformed_containers_raise_state_dict_error(what):
 
 @pytest.mark.parametrize("version", [0, -1, True, "2", 2.0, None])
 def test_a_version_that_is_not_a_positive_integer_is_refused(version):
+    sd = {**PowerSGDState(None).state_dict(), "version": version}
     with pytest.raises(StateDictError, match="version must be a positive integer"):
-        PowerSGDState(None).load_state_dict({**PowerSGDState(None).state_dict(), "version": version})
+        PowerSGDState(None).load_state_dict(sd)
 
 
 def test_a_state_of_one_hook_is_refused_by_a_state_that_knows_the_other():
