@@ -81,7 +81,7 @@ def run_on_ranks(
                 proc.join(5)
 
 
-def _collect(procs: list, queue: Any, logs: list[str], timeout: float) -> list[Any]:
+def _collect(procs: list[Any], queue: Any, logs: list[str], timeout: float) -> list[Any]:
     import torch
 
     results: dict[int, Any] = {}
@@ -130,10 +130,10 @@ def _tails(logs: list[str], ranks: list[int], chars: int = 3000) -> str:
 def _rank_main(
     rank: int,
     world_size: int,
-    spec: tuple,
+    spec: tuple[str, str, float, dict[str, str]],
     fn: Callable[..., Any],
-    args: tuple,
-    kwargs: dict,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
     queue: Any,
     log: str,
 ) -> None:

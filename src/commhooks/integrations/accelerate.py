@@ -37,10 +37,11 @@ def find_ddp(model: nn.Module) -> DistributedDataParallel | None:
 
     ``prepare`` returns the DDP model itself, or a ``torch.compile`` wrapper around it.
     """
-    while model is not None:
-        if isinstance(model, DistributedDataParallel):
-            return model
-        model = getattr(model, "_orig_mod", None)
+    found: nn.Module | None = model
+    while found is not None:
+        if isinstance(found, DistributedDataParallel):
+            return found
+        found = getattr(found, "_orig_mod", None)
     return None
 
 

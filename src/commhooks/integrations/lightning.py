@@ -84,7 +84,8 @@ class CommHookDDPStrategy(DDPStrategy):
         super().configure_ddp()
         if self._lightning_hook is not None:
             hook, state, wrapper = self._lightning_hook
-            self.model.register_comm_hook(state, hook if wrapper is None else wrapper(hook))
+            ddp: Any = self.model  # DistributedDataParallel once DDPStrategy configured it
+            ddp.register_comm_hook(state, hook if wrapper is None else wrapper(hook))
             self.hook_state = state
         else:
             self.hook_state = register_from_config(self.model, self.hook_config, self._hook_group)

@@ -42,8 +42,8 @@ from commhooks.hooks._bucket import float_buffer
 
 from .codec import BATCHED, LAYERWISE
 from .one_round import one_round
+from .stages import BucketStep, Matrix
 from .state import PowerSGDState
-from .step import BucketStep, Matrix
 from .two_rounds import two_rounds
 
 __all__ = ["batched_powerSGD_hook", "powerSGD_hook", "state_maker"]

@@ -14,23 +14,8 @@ import torch
 
 from commhooks import comm, lowrank
 
-from .step import (
-    Batch,
-    BucketStep,
-    Matrix,
-    compensate_matrices,
-    compensate_vectors,
-    decompress,
-    fall_back,
-    form_batches,
-    kinds,
-    lay_out_known,
-    lay_out_sent,
-    sent_factor,
-    sent_numel,
-    start_factors,
-    unpack_vectors,
-)
+from . import stages
+from .stages import Batch, BucketStep, Matrix
 
 __all__ = ["one_round"]
 
@@ -43,30 +28,25 @@ def one_round(step: BucketStep) -> "Future[torch.Tensor]":
     The collective is issued here, on DDP's thread; the check of its result in the state's
     issuer, in slot order, since a result that is not finite sends the bucket again.
     """
-    state = step.state
-    compensate_vectors(step)
-    together = kinds(step)
+    stages.compensate_vectors(step)
+    together = stages.kinds(step)
     for matrices in together:
         if len(matrices) > 1:
-            compensate_matrices(step, matrices)  # stacking copies M: it must be formed first
-    form_batches(step, together)
-    known = lay_out_known(step)
+            stages.compensate_matrices(step, matrices)  # stacking copies M: it must be formed first
+    stages.form_batches(step, together)
+    known = stages.lay_out_known(step)
     unc = step.vector_numel()
-    send = step.new_flat(unc + sent_numel(step))
+    send = step.new_flat(unc + stages.sent_numel(step))
     lowrank.pack_into(step.vectors, send[:unc])
-    lay_out_sent(step, send[unc:])
-    start_factors(step, known)  # the last step's other factor, orthogonalised
+    stages.lay_out_sent(step, send[unc:])
+    stages.start_factors(step, known)  # the last step's other factor, orthogonalised
     for batch in step.batches:
         if batch.stacked:
-            sent_factor(step, batch)
+            stages.sent_factor(step, batch)
         else:
             _absorb(step, batch)
-    checked = state.issuer.then(
-        comm.average(send, step.group),
-        lambda averaged: _unless_finite(step, averaged),
-        *comm.follow_up_options(step.buffer, step.bucket.is_last()),
-    )
-    state.maybe_increase_iter(step.bucket)
+    averaged = comm.average(send, step.group)
+    checked = step.follow_up(averaged, lambda result: _unless_finite(step, result))
     return checked.then(lambda done: _approximate(step, done, unc))
 
 
@@ -74,7 +54,7 @@ def _absorb(step: BucketStep, b: Batch) -> None:
     """A matrix on its own: its factor, of the memory with the gradient added in (one pass)."""
     m = b.matrices[0]
     if not step.state.settings.use_error_feedback:
-        sent_factor(step, b)
+        stages.sent_factor(step, b)
         return
     memory = step.state.memory
     m.absorbed = memory.absorb_(m.key, m.view, b.known[0], b.sent[0], b.refines_q, step.scratch())
@@ -88,7 +68,7 @@ def _unless_finite(step: BucketStep, averaged: torch.Tensor) -> "Future[torch.Te
     """
     if lowrank.is_finite(averaged):
         return comm.completed(averaged)
-    return fall_back(step).then(_nothing)
+    return stages.fall_back(step).then(_nothing)
 
 
 def _nothing(sent: "Future[torch.Tensor]") -> None:
@@ -100,11 +80,11 @@ def _approximate(step: BucketStep, done: "Future[torch.Tensor | None]", unc: int
     averaged = done.wait()
     if averaged is None:  # sent again as plain allreduce would: the bucket holds its average
         return step.buffer
-    unpack_vectors(step, averaged[:unc])
+    stages.unpack_vectors(step, averaged[:unc])
     for b in step.batches:
         p, q = (b.known, b.sent) if b.refines_q else (b.sent, b.known)
         if b.stacked:
-            decompress(step, b, p, q)
+            stages.decompress(step, b, p, q)
         else:
             _write_alone(step, b.matrices[0], p[0], q[0].t())
         for i, m in enumerate(b.matrices):

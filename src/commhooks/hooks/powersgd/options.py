@@ -8,6 +8,7 @@ from commhooks.options import Options, flag, integer, option, real
 __all__ = ["COSMETIC", "PowerSGDOptions"]
 
 _every_step = integer(hint="steps between two logs of compression_stats(); 1 or less: every step")
+_FLAG = flag(strict=False)  # numpy booleans and 0/1 too, as PyTorch's state takes them
 
 
 def _stats_frequency(owner: str, name: str, value: Any) -> int:
@@ -47,14 +48,9 @@ class PowerSGDOptions(Options):
         ),
     )
     use_error_feedback: bool = option(
-        True,
-        "remember what compression dropped and add it to the next gradient (a buffer the size "
-        "of the compressed gradients)",
-        flag(strict=False),
+        True, "remember what compression dropped and add it to the next gradient", _FLAG
     )
-    warm_start: bool = option(
-        True, "start each step's power iteration from the last step's factors", flag(strict=False)
-    )
+    warm_start: bool = option(True, "start each power iteration from the last factors", _FLAG)
     orthogonalization_epsilon: float = option(
         0.0,
         "added to column norms when orthogonalising; zero columns need none here",
@@ -70,15 +66,15 @@ class PowerSGDOptions(Options):
     )
     batch_tensors_with_same_shape: bool = option(
         False,
-        "compress same-shaped matrices with batched products; stacking them costs a copy, so it "
-        "pays on GPUs with many small layers",
-        flag(strict=False),
+        "compress same-shaped matrices with batched products (stacking them costs a copy: "
+        "it pays on GPUs with many small layers)",
+        _FLAG,
     )
     single_round: bool = option(
         False,
-        "one collective per bucket and step instead of two, refining P and Q on alternate steps: "
-        "half the latency, slower convergence at the same rank",
-        flag(strict=False),
+        "one collective per bucket and step instead of two, refining P and Q on alternate "
+        "steps: half the latency, slower convergence at the same rank (needs warm_start)",
+        _FLAG,
     )
 
     def check_together(self) -> None:

@@ -13,23 +13,8 @@ import torch.distributed as dist
 
 from commhooks import comm, lowrank
 
-from .step import (
-    BucketStep,
-    compensate_matrices,
-    compensate_vectors,
-    decompress,
-    fall_back,
-    form_batches,
-    kinds,
-    lay_out_known,
-    lay_out_sent,
-    orthogonalize_all,
-    sent_factor,
-    sent_numel,
-    sent_shape,
-    start_factors,
-    unpack_vectors,
-)
+from . import stages
+from .stages import BucketStep
 
 __all__ = ["two_rounds"]
 
@@ -45,28 +30,23 @@ def two_rounds(step: BucketStep) -> "Future[torch.Tensor]":
     first round. The first round is issued here, on DDP's thread; the second in the state's
     issuer, in slot order.
     """
-    state, group = step.state, step.group
+    group = step.group
     # The uncompressed tensors need no compression work: their average starts first.
-    compensate_vectors(step)
+    stages.compensate_vectors(step)
     packed = lowrank.pack_into(step.vectors, step.new_flat(step.vector_numel()))
     plain = _sum_then_mean(packed, group) if packed.numel() else comm.completed(packed)
-    compensate_matrices(step, step.matrices)  # M = gradient + remembered error
-    form_batches(step, kinds(step))
-    q = lay_out_known(step)
-    p = step.new_flat(sent_numel(step))
-    lay_out_sent(step, p)
-    start_factors(step, q)  # Q: warm start or random, orthogonalised
+    stages.compensate_matrices(step, step.matrices)  # M = gradient + remembered error
+    stages.form_batches(step, stages.kinds(step))
+    q = stages.lay_out_known(step)
+    p = step.new_flat(stages.sent_numel(step))
+    stages.lay_out_sent(step, p)
+    stages.start_factors(step, q)  # Q: warm start or random, orthogonalised
     for batch in step.batches:
-        sent_factor(step, batch)  # P = M Q
+        stages.sent_factor(step, batch)  # P = M Q
     # P is orthogonalised after the sum, so it needs no division by the world size.
     p_sum = comm.allreduce(p, group)
-    done = state.issuer.then(
-        torch.futures.collect_all([plain, p_sum]),
-        lambda firsts: _second_round(step, firsts, packed, p, q),
-        *comm.follow_up_options(step.buffer, step.bucket.is_last()),
-    )
-    state.maybe_increase_iter(step.bucket)
-    return done
+    firsts = torch.futures.collect_all([plain, p_sum])
+    return step.follow_up(firsts, lambda done: _second_round(step, done, packed, p, q))
 
 
 def _second_round(
@@ -82,9 +62,9 @@ def _second_round(
         # (the list gathering them knows no streams).
         first.wait()
     if not lowrank.is_finite(packed, p):  # reduced data: every rank decides alike
-        return fall_back(step)
-    unpack_vectors(step, packed)
-    orthogonalize_all(step, p, sent_shape, lambda batch: False)
+        return stages.fall_back(step)
+    stages.unpack_vectors(step, packed)
+    stages.orthogonalize_all(step, p, stages.sent_shape, lambda batch: False)
     # A direction the new Q loses is taken from the old one.
     starts = [b.known.clone() for b in step.batches] if step.state.settings.warm_start else []
     for b in step.batches:
@@ -104,7 +84,7 @@ def _approximate(
     done.wait()
     q.div_(step.group.size())
     for b in step.batches:
-        decompress(step, b, b.sent, b.known)
+        stages.decompress(step, b, b.sent, b.known)
     for b, start in zip(step.batches, starts):
         # A zero column of Q (a zero gradient, or one of lower rank) would stay zero at every
         # later step: M·0 = 0. Its previous direction is kept instead.

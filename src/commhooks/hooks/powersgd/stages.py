@@ -14,6 +14,7 @@ carries them all; a batch's factor is a ``(batch, rows, rank)`` view into such a
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -48,6 +49,7 @@ __all__ = [
 ]
 
 Shape = tuple[int, int, int]
+T = TypeVar("T")
 
 
 @dataclass
@@ -109,6 +111,18 @@ class BucketStep:
 
     def vector_numel(self) -> int:
         return sum(t.numel() for t in self.vectors)
+
+    def follow_up(
+        self, after: "torch.futures.Future[Any]", then: "Callable[[Any], torch.futures.Future[T]]"
+    ) -> "torch.futures.Future[T]":
+        """Run ``then(after's value)`` in the state's issuer, in a slot reserved now (see
+        :meth:`commhooks.comm.OrderedIssuer.then`); it may issue one collective, on the
+        issuer's group. Call on DDP's thread; it counts the step once the last bucket's
+        first round is issued."""
+        options = comm.follow_up_options(self.buffer, self.bucket.is_last())
+        done = self.state.issuer.then(after, then, *options)
+        self.state.maybe_increase_iter(self.bucket)
+        return done
 
     def write_back(self) -> torch.Tensor:
         """Finish the step: the bucket holds the result; return it."""
