@@ -26,7 +26,12 @@ from commhooks.hooks import (
     noop_hook,
 )
 from commhooks.hooks.local_sgd import PostLocalSGDState, post_localSGD_hook
-from commhooks.hooks.powersgd import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
+from commhooks.hooks.powersgd import (
+    PowerSGDOptions,
+    PowerSGDState,
+    batched_powerSGD_hook,
+    powerSGD_hook,
+)
 from commhooks.optim import PostLocalSGDOptimizer
 from commhooks.state import HookState, StateDictError
 
@@ -55,6 +60,7 @@ __all__ = [
     "fp16_compress_hook",
     "fp16_compress_wrapper",
     "noop_hook",
+    "PowerSGDOptions",
     "PowerSGDState",
     "batched_powerSGD_hook",
     "powerSGD_hook",

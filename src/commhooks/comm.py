@@ -442,8 +442,8 @@ def _fail(fut: "Future[Any]", exc: BaseException) -> None:
     fut.set_exception(cast(Any, exc))
 
 
-# Keyed by the group itself, weakly: an entry goes when its group does (for example after
-# dist.destroy_process_group), with the follow-up group it holds.
+# Keyed by the group itself, weakly: an issuer goes when its group does (for example after
+# dist.destroy_process_group), instead of staying here for the life of the process.
 _issuers: "weakref.WeakKeyDictionary[dist.ProcessGroup, OrderedIssuer]" = (
     weakref.WeakKeyDictionary()
 )

@@ -163,10 +163,7 @@ def _powersgd_specs() -> dict[CommHookType, HookSpec]:
     )
 
     # One state class serves the three hooks, but each uses only some of its options.
-    layerwise, batched = (
-        state_maker(powerSGD_hook.__name__),
-        state_maker(batched_powerSGD_hook.__name__),
-    )
+    layerwise, batched = state_maker(powerSGD_hook), state_maker(batched_powerSGD_hook)
     whole = "batched_power_sgd compresses each bucket whole, as one square matrix, so"
     layerwise_fix = "Use hook 'power_sgd' to compress matrix by matrix, or drop the option."
     batched_notes = {

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from commhooks import comm, lowrank
 from commhooks.factors import BOTH, P_STEP
 from commhooks.hooks._bucket import float_buffer
+from commhooks.memory import Key
 
 from .codec import BATCHED, LAYERWISE
 from .one_round import one_round
@@ -87,7 +88,7 @@ def powerSGD_hook(
     idle = sum(_idle_factor(m) for m in matrices) if single else 0
     state.count_elements(plan.numel_before, plan.numel_after - idle, bucket)
     vectors = [grads[i] for i in plan.uncompressed]
-    keys: list[int | str] = [numbers[i] for i in plan.uncompressed]
+    keys: list[Key] = [numbers[i] for i in plan.uncompressed]
     return _run(BucketStep(state, bucket, buffer, group, matrices, vectors, keys))
 
 
@@ -130,9 +131,9 @@ def batched_powerSGD_hook(
 
 
 def state_maker(
-    hook: str,
+    hook: Callable[..., Any],
 ) -> Callable[[dist.ProcessGroup | None, Mapping[str, Any]], PowerSGDState]:
-    """How :func:`commhooks.register` builds the state of ``hook`` (a hook's ``__name__``).
+    """How :func:`commhooks.register` builds the state of ``hook``.
 
     The state knows its hook from the start, so a state dict of the other hook is refused when
     it is loaded, not at the first step.
@@ -140,7 +141,7 @@ def state_maker(
 
     def make(group: dist.ProcessGroup | None, options: Mapping[str, Any]) -> PowerSGDState:
         state = PowerSGDState(group, **options)
-        state.hook_name = hook
+        state.hook_name = hook.__name__
         return state
 
     return make
