@@ -5,7 +5,9 @@ which are sent as they are) and hands it to a pipeline, :mod:`.two_rounds` or
 :mod:`.one_round`, which reads as the algorithm and calls the stages here. The stages use the
 state's parts through their public methods: ``state.memory`` (error feedback),
 ``state.factors`` (warm start), ``state.rng`` (PyTorch's seeds); the arithmetic is
-:mod:`commhooks.lowrank`'s. Nothing here communicates.
+:mod:`commhooks.lowrank`'s. The pipelines issue the collectives, through :mod:`commhooks.comm`;
+here only :func:`fall_back` does, and :meth:`BucketStep.follow_up` hands a pipeline's next
+round to the state's issuer.
 
 Factors of all matrices live in flat buffers, one factor after another, so that one collective
 carries them all; a batch's factor is a ``(batch, rows, rank)`` view into such a buffer.
