@@ -25,6 +25,7 @@ from typing import Any, ClassVar, TypeVar
 __all__ = [
     "Checker",
     "Options",
+    "count",
     "flag",
     "integer",
     "one_of",
@@ -167,6 +168,24 @@ def integer(minimum: int | None = None, maximum: int | None = None, hint: str = 
         if (minimum is not None and number < minimum) or (maximum is not None and number > maximum):
             raise _refuse(owner, name, value, rule, hint)
         return number
+
+    return check
+
+
+def count(minimum: int, hint: str = "") -> Checker:
+    """A whole number of steps or items, at least ``minimum``, returned as ``int``.
+
+    Says "must be an integer" for a value of the wrong type and "must be >= minimum" for one
+    out of range: the wording the averagers and post-local SGD have always used.
+    """
+    tail = f" {hint}" if hint else ""
+
+    def check(owner: str, name: str, value: Any) -> int:
+        if not _is_integer(value):
+            raise ValueError(f"{owner}: {name} must be an integer, got {value!r}.{tail}")
+        if int(value) < minimum:
+            raise ValueError(f"{owner}: {name} must be >= {minimum}, got {value}.{tail}")
+        return int(value)
 
     return check
 

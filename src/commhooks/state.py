@@ -130,6 +130,15 @@ class HookState:
         self._process_group = process_group
         return self
 
+    def handshake_fields(self) -> dict[str, Any]:
+        """What every rank's copy of this state must agree on before its first collective.
+
+        Gathered once, at the hook's first call, with the hook's and wrapper's names (see
+        :mod:`commhooks.handshake`): options, and step counters that decide when the hook's
+        collectives change. Plain, picklable values. Default: nothing.
+        """
+        return {}
+
     # -- pickling ---------------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

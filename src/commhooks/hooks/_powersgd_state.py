@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from commhooks import comm, lowrank
+from commhooks import comm, handshake, lowrank
 from commhooks._warnings import CommHooksWarning, warn_once
 from commhooks.state import HookState, StateDictError
 
@@ -158,6 +158,10 @@ class PowerSGDState(HookState):
         """Every constructor argument except the process group."""
         return {name: getattr(self, name) for name in OPTION_NAMES}
 
+    def handshake_fields(self) -> dict[str, Any]:
+        """What every rank's state must agree on at the first step (see commhooks.handshake)."""
+        return {**self.options(), "iter": self.iter}
+
     def maybe_increase_iter(self, bucket: dist.GradBucket) -> None:
         """Count one step when the last bucket of the step is handled."""
         if bucket.is_last():
@@ -259,8 +263,7 @@ class PowerSGDState(HookState):
             # different shapes, which gloo reports as an abort and NCCL as a hang.
             # The step count too: ranks resumed at different steps would start compressing
             # at different steps, and their collectives would no longer match.
-            options = {**self.options(), "iter": self.iter}
-            comm.check_same_on_all_ranks(options, group, owner="PowerSGDState")
+            handshake.agree(group, owner, self)
             self._reset_if_world_changed(group)
             self._checked_group = group
         return group
