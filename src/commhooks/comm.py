@@ -24,6 +24,7 @@ __all__ = [
     "backend_for_device",
     "check_same_on_all_ranks",
     "completed",
+    "excludes_this_rank",
     "follow_up_group",
     "follow_up_options",
     "future_devices",
@@ -75,6 +76,11 @@ def resolve_group(group: Any, *, owner: str = "this hook") -> dist.ProcessGroup:
             f"{owner} expects a torch.distributed.ProcessGroup or None, got {type(group).__name__}."
         )
     return group
+
+
+def excludes_this_rank(group: Any) -> bool:
+    """Whether ``group`` is what ``new_group`` returns to ranks outside the new group."""
+    return group is dist.GroupMember.NON_GROUP_MEMBER
 
 
 def is_default_group(group: dist.ProcessGroup | None) -> bool:

@@ -15,13 +15,13 @@ Two ways to persist one, both safe:
 import math
 import numbers
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["HookState", "StateDictError", "check_count", "check_tensor"]
+__all__ = ["HookState", "StateDictError", "check_count", "check_optimizer_state", "check_tensor"]
 
 
 class StateDictError(ValueError):
@@ -86,6 +86,43 @@ def check_count(where: str, value: Any, minimum: int = 0) -> int:
     if int(value) < minimum:
         raise StateDictError(f"{where} must be an integer >= {minimum}, got {int(value)}.")
     return int(value)
+
+
+def check_optimizer_state(where: str, value: Any, params: Sequence[torch.Tensor]) -> dict[str, Any]:
+    """Return ``value`` if it is a ``torch.optim`` state dict whose tensors fit ``params``.
+
+    ``torch.optim.Optimizer.load_state_dict`` checks the parameter groups but takes the
+    per-parameter tensors (momentum, Adam's moments) as they come; one with a NaN would
+    poison every later step, one of another shape fails only at the next step. Each must be
+    dense, contiguous, finite, and a scalar or of its parameter's shape.
+
+    Args:
+        where: names the entry in messages.
+        value: the loaded object.
+        params: the parameters, in the order the optimizer numbers them.
+    """
+    state = value.get("state") if isinstance(value, Mapping) else None
+    if not isinstance(state, Mapping) or not isinstance(value.get("param_groups"), list):
+        raise StateDictError(
+            f"{where} must be an optimizer's state_dict() (with 'state' and 'param_groups'), "
+            f"got {type(value).__name__}."
+        )
+    for key, entry in state.items():
+        if isinstance(key, bool) or not isinstance(key, int) or not 0 <= key < len(params):
+            raise StateDictError(
+                f"{where}: 'state' has an entry {key!r}, but there are {len(params)} parameters."
+            )
+        if not isinstance(entry, Mapping):
+            raise StateDictError(f"{where}: 'state'[{key}] must be a dict.")
+        for name, t in entry.items():
+            if isinstance(t, torch.Tensor):
+                t = check_tensor(f"{where} 'state'[{key}][{name!r}]", t)
+                if t.dim() and tuple(t.shape) != tuple(params[key].shape):
+                    raise StateDictError(
+                        f"{where} 'state'[{key}][{name!r}] has shape {tuple(t.shape)}; its "
+                        f"parameter has {tuple(params[key].shape)}."
+                    )
+    return dict(value)
 
 
 def _default_group() -> dist.ProcessGroup | None:
@@ -189,7 +226,12 @@ class HookState:
                 f"'{self.kind}'. Load it into the same kind of hook state it came from."
             )
         version = state_dict.get("version")
-        if not isinstance(version, int) or version > self.version:
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            raise StateDictError(
+                f"{name}.load_state_dict: 'version' must be a positive integer, got "
+                f"{version!r}; the state dict is damaged. Pass the output of state_dict()."
+            )
+        if version > self.version:
             raise StateDictError(
                 f"{name}.load_state_dict: state dict version {version!r} is not supported by "
                 f"this release (up to {self.version}). Upgrade commhooks to load it."

@@ -5,7 +5,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from commhooks import comm
+from commhooks import comm, handshake
 
 
 def group_state(state: Any, owner: str) -> dist.ProcessGroup:

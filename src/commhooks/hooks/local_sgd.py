@@ -21,6 +21,10 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+# ``GradBucket`` itself, imported from where type checkers can see it. DDP compares a
+# hook's ``bucket`` annotation with that class, so it must be the very object.
+from torch._C._distributed_c10d import GradBucket
+
 from commhooks import comm, handshake
 from commhooks._machines import MACHINE_ID_VAR, local_launch_info, machine_rank_lists
 from commhooks.hooks._bucket import float_buffer
@@ -188,7 +192,7 @@ class PostLocalSGDState(HookState):
             handshake.agree(group, OWNER, self)
             self._checked = True
 
-    def _advance(self, bucket: dist.GradBucket) -> None:
+    def _advance(self, bucket: GradBucket) -> None:
         if not bucket.is_last():
             return
         self.iter += 1
@@ -210,7 +214,9 @@ class PostLocalSGDState(HookState):
         return {"iter": self.iter}
 
     def _load(self, state_dict: Mapping[str, Any]) -> None:
-        self.iter = check_count(f"{type(self).__name__}.load_state_dict: 'iter'", state_dict.get("iter"))
+        self.iter = check_count(
+            f"{type(self).__name__}.load_state_dict: 'iter'", state_dict.get("iter")
+        )
         self._checked = False
 
 
@@ -235,7 +241,7 @@ def _check_default_subgroup_allowed(
 
 
 def post_localSGD_hook(
-    state: PostLocalSGDState, bucket: dist.GradBucket
+    state: PostLocalSGDState, bucket: GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """Average globally during the warm-up, then within the subgroup, or not at all.
 
