@@ -149,7 +149,10 @@ def _collect(scenarios: list[Scenario], queue: Any, until: float) -> dict[tuple[
 
 def _outcome(i: int, sc: Scenario, reports: dict[tuple[int, int], Any], tmp: str) -> Outcome:
     stamp = os.path.join(tmp, f"fault{i}")
-    fault_time = float(open(stamp).read()) if os.path.exists(stamp) else None
+    fault_time = None
+    if os.path.exists(stamp):
+        with open(stamp) as f:
+            fault_time = float(f.read())
     out = Outcome(fault_time)
     for rank in range(sc.world_size):
         if rank == sc.victim:

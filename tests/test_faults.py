@@ -95,27 +95,37 @@ def post_local_sgd_local_phase(rank, world_size, fault):
     _train(make_ddp(make_mlp(), hook, state), rank)
 
 
-def _averaging(rank, averager, strike_at, fault):
+def _averaging(rank, make_averager, strike_at, fault):
     model = make_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    averager.attach(opt, model.named_parameters())
-    for step, (x, y) in enumerate(batches(rank, 3 * STEPS)):
+    data = batches(rank, 3 * STEPS)
+    _step_locally(model, opt, *data[0])  # the work that does not need the peers, done first
+    make_averager().attach(opt, model.named_parameters())
+    for step, (x, y) in enumerate(data):
         if step == strike_at:
             fault.strike(rank)
-        opt.zero_grad(set_to_none=True)
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
+        _step_locally(model, opt, x, y)
+
+
+def _step_locally(model, opt, x, y):
+    opt.zero_grad(set_to_none=True)
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+def _hierarchy():
+    return commhooks.HierarchicalModelAverager({2: 2, 4: 4})
 
 
 def hierarchical_averaging(rank, world_size, fault):
     """On 4 ranks, pairs every 2 steps and all every 4: the victim goes before step 2."""
-    _averaging(rank, commhooks.HierarchicalModelAverager({2: 2, 4: 4}), 2, fault)
+    _averaging(rank, _hierarchy, 2, fault)
 
 
 def hierarchical_group_creation(rank, world_size, fault):
     """On 4 ranks, the victim goes while the averager creates its pairs' groups."""
     fault.strike_on_call(rank, dist, "new_group", lambda *a, **k: True)
-    _averaging(rank, commhooks.HierarchicalModelAverager({2: 2, 4: 4}), -1, fault)
+    _averaging(rank, _hierarchy, -1, fault)
 
 
 POINTS = [

@@ -166,7 +166,7 @@ class PostLocalSGDState(HookState):
             )
         group = comm.resolve_group(self.process_group, owner=type(self).__name__)
         lists, source = machine_rank_lists(comm.all_gather_objects(local_launch_info(), group))
-        mine = [g for g in comm.new_groups(lists) if g is not None]
+        mine = [g for g in comm.new_groups(lists, group) if g is not None]
         self._subgroup = mine[0]
         self.subgroup_source = f"one subgroup per machine, from {source}"
         logger.info(
