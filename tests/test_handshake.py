@@ -6,13 +6,14 @@ gloo abort the process ("Received data size doesn't match", exit -6), and an fp1
 one rank only hangs in group creation.
 """
 
+import functools
 import os
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_utils import batches, make_mlp
+from ddp_utils import batches, count_gathers, make_mlp, outcome
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -66,20 +67,20 @@ def _step(ddp, x, y):
     nn.functional.mse_loss(ddp(x), y).backward()
 
 
+def _train_two_steps(rank, state, hook):
+    ddp = DDP(make_mlp(), bucket_cap_mb=0.004)
+    ddp.register_comm_hook(state, hook)
+    for x, y in batches(rank, 2):
+        _step(ddp, x, y)
+    return "no error"
+
+
 def _mismatched(rank, world_size):
     """Every case in one launch: the handshake fails alike on both ranks, the group stays usable."""
     out = {}
     for name, (zero, one, _) in MISMATCHES.items():
         state, hook = (zero if rank == 0 else one)()
-        ddp = DDP(make_mlp(), bucket_cap_mb=0.004)
-        ddp.register_comm_hook(state, hook)
-        try:
-            for x, y in batches(rank, 2):
-                _step(ddp, x, y)
-            out[name] = "no error"
-        except Exception as exc:
-            out[name] = f"{type(exc).__name__}: {exc}"
-        dist.barrier()
+        out[name] = outcome(lambda: _train_two_steps(rank, state, hook))  # noqa: B023
     return out
 
 
@@ -143,28 +144,12 @@ HOOK_KINDS = {
 
 
 def _gathers_per_step(rank, world_size):
-    calls = []
-    original = dist.all_gather_object
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
     out = {}
     for name, make in HOOK_KINDS.items():
         state, hook = make()
         ddp = DDP(make_mlp(), bucket_cap_mb=0.004)
         ddp.register_comm_hook(state, hook)
-        dist.all_gather_object = counting
-        try:
-            per_step = []
-            for x, y in batches(rank, 4):
-                before = len(calls)
-                _step(ddp, x, y)
-                per_step.append(len(calls) - before)
-        finally:
-            dist.all_gather_object = original
-        out[name] = per_step
+        out[name] = count_gathers(functools.partial(_step, ddp), batches(rank, 4))
     return out
 
 
