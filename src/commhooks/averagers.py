@@ -765,6 +765,11 @@ class OuterOptimizerAverager(PeriodicModelAverager):
         self.snapshot = values["snapshot"]
         self.outer_optimizer = values["outer_optimizer"]
 
+    def _restore_transient(self) -> None:
+        super()._restore_transient()
+        if isinstance(self.snapshot, list):  # pickled by a release that kept it by position
+            self.snapshot = dict(zip(map(str, range(len(self.snapshot))), self.snapshot))
+
 
 def _is_positional(snapshot: Mapping[str, torch.Tensor], size: int) -> bool:
     return len(snapshot) == size and list(snapshot) == [str(i) for i in range(size)]
