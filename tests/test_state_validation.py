@@ -76,7 +76,7 @@ def test_outer_averager_loads_its_own_state_dict_and_an_earlier_positional_one()
 
 @pytest.mark.parametrize(
     ("value", "message"),
-    [(-1, ">= 0"), (1.5, "integer"), (float("inf"), "integer"), (True, "integer"), ("3", "")],
+    [(-1, ">= 0"), (1.5, "integer"), (float("inf"), "inf"), (True, "integer"), ("3", "'3'")],
 )
 def test_post_local_sgd_state_refuses_a_bad_step_count(value, message):
     state = commhooks.PostLocalSGDState(None, None, 2)

@@ -186,10 +186,10 @@ class CastWrapper:
 
     def __call__(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         original = float_buffer(bucket, self.owner)
-        bucket.set_buffer(_saturating_cast(original, self.dtype, self.owner))
         # One cross-rank check for the wrapper and its hook, at the first call on the group.
         group = comm.resolve_group(getattr(state, "process_group", state), owner=self.owner)
         with handshake.wrapping(self.owner, self.hook, state, group):
+            bucket.set_buffer(_saturating_cast(original, self.dtype, self.owner))
             reduced = self.hook(state, bucket)
         return reduced.then(lambda fut: original.copy_(fut.value()))
 

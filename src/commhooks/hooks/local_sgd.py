@@ -21,8 +21,8 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-# ``GradBucket`` itself, imported from where type checkers can see it. DDP compares a
-# hook's ``bucket`` annotation with that class, so it must be the very object.
+# The class ``dist.GradBucket`` names, imported from where type checkers can see it. DDP
+# compares a hook's ``bucket`` annotation with that class, so it must be the very object.
 from torch._C._distributed_c10d import GradBucket
 
 from commhooks import comm, handshake
