@@ -28,7 +28,7 @@ import torch
 
 from commhooks._warnings import CommHooksWarning
 
-__all__ = ["CheckpointError", "load", "read", "save"]
+__all__ = ["CheckpointError", "load", "read", "remove_leftovers", "save"]
 
 FORMAT = "commhooks.checkpoint"
 VERSION = 1
