@@ -70,6 +70,45 @@ def train(
     return losses
 
 
+def outcome(fn: Callable[[], Any]) -> Any:
+    """``fn()``, or the exception it raised as ``"Type: message"``, then a barrier.
+
+    For running several cases in one launch: each rank records what it saw, and the barrier
+    keeps the ranks together before the next case (a failure on both ranks alike leaves the
+    group usable).
+    """
+    try:
+        result = fn()
+    except Exception as exc:
+        result = f"{type(exc).__name__}: {exc}"
+    dist.barrier()
+    return result
+
+
+def count_gathers(
+    step: Callable[[torch.Tensor, torch.Tensor], Any],
+    data: Sequence[tuple[torch.Tensor, torch.Tensor]],
+) -> list[int]:
+    """How many ``all_gather_object`` calls (the one-off cross-rank checks) each step makes."""
+    calls: list[int] = []
+    original = dist.all_gather_object
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    dist.all_gather_object = counting
+    try:
+        per_step = []
+        for x, y in data:
+            before = len(calls)
+            step(x, y)
+            per_step.append(len(calls) - before)
+    finally:
+        dist.all_gather_object = original
+    return per_step
+
+
 def flat_params(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
 

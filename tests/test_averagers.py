@@ -320,8 +320,10 @@ def _average_utility(rank, world_size):
     return with_grad.detach(), half.detach(), without.detach()
 
 
-def test_average_parameters_skips_params_without_grad_and_keeps_dtypes():
-    for rank, (a, b, c) in enumerate(run_on_ranks(_average_utility, 2)):
+def test_average_parameters_averages_every_parameter_given_and_keeps_dtypes():
+    # As PyTorch's: parameters without a gradient are averaged too (the averagers filter them
+    # out through get_params_to_average; this function does not).
+    for a, b, c in run_on_ranks(_average_utility, 2):
         assert torch.equal(a, torch.full((2, 2), 0.5))
         assert b.dtype == torch.float64 and torch.equal(b, torch.full((3,), 0.5).double())
-        assert torch.equal(c, torch.full((2,), float(rank)))
+        assert torch.equal(c, torch.full((2,), 0.5))

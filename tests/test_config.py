@@ -313,5 +313,7 @@ def test_choices_that_would_fail_later_are_caught_at_registration():
         )
         assert m["no"] == "None" and m["no_hooks"] == 0
         assert m["own_group"] and m["same_from_config"]
-    assert results[0]["group"] == "accepted"
+    # A hook group other than the DDP model's is refused on every rank, before anything is sent.
+    refused = results[0]["group"]
+    assert "holds global ranks [0], but the DDP model synchronises ranks [0, 1]" in refused
     assert "not a member" in results[1]["group"]

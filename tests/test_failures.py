@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_utils import batches, flat_grads, flat_params, make_mlp
+from ddp_utils import batches, count_gathers, flat_grads, flat_params, make_mlp, outcome
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -111,27 +111,10 @@ def test_options_differing_between_ranks_are_named_on_first_use(kind, option, mi
 
 
 def _gathers_per_step(rank, world_size):
-    calls = []
-    original = dist.all_gather_object
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    out = {}
-    for kind, options in ONCE:
-        _, step = _build(kind, dict(options))
-        dist.all_gather_object = counting
-        try:
-            per_step = []
-            for x, y in batches(rank, 6):
-                before = len(calls)
-                step(x, y)
-                per_step.append(len(calls) - before)
-        finally:
-            dist.all_gather_object = original
-        out[_once_id(kind, options)] = per_step
-    return out
+    return {
+        _once_id(kind, options): count_gathers(_build(kind, dict(options))[1], batches(rank, 6))
+        for kind, options in ONCE
+    }
 
 
 ONCE = [
@@ -391,22 +374,19 @@ class WithEmptyLayer(nn.Module):
         return self.b(h) + self.empty(h).sum()
 
 
+def _train_with_an_empty_layer(rank, name):
+    ddp = DDP(WithEmptyLayer(), bucket_cap_mb=0.004)
+    commhooks.register(ddp, name, **HOOKS[name])
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    for x, y in batches(rank, 4):
+        opt.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+    return flat_params(ddp.module)
+
+
 def _empty_parameter(rank, world_size):
-    out = {}
-    for name in HOOKS:
-        ddp = DDP(WithEmptyLayer(), bucket_cap_mb=0.004)
-        commhooks.register(ddp, name, **HOOKS[name])
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-        try:
-            for x, y in batches(rank, 4):
-                opt.zero_grad(set_to_none=True)
-                nn.functional.mse_loss(ddp(x), y).backward()
-                opt.step()
-            out[name] = flat_params(ddp.module)
-        except Exception as exc:
-            out[name] = f"{type(exc).__name__}: {exc}"
-        dist.barrier()
-    return out
+    return {name: outcome(lambda: _train_with_an_empty_layer(rank, name)) for name in HOOKS}  # noqa: B023
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,15 @@ working on gloo/CPU as well as NCCL/GPU::
 from commhooks import checkpoint
 from commhooks._warnings import CommHooksWarning
 from commhooks.averagers import (
+    HierarchicalAveragerOptions,
     HierarchicalModelAverager,
     ModelAverager,
     OuterOptimizerAverager,
+    OuterOptimizerOptions,
+    PeriodicAveragerOptions,
     PeriodicModelAverager,
     average_parameters,
+    get_params_to_average,
 )
 from commhooks.config import CommHookType, HookConfig, register, register_from_config
 from commhooks.hooks import (
@@ -25,7 +29,7 @@ from commhooks.hooks import (
     fp16_compress_wrapper,
     noop_hook,
 )
-from commhooks.hooks.local_sgd import PostLocalSGDState, post_localSGD_hook
+from commhooks.hooks.local_sgd import PostLocalSGDOptions, PostLocalSGDState, post_localSGD_hook
 from commhooks.hooks.powersgd import (
     PowerSGDOptions,
     PowerSGDState,
@@ -42,13 +46,18 @@ __all__ = [
     "HookState",
     "StateDictError",
     "checkpoint",
+    "HierarchicalAveragerOptions",
     "HierarchicalModelAverager",
     "ModelAverager",
     "OuterOptimizerAverager",
+    "OuterOptimizerOptions",
+    "PeriodicAveragerOptions",
     "PeriodicModelAverager",
     "PostLocalSGDOptimizer",
+    "PostLocalSGDOptions",
     "PostLocalSGDState",
     "average_parameters",
+    "get_params_to_average",
     "post_localSGD_hook",
     "CommHookType",
     "HookConfig",

@@ -1,6 +1,7 @@
 """Model averagers: average parameters (not gradients) across ranks every few steps.
 
-Used after ``optimizer.step()`` with :func:`commhooks.post_localSGD_hook`, or alone::
+Used after ``optimizer.step()`` with :func:`commhooks.post_localSGD_hook`, or alone. Either
+call one after each step, as with PyTorch's averagers::
 
     averager = PeriodicModelAverager(period=4, warmup_steps=100)
     for x, y in data:
@@ -8,149 +9,302 @@ Used after ``optimizer.step()`` with :func:`commhooks.post_localSGD_hook`, or al
         optimizer.step()
         averager.average_parameters(model.parameters())
 
-Each averager counts its calls in ``step``; averaging happens at the calls the schedule picks.
-``step`` is part of :meth:`state_dict`, so a resumed run averages at the same steps.
+or attach it to the optimizer once, and it runs after every ``optimizer.step()``::
 
-Every averager communicates through :func:`average_parameters`: one flat buffer, one
-allreduce, and it skips parameters without gradients (frozen layers, unused branches), which
-every rank must agree on.
+    averager.attach(optimizer, model.named_parameters())
+
+Each averager counts its steps in ``step``; averaging happens at the steps its schedule picks,
+over the parameters that have a gradient (:func:`commhooks.parameters.get_params_to_average`).
+``step`` and the schedule are in :meth:`state_dict`, so a resumed run averages at the same steps.
 """
 
+import collections
 import functools
 import logging
 import warnings
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
+from torch.utils.hooks import RemovableHandle
 
-from commhooks import comm
-from commhooks._validate import check_bool, check_int
+from commhooks import comm, handshake
 from commhooks._warnings import CommHooksWarning
-from commhooks.state import HookState, StateDictError
+from commhooks.options import Options, count, flag, option, real
+from commhooks.parameters import (
+    Named,
+    Params,
+    average_parameters,
+    averaged_views,
+    get_params_to_average,
+    named_in_groups,
+    positional,
+)
+from commhooks.state import (
+    HookState,
+    StateDictError,
+    check_count,
+    check_optimizer_state,
+    check_tensor,
+)
 
 __all__ = [
+    "AveragerOptions",
+    "HierarchicalAveragerOptions",
     "HierarchicalModelAverager",
     "ModelAverager",
     "OuterOptimizerAverager",
+    "OuterOptimizerOptions",
+    "PeriodicAveragerOptions",
     "PeriodicModelAverager",
     "average_parameters",
+    "get_params_to_average",
     "params_with_grads",
 ]
 
 logger = logging.getLogger(__name__)
-Params = Iterable[torch.Tensor] | Iterable[Mapping[str, Any]]
 OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+params_with_grads = get_params_to_average  # the name of earlier releases
 
 
-def params_with_grads(params: Params) -> list[torch.Tensor]:
-    """The parameters that have a gradient, from tensors or optimizer ``param_groups``.
+# ----------------------------------------------------------------------------------------------
+# Options
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class AveragerOptions(Options):
+    """The options every averager has."""
 
-    Raises:
-        TypeError: an entry is neither a tensor nor a parameter-group dict.
-    """
-    out: list[torch.Tensor] = []
-    for entry in params:
-        group = entry["params"] if isinstance(entry, Mapping) else [entry]
-        for p in group:
-            if not isinstance(p, torch.Tensor):
-                raise TypeError(
-                    "average_parameters takes model.parameters() or optimizer.param_groups; "
-                    f"got an entry of type {type(p).__name__}."
-                )
-            if p.grad is not None:
-                out.append(p)
-    return out
+    owner: ClassVar[str] = "ModelAverager"
+
+    warmup_steps: int = option(
+        0, "steps that never average; match the hook's start_localSGD_iter", check=count(0)
+    )
 
 
-def average_parameters(params: Params, process_group: dist.ProcessGroup | None = None) -> None:
-    """Average the parameters that have gradients across ``process_group``, in place.
+@dataclass(frozen=True, kw_only=True)
+class PeriodicAveragerOptions(AveragerOptions):
+    """The options of :class:`PeriodicModelAverager`."""
 
-    One allreduce of a flat copy: per-tensor allreduces would pay the latency once per layer.
+    owner: ClassVar[str] = "PeriodicModelAverager"
 
-    Args:
-        params: ``model.parameters()`` or ``optimizer.param_groups``.
-        process_group: the group to average over; ``None`` for the default group.
-    """
-    tensors = params_with_grads(params)
-    group = comm.resolve_group(process_group, owner="average_parameters")
-    if not tensors or comm.world_size(group) == 1:
-        return
-    flat = _averaged_flat(tensors, group)
-    with torch.no_grad():
-        for p, avg in zip(tensors, _views(flat, tensors)):
-            p.copy_(avg)
+    period: int = option(
+        reason="steps between two averagings; longer saves bandwidth, lets replicas drift",
+        check=count(1, "Pass period=k to average every k steps."),
+    )
 
 
-def _averaged_flat(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> torch.Tensor:
-    flat = torch.cat([p.detach().reshape(-1) for p in tensors])
-    return comm.average(flat, group).wait()
+def _check_levels(owner: str, name: str, levels: Any) -> tuple[tuple[int, int], ...]:
+    """``{period: group size}`` as ``(period, size)`` pairs, checked for what needs no group."""
+    if isinstance(levels, tuple):  # already checked (a copy made by Options.replace)
+        levels = dict(levels)
+    if not isinstance(levels, Mapping) or not levels:
+        raise ValueError(
+            f"{owner}: {name} must be a non-empty ordered mapping {{period: group size}}, "
+            f"e.g. {{2: 2, 8: 16}} on 16 ranks; got {levels!r}."
+        )
+    pairs = tuple(
+        (count(1)(owner, "every period", p), count(1)(owner, "every group size", s))
+        for p, s in levels.items()
+    )
+    periods = [p for p, _ in pairs]
+    if any(b <= a for a, b in zip(periods, periods[1:])):
+        raise ValueError(
+            f"{owner}: periods must be strictly increasing in {name}, got {periods}. List the "
+            "smallest group with the shortest period first."
+        )
+    return pairs
 
 
-def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
-    out, offset = [], 0
-    for t in like:
-        out.append(flat[offset : offset + t.numel()].view_as(t))
-        offset += t.numel()
-    return out
+@dataclass(frozen=True, kw_only=True)
+class HierarchicalAveragerOptions(AveragerOptions):
+    """The options of :class:`HierarchicalModelAverager`."""
+
+    owner: ClassVar[str] = "HierarchicalModelAverager"
+
+    period_group_size_dict: tuple[tuple[int, int], ...] = option(
+        reason="{period: group size}, periods increasing; the largest group is the whole group",
+        check=_check_levels,
+    )
 
 
+def _positive(owner: str, name: str, value: Any) -> float:
+    number = real(hint="a learning rate")(owner, name, value)
+    if number <= 0:
+        raise ValueError(f"{owner}: {name} must be a positive number, got {value!r}.")
+    return float(number)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OuterOptimizerOptions(PeriodicAveragerOptions):
+    """The options of :class:`OuterOptimizerAverager`."""
+
+    owner: ClassVar[str] = "OuterOptimizerAverager"
+
+    outer_lr: float = option(0.7, "learning rate of the default outer SGD", check=_positive)
+    outer_momentum: float = option(
+        0.9, "momentum of the default outer SGD, in [0, 1) (0: none)", check=real(0, 1)
+    )
+    nesterov: bool = option(True, "Nesterov momentum for the default outer SGD", check=flag())
+    outer_optimizer: OptimizerFactory | None = option(
+        None, "factory(list of tensors) -> optimizer, replacing the default outer SGD"
+    )
+
+    def check_together(self) -> None:
+        if self.outer_momentum >= 1:
+            raise ValueError(
+                f"{self.owner}: outer_momentum must be in [0, 1), got {self.outer_momentum!r}."
+            )
+        if self.outer_optimizer is not None and not callable(self.outer_optimizer):
+            raise ValueError(
+                f"{self.owner}: outer_optimizer must be a callable taking a list of tensors and "
+                f"returning an optimizer, got {type(self.outer_optimizer).__name__}."
+            )
+
+    def factory(self) -> OptimizerFactory:
+        """The outer optimizer's factory: the one given, or SGD with the three options."""
+        if self.outer_optimizer is not None:
+            return self.outer_optimizer
+        momentum = self.outer_momentum
+        return functools.partial(
+            torch.optim.SGD,
+            lr=self.outer_lr,
+            momentum=momentum,
+            nesterov=self.nesterov and momentum > 0,
+        )
+
+    def described(self) -> dict[str, Any]:
+        """The options as every rank must agree on them (a factory by its name)."""
+        if self.outer_optimizer is None:
+            return {n: getattr(self, n) for n in ("outer_lr", "outer_momentum", "nesterov")}
+        given = self.outer_optimizer
+        name = repr(given) if isinstance(given, functools.partial) else _qualname(given)
+        return {"outer_optimizer": name}
+
+
+def default_outer_optimizer(
+    lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True
+) -> OptimizerFactory:
+    """SGD factory for :class:`OuterOptimizerAverager` (DiLoCo's choice by default)."""
+    return OuterOptimizerOptions(
+        period=1, outer_lr=lr, outer_momentum=momentum, nesterov=nesterov
+    ).factory()
+
+
+def _step_count(where: str, value: Any) -> int:
+    try:
+        return check_count(where, value)
+    except StateDictError:
+        raise StateDictError(f"{where} must be a non-negative integer, got {value!r}.") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# The averagers
+# ----------------------------------------------------------------------------------------------
 class ModelAverager(HookState):
-    """Base of the averagers: the step counter, warm-up, and the once-only option check.
+    """Base of the averagers: the step counter, warm-up, the once-only check, attaching.
 
     Subclasses decide at which steps to average (:meth:`_group_due`) and how
     (:meth:`_average`). Both are pure functions of ``step``, identical on every rank.
 
     Args:
-        warmup_steps: calls to :meth:`average_parameters` that never average.
+        warmup_steps: steps that never average.
         process_group: the group to average over; ``None`` for the default group.
     """
 
     kind: ClassVar[str] = "model_averager"
+    options_class: ClassVar[type[AveragerOptions]] = AveragerOptions
     _transient: ClassVar[tuple[str, ...]] = ("_checked",)
 
-    def __init__(self, warmup_steps: int = 0, process_group: dist.ProcessGroup | None = None):
-        check_int(type(self).__name__, "warmup_steps", warmup_steps, 0)
-        super().__init__(process_group)
-        self.warmup_steps = warmup_steps
+    def __init__(
+        self, warmup_steps: int = 0, process_group: dist.ProcessGroup | None = None
+    ) -> None:
+        self._setup(self.options_class(warmup_steps=warmup_steps), process_group)
+
+    def _setup(self, options: AveragerOptions, process_group: dist.ProcessGroup | None) -> None:
+        HookState.__init__(self, process_group)
+        self.options = options
         self.step = 0
         self._checked = False
+
+    @property
+    def warmup_steps(self) -> int:
+        """Steps that never average (restored from a state dict, as a learning rate is)."""
+        return self.options.warmup_steps
 
     def average_parameters(self, params: Params) -> None:
         """Average ``params`` if this step is due, then advance ``step``.
 
+        The parameters without a gradient are left out, as PyTorch's averagers do; the others
+        are known by their position among those (use :meth:`attach` for names that survive a
+        change of model or optimizer).
+
         Args:
             params: ``model.parameters()`` or ``optimizer.param_groups``.
         """
+        self.average_named(positional(get_params_to_average(params)))
+
+    def average_named(self, named: Named) -> None:
+        """Average the named parameters if this step is due, then advance ``step``.
+
+        A collective at the steps that average (and, once, at the first call, to check that
+        every rank has the same schedule): call it on every rank at every step.
+        """
         if not self._checked:
             group = comm.resolve_group(self.process_group, owner=type(self).__name__)
-            comm.check_same_on_all_ranks(self._options(), group, owner=type(self).__name__)
+            handshake.check_fields(self.handshake_fields(), group, owner=type(self).__name__)
             self._checked = True
         due = self._group_due()
         if due is not None:
-            self._average(params, due)
+            self._average(named, due)
         else:
-            self._between_syncs(params)
+            self._between_syncs(named)
         self.step += 1
 
-    def _options(self) -> dict[str, Any]:
-        return {"warmup_steps": self.warmup_steps, "step": self.step}
+    def attach(
+        self,
+        optimizer: torch.optim.Optimizer,
+        named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+    ) -> RemovableHandle:
+        """Run this averager after every ``optimizer.step()``, through its step post-hook.
+
+        The parameters averaged are those of ``optimizer.param_groups`` that have a gradient,
+        each known by its name in ``named_parameters`` (e.g. ``model.named_parameters()``),
+        else by the optimizer's own parameter names, else by its place in the groups. State kept
+        per parameter (:class:`OuterOptimizerAverager`'s snapshot) is keyed by that name, so a
+        checkpoint resumes after the model and optimizer are rebuilt.
+
+        Returns:
+            the hook's handle: ``handle.remove()`` detaches the averager.
+        """
+        names = None if named_parameters is None else {id(p): n for n, p in named_parameters}
+        return optimizer.register_step_post_hook(_AfterStep(self, names))
+
+    def handshake_fields(self) -> dict[str, Any]:
+        """The schedule and step, which every rank must share (checked at the first call)."""
+        return {**self.options.as_dict(), "step": self.step}
 
     def _group_due(self) -> dist.ProcessGroup | None:
         raise NotImplementedError
 
-    def _average(self, params: Params, group: dist.ProcessGroup) -> None:
-        average_parameters(params, group)
+    def _average(self, named: Named, group: dist.ProcessGroup) -> None:
+        average_parameters([p for _, p in named], group)
 
-    def _between_syncs(self, params: Params) -> None:
+    def _between_syncs(self, named: Named) -> None:
         """Called at the steps that do not average, so a subclass can prepare the next sync.
 
-        Runs after the option check and at the same steps on every rank, so it may communicate.
-        Default: nothing.
+        Runs after the schedule check and at the same steps on every rank, so it may
+        communicate. Default: nothing.
         """
 
     def _restore_transient(self) -> None:
+        if "options" not in self.__dict__:  # pickled by a release without options objects
+            names = self.options_class.names()
+            values = {n: self.__dict__.pop(n) for n in names if n in self.__dict__}
+            if "levels" in self.__dict__:
+                values["period_group_size_dict"] = dict(self.__dict__.pop("levels"))
+            self.options = self.options_class(**values)
         self._checked = False
 
     # -- state dicts: parse (validate everything) then apply, so a bad dict changes nothing ---
@@ -165,19 +319,10 @@ class ModelAverager(HookState):
         self._apply(self._parse(state_dict))
 
     def _parse(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
-        step = state_dict.get("step")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise StateDictError(
-                f"{type(self).__name__}.load_state_dict: 'step' must be a non-negative integer, "
-                f"got {step!r}."
-            )
+        where = f"{type(self).__name__}.load_state_dict:"
+        step = _step_count(f"{where} 'step'", state_dict.get("step"))
         warmup = state_dict.get("warmup_steps", self.warmup_steps)
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-            raise StateDictError(
-                f"{type(self).__name__}.load_state_dict: 'warmup_steps' must be a non-negative "
-                f"integer, got {warmup!r}."
-            )
-        return {"step": step, "warmup_steps": warmup}
+        return {"step": step, "warmup_steps": _step_count(f"{where} 'warmup_steps'", warmup)}
 
     def _check_saved_option(
         self,
@@ -213,18 +358,28 @@ class ModelAverager(HookState):
         )
 
     def _apply(self, values: dict[str, Any]) -> None:
-        warmup = values.get("warmup_steps", self.warmup_steps)
+        warmup = values["warmup_steps"]
         if warmup != self.warmup_steps:
             warnings.warn(
                 f"{type(self).__name__}.load_state_dict: restored warmup_steps={warmup} from the "
                 f"state dict (this averager was built with warmup_steps={self.warmup_steps}), "
                 "so the resumed run averages at the steps the saved one would have.",
                 CommHooksWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
+            self.options = self.options.replace(warmup_steps=warmup)
         self.step = values["step"]
-        self.warmup_steps = warmup
         self._checked = False
+
+
+class _AfterStep:
+    """The step post-hook :meth:`ModelAverager.attach` registers."""
+
+    def __init__(self, averager: ModelAverager, names: dict[int, str] | None) -> None:
+        self.averager, self.names = averager, names
+
+    def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.averager.average_named(named_in_groups(optimizer.param_groups, self.names))
 
 
 class PeriodicModelAverager(ModelAverager):
@@ -240,18 +395,19 @@ class PeriodicModelAverager(ModelAverager):
     """
 
     kind: ClassVar[str] = "periodic_model_averager"
+    options_class: ClassVar[type[AveragerOptions]] = PeriodicAveragerOptions
+    options: PeriodicAveragerOptions
 
     def __init__(
         self, period: int, warmup_steps: int = 0, process_group: dist.ProcessGroup | None = None
     ) -> None:
-        check_int(
-            type(self).__name__, "period", period, 1, " Pass period=k to average every k steps."
-        )
-        super().__init__(warmup_steps, process_group)
-        self.period = period
+        options = PeriodicAveragerOptions(period=period, warmup_steps=warmup_steps)
+        self._setup(options, process_group)
 
-    def _options(self) -> dict[str, Any]:
-        return {**super()._options(), "period": self.period}
+    @property
+    def period(self) -> int:
+        """Steps between averagings."""
+        return self.options.period
 
     def _group_due(self) -> dist.ProcessGroup | None:
         if self.step < self.warmup_steps or (self.step - self.warmup_steps) % self.period:
@@ -273,11 +429,12 @@ class HierarchicalModelAverager(ModelAverager):
     At a step past the warm-up, the averaging runs in the largest group whose period divides
     the step (counting from 0, as PyTorch does); smaller groups are nested in it, so averaging
     them as well would change nothing. Groups of size ``s`` are consecutive blocks of ``s``
-    ranks of ``process_group``.
+    ranks of ``process_group``, and inherit its timeout.
 
     The groups are created at construction, a collective over the default group: build the
     averager on every rank at the same point. After unpickling they are created again on the
-    first call to :meth:`average_parameters`, which every rank also makes at the same step.
+    first call to :meth:`average_parameters` (or the first read of
+    :attr:`period_process_group_dict`), which every rank must also make at the same step.
 
     Args:
         period_group_size_dict: ordered ``{period: group size}``, periods increasing; every
@@ -289,6 +446,8 @@ class HierarchicalModelAverager(ModelAverager):
     """
 
     kind: ClassVar[str] = "hierarchical_model_averager"
+    options_class: ClassVar[type[AveragerOptions]] = HierarchicalAveragerOptions
+    options: HierarchicalAveragerOptions
     _transient: ClassVar[tuple[str, ...]] = ("_checked", "_groups")
 
     def __init__(
@@ -297,20 +456,46 @@ class HierarchicalModelAverager(ModelAverager):
         warmup_steps: int = 0,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
-        super().__init__(warmup_steps, process_group)
         # The shape of the hierarchy first: its errors need no process group, and looking one
         # up first would report a missing group instead of the mistake in the hierarchy.
-        levels = _check_levels(period_group_size_dict)
+        given = period_group_size_dict
+        options = HierarchicalAveragerOptions(
+            period_group_size_dict=tuple(given.items()) if isinstance(given, Mapping) else given,
+            warmup_steps=warmup_steps,
+        )
+        self._setup(options, process_group)
         world = comm.world_size(comm.resolve_group(process_group, owner=type(self).__name__))
-        self.levels = _check_fits_world(levels, world)
-        self._groups = self._create_groups()
+        _check_fits_world(self.levels, world)
+        self._groups: list[dist.ProcessGroup | None] | None = self._create_groups()
         for period, size in self.levels:
             logger.info("hierarchical averaging: groups of %d ranks every %d steps", size, period)
+
+    @property
+    def levels(self) -> tuple[tuple[int, int], ...]:
+        """The hierarchy as ``(period, group size)`` pairs, periods increasing."""
+        return self.options.period_group_size_dict
 
     @property
     def period_group_size_dict(self) -> dict[int, int]:
         """The hierarchy as given: ``{period: group size}``."""
         return dict(self.levels)
+
+    @property
+    def period_process_group_dict(self) -> "collections.OrderedDict[int, Any]":
+        """``{period: process group}``, as PyTorch's attribute: this rank's group per level.
+
+        A level of one rank maps to ``None`` (it never communicates). Reading it after
+        unpickling, before the first average, creates the groups: a collective.
+        """
+        groups = self._groups_now()
+        return collections.OrderedDict(
+            (period, group) for (period, _), group in zip(self.levels, groups)
+        )
+
+    def _groups_now(self) -> list[dist.ProcessGroup | None]:
+        if self._groups is None:
+            self._groups = self._create_groups()
+        return self._groups
 
     def _create_groups(self) -> list[dist.ProcessGroup | None]:
         parent = comm.resolve_group(self.process_group, owner=type(self).__name__)
@@ -328,18 +513,18 @@ class HierarchicalModelAverager(ModelAverager):
                 groups.append(None)  # averaging alone changes nothing
             else:
                 blocks = [ranks[i : i + size] for i in range(0, len(ranks), size)]
-                groups.append(next(g for g in comm.new_groups(blocks) if g is not None))
+                mine = comm.new_groups(blocks, parent)
+                groups.append(next(g for g in mine if g is not None))
         return groups
 
-    def _options(self) -> dict[str, Any]:
-        return {**super()._options(), "period_group_size_dict": dict(self.levels)}
+    def handshake_fields(self) -> dict[str, Any]:
+        """The hierarchy, warm-up and step, which every rank must share."""
+        return {**super().handshake_fields(), "period_group_size_dict": self.period_group_size_dict}
 
     def _group_due(self) -> dist.ProcessGroup | None:
         if self.step < self.warmup_steps:
             return None
-        if self._groups is None:
-            self._groups = self._create_groups()
-        for (period, _), group in zip(reversed(self.levels), reversed(self._groups)):
+        for (period, _), group in zip(reversed(self.levels), reversed(self._groups_now())):
             if self.step % period == 0:
                 return group  # None for groups of one rank: nothing to average
         return None
@@ -377,29 +562,8 @@ class HierarchicalModelAverager(ModelAverager):
         return self
 
 
-def _check_levels(levels: Mapping[int, int]) -> list[tuple[int, int]]:
-    """The hierarchy's ``(period, size)`` pairs, checked for what needs no process group."""
-    owner = "HierarchicalModelAverager"
-    if not isinstance(levels, Mapping) or not levels:
-        raise ValueError(
-            f"{owner}: period_group_size_dict must be a non-empty ordered mapping "
-            f"{{period: group size}}, e.g. {{2: 2, 8: 16}} on 16 ranks; got {levels!r}."
-        )
-    pairs = list(levels.items())
-    for period, size in pairs:
-        check_int(owner, "every period", period, 1)
-        check_int(owner, "every group size", size, 1)
-    periods = [p for p, _ in pairs]
-    if any(b <= a for a, b in zip(periods, periods[1:])):
-        raise ValueError(
-            f"{owner}: periods must be strictly increasing in period_group_size_dict, got "
-            f"{periods}. List the smallest group with the shortest period first."
-        )
-    return pairs
-
-
-def _check_fits_world(pairs: list[tuple[int, int]], world: int) -> list[tuple[int, int]]:
-    """``pairs`` if their group sizes fit a group of ``world`` ranks."""
+def _check_fits_world(pairs: tuple[tuple[int, int], ...], world: int) -> None:
+    """Raise unless the hierarchy's group sizes fit a group of ``world`` ranks."""
     owner = "HierarchicalModelAverager"
     for _, size in pairs:
         if world % size:
@@ -413,7 +577,6 @@ def _check_fits_world(pairs: list[tuple[int, int]], world: int) -> list[tuple[in
             f"whole group of {world} ranks, got size {pairs[-1][1]}. Add or change the last "
             f"entry to {{period: {world}}}."
         )
-    return pairs
 
 
 def _pairs_as_dict(pairs: Any) -> str:
@@ -424,32 +587,27 @@ def _pairs_as_dict(pairs: Any) -> str:
         return repr(pairs)  # malformed: show it as it is
 
 
-def default_outer_optimizer(
-    lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True
-) -> OptimizerFactory:
-    """SGD factory for :class:`OuterOptimizerAverager` (DiLoCo's choice by default)."""
-    return functools.partial(
-        torch.optim.SGD, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0
-    )
-
-
 class OuterOptimizerAverager(PeriodicModelAverager):
     """Periodic averaging that applies an outer optimizer to the averaged change (DiLoCo).
 
-    Keeps the parameters as they were at the last sync (the snapshot). At each sync, the
-    change the ranks made since then, averaged (``last sync - average of current``), is
-    treated as a gradient: the parameters go back to their last-sync values and the outer
-    optimizer takes one step with that pseudo-gradient. With outer SGD at learning rate 1 and
-    no momentum this is plain periodic averaging; momentum lets the slow, infrequent global
-    updates build speed.
+    Keeps the parameters as they were at the last sync (the snapshot), by parameter name. At
+    each sync, the change the ranks made since then, averaged (``last sync - average of
+    current``), is treated as a gradient: the parameters go back to their last-sync values and
+    the outer optimizer takes one step with that pseudo-gradient. With outer SGD at learning
+    rate 1 and no momentum this is plain periodic averaging; momentum lets the slow, infrequent
+    global updates build speed.
 
     The first snapshot is taken at the last warm-up step (``warmup_steps - 1``), as the
     average over the group of the parameters then: DiLoCo steps from where the local phase
     started, and the average is the same on every rank even if the warm-up did not keep the
     parameters in sync (they are left as they are). That costs one more allreduce, at that
     step. So the first sync already applies the outer optimizer. Without a snapshot at a sync
-    (``warmup_steps=0``, or a state dict saved without one, e.g. by an older release) that sync
-    is a plain average, which becomes the snapshot; the outer optimizer starts at the next.
+    (``warmup_steps=0``, or a state dict saved without one) that sync is a plain average, which
+    becomes the snapshot; the outer optimizer starts at the next.
+
+    The snapshot is keyed by the parameters' names when the averager is attached with them
+    (:meth:`attach`), else by their positions. State dicts of earlier releases, whose
+    snapshot is a list, still load: their entries are matched to the parameters by position.
 
     Args:
         period: steps between syncs.
@@ -468,6 +626,10 @@ class OuterOptimizerAverager(PeriodicModelAverager):
     """
 
     kind: ClassVar[str] = "outer_optimizer_averager"
+    # 2: the snapshot is a mapping from parameter names; 1 saved a positional list.
+    version: ClassVar[int] = 2
+    options_class: ClassVar[type[AveragerOptions]] = OuterOptimizerOptions
+    options: OuterOptimizerOptions
 
     def __init__(
         self,
@@ -480,133 +642,152 @@ class OuterOptimizerAverager(PeriodicModelAverager):
         nesterov: bool = True,
         outer_optimizer: OptimizerFactory | None = None,
     ) -> None:
-        super().__init__(period, warmup_steps, process_group)
-        name = type(self).__name__
-        if outer_optimizer is None:
-            if not isinstance(outer_lr, (int, float)) or not outer_lr > 0:
-                raise ValueError(f"{name}: outer_lr must be a positive number, got {outer_lr!r}.")
-            if not isinstance(outer_momentum, (int, float)) or not 0 <= outer_momentum < 1:
-                raise ValueError(
-                    f"{name}: outer_momentum must be in [0, 1), got {outer_momentum!r}."
-                )
-            check_bool(name, "nesterov", nesterov)
-            outer_optimizer = default_outer_optimizer(outer_lr, outer_momentum, nesterov)
-            # Named as the user passed them, so a cross-rank mismatch names the option.
-            self._outer_options: dict[str, Any] = {
-                "outer_lr": outer_lr,
-                "outer_momentum": outer_momentum,
-                "nesterov": nesterov,
-            }
-        elif not callable(outer_optimizer):
-            raise ValueError(
-                f"{name}: outer_optimizer must be a callable taking a list of tensors and "
-                f"returning an optimizer, got {type(outer_optimizer).__name__}."
-            )
-        else:
-            described = (
-                repr(outer_optimizer)
-                if isinstance(outer_optimizer, functools.partial)
-                else _qualname(outer_optimizer)
-            )
-            self._outer_options = {"outer_optimizer": described}
-        self.outer_optimizer_factory = outer_optimizer
-        self.snapshot: list[torch.Tensor] | None = None
+        options = OuterOptimizerOptions(
+            period=period,
+            warmup_steps=warmup_steps,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+            nesterov=nesterov,
+            outer_optimizer=outer_optimizer,
+        )
+        self._setup(options, process_group)
+        self.outer_optimizer_factory = options.factory()
+        self.snapshot: dict[str, torch.Tensor] | None = None
         self.outer_optimizer: torch.optim.Optimizer | None = None
 
-    def _options(self) -> dict[str, Any]:
-        return {**super()._options(), **self._outer_options, "synced": self.snapshot is not None}
+    def handshake_fields(self) -> dict[str, Any]:
+        """The schedule, the outer optimizer's options and whether a snapshot exists."""
+        opts = self.options
+        schedule = {"warmup_steps": opts.warmup_steps, "period": opts.period, "step": self.step}
+        return {**schedule, **opts.described(), "synced": self.snapshot is not None}
 
-    def _between_syncs(self, params: Params) -> None:
-        if self.step != self.warmup_steps - 1:
-            return
-        tensors = params_with_grads(params)
-        if not tensors:
+    def _between_syncs(self, named: Named) -> None:
+        if self.step != self.warmup_steps - 1 or not named:
             return
         group = comm.resolve_group(self.process_group, owner=type(self).__name__)
-        avg = _views(_averaged_flat(tensors, group), tensors)
+        avg = averaged_views([p for _, p in named], group)
         # Copies in each parameter's dtype: the flat buffer has the widest of them.
-        self._start_from([a.to(p.dtype, copy=True) for p, a in zip(tensors, avg)])
+        self._start_from({n: a.to(p.dtype, copy=True) for (n, p), a in zip(named, avg)})
 
-    def _start_from(self, snapshot: list[torch.Tensor]) -> None:
+    def _start_from(self, snapshot: dict[str, torch.Tensor]) -> None:
         self.snapshot = snapshot
-        self.outer_optimizer = self.outer_optimizer_factory(snapshot)
+        self.outer_optimizer = self.outer_optimizer_factory(list(snapshot.values()))
 
-    def _average(self, params: Params, group: dist.ProcessGroup) -> None:
-        tensors = params_with_grads(params)
-        if not tensors:
+    def _average(self, named: Named, group: dist.ProcessGroup) -> None:
+        if not named:
             return
-        if self.snapshot is None:
+        tensors = [p for _, p in named]
+        if self.snapshot is None or self.outer_optimizer is None:
             average_parameters(tensors, group)
-            self._start_from([p.detach().clone() for p in tensors])
+            self._start_from({n: p.detach().clone() for n, p in named})
             return
-        self._check_fits(tensors)  # before the collective, so no rank is left waiting
-        avg = _views(_averaged_flat(tensors, group), tensors)
+        snapshot = self._fit_snapshot(named)  # before the collective, so no rank waits alone
+        avg = averaged_views(tensors, group)
         with torch.no_grad():
-            for snap, a in zip(self.snapshot, avg):
+            for snap, a in zip(snapshot, avg):
                 # In place in the flat buffer: it is not needed after this.
                 snap.grad = a.neg_().add_(snap).to(snap.dtype)
         self.outer_optimizer.step()
         self.outer_optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
-            for p, snap in zip(tensors, self.snapshot):
+            for p, snap in zip(tensors, snapshot):
                 p.copy_(snap)
 
-    def _check_fits(self, tensors: list[torch.Tensor]) -> None:
-        shapes = [tuple(t.shape) for t in tensors]
-        saved = [tuple(s.shape) for s in self.snapshot]
-        if shapes != saved:
+    def _fit_snapshot(self, named: Named) -> list[torch.Tensor]:
+        """The snapshot's tensors in the order of ``named``, or ``ValueError`` if they differ."""
+        assert self.snapshot is not None
+        names = [n for n, _ in named]
+        if set(names) != set(self.snapshot) and _is_positional(self.snapshot, len(names)):
+            # Saved by position (an earlier release, or average_parameters): same order.
+            self.snapshot = dict(zip(names, self.snapshot.values()))
+        found = [self.snapshot.get(n) for n in names]
+        fits = [
+            s is not None and s.shape == p.shape and s.dtype == p.dtype
+            for s, (_, p) in zip(found, named)
+        ]
+        if len(names) != len(self.snapshot) or not all(fits):
             raise ValueError(
-                f"{type(self).__name__}: the parameters to average ({len(shapes)} tensors) do "
-                f"not match the snapshot from the last sync ({len(saved)} tensors); the set of "
-                "parameters with gradients changed, or a state dict saved for another model was "
-                "loaded. Nothing was changed; load the matching checkpoint."
+                f"{type(self).__name__}: the parameters to average ({len(names)} tensors) do "
+                f"not match the snapshot from the last sync ({len(self.snapshot)} tensors; "
+                "names, shapes and dtypes must match); the set of parameters with gradients "
+                "changed, or a state dict saved for another model was loaded. Nothing was "
+                "changed; load the matching checkpoint."
             )
-        if self.snapshot[0].device != tensors[0].device:
-            self._move_snapshot(tensors[0].device)
+        snapshot = [s for s in found if s is not None]
+        if snapshot[0].device != named[0][1].device:
+            self._move_snapshot(named[0][1].device)
+        return snapshot
 
     def _move_snapshot(self, device: torch.device) -> None:
         # Loaded on another device (e.g. a CPU checkpoint): move in place so that the outer
         # optimizer keeps its references, then let it move its own state.
-        for snap in self.snapshot:
+        assert self.snapshot is not None and self.outer_optimizer is not None
+        for snap in self.snapshot.values():
             snap.data = snap.data.to(device)
         self.outer_optimizer.load_state_dict(self.outer_optimizer.state_dict())
 
     def _save(self) -> dict[str, Any]:
         # "synced": there is a snapshot, from the last warm-up step or from a sync.
-        synced = self.snapshot is not None
+        synced = self.snapshot is not None and self.outer_optimizer is not None
         return {
             **super()._save(),
-            "snapshot": [s.detach().clone() for s in self.snapshot] if synced else [],
-            "outer_optimizer": self.outer_optimizer.state_dict() if synced else {},
+            "snapshot": {n: s.detach().clone() for n, s in (self.snapshot or {}).items()},
+            "outer_optimizer": self.outer_optimizer.state_dict() if self.outer_optimizer else {},
             "synced": synced,
         }
 
     def _parse(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
         values = super()._parse(state_dict)
-        name = f"{type(self).__name__}.load_state_dict"
-        synced, snapshot = state_dict.get("synced"), state_dict.get("snapshot")
-        if not isinstance(synced, bool) or not isinstance(snapshot, list):
-            raise StateDictError(f"{name}: 'synced' or 'snapshot' is missing or malformed.")
+        where = f"{type(self).__name__}.load_state_dict:"
+        synced, raw = state_dict.get("synced"), state_dict.get("snapshot")
+        if not isinstance(synced, bool) or not isinstance(raw, (list, Mapping)):
+            raise StateDictError(f"{where} 'synced' or 'snapshot' is missing or malformed.")
         if not synced:
             return {**values, "snapshot": None, "outer_optimizer": None}
-        if not snapshot or not all(isinstance(t, torch.Tensor) for t in snapshot):
-            raise StateDictError(f"{name}: 'snapshot' must be a non-empty list of tensors.")
-        tensors = [t.detach().clone() for t in snapshot]
-        outer = self.outer_optimizer_factory(tensors)
+        snapshot = _parse_snapshot(where, raw)
+        outer = self.outer_optimizer_factory(list(snapshot.values()))
+        saved = check_optimizer_state(
+            f"{where} the outer optimizer state ('outer_optimizer')",
+            state_dict.get("outer_optimizer"),
+            list(snapshot.values()),
+        )
         try:
-            outer.load_state_dict(state_dict.get("outer_optimizer"))
-        except (KeyError, ValueError, TypeError) as exc:
+            outer.load_state_dict(saved)
+        except (KeyError, ValueError, TypeError, IndexError) as exc:
             raise StateDictError(
-                f"{name}: the outer optimizer state does not fit this averager's outer "
+                f"{where} the outer optimizer state does not fit this averager's outer "
                 f"optimizer ({type(outer).__name__}): {exc}"
             ) from exc
-        return {**values, "snapshot": tensors, "outer_optimizer": outer}
+        return {**values, "snapshot": snapshot, "outer_optimizer": outer}
 
     def _apply(self, values: dict[str, Any]) -> None:
         super()._apply(values)
         self.snapshot = values["snapshot"]
         self.outer_optimizer = values["outer_optimizer"]
 
+    def _restore_transient(self) -> None:
+        super()._restore_transient()
+        if isinstance(self.snapshot, list):  # pickled by a release that kept it by position
+            self.snapshot = dict(zip(map(str, range(len(self.snapshot))), self.snapshot))
+
+
+def _is_positional(snapshot: Mapping[str, torch.Tensor], size: int) -> bool:
+    return len(snapshot) == size and list(snapshot) == [str(i) for i in range(size)]
+
+
+def _parse_snapshot(where: str, raw: Any) -> dict[str, torch.Tensor]:
+    """The saved snapshot as ``{name: tensor}``, each tensor checked and copied."""
+    items = list(enumerate(raw)) if isinstance(raw, list) else list(raw.items())
+    if not items:
+        raise StateDictError(f"{where} 'snapshot' must hold a tensor per parameter, got none.")
+    out: dict[str, torch.Tensor] = {}
+    for name, t in items:
+        if not isinstance(name, (str, int)) or isinstance(name, bool):
+            raise StateDictError(f"{where} 'snapshot' keys must be parameter names (strings).")
+        entry = f"{where} 'snapshot'[{str(name)!r}]"
+        out[str(name)] = check_tensor(entry, t, floating=True).detach().clone()
+    return out
+
 
 def _qualname(obj: Any) -> str:
-    return getattr(obj, "__qualname__", type(obj).__qualname__)
+    return str(getattr(obj, "__qualname__", type(obj).__qualname__))

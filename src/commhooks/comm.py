@@ -8,6 +8,7 @@ threads in a different order on each rank. :class:`OrderedIssuer` fixes it by st
 collectives in the order their slots were reserved, whichever thread gets there first.
 """
 
+import datetime
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -24,6 +25,7 @@ __all__ = [
     "backend_for_device",
     "check_same_on_all_ranks",
     "completed",
+    "excludes_this_rank",
     "follow_up_group",
     "follow_up_options",
     "future_devices",
@@ -32,6 +34,7 @@ __all__ = [
     "group_rank",
     "is_default_group",
     "global_ranks",
+    "group_timeout",
     "holds_follow_ups",
     "is_world",
     "issuer_for",
@@ -84,6 +87,11 @@ def _world() -> dist.ProcessGroup:
     return world
 
 
+def excludes_this_rank(group: Any) -> bool:
+    """Whether ``group`` is what ``new_group`` returns to ranks outside the new group."""
+    return group is dist.GroupMember.NON_GROUP_MEMBER
+
+
 def is_default_group(group: dist.ProcessGroup | None) -> bool:
     """Whether ``group`` is the default (world) group; ``None`` counts as the default."""
     return group is None or group is dist.group.WORLD
@@ -122,26 +130,64 @@ def global_ranks(group: dist.ProcessGroup | None) -> list[int]:
     return dist.get_process_group_ranks(group if group is not None else _world())
 
 
-def new_groups(rank_lists: list[list[int]]) -> list[dist.ProcessGroup | None]:
+def new_groups(
+    rank_lists: list[list[int]], parent: dist.ProcessGroup | None = None
+) -> list[dist.ProcessGroup | None]:
     """Create one process group per list of global ranks, in the order given.
 
     Creating a group is a collective over the default group: every rank must call this with the
     same lists in the same order, including ranks that belong to none of them. A list that is
-    the whole world reuses the default group instead of opening new connections.
+    the whole world reuses the default group instead of opening new connections. Each group
+    takes the timeout of ``parent`` (``None``: the default group), the group it is carved
+    from, and so does its creation: a peer that died or stopped during it is reported within
+    that timeout, not torch's default of 30 minutes.
 
     Returns:
         one entry per list: the group where this rank is a member, ``None`` where it is not.
     """
     world = dist.get_world_size()
     me = dist.get_rank()
+    timeout = group_timeout(parent)
     out: list[dist.ProcessGroup | None] = []
     for ranks in rank_lists:
         if sorted(ranks) == list(range(world)):
             out.append(dist.group.WORLD)
             continue
-        group = dist.new_group(ranks=sorted(ranks))
+        group = dist.new_group(ranks=sorted(ranks), timeout=timeout)
         out.append(group if me in ranks else None)
     return out
+
+
+def group_timeout(group: dist.ProcessGroup | None) -> datetime.timedelta:
+    """How long a collective on ``group`` (``None``: the default group) may wait for a peer.
+
+    It is the ``timeout`` given to ``init_process_group`` (or ``new_group``) for that group.
+    Torch keeps it in each backend's options; where a backend does not expose it, the default
+    group's is taken, and failing that torch's own default. Every group the package creates
+    inherits it from the group it derives from, so that a dead or stopped peer is reported
+    within the time the user chose.
+    """
+    pg = group if group is not None else dist.group.WORLD
+    found = _backend_timeouts(pg)
+    if found:
+        return max(found)
+    if pg is not dist.group.WORLD:
+        return group_timeout(None)
+    return dist.default_pg_timeout
+
+
+def _backend_timeouts(pg: Any) -> list[datetime.timedelta]:
+    # Private in torch 2.x (``ProcessGroup._get_backend(device).options._timeout``) but the
+    # only place the value lives; anything unexpected means "unknown", never an error.
+    found: list[datetime.timedelta] = []
+    for device in getattr(pg, "_device_types", ()):
+        try:
+            value = pg._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError, TypeError):
+            continue
+        if isinstance(value, datetime.timedelta) and value.total_seconds() > 0:
+            found.append(value)
+    return found
 
 
 def future_devices(*values: Any) -> list[torch.device]:
@@ -290,30 +336,17 @@ def gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any
 def check_same_on_all_ranks(
     options: dict[str, Any], group: dist.ProcessGroup | None, *, owner: str
 ) -> None:
-    """Raise if any option differs between ranks.
+    """Raise on every rank if any option differs between ranks (one blocking gather).
 
-    Ranks configured differently would issue collectives of different shapes, which gloo
-    reports as an abort and NCCL as a hang. One small gather, done once, turns that into a
-    readable error naming the option.
+    Kept for callers of earlier releases; the check lives in
+    :func:`commhooks.handshake.check_fields`.
 
     Raises:
         ValueError: naming each differing option and its value on every rank.
     """
-    everyone = all_gather_objects(options, group)
-    differing = [
-        name
-        for name in sorted(set().union(*(o.keys() for o in everyone)))
-        if any(o.get(name) != everyone[0].get(name) for o in everyone)
-    ]
-    if differing:
-        details = "; ".join(
-            f"{name}: " + ", ".join(f"rank {r}={o.get(name)!r}" for r, o in enumerate(everyone))
-            for name in differing
-        )
-        raise ValueError(
-            f"{owner} was configured differently on different ranks ({details}). "
-            "Every rank must build its state with the same options."
-        )
+    from commhooks import handshake  # it gathers through this module
+
+    handshake.check_fields(options, resolve_group(group, owner=owner), owner=owner)
 
 
 class OrderedIssuer:
@@ -468,13 +501,16 @@ def issuer_for(group: dist.ProcessGroup) -> OrderedIssuer:
 
 
 def follow_up_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """A new group with ``group``'s ranks and backend, for an :class:`OrderedIssuer` of its own.
+    """A new group with ``group``'s ranks, backend and timeout, for an :class:`OrderedIssuer`.
 
-    Creating a group is collective: call it at the same point on every rank of ``group``.
+    Creating a group is collective: call it at the same point on every rank of ``group``. It
+    waits for the other ranks at most ``group``'s timeout (see :func:`group_timeout`), and so
+    does every collective on the new group.
     """
     made = dist.new_group(
         ranks=dist.get_process_group_ranks(group),
         backend=dist.get_backend(group),
+        timeout=group_timeout(group),
         use_local_synchronization=True,
     )
     if made is None:  # only for a rank outside the ranks, which calls this never

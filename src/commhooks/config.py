@@ -136,7 +136,11 @@ def _specs() -> dict[CommHookType, HookSpec]:
         fp16_compress_hook,
         noop_hook,
     )
-    from commhooks.hooks.local_sgd import post_localSGD_hook, state_from_options
+    from commhooks.hooks.local_sgd import (
+        PostLocalSGDOptions,
+        post_localSGD_hook,
+        state_from_options,
+    )
 
     return {
         CommHookType.NO: HookSpec(hook=None),
@@ -147,8 +151,8 @@ def _specs() -> dict[CommHookType, HookSpec]:
         CommHookType.POST_LOCAL_SGD: HookSpec(
             post_localSGD_hook,
             state_from_options,
-            frozenset({"start_localSGD_iter", "post_local_gradient_allreduce", "subgroup"}),
-            required=frozenset({"start_localSGD_iter"}),
+            frozenset({*PostLocalSGDOptions.names(), "subgroup"}),
+            required=PostLocalSGDOptions.required(),
         ),
         **_powersgd_specs(),
     }
@@ -475,9 +479,27 @@ def _check_target(
         # The hook must average over the ranks DDP synchronises, not the whole world.
         chosen = ddp_model.process_group
     group = comm.resolve_group(chosen, owner="commhooks.register")
+    _check_same_ranks(group, ddp_model.process_group)
     if CommHookType.BF16 in (kind, wrap):
         _check_bf16(group, getattr(ddp_model, "device_type", "cpu"))
     return chosen
+
+
+def _check_same_ranks(group: dist.ProcessGroup, ddp_group: dist.ProcessGroup | None) -> None:
+    """Refuse a hook group whose ranks are not the DDP model's, before anything communicates.
+
+    A hook that averages over other ranks than DDP's leaves some DDP ranks waiting for
+    gradients that never come: later collectives then time out without naming the cause.
+    Every rank knows both groups' ranks here, so every rank raises the same error at once.
+    """
+    mine, ddp = comm.global_ranks(group), comm.global_ranks(ddp_group)
+    if sorted(mine) != sorted(ddp):
+        raise ValueError(
+            f"commhooks.register: the hook's process group holds global ranks {mine}, but the "
+            f"DDP model synchronises ranks {ddp}. A hook must average over the DDP model's "
+            "ranks: pass process_group=None (the DDP model's own group) or a group of those "
+            "ranks."
+        )
 
 
 def _check_bf16(group: dist.ProcessGroup, device_type: str) -> None:

@@ -1,4 +1,4 @@
-"""An optimizer that runs a model averager after every step, for post-local SGD.
+"""PyTorch's ``PostLocalSGDOptimizer``: an optimizer that runs a model averager after each step.
 
     opt = PostLocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                 PeriodicModelAverager(period=4, warmup_steps=100))
@@ -6,20 +6,24 @@
     loss.backward()
     opt.step()  # local step, then parameter averaging when due
 
-It is a ``torch.optim.Optimizer`` (learning-rate schedulers accept it) whose ``state_dict`` holds
-the inner optimizer's state and the averager's, and loads with ``weights_only=True``. The dict
-is the inner optimizer's own plus ``step`` (PyTorch's wrapper format) and ``averager``.
+Kept so that code written for PyTorch ports by changing the import. It is a thin shell over
+:meth:`commhooks.averagers.ModelAverager.attach`, which new code can call directly: the
+averager is attached to the inner optimizer, so ``step()`` is the inner optimizer's. It is a
+``torch.optim.Optimizer`` (learning-rate schedulers accept it) whose ``state_dict`` holds the
+inner optimizer's state and the averager's and loads with ``weights_only=True``: the inner
+optimizer's own dict plus ``step`` (PyTorch's format) and ``averager``.
 """
 
+import copy
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, overload
 
 import torch
 
 from commhooks._warnings import CommHooksWarning
 from commhooks.averagers import ModelAverager
-from commhooks.state import HookState, StateDictError
+from commhooks.state import HookState, StateDictError, check_count, check_optimizer_state
 
 __all__ = ["PostLocalSGDOptimizer"]
 
@@ -27,15 +31,17 @@ _INNER_KEYS = ("state", "param_groups")
 
 
 class PostLocalSGDOptimizer(HookState, torch.optim.Optimizer):
-    """Wraps ``optim``; ``step()`` runs it, then ``averager.average_parameters``.
+    """Wraps ``optim``; ``step()`` runs it, and the averager runs after it.
 
     Args:
-        optim: the local (inner) optimizer.
+        optim: the local (inner) optimizer. The averager is attached to it
+            (:meth:`ModelAverager.attach`), so it averages after every ``optim.step()``.
         averager: a :class:`commhooks.averagers.ModelAverager`; its ``warmup_steps`` should equal
             the hook's ``start_localSGD_iter``.
     """
 
     kind: ClassVar[str] = "post_local_sgd_optimizer"
+    _transient: ClassVar[tuple[str, ...]] = ("_handle",)
 
     # torch.optim.Optimizer.__init__ is deliberately not called: the inner optimizer owns the
     # parameter groups and the state, and this object only forwards to it.
@@ -52,10 +58,16 @@ class PostLocalSGDOptimizer(HookState, torch.optim.Optimizer):
         HookState.__init__(self, None)
         self.optim = optim
         self.averager = averager
+        self._restore_transient()
+
+    def _restore_transient(self) -> None:
+        # Optimizers do not pickle their hooks: attach again after unpickling.
+        self._handle = self.averager.attach(self.optim)
 
     # Properties rather than copies: the inner optimizer replaces its lists when it loads.
     @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The inner optimizer's parameter groups."""
         return self.optim.param_groups
 
     @param_groups.setter
@@ -63,23 +75,39 @@ class PostLocalSGDOptimizer(HookState, torch.optim.Optimizer):
         self.optim.param_groups = value
 
     @property
-    def state(self) -> Any:  # type: ignore[override]
+    def state(self) -> Any:
+        """The inner optimizer's per-parameter state."""
         return self.optim.state
 
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optim.state = value
+
     @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
+        """The inner optimizer's defaults."""
         return self.optim.defaults
 
-    def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
-        """One local step, then parameter averaging if the averager's schedule says so."""
-        loss = self.optim.step() if closure is None else self.optim.step(closure)
-        self.averager.average_parameters(self.param_groups)
-        return loss
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optim.defaults = value
+
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """One local step; the averager then averages if its schedule says so."""
+        return self.optim.step() if closure is None else self.optim.step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """The inner optimizer's ``zero_grad``."""
         self.optim.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """The inner optimizer's ``add_param_group``."""
         self.optim.add_param_group(param_group)
 
     def __repr__(self) -> str:
@@ -94,51 +122,64 @@ class PostLocalSGDOptimizer(HookState, torch.optim.Optimizer):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore the inner optimizer and the averager; nothing changes if either is invalid.
 
-        Also accepts the format of PyTorch's ``PostLocalSGDOptimizer`` (the inner optimizer's
-        dict plus the averager's ``step``), so its checkpoints resume here.
+        Also takes PyTorch's format (the inner optimizer's dict plus the averager's ``step``),
+        so its checkpoints resume here. As PyTorch does, a dict without ``step`` warns and
+        restarts the averager at step 0; where present, ``step`` sets the averager's step.
+
+        Raises:
+            StateDictError: a malformed dict, or one that does not fit the inner optimizer or
+                the averager. Both are then as they were.
         """
         if (
             isinstance(state_dict, Mapping)
             and "kind" not in state_dict
             and "param_groups" in state_dict
         ):
-            self._load_reference_format(state_dict)
+            self._load_parts(state_dict, None)
             return
         super().load_state_dict(state_dict)
 
     def _load(self, state_dict: Mapping[str, Any]) -> None:
-        name = f"{type(self).__name__}.load_state_dict"
         averager = state_dict.get("averager")
+        if not isinstance(averager, Mapping):
+            raise StateDictError(
+                f"{type(self).__name__}.load_state_dict: the 'averager' entry is missing or "
+                "malformed; pass the unchanged output of state_dict()."
+            )
+        self._load_parts(state_dict, averager)
+
+    def _load_parts(
+        self, state_dict: Mapping[str, Any], averager: Mapping[str, Any] | None
+    ) -> None:
+        """Load the averager's entry (if any), then the inner optimizer, then the step."""
+        name = f"{type(self).__name__}.load_state_dict"
         inner = {k: v for k, v in state_dict.items() if k in _INNER_KEYS}
-        if not isinstance(averager, Mapping) or len(inner) != len(_INNER_KEYS):
-            raise StateDictError(
-                f"{name}: the inner optimizer's 'state'/'param_groups' or the 'averager' entry "
-                "is missing or malformed."
-            )
-        self.averager._check_header(averager)
-        parsed = self.averager._parse(averager)
-        self._load_inner(inner)
-        self.averager._apply(parsed)
-
-    def _load_inner(self, inner: Mapping[str, Any]) -> None:
+        params = [p for group in self.optim.param_groups for p in group["params"]]
+        inner = check_optimizer_state(f"{name}: the inner optimizer's state", inner, params)
+        step = state_dict.get("step")
+        if step is not None:
+            step = check_count(f"{name}: 'step'", step)
+        before = copy.deepcopy(self.averager.state_dict())
+        if averager is not None:
+            self.averager.load_state_dict(averager)
         try:
-            self.optim.load_state_dict(dict(inner))
-        except (KeyError, ValueError, TypeError) as exc:
+            self.optim.load_state_dict(inner)
+        except (KeyError, ValueError, TypeError, IndexError) as exc:
+            self.averager.load_state_dict(before)
             raise StateDictError(
-                f"{type(self).__name__}.load_state_dict: the inner optimizer's state does not fit "
-                f"{type(self.optim).__name__}: {exc}"
+                f"{name}: the inner optimizer's state does not fit {type(self.optim).__name__}: "
+                f"{exc}"
             ) from exc
+        self._set_step(step)
 
-    def _load_reference_format(self, state_dict: Mapping[str, Any]) -> None:
-        step = state_dict.get("step", 0)
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise StateDictError(f"PostLocalSGDOptimizer.load_state_dict: bad 'step' {step!r}.")
-        if "step" not in state_dict:
+    def _set_step(self, step: int | None) -> None:
+        if step is None:
             warnings.warn(
-                "PostLocalSGDOptimizer.load_state_dict: no averager step in the state dict; the "
-                "averager restarts at step 0 (its warm-up runs again).",
+                "PostLocalSGDOptimizer.load_state_dict: the state dict holds no 'step' (the "
+                "averager's step counter), so the averager restarts at step 0 and its "
+                "warm-up runs again.",
                 CommHooksWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
-        self._load_inner({k: v for k, v in state_dict.items() if k != "step"})
-        self.averager._apply({**self.averager._parse(self.averager.state_dict()), "step": step})
+            step = 0
+        self.averager.step = step

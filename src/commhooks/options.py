@@ -26,6 +26,7 @@ __all__ = [
     "Checker",
     "Options",
     "SettingView",
+    "count",
     "flag",
     "integer",
     "one_of",
@@ -205,6 +206,24 @@ def integer(minimum: int | None = None, maximum: int | None = None, hint: str = 
         if (minimum is not None and number < minimum) or (maximum is not None and number > maximum):
             raise _refuse(owner, name, value, rule, hint)
         return number
+
+    return check
+
+
+def count(minimum: int, hint: str = "") -> Checker:
+    """A whole number of steps or items, at least ``minimum``, returned as ``int``.
+
+    Says "must be an integer" for a value of the wrong type and "must be >= minimum" for one
+    out of range: the wording the averagers and post-local SGD have always used.
+    """
+    tail = f" {hint}" if hint else ""
+
+    def check(owner: str, name: str, value: Any) -> int:
+        if not _is_integer(value):
+            raise ValueError(f"{owner}: {name} must be an integer, got {value!r}.{tail}")
+        if int(value) < minimum:
+            raise ValueError(f"{owner}: {name} must be >= {minimum}, got {value}.{tail}")
+        return int(value)
 
     return check
 

@@ -15,13 +15,13 @@ Two ways to persist one, both safe:
 import math
 import numbers
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["HookState", "StateDictError", "check_count", "check_tensor"]
+__all__ = ["HookState", "StateDictError", "check_count", "check_optimizer_state", "check_tensor"]
 
 
 class StateDictError(ValueError):
@@ -108,6 +108,43 @@ def check_count(where: str, value: Any, minimum: int = 0) -> int:
     return int(value)
 
 
+def check_optimizer_state(where: str, value: Any, params: Sequence[torch.Tensor]) -> dict[str, Any]:
+    """Return ``value`` if it is a ``torch.optim`` state dict whose tensors fit ``params``.
+
+    ``torch.optim.Optimizer.load_state_dict`` checks the parameter groups but takes the
+    per-parameter tensors (momentum, Adam's moments) as they come; one with a NaN would
+    poison every later step, one of another shape fails only at the next step. Each must be
+    dense, contiguous, finite, and a scalar or of its parameter's shape.
+
+    Args:
+        where: names the entry in messages.
+        value: the loaded object.
+        params: the parameters, in the order the optimizer numbers them.
+    """
+    state = value.get("state") if isinstance(value, Mapping) else None
+    if not isinstance(state, Mapping) or not isinstance(value.get("param_groups"), list):
+        raise StateDictError(
+            f"{where} must be an optimizer's state_dict() (with 'state' and 'param_groups'), "
+            f"got {type(value).__name__}."
+        )
+    for key, entry in state.items():
+        if isinstance(key, bool) or not isinstance(key, int) or not 0 <= key < len(params):
+            raise StateDictError(
+                f"{where}: 'state' has an entry {key!r}, but there are {len(params)} parameters."
+            )
+        if not isinstance(entry, Mapping):
+            raise StateDictError(f"{where}: 'state'[{key}] must be a dict.")
+        for name, t in entry.items():
+            if isinstance(t, torch.Tensor):
+                t = check_tensor(f"{where} 'state'[{key}][{name!r}]", t)
+                if t.dim() and tuple(t.shape) != tuple(params[key].shape):
+                    raise StateDictError(
+                        f"{where} 'state'[{key}][{name!r}] has shape {tuple(t.shape)}; its "
+                        f"parameter has {tuple(params[key].shape)}."
+                    )
+    return dict(value)
+
+
 def _default_group() -> dist.ProcessGroup | None:
     """The default group where one exists: what PyTorch's reference states bind to on loading."""
     if dist.is_available() and dist.is_initialized():
@@ -149,6 +186,15 @@ class HookState:
             )
         self._process_group = process_group
         return self
+
+    def handshake_fields(self) -> dict[str, Any]:
+        """What every rank's copy of this state must agree on before its first collective.
+
+        Gathered once, at the hook's first call, with the hook's and wrapper's names (see
+        :mod:`commhooks.handshake`): options, and step counters that decide when the hook's
+        collectives change. Plain, picklable values. Default: nothing.
+        """
+        return {}
 
     # -- pickling ---------------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:

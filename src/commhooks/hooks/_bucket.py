@@ -5,7 +5,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from commhooks import comm
+from commhooks import comm, handshake
 
 
 def group_state(state: Any, owner: str) -> dist.ProcessGroup:
@@ -21,7 +21,9 @@ def group_state(state: Any, owner: str) -> dist.ProcessGroup:
             f"Register it as ddp_model.register_comm_hook(None, {owner}) or pass a process group; "
             "state objects such as PowerSGDState belong to their own hooks."
         )
-    return comm.resolve_group(state, owner=owner)
+    group = comm.resolve_group(state, owner=owner)
+    handshake.once(group, owner)
+    return group
 
 
 def float_buffer(bucket: dist.GradBucket, owner: str) -> torch.Tensor:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from commhooks import comm, lowrank
+from commhooks import comm, handshake, lowrank
 from commhooks._warnings import warn_once
 from commhooks.hooks._bucket import float_buffer, group_state
 
@@ -186,8 +186,12 @@ class CastWrapper:
 
     def __call__(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         original = float_buffer(bucket, self.owner)
-        bucket.set_buffer(_saturating_cast(original, self.dtype, self.owner))
-        return self.hook(state, bucket).then(lambda fut: original.copy_(fut.value()))
+        # One cross-rank check for the wrapper and its hook, at the first call on the group.
+        group = comm.resolve_group(getattr(state, "process_group", state), owner=self.owner)
+        with handshake.wrapping(self.owner, self.hook, state, group):
+            bucket.set_buffer(_saturating_cast(original, self.dtype, self.owner))
+            reduced = self.hook(state, bucket)
+        return reduced.then(lambda fut: original.copy_(fut.value()))
 
     def __repr__(self) -> str:
         return f"{self.owner}({getattr(self.hook, '__name__', self.hook)!r})"

@@ -15,22 +15,44 @@ inspects a hook's annotations and rejects them when they are strings.
 
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
-from commhooks import comm
-from commhooks._machines import MACHINE_ID_VAR, local_launch_info, machine_rank_lists
-from commhooks._validate import check_bool, check_int
-from commhooks.hooks._bucket import float_buffer
-from commhooks.state import HookState, StateDictError
+# The class ``dist.GradBucket`` names, imported from where type checkers can see it. DDP
+# compares a hook's ``bucket`` annotation with that class, so it must be the very object.
+from torch._C._distributed_c10d import GradBucket
 
-__all__ = ["PostLocalSGDState", "post_localSGD_hook"]
+from commhooks import comm, handshake
+from commhooks._machines import MACHINE_ID_VAR, local_launch_info, machine_rank_lists
+from commhooks.hooks._bucket import float_buffer
+from commhooks.options import Options, count, flag, option
+from commhooks.state import HookState, check_count
+
+__all__ = ["PostLocalSGDOptions", "PostLocalSGDState", "post_localSGD_hook"]
 
 logger = logging.getLogger(__name__)
 OWNER = "post_localSGD_hook"
 _UNCHANGED: Any = object()
+
+
+@dataclass(frozen=True, kw_only=True)
+class PostLocalSGDOptions(Options):
+    """The options of :class:`PostLocalSGDState` (its groups are arguments, not options)."""
+
+    owner: ClassVar[str] = "PostLocalSGDState"
+
+    start_localSGD_iter: int = option(
+        reason="optimizer steps with global gradient averaging before the local phase",
+        check=count(0),
+    )
+    post_local_gradient_allreduce: bool = option(
+        True,
+        "after the warm-up, average gradients within the subgroup (True) or not at all",
+        check=flag(),
+    )
 
 
 class PostLocalSGDState(HookState):
@@ -67,24 +89,33 @@ class PostLocalSGDState(HookState):
         start_localSGD_iter: int,
         post_local_gradient_allreduce: bool = True,
     ) -> None:
-        name = type(self).__name__
-        check_int(name, "start_localSGD_iter", start_localSGD_iter, 0)
-        check_bool(name, "post_local_gradient_allreduce", post_local_gradient_allreduce)
+        self.options = PostLocalSGDOptions(
+            start_localSGD_iter=start_localSGD_iter,
+            post_local_gradient_allreduce=post_local_gradient_allreduce,
+        )
         if subgroup is not None and not isinstance(subgroup, dist.ProcessGroup):
             raise TypeError(
-                f"{name}: subgroup must be a ProcessGroup or None (one per machine), got "
-                f"{type(subgroup).__name__}."
+                f"{type(self).__name__}: subgroup must be a ProcessGroup or None (one per "
+                f"machine), got {type(subgroup).__name__}."
             )
         super().__init__(process_group)
         _check_default_subgroup_allowed(process_group, subgroup, post_local_gradient_allreduce)
-        self.start_localSGD_iter = start_localSGD_iter
-        self.post_local_gradient_allreduce = post_local_gradient_allreduce
         self.iter = 0
         self._subgroup = subgroup
         self._subgroup_explicit = subgroup is not None
         self.subgroup_source: str | None = "given by the caller" if subgroup is not None else None
         self._checked = False
         logger.info("post-local SGD: global gradient averaging for %d steps", start_localSGD_iter)
+
+    @property
+    def start_localSGD_iter(self) -> int:
+        """Optimizer steps with global gradient averaging (PyTorch's attribute)."""
+        return self.options.start_localSGD_iter
+
+    @property
+    def post_local_gradient_allreduce(self) -> bool:
+        """Whether gradients are averaged within the subgroup after the warm-up."""
+        return self.options.post_local_gradient_allreduce
 
     @property
     def subgroup(self) -> dist.ProcessGroup | None:
@@ -135,7 +166,7 @@ class PostLocalSGDState(HookState):
             )
         group = comm.resolve_group(self.process_group, owner=type(self).__name__)
         lists, source = machine_rank_lists(comm.all_gather_objects(local_launch_info(), group))
-        mine = [g for g in comm.new_groups(lists) if g is not None]
+        mine = [g for g in comm.new_groups(lists, group) if g is not None]
         self._subgroup = mine[0]
         self.subgroup_source = f"one subgroup per machine, from {source}"
         logger.info(
@@ -148,19 +179,20 @@ class PostLocalSGDState(HookState):
         )
         return self._subgroup
 
-    def _first_use(self, group: dist.ProcessGroup) -> None:
-        if self._checked:
-            return
-        options = {
-            "start_localSGD_iter": self.start_localSGD_iter,
-            "post_local_gradient_allreduce": self.post_local_gradient_allreduce,
+    def handshake_fields(self) -> dict[str, Any]:
+        """What every rank's state must agree on at its first step (see commhooks.handshake)."""
+        return {
+            **self.options.as_dict(),
             "iter": self.iter,
             "subgroup": "explicit" if self._subgroup_explicit else "per machine",
         }
-        comm.check_same_on_all_ranks(options, group, owner=type(self).__name__)
-        self._checked = True
 
-    def _advance(self, bucket: dist.GradBucket) -> None:
+    def _first_use(self, group: dist.ProcessGroup) -> None:
+        if not self._checked:
+            handshake.agree(group, OWNER, self)
+            self._checked = True
+
+    def _advance(self, bucket: GradBucket) -> None:
         if not bucket.is_last():
             return
         self.iter += 1
@@ -168,6 +200,11 @@ class PostLocalSGDState(HookState):
             logger.info("post-local SGD: local phase starts after %d steps", self.iter)
 
     def _restore_transient(self) -> None:
+        if "options" not in self.__dict__:  # pickled by a release without the options object
+            self.options = PostLocalSGDOptions(
+                start_localSGD_iter=self.__dict__.pop("start_localSGD_iter"),
+                post_local_gradient_allreduce=self.__dict__.pop("post_local_gradient_allreduce"),
+            )
         self._subgroup = None
         self._checked = False
         if not self._subgroup_explicit:
@@ -177,13 +214,9 @@ class PostLocalSGDState(HookState):
         return {"iter": self.iter}
 
     def _load(self, state_dict: Mapping[str, Any]) -> None:
-        step = state_dict.get("iter")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise StateDictError(
-                f"{type(self).__name__}.load_state_dict: 'iter' must be a non-negative integer, "
-                f"got {step!r}."
-            )
-        self.iter = step
+        self.iter = check_count(
+            f"{type(self).__name__}.load_state_dict: 'iter'", state_dict.get("iter")
+        )
         self._checked = False
 
 
@@ -208,7 +241,7 @@ def _check_default_subgroup_allowed(
 
 
 def post_localSGD_hook(
-    state: PostLocalSGDState, bucket: dist.GradBucket
+    state: PostLocalSGDState, bucket: GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """Average globally during the warm-up, then within the subgroup, or not at all.
 
@@ -244,15 +277,10 @@ def post_localSGD_hook(
 def state_from_options(
     process_group: dist.ProcessGroup | None, options: Mapping[str, Any]
 ) -> PostLocalSGDState:
-    """Build the state for ``commhooks.register(ddp, "post_local_sgd", ...)``."""
-    if "start_localSGD_iter" not in options:
-        raise ValueError(
-            "hook 'post_local_sgd' needs start_localSGD_iter=<steps of global averaging>, e.g. "
-            "register(ddp, 'post_local_sgd', start_localSGD_iter=100)."
-        )
-    return PostLocalSGDState(
-        process_group,
-        options.get("subgroup"),
-        options["start_localSGD_iter"],
-        options.get("post_local_gradient_allreduce", True),
-    )
+    """Build the state for ``commhooks.register(ddp, "post_local_sgd", ...)``.
+
+    ``options`` are :class:`PostLocalSGDOptions`'s, plus ``subgroup``.
+    """
+    rest = {k: v for k, v in options.items() if k != "subgroup"}
+    checked = PostLocalSGDOptions.from_mapping(rest)
+    return PostLocalSGDState(process_group, options.get("subgroup"), **checked.as_dict())

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from commhooks import comm
+from commhooks import comm, handshake
 from commhooks._warnings import CommHooksWarning, warn_once
 from commhooks.factors import FactorMemory
 from commhooks.memory import Key, LazyErrorFeedback
@@ -187,20 +187,21 @@ class PowerSGDState(HookState):
         Raises:
             StateDictError: the state belongs to the other PowerSGD hook (saved by it, or used
                 with it first).
-            ValueError: the ranks disagree on :meth:`agreement`, or this rank is not in the group.
+            ValueError: the ranks run other hooks or disagree on :meth:`handshake_fields`, or
+                this rank is not in the group.
         """
         self._claim(hook)
         group = comm.resolve_group(self.process_group, owner=hook)
         if self._checked_group is not group:
-            comm.check_same_on_all_ranks(self.agreement(), group, owner="PowerSGDState")
+            handshake.agree(group, hook, self)
             self._forget_memory_of_another_world(group)
             self._checked_group = group
         if self._issuer is None or self._issuer[0] is not group:
             self._issuer = (group, comm.OrderedIssuer(comm.follow_up_group(group)))
         return group
 
-    def agreement(self) -> dict[str, Any]:
-        """What every rank must agree on before its first collective.
+    def handshake_fields(self) -> dict[str, Any]:
+        """What every rank must agree on before its first collective (see commhooks.handshake).
 
         The options, the hook, and the step count: ranks resumed at different steps would start
         compressing at different steps, and their collectives would no longer match.

@@ -1,0 +1,169 @@
+"""A peer that dies (SIGKILL) or stops (SIGSTOP) anywhere: every survivor raises within the timeout.
+
+Every process group the library creates inherits the timeout of the group it derives from,
+and creating it waits no longer either. Each scenario runs on its own gloo world with
+``init_process_group(timeout=20 s)``; the victim sends itself a real signal at a precise point,
+and each surviving rank must raise (not hang, not finish) within that timeout plus a little,
+counted from the signal. All scenarios run at once (see ``fault_harness``).
+"""
+
+import signal
+
+import pytest
+import torch
+import torch.distributed as dist
+from ddp_utils import batches, make_ddp, make_mlp
+from fault_harness import Scenario, run_scenarios
+from torch import nn
+
+import commhooks
+
+TIMEOUT = 20.0
+SLACK = 10.0  # scheduling on a loaded machine; a hang would take 30 minutes
+STEPS = 6
+
+
+def _train(ddp, rank, steps=STEPS, after_step=None):
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    for step, (x, y) in enumerate(batches(rank, steps)):
+        opt.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+        if after_step is not None:
+            after_step(step)
+
+
+def _on_follow_up_group(*args, **kwargs):
+    group = kwargs.get("group", args[2] if len(args) > 2 else None)
+    return group is not None and group is not dist.group.WORLD
+
+
+def startup(rank, world_size, fault):
+    """The victim goes before its first forward: survivors wait in the first hook call."""
+    ddp = make_ddp(make_mlp())
+    commhooks.register(ddp, "fp16")
+    fault.strike(rank)
+    _train(ddp, rank)
+
+
+def fp16_first_bucket(rank, world_size, fault):
+    """The victim goes as its first fp16 bucket arrives, before it communicates at all."""
+
+    def hook(state, bucket):
+        fault.strike(rank)
+        return commhooks.fp16_compress_hook(state, bucket)
+
+    _train(make_ddp(make_mlp(), hook), rank)
+
+
+def fp16_group_creation(rank, world_size, fault):
+    """The victim goes while the fp16 hook creates its follow-up group."""
+    fault.strike_on_call(rank, dist, "new_group", lambda *a, **k: True)
+    _train(make_ddp(make_mlp(), commhooks.fp16_compress_hook), rank)
+
+
+def powersgd_first_compressed_step(rank, world_size, fault):
+    """The victim goes as PowerSGD's first compressed step begins."""
+    state = commhooks.PowerSGDState(None, start_powerSGD_iter=1)
+
+    def hook(state, bucket):
+        if state.iter >= 1:
+            fault.strike(rank)
+        return commhooks.powerSGD_hook(state, bucket)
+
+    _train(make_ddp(make_mlp(), hook, state), rank)
+
+
+def powersgd_second_round(rank, world_size, fault):
+    """The victim goes as it issues PowerSGD's second round (on the follow-up group)."""
+    for name in ("all_reduce", "all_gather_into_tensor", "all_gather_single"):
+        if hasattr(dist, name):
+            fault.strike_on_call(rank, dist, name, _on_follow_up_group)
+    state = commhooks.PowerSGDState(None, start_powerSGD_iter=1)
+    _train(make_ddp(make_mlp(), commhooks.powerSGD_hook, state), rank)
+
+
+def post_local_sgd_local_phase(rank, world_size, fault):
+    """The victim goes as the local phase begins (the per-machine groups are made then)."""
+    state = commhooks.PostLocalSGDState(None, None, start_localSGD_iter=2)
+
+    def hook(state, bucket):
+        if state.iter >= 2:
+            fault.strike(rank)
+        return commhooks.post_localSGD_hook(state, bucket)
+
+    _train(make_ddp(make_mlp(), hook, state), rank)
+
+
+def _averaging(rank, make_averager, strike_at, fault):
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = batches(rank, 3 * STEPS)
+    _step_locally(model, opt, *data[0])  # the work that does not need the peers, done first
+    make_averager().attach(opt, model.named_parameters())
+    for step, (x, y) in enumerate(data):
+        if step == strike_at:
+            fault.strike(rank)
+        _step_locally(model, opt, x, y)
+
+
+def _step_locally(model, opt, x, y):
+    opt.zero_grad(set_to_none=True)
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+def _hierarchy():
+    return commhooks.HierarchicalModelAverager({2: 2, 4: 4})
+
+
+def hierarchical_averaging(rank, world_size, fault):
+    """On 4 ranks, pairs every 2 steps and all every 4: the victim goes before step 2."""
+    _averaging(rank, _hierarchy, 2, fault)
+
+
+def hierarchical_group_creation(rank, world_size, fault):
+    """On 4 ranks, the victim goes while the averager creates its pairs' groups."""
+    fault.strike_on_call(rank, dist, "new_group", lambda *a, **k: True)
+    _averaging(rank, _hierarchy, -1, fault)
+
+
+POINTS = [
+    (startup, 2),
+    (fp16_first_bucket, 2),
+    (fp16_group_creation, 2),
+    (powersgd_first_compressed_step, 2),
+    (powersgd_second_round, 2),
+    (post_local_sgd_local_phase, 2),
+    (hierarchical_averaging, 4),
+    (hierarchical_group_creation, 4),
+]
+SCENARIOS = [
+    Scenario(f"{fn.__name__}-{sig.name}", fn, world, victim=1, signum=sig)
+    for fn, world in POINTS
+    for sig in (signal.SIGKILL, signal.SIGSTOP)
+]
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    # Survivors report within the timeout of the fault; the deadline only bounds a failure
+    # (and the start of forty processes on a loaded machine).
+    results = run_scenarios(SCENARIOS, TIMEOUT, deadline=240)
+    print("\nseconds from the fault to each survivor's error (timeout 20 s):")
+    for sc, out in zip(SCENARIOS, results):
+        shown = {r: round(d, 1) for r, d in out.delays().items()} if out.fault_time else "-"
+        print(f"  {sc.name:45s} {shown}")
+    return dict(zip((sc.name for sc in SCENARIOS), results))
+
+
+@pytest.mark.timeout(330)
+@pytest.mark.parametrize("name", [sc.name for sc in SCENARIOS])
+def test_every_survivor_raises_within_the_timeout(name, outcomes):
+    out = outcomes[name]
+    assert out.fault_time is not None, f"the victim never reached the fault point: {out.logs}"
+    assert not out.missing, f"ranks {out.missing} hung: {[out.logs[r] for r in out.missing]}"
+    for rank, (error, _) in out.survivors.items():
+        assert error is not None, f"rank {rank} finished training without its peer"
+    for rank, delay in out.delays().items():
+        assert delay <= TIMEOUT + SLACK, f"rank {rank} raised {delay:.1f}s after the fault"
