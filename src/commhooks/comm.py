@@ -17,7 +17,9 @@ import torch.distributed as dist
 
 __all__ = [
     "OrderedIssuer",
+    "all_gather_into",
     "all_gather_objects",
+    "all_to_all",
     "allreduce",
     "average",
     "backend_for_device",
@@ -61,7 +63,7 @@ def resolve_group(group: Any, *, owner: str = "this hook") -> dist.ProcessGroup:
             "before the first backward pass."
         )
     if group is None:
-        return dist.group.WORLD
+        return _world()
     if group is dist.GroupMember.NON_GROUP_MEMBER:
         raise ValueError(
             f"{owner}: this rank (global rank {dist.get_rank()}) is not a member of the process "
@@ -153,7 +155,7 @@ def future_devices(*values: Any) -> list[torch.device]:
 
 def new_future(devices: list[torch.device] | None = None) -> "Future[Any]":
     """A future to complete by hand, synchronised with the streams of ``devices`` if any."""
-    return Future(devices=devices) if devices else Future()
+    return Future(devices=list[Any](devices)) if devices else Future()
 
 
 def holds_follow_ups(devices: list[torch.device]) -> bool:
@@ -183,7 +185,7 @@ def completed(value: T) -> "Future[T]":
     The result is set on the current streams, so consumers wait for the kernels that produced
     ``value`` (see :func:`future_devices`).
     """
-    fut: Future = new_future(future_devices(value))
+    fut: Future[T] = new_future(future_devices(value))
     fut.set_result(value)
     return fut
 
@@ -208,7 +210,7 @@ def allreduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.T
     if _sums_by_exchange(tensor, group):
         return _exchange_and_add(tensor, group)
     work = dist.all_reduce(tensor, group=group, async_op=True)
-    return work.get_future().then(_first)
+    return _future_of(work).then(_first)
 
 
 def _sums_by_exchange(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
@@ -226,11 +228,9 @@ def _exchange_and_add(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future
     # tensor's strides: one that is not contiguous is sent from a copy.
     flat = tensor.reshape(-1) if tensor.is_contiguous() else tensor.flatten()
     both = flat.new_empty(2 * flat.numel())
-    # Renamed in recent PyTorch, where the old name warns on every call.
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    work = gather(both, flat, group=group, async_op=True)
+    work = _all_gather_single()(both, flat, group=group, async_op=True)
 
-    def add(fut: Future) -> torch.Tensor:
+    def add(fut: "Future[Any]") -> torch.Tensor:
         fut.value()  # raises here if the all-gather failed
         # The same order on both ranks, so they hold the same bits.
         torch.add(both[: flat.numel()], both[flat.numel() :], out=flat)
@@ -238,7 +238,54 @@ def _exchange_and_add(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future
             tensor.copy_(flat.view_as(tensor))
         return tensor
 
-    return work.get_future().then(add)
+    return _future_of(work).then(add)
+
+
+def all_to_all(
+    out: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup
+) -> "Future[torch.Tensor]":
+    """Send row ``i`` of ``tensor`` to rank ``i``; row ``j`` of ``out`` comes from rank ``j``.
+
+    Both are ``world_size x ...`` and contiguous. The future resolves to ``out``.
+    """
+    work = dist.all_to_all_single(out, tensor, group=group, async_op=True)
+    return _future_of(work).then(lambda fut: _checked(fut, out))
+
+
+def all_gather_into(
+    out: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup
+) -> "Future[torch.Tensor]":
+    """Row ``j`` of ``out`` (``world_size x tensor.numel()``) becomes rank ``j``'s ``tensor``.
+
+    The future resolves to ``out``.
+    """
+    work = _all_gather_single()(out, tensor, group=group, async_op=True)
+    return _future_of(work).then(lambda fut: _checked(fut, out))
+
+
+def _all_gather_single() -> Callable[..., Any]:
+    # Renamed in recent PyTorch, where the old name warns on every call.
+    gather: Callable[..., Any] = getattr(dist, "all_gather_single", None) or (
+        dist.all_gather_into_tensor
+    )
+    return gather
+
+
+def _future_of(work: Any) -> "Future[Any]":
+    """The future of an asynchronous collective's work handle."""
+    fut: Future[Any] = work.get_future()
+    return fut
+
+
+def _world() -> dist.ProcessGroup:
+    world = dist.group.WORLD
+    assert world is not None, "torch.distributed is initialised, so the world group exists"
+    return world
+
+
+def _checked(fut: "Future[Any]", out: torch.Tensor) -> torch.Tensor:
+    fut.value()  # raises here if the collective failed
+    return out
 
 
 def average(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.Tensor]":
@@ -264,7 +311,7 @@ def gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any
 
     For checkpoints written by one rank: only that rank holds every rank's copy.
     """
-    group = group or dist.group.WORLD
+    group = group or _world()
     first = dist.get_global_rank(group, 0)
     out: list[Any] | None = (
         [None] * dist.get_world_size(group) if dist.get_rank() == first else None
@@ -371,14 +418,14 @@ class OrderedIssuer:
                 self._held.add(slot)
             else:  # every held slot is an earlier one
                 self._held.clear()
-        out: Future = new_future(devices)
+        out: Future[T] = new_future(devices)
 
-        def on_done(fut: Future) -> None:
+        def on_done(fut: "Future[Any]") -> None:
             try:
                 fut.value()
             except BaseException as exc:  # forwarded to the caller's future
                 self.start(slot, lambda: None)
-                out.set_exception(exc)
+                out.set_exception(exc)  # type: ignore[arg-type]  # torch's stub types it as T
                 return
             self.start(slot, lambda: _launch_into(lambda: step(fut.wait()), out))
 
@@ -399,7 +446,7 @@ def _launch_into(issue: Callable[[], "Future[T]"], out: "Future[T]") -> None:
     try:
         inner = issue()
     except BaseException as exc:
-        out.set_exception(exc)
+        out.set_exception(exc)  # type: ignore[arg-type]  # torch's stub types it as T
         return
     inner.add_done_callback(lambda fut: _forward(fut, out))
 
@@ -408,7 +455,7 @@ def _forward(src: "Future[T]", dst: "Future[T]") -> None:
     try:
         value = src.value()
     except BaseException as exc:
-        dst.set_exception(exc)
+        dst.set_exception(exc)  # type: ignore[arg-type]  # torch's stub types it as T
         return
     dst.set_result(value)
 
@@ -438,8 +485,9 @@ def follow_up_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
 
     Creating a group is collective: call it at the same point on every rank of ``group``.
     """
-    return dist.new_group(
+    follow_up: dist.ProcessGroup = dist.new_group(
         ranks=dist.get_process_group_ranks(group),
         backend=dist.get_backend(group),
         use_local_synchronization=True,
     )
+    return follow_up
