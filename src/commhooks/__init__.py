@@ -27,6 +27,8 @@ from commhooks.hooks import (
 )
 from commhooks.hooks.local_sgd import PostLocalSGDState, post_localSGD_hook
 from commhooks.hooks.powersgd import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
+from commhooks.hooks.quantization import quantization_perchannel_hook, quantization_pertensor_hook
+from commhooks.hooks.quantized import QuantizationState, quantized_hook
 from commhooks.optim import PostLocalSGDOptimizer
 from commhooks.state import HookState, StateDictError
 
@@ -58,4 +60,8 @@ __all__ = [
     "PowerSGDState",
     "batched_powerSGD_hook",
     "powerSGD_hook",
+    "QuantizationState",
+    "quantization_perchannel_hook",
+    "quantization_pertensor_hook",
+    "quantized_hook",
 ]
