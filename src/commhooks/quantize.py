@@ -114,12 +114,12 @@ def quantize_(
         keep_error: overwrite ``x`` with the error.
     """
     rows, length = x.shape
-    blocks = x.view(rows, -1, fmt.block)
+    blocks = x.view(rows, length // fmt.block, fmt.block)
     payload, scales = fmt.split(packets, length)
     absmax = torch.maximum(blocks.amax(2), blocks.amin(2).neg_()).clamp_(min=_SMALLEST_ABSMAX)
     torch.div(absmax, fmt.qmax, out=scales)
     per_unit = absmax.reciprocal_().mul_(fmt.qmax).unsqueeze(2)
-    steps = levels.view(rows, -1, fmt.block)
+    steps = levels.view(rows, length // fmt.block, fmt.block)
     if rounding == STOCHASTIC:
         # round(v + u), u uniform in [-1/2, 1/2): v's lower or upper integer, with the
         # probability that makes the mean v. The clamp keeps a block's largest element in range.
@@ -165,7 +165,7 @@ def dequantize_(packets: torch.Tensor, fmt: BlockFormat, out: torch.Tensor) -> t
     rows, length = out.shape
     payload, scales = fmt.split(packets, length)
     out.copy_(_codes(payload, fmt, length))
-    blocks = out.view(rows, -1, fmt.block)
+    blocks = out.view(rows, length // fmt.block, fmt.block)
     step = scales.unsqueeze(2)
     if fmt.bits == 8:
         blocks.mul_(step)

@@ -78,38 +78,71 @@ class QuantizationOptions(Options):
 
 @dataclasses.dataclass(frozen=True)
 class BucketLayout:
-    """Where each parameter of a bucket lies, and how the bucket is cut into one row per rank.
+    """Where each parameter of a bucket goes, and how the bucket is cut into one row per rank.
+
+    The parameters are laid out by their number, whatever their order in the bucket: DDP's
+    first step hands them over in another order than the rebuilt buckets of the later steps,
+    and a fresh DDP after a restart does that again; laid out by number, the same parameters
+    make the same blocks and rows either way, so a restart resumes bit for bit.
 
     Attributes:
-        numbers: each parameter's stable number (:class:`~commhooks.numbering.ParameterNumbering`).
-        offsets, sizes: each parameter's place in the bucket's flat buffer.
+        numbers: the parameters' stable numbers
+            (:class:`~commhooks.numbering.ParameterNumbering`), ascending.
+        offsets, sizes: each parameter's place in the rows (as one flat tensor).
+        sources: each parameter's offset in the bucket's buffer.
         numel: the bucket's length.
         length: elements per row, whole blocks; the rows together are the bucket zero-padded.
         pieces: this rank's row, as ``(key, start, stop)``: the parts of parameters it holds,
-            keyed ``"number:first-last"`` by the elements of the parameter, at ``[start, stop)``
+            keyed ``"number:first-stop"`` by the elements of the parameter, at ``[start, stop)``
             in the row. The second error memory is kept under those keys.
     """
 
     numbers: tuple[int, ...]
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
+    sources: tuple[int, ...]
     numel: int
     length: int
     pieces: tuple[tuple[str, int, int], ...]
+
+    @property
+    def in_order(self) -> bool:
+        """Whether the rows hold the buffer as it is (the bucket's order is the layout's)."""
+        return self.sources == self.offsets
 
     @staticmethod
     def build(
         numbers: tuple[int, ...], sizes: tuple[int, ...], length: int, rank: int
     ) -> "BucketLayout":
-        offsets = tuple(sum(sizes[:i]) for i in range(len(sizes)))
+        """The layout of a bucket holding parameters ``numbers`` of ``sizes``, in that order."""
+        order = sorted(range(len(numbers)), key=numbers.__getitem__)
+        in_buffer = _starts(sizes)
+        sizes = tuple(sizes[i] for i in order)
+        offsets = _starts(sizes)
         row_start, row_stop = rank * length, (rank + 1) * length
         pieces = []
-        for number, offset, size in zip(numbers, offsets, sizes):
+        for i, offset, size in zip(order, offsets, sizes):
             start, stop = max(offset, row_start), min(offset + size, row_stop)
             if start < stop:
-                key = piece_key(number, start - offset, stop - offset)
+                key = piece_key(numbers[i], start - offset, stop - offset)
                 pieces.append((key, start - row_start, stop - row_start))
-        return BucketLayout(numbers, offsets, sizes, sum(sizes), length, tuple(pieces))
+        return BucketLayout(
+            tuple(numbers[i] for i in order),
+            offsets,
+            sizes,
+            tuple(in_buffer[i] for i in order),
+            sum(sizes),
+            length,
+            tuple(pieces),
+        )
+
+    def places(self) -> list[tuple[int, int, int, int]]:
+        """``(number, offset, size, source)`` of each parameter, in the layout's order."""
+        return list(zip(self.numbers, self.offsets, self.sizes, self.sources))
+
+
+def _starts(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(sum(sizes[:i]) for i in range(len(sizes)))
 
 
 def piece_key(number: int, first: int, stop: int) -> str:
@@ -162,7 +195,14 @@ class Workspace:
         self.own_packet, self.gathered = packets(1), packets(world)
 
     def fits(self, layout: BucketLayout, device: torch.device) -> bool:
-        return self.layout == layout and self.device == device
+        """Whether these buffers serve ``layout`` (the same rows, in any bucket order)."""
+        same_rows = (self.layout.numbers, self.layout.sizes) == (layout.numbers, layout.sizes)
+        return same_rows and self.layout.length == layout.length and self.device == device
+
+    def adopt(self, layout: BucketLayout) -> "Workspace":
+        """These buffers, for ``layout`` (which :meth:`fits`), the bucket order it describes."""
+        self.layout = layout
+        return self
 
 
 class QuantizationState(HookState):
@@ -293,7 +333,7 @@ class QuantizationState(HookState):
         if found is None or not found.fits(layout, device):
             found = Workspace(layout, self.settings.format, world, device)
             self._workspaces[index] = found
-        return found
+        return found.adopt(layout)
 
     def generator(self, device: torch.device, rank: int, phase: int = 0) -> torch.Generator | None:
         """The random numbers of stochastic rounding (``None`` with nearest rounding).
@@ -323,7 +363,7 @@ class QuantizationState(HookState):
         if not self.settings.error_feedback:
             return
         layout, flat = work.layout, work.rows.view(-1)
-        for number, offset, size in zip(layout.numbers, layout.offsets, layout.sizes):
+        for number, offset, size, _ in layout.places():
             self.error.record(number, flat[offset : offset + size])
         for key, start, stop in layout.pieces:
             self.owner_error.record(key, work.mine[0, start:stop])

@@ -102,27 +102,37 @@ def _compensate(state: QuantizationState, work: Workspace, buffer: torch.Tensor)
 
     Out of place: the bucket keeps the plain gradient, which a re-send needs.
     """
-    flat, n = work.rows.view(-1), buffer.numel()
+    flat, n, layout = work.rows.view(-1), buffer.numel(), work.layout
     flat[n:].zero_()  # an abandoned step may have left inf or NaN in the padding
+    places = layout.places()
     if not state.settings.error_feedback:
+        found: list[torch.Tensor | None] = [None] * len(places)
+    else:
+        found = [state.error.get(number, flat[o : o + size]) for number, o, size, _ in places]
+    if layout.in_order and all(r is None for r in found):
         flat[:n].copy_(buffer)
-        return
-    layout, spare = work.layout, work.spare.view(-1)
-    places = list(zip(layout.numbers, layout.offsets, layout.sizes))
-    found = [state.error.get(number, flat[o : o + s]) for number, o, s in places]
-    if all(r is not None and _lies_at(r, spare, o) for r, (_, o, _) in zip(found, places)):
+    elif layout.in_order and _left_in_place(found, work, places):
         # The usual step: the last step's errors are still where it left them, in order.
-        torch.add(buffer, spare[:n], out=flat[:n])
-        return
-    for residual, (_, o, s) in zip(found, places):
-        if residual is None:
-            flat[o : o + s].copy_(buffer[o : o + s])
-        else:
-            torch.add(buffer[o : o + s], residual, out=flat[o : o + s])
+        torch.add(buffer, work.spare.view(-1)[:n], out=flat[:n])
+    else:
+        for residual, (_, offset, size, source) in zip(found, places):
+            row, grad = flat[offset : offset + size], buffer[source : source + size]
+            if residual is None:
+                row.copy_(grad)
+            else:
+                torch.add(grad, residual, out=row)
 
 
-def _lies_at(tensor: torch.Tensor, flat: torch.Tensor, offset: int) -> bool:
-    return tensor.data_ptr() == flat.data_ptr() + offset * flat.element_size()
+def _left_in_place(
+    found: list[torch.Tensor | None], work: Workspace, places: list[tuple[int, int, int, int]]
+) -> bool:
+    """Whether every error is a view of ``work.spare`` at its parameter's place in the rows."""
+    spare = work.spare.view(-1)
+    start, width = spare.data_ptr(), spare.element_size()
+    return all(
+        r is not None and r.data_ptr() == start + offset * width
+        for r, (_, offset, _, _) in zip(found, places)
+    )
 
 
 def _quantize(
@@ -175,13 +185,26 @@ def _decode_or_resend(
     fmt, length = state.settings.format, work.layout.length
     if not quantize.scales_finite(work.gathered, fmt, length):
         return comm.average(buffer, group).then(lambda fut: _warn_if_finite(fut.value()))
-    whole = buffer.numel() // length  # rows that lie entirely inside the bucket
-    quantize.dequantize_(work.gathered[:whole], fmt, buffer[: whole * length].view(whole, length))
-    if whole < work.gathered.shape[0]:
-        tail = quantize.dequantize_(work.gathered[whole:], fmt, work.levels[whole:])
-        buffer[whole * length :].copy_(tail.view(-1)[: buffer.numel() - whole * length])
+    _decode(work, fmt, buffer)
     state.commit(work)
     return comm.completed(buffer)
+
+
+def _decode(work: Workspace, fmt: quantize.BlockFormat, buffer: torch.Tensor) -> None:
+    """Decode the gathered rows into the bucket: straight into it when its order is the
+    layout's (rows entirely inside it), through scratch otherwise."""
+    layout, gathered, n = work.layout, work.gathered, buffer.numel()
+    whole = n // layout.length if layout.in_order else 0  # rows decoded straight into buffer
+    rows = buffer[: whole * layout.length].view(whole, layout.length)
+    quantize.dequantize_(gathered[:whole], fmt, rows)
+    if whole == gathered.shape[0]:
+        return
+    decoded = quantize.dequantize_(gathered[whole:], fmt, work.levels[whole:]).view(-1)
+    if layout.in_order:
+        buffer[whole * layout.length :].copy_(decoded[: n - whole * layout.length])
+        return
+    for _, offset, size, source in layout.places():
+        buffer[source : source + size].copy_(decoded[offset : offset + size])
 
 
 def _warn_if_finite(averaged: torch.Tensor) -> torch.Tensor:
