@@ -254,6 +254,12 @@ class QuantizationState(HookState):
         self._checked: dist.ProcessGroup | None = None
         self._generators: list[torch.Generator] = []
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        if self._generators:  # the generators are dropped; their states travel instead
+            state["_generator_states"] = torch.stack([g.get_state() for g in self._generators])
+        return state
+
     def __getattr__(self, name: str) -> Any:
         if name != "settings" and name in QuantizationOptions.names():
             return getattr(self.settings, name)
