@@ -20,6 +20,7 @@ to step (allocating a bucket-sized tensor costs page faults on every step on a C
 """
 
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -149,12 +150,17 @@ def _codes(payload: torch.Tensor, fmt: BlockFormat, length: int) -> torch.Tensor
     """The codes of ``payload`` as int8 (8 bits) or offset uint8 nibbles (4 bits)."""
     if fmt.bits == 8:
         return payload.view(torch.int8)
-    nibbles = torch.empty(
-        (payload.shape[0], length // 2, 2), dtype=torch.uint8, device=payload.device
-    )
+    rows = payload.shape[0]
+    if sys.byteorder == "little":
+        # Each byte widened to 16 bits with its high nibble moved up to the second byte: read
+        # back as bytes, the nibbles in order. Contiguous passes, faster than strided writes.
+        wide = payload.to(torch.int16)
+        wide.bitwise_or_(wide << 4).bitwise_and_(0x0F0F)
+        return wide.view(torch.uint8).view(rows, length)
+    nibbles = torch.empty((rows, length // 2, 2), dtype=torch.uint8, device=payload.device)
     torch.bitwise_and(payload, 15, out=nibbles[..., 0])
     torch.bitwise_right_shift(payload, 4, out=nibbles[..., 1])
-    return nibbles.view(payload.shape[0], length)
+    return nibbles.view(rows, length)
 
 
 def dequantize_(packets: torch.Tensor, fmt: BlockFormat, out: torch.Tensor) -> torch.Tensor:
