@@ -331,6 +331,14 @@ def _resumed(rank, world_size, folder):
         opt.load_state_dict(saved["opt"])
         train(ddp, batches(rank, 2 * HALF)[HALF:], optimizer=opt)
         out[name] = flat_params(model)
+    # The other rank's file: its memories are not this rank's, and are reset with a warning.
+    other = QuantizationState(None)
+    saved = torch.load(os.path.join(folder, f"int8-{1 - rank}.pt"), weights_only=True)
+    other.load_state_dict(saved["hook"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quantized_hook(other, FakeBucket([torch.ones(10)])).wait()
+    out["moved"] = len(other.error), [str(w.message) for w in caught]
     return out
 
 
@@ -358,6 +366,8 @@ def test_checkpoint_resumes_exactly_in_fresh_processes(tmp_path):
             params, pickled, state_dict = uninterrupted[rank][name]
             assert torch.equal(resumed[name], params), (rank, name)
             assert _same_state(pickled, state_dict)
+        count, messages = resumed["moved"]
+        assert count == 1 and any(f"saved by rank {1 - rank} of 2" in m for m in messages)
     saved = torch.load(os.path.join(folder, "int4_stochastic-1.pt"), weights_only=True)["hook"]
     assert saved["rank"] == 1 and saved["generators"].shape[0] == 2 and saved["error"]
 

@@ -4,6 +4,7 @@ Public through :mod:`commhooks.hooks.quantized`, where the hook that uses them l
 """
 
 import dataclasses
+import itertools
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -142,7 +143,7 @@ class BucketLayout:
 
 
 def _starts(sizes: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(sum(sizes[:i]) for i in range(len(sizes)))
+    return tuple(itertools.accumulate(sizes[:-1], initial=0)) if sizes else ()
 
 
 def piece_key(number: int, first: int, stop: int) -> str:
@@ -173,11 +174,17 @@ class Workspace:
     the other error buffer (the error memory points into one of them, see
     :meth:`QuantizationState.commit`); ``levels`` scratch; ``send``/``received`` the packets
     of the all-to-all; ``mine``/``mine_spare`` this rank's averaged row and the other buffer
-    of its error; ``own_packet``/``gathered`` the packets of the all-gather.
+    of its error; ``own_packet``/``gathered`` the packets of the all-gather. Without error
+    feedback there is no error to keep, and each spare is the buffer itself.
     """
 
     def __init__(
-        self, layout: BucketLayout, fmt: quantize.BlockFormat, world: int, device: torch.device
+        self,
+        layout: BucketLayout,
+        fmt: quantize.BlockFormat,
+        world: int,
+        device: torch.device,
+        error_feedback: bool,
     ) -> None:
         self.layout, self.device = layout, device
         length, packet = layout.length, fmt.packet_bytes(layout.length)
@@ -189,9 +196,10 @@ class Workspace:
         def packets(rows: int) -> torch.Tensor:
             return torch.empty(rows, packet, dtype=torch.uint8, device=device)
 
-        self.rows, self.spare, self.levels = floats(world), floats(world), floats(world)
+        self.rows, self.levels, self.mine = floats(world), floats(world), floats(1)
+        self.spare = floats(world) if error_feedback else self.rows
+        self.mine_spare = floats(1) if error_feedback else self.mine
         self.send, self.received = packets(world), packets(world)
-        self.mine, self.mine_spare = floats(1), floats(1)
         self.own_packet, self.gathered = packets(1), packets(world)
 
     def fits(self, layout: BucketLayout, device: torch.device) -> bool:
@@ -337,7 +345,8 @@ class QuantizationState(HookState):
         """The buffers of bucket ``index``, made again when its layout or device changes."""
         found = self._workspaces.get(index)
         if found is None or not found.fits(layout, device):
-            found = Workspace(layout, self.settings.format, world, device)
+            settings = self.settings
+            found = Workspace(layout, settings.format, world, device, settings.error_feedback)
             self._workspaces[index] = found
         return found.adopt(layout)
 

@@ -73,7 +73,8 @@ def quantized_hook(
     world, rank = comm.world_size(group), comm.group_rank(group)
     work = state.workspace(bucket.index(), state.layout(bucket, group), world, buffer.device)
     _compensate(state, work, buffer)
-    _quantize(state, work.rows, work.send, work.levels, state.generator(buffer.device, rank))
+    first = state.generator(buffer.device, rank, _OWN_ROW)
+    _quantize(state, work.rows, work.send, work.levels, first)
     exchanged = comm.all_to_all(work.received, work.send, group)
     issuer = state.issuer
     assert issuer is not None, "prepare() made the issuer"
