@@ -155,7 +155,10 @@ def future_devices(*values: Any) -> list[torch.device]:
 
 def new_future(devices: list[torch.device] | None = None) -> "Future[Any]":
     """A future to complete by hand, synchronised with the streams of ``devices`` if any."""
-    return Future(devices=list[Any](devices)) if devices else Future()
+    if not devices:
+        return Future()
+    wanted: list[int | str | torch.device] = [*devices]
+    return Future(devices=wanted)
 
 
 def holds_follow_ups(devices: list[torch.device]) -> bool:
