@@ -132,6 +132,9 @@ def _training(rank: int) -> dict:
             if name != "allreduce":
                 out[name + " memory"] = (len(state.error), state.iter)
     out["warnings"] = [str(w.message) for w in caught if "Quantization" in str(w.message)]
+    for hook in (quantization_pertensor_hook, quantization_perchannel_hook):
+        ddp = make_ddp(make_mlp(), hook)
+        out[hook.__name__] = (train(ddp, batches(rank, 3)), flat_params(ddp.module))
     return out
 
 
@@ -292,6 +295,8 @@ def test_training_with_registered_names_stays_in_sync(measured):
         losses, plain_losses = ranks[0]["training"][name][0], ranks[0]["training"]["allreduce"][0]
         assert max(abs(a - b) for a, b in zip(losses, plain_losses)) < 0.01
     assert all(r["training"]["warnings"] == [] for r in ranks)
+    for hook in (quantization_pertensor_hook, quantization_perchannel_hook):  # on DDP, on gloo
+        assert _same_on_every_rank([r["training"][hook.__name__][1] for r in ranks])
 
 
 # -- checkpoints -----------------------------------------------------------------------------------
