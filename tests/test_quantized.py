@@ -377,42 +377,28 @@ def test_checkpoint_resumes_exactly_in_fresh_processes(tmp_path):
     assert saved["rank"] == 1 and saved["generators"].shape[0] == 2 and saved["error"]
 
 
-def _broken(sd: dict, what: str) -> dict:
-    sd = {**sd, "error": dict(sd["error"]), "owner_error": dict(sd["owner_error"])}
-    if what == "missing":
-        del sd["owner_error"]
-    elif what == "nan":
-        sd["error"]["0"] = torch.full((3,), float("nan"))
-    elif what == "key":
-        sd["owner_error"]["x"] = torch.zeros(2)
-    elif what == "iter":
-        sd["iter"] = 2.5
-    elif what == "generators":
-        sd["generators"] = torch.zeros(2, 3, dtype=torch.uint8)
-    elif what == "kind":
-        sd["kind"] = "powersgd"
-    return sd
-
-
 @pytest.mark.parametrize(
-    ("what", "match"),
+    ("entry", "value", "match"),
     [
-        ("missing", "missing entry 'owner_error'"),
-        ("nan", "inf or NaN"),
-        ("key", "'x' is not a valid key"),
-        ("iter", "iter' must be an integer"),
-        ("generators", "not a generator state"),
-        ("kind", "saved by a 'powersgd' state"),
+        ("owner_error", None, "missing entry 'owner_error'"),  # None: the entry is removed
+        ("error", {"0": torch.full((3,), float("nan"))}, "inf or NaN"),
+        ("owner_error", {"x": torch.zeros(2)}, "'x' is not a valid key"),
+        ("iter", 2.5, "iter' must be an integer"),
+        ("generators", torch.zeros(2, 3, dtype=torch.uint8), "not a generator state"),
+        ("kind", "powersgd", "saved by a 'powersgd' state"),
     ],
 )
-def test_bad_state_dicts_are_refused_and_change_nothing(what, match):
+def test_bad_state_dicts_are_refused_and_change_nothing(entry, value, match):
     state = QuantizationState(None, rounding="stochastic")
     state.error.record(0, torch.ones(3))
     state.owner_error.record("0:0-2", torch.ones(2))
     state.iter = 4
     good = {**state.state_dict(), "generators": torch.stack([torch.Generator().get_state()] * 2)}
+    broken = {k: v for k, v in good.items() if k != entry}
+    if value is not None:
+        broken[entry] = value
     with pytest.raises(StateDictError, match=match):
-        state.load_state_dict(_broken(good, what))
+        state.load_state_dict(broken)
     assert state.iter == 4 and torch.equal(state.error.get(0, torch.zeros(3)), torch.ones(3))
     state.load_state_dict(good)  # the unbroken dict loads
     assert len(state.owner_error) == 1
