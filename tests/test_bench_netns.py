@@ -188,6 +188,7 @@ def test_sweep_over_rate_limited_links_counts_real_bytes(tmp_path):
 
     from commhooks.bench import cli
 
+    before = set(_names()[0].split())  # another run's leftovers are not this run's to judge
     path = tmp_path / "sweep.json"
     argv = ["--hooks", "noop,fp16", "--sweep", "200mbit,1gbit", "--steps", "4", "--warmup", "1"]
     argv += ["--predict", "10gbit", "--world-size", "8", "--json", str(path)]
@@ -221,4 +222,5 @@ def test_sweep_over_rate_limited_links_counts_real_bytes(tmp_path):
     pred = doc["prediction"]
     assert pred["bandwidth"] == 10**10 and pred["world_size"] == 8
     assert set(pred["hooks"]) == set(hooks)
-    assert "commhooks-" not in _names()[0]
+    left = {n for n in set(_names()[0].split()) - before if n.startswith("commhooks-")}
+    assert not left, f"namespaces left behind: {left}"

@@ -81,7 +81,7 @@ def test_default_plan_and_predict_world():
     assert {"noop", "allreduce", "fp16", "bf16"} <= set(plan.hooks)
     assert set(plan.hooks) | set(plan.skipped) == set(
         ["noop", "allreduce", "fp16", "bf16", "power_sgd", "power_sgd_single_round"]
-        + ["post_local_sgd"]
+        + ["post_local_sgd", "int8", "int4"]
     )
     assert (plan.steps, plan.warmup) == (40, 5)
     assert plan.offload and not args.parse(["--no-offload", "--bandwidth", "1gbit"]).offload
@@ -95,6 +95,12 @@ def test_default_plan_and_predict_world():
         assert any("power_sgd" in h for h in hookset.torch_counterparts([hook])), hook
         plan = args.parse(["--hooks", hook, "--compare-torch"])
         assert any(h.startswith("torch_") and "power_sgd" in h for h in plan.hooks), hook
+    # The quantized hooks are compared with PyTorch's quantization hooks.
+    for hook in ("int8", "int4"):
+        assert hookset.torch_counterparts([hook]) == [
+            "torch_quantize_per_tensor",
+            "torch_quantize_per_channel",
+        ]
     plan = args.parse(["--sweep", "1gbit,50mbit,100mbit", "--hooks", "allreduce"])
     assert plan.bandwidths == [50_000_000, 100_000_000, 1_000_000_000] and plan.sweep
 

@@ -27,8 +27,29 @@ def fast_options(hook: str) -> dict:
     return {k: v for k, v in FAST_OPTIONS.items() if k in spec.options}
 
 
+# Quantized hooks refuse a cast wrapper (see test_quantized_hooks_refuse_cast_wrappers).
+UNWRAPPED = ("int8", "int4")
+
+
 def combinations() -> list[tuple[str, str]]:
-    return [(h, w) for h in hook_names() if h != "no" for w in wrapper_names()]
+    return [
+        (h, w)
+        for h in hook_names()
+        if h != "no"
+        for w in wrapper_names()
+        if w == "no" or h not in UNWRAPPED
+    ]
+
+
+def test_quantized_hooks_refuse_cast_wrappers():
+    for hook in UNWRAPPED:
+        assert hook in hook_names()
+        for wrapper in ("fp16", "bf16"):
+            with pytest.raises(ValueError, match=f"'{hook}' does not take wrapper '{wrapper}'"):
+                HookConfig(hook, wrapper)
+        assert HookConfig(hook.upper(), "no", {"block_size": 64}).options == {"block_size": 64}
+    with pytest.raises(ValueError, match="use hook 'int4' instead"):
+        HookConfig("int8", options={"bits": 4})
 
 
 # -- names and validation (no processes needed) -------------------------------------------------

@@ -270,6 +270,27 @@ def test_accelerate_single_process_still_validates(monkeypatch, args, options, e
     assert state is None
 
 
+def test_quantized_names_pass_through_the_integrations(monkeypatch):
+    from commhooks import _warnings
+    from commhooks.integrations.accelerate import register_hook
+
+    monkeypatch.setattr(_warnings, "_seen", set())
+    assert {"int8", "int4"} <= set(stateful_hooks())  # checkpointed by the tests above too
+    with pytest.raises(ValueError, match="does not take wrapper 'bf16'"):
+        register_hook(SingleProcessAccelerator(), make_mlp(), "int8", "bf16")
+    with pytest.raises(ValueError, match="Did you mean 'block_size'"):
+        register_hook(SingleProcessAccelerator(), make_mlp(), "int4", blok_size=64)
+    with pytest.warns(RuntimeWarning, match="single process"):
+        assert register_hook(SingleProcessAccelerator(), make_mlp(), "int4", block_size=64) is None
+    pytest.importorskip("lightning")
+    from commhooks.integrations.lightning import CommHookDDPStrategy
+
+    strategy = CommHookDDPStrategy("INT4", hook_options={"block_size": 128})
+    assert strategy.hook_config.to_dict() == {"hook": "int4", "wrapper": "no", "block_size": 128}
+    with pytest.raises(ValueError, match="does not take wrapper 'fp16'"):
+        CommHookDDPStrategy("int8", "fp16")
+
+
 # -- Lightning: the strategy's checkpoint entry --------------------------------------------------
 def _lightning_strategy(rank, world_size, path):
     pytest.importorskip("lightning")

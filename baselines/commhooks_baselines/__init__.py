@@ -23,6 +23,7 @@ def attach_torch(
         default_hooks,
         post_localSGD_hook,
         powerSGD_hook,
+        quantization_hooks,
     )
 
     if name == "torch_power_sgd" or name == "torch_batched_power_sgd":
@@ -47,6 +48,9 @@ def attach_torch(
         "torch_allreduce": default_hooks.allreduce_hook,
         "torch_fp16": default_hooks.fp16_compress_hook,
         "torch_bf16": default_hooks.bf16_compress_hook,
+        # uint8 min-max codes of every rank, all-gathered (they fail on gloo: the row says so)
+        "torch_quantize_per_tensor": quantization_hooks.quantization_pertensor_hook,
+        "torch_quantize_per_channel": quantization_hooks.quantization_perchannel_hook,
     }
     ddp.register_comm_hook(None, simple[name])
     return lambda: None

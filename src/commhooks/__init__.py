@@ -36,6 +36,8 @@ from commhooks.hooks.powersgd import (
     batched_powerSGD_hook,
     powerSGD_hook,
 )
+from commhooks.hooks.quantization import quantization_perchannel_hook, quantization_pertensor_hook
+from commhooks.hooks.quantized import QuantizationState, quantized_hook
 from commhooks.optim import PostLocalSGDOptimizer
 from commhooks.state import HookState, StateDictError
 
@@ -73,4 +75,8 @@ __all__ = [
     "PowerSGDState",
     "batched_powerSGD_hook",
     "powerSGD_hook",
+    "QuantizationState",
+    "quantization_perchannel_hook",
+    "quantization_pertensor_hook",
+    "quantized_hook",
 ]

@@ -19,7 +19,9 @@ import torch.distributed as dist
 
 __all__ = [
     "OrderedIssuer",
+    "all_gather_into",
     "all_gather_objects",
+    "all_to_all",
     "allreduce",
     "average",
     "backend_for_device",
@@ -286,9 +288,7 @@ def _exchange_and_add(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future
     # tensor's strides: one that is not contiguous is sent from a copy.
     flat = tensor.reshape(-1) if tensor.is_contiguous() else tensor.flatten()
     both = flat.new_empty(2 * flat.numel())
-    # Renamed in recent PyTorch, where the old name warns on every call.
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    work = gather(both, flat, group=group, async_op=True)
+    work = _all_gather_single()(both, flat, group=group, async_op=True)
 
     def add(fut: "Future[list[torch.Tensor]]") -> torch.Tensor:
         fut.value()  # raises here if the all-gather failed
@@ -299,6 +299,41 @@ def _exchange_and_add(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future
         return tensor
 
     return _future_of(work).then(add)
+
+
+def all_to_all(
+    out: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup
+) -> "Future[torch.Tensor]":
+    """Send row ``i`` of ``tensor`` to rank ``i``; row ``j`` of ``out`` comes from rank ``j``.
+
+    Both are ``world_size x ...`` and contiguous. The future resolves to ``out``.
+    """
+    work = dist.all_to_all_single(out, tensor, group=group, async_op=True)
+    return _future_of(work).then(lambda fut: _checked(fut, out))
+
+
+def all_gather_into(
+    out: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup
+) -> "Future[torch.Tensor]":
+    """Row ``j`` of ``out`` (``world_size x tensor.numel()``) becomes rank ``j``'s ``tensor``.
+
+    The future resolves to ``out``.
+    """
+    work = _all_gather_single()(out, tensor, group=group, async_op=True)
+    return _future_of(work).then(lambda fut: _checked(fut, out))
+
+
+def _all_gather_single() -> Callable[..., Any]:
+    # Renamed in recent PyTorch, where the old name warns on every call.
+    gather: Callable[..., Any] = getattr(dist, "all_gather_single", None) or (
+        dist.all_gather_into_tensor
+    )
+    return gather
+
+
+def _checked(fut: "Future[Any]", out: torch.Tensor) -> torch.Tensor:
+    fut.value()  # raises here if the collective failed
+    return out
 
 
 def average(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.Tensor]":

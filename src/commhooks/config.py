@@ -45,6 +45,8 @@ class CommHookType(str, Enum):
     BATCHED_POWER_SGD = "batched_power_sgd"
     POWER_SGD_SINGLE_ROUND = "power_sgd_single_round"
     POST_LOCAL_SGD = "post_local_sgd"
+    INT8 = "int8"
+    INT4 = "int4"
 
     def __str__(self) -> str:
         return self.value
@@ -155,6 +157,7 @@ def _specs() -> dict[CommHookType, HookSpec]:
             required=PostLocalSGDOptions.required(),
         ),
         **_powersgd_specs(),
+        **_quantized_specs(),
     }
 
 
@@ -192,6 +195,27 @@ def _powersgd_specs() -> dict[CommHookType, HookSpec]:
             notes=single_notes,
         ),
     }
+
+
+def _quantized_specs() -> dict[CommHookType, HookSpec]:
+    from commhooks.hooks.quantized import QuantizationOptions, QuantizationState, quantized_hook
+
+    def spec(bits: int, other: CommHookType) -> HookSpec:
+        def make(group: dist.ProcessGroup | None, options: dict[str, Any]) -> QuantizationState:
+            return QuantizationState(group, bits=bits, **options)
+
+        note = f"hook 'int{bits}' sends {bits} bits per element; use hook '{other}' instead."
+        names = frozenset(QuantizationOptions.names()) - {"bits"}
+        return HookSpec(quantized_hook, make, names, notes={"bits": note})
+
+    return {
+        CommHookType.INT8: spec(8, CommHookType.INT4),
+        CommHookType.INT4: spec(4, CommHookType.INT8),
+    }
+
+
+# Quantized hooks average in float32 and send 8 or 4 bits: a down-cast first only loses precision.
+_UNWRAPPED = (CommHookType.INT8, CommHookType.INT4)
 
 
 # -- names --------------------------------------------------------------------------------------
@@ -260,7 +284,8 @@ def _check_options(kind: CommHookType, options: Mapping[str, Any]) -> None:
                 f"it is an option of: {', '.join(elsewhere)}. "
                 + spec.notes.get(option, "Choose one of those hooks or drop the option.")
             )
-        hint = suggest(option, sorted(spec.options) or all_options)
+        note = spec.notes.get(option)
+        hint = f" {note}" if note else suggest(option, sorted(spec.options) or all_options)
         raise ValueError(
             f"unknown option '{option}' for hook '{kind}'.{hint} Options it takes: {takes}."
         )
@@ -313,6 +338,12 @@ class HookConfig:
             raise ValueError(
                 f"hook '{self.hook}' needs the option(s) {', '.join(missing)}, which have no "
                 f"default; e.g. register(ddp_model, '{self.hook}', {missing[0]}=...)."
+            )
+        if self.hook in _UNWRAPPED and self.wrapper is not CommHookType.NO:
+            raise ValueError(
+                f"hook '{self.hook}' does not take wrapper '{self.wrapper}': it already sends "
+                f"{self.hook} codes and averages in float32, so a cast to {self.wrapper} first "
+                "would only lose precision. Drop the wrapper (wrapper='no')."
             )
         if self.hook is CommHookType.NO and self.wrapper is not CommHookType.NO:
             raise ValueError(

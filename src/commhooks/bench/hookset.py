@@ -28,6 +28,8 @@ DEFAULT_HOOKS = (
     "power_sgd",
     "power_sgd_single_round",
     "post_local_sgd",
+    "int8",
+    "int4",
 )
 
 # Short warm-ups so that a budget of a few dozen steps is mostly spent in the regime measured.
@@ -56,6 +58,8 @@ TORCH_HOOKS = (
     "torch_power_sgd",
     "torch_batched_power_sgd",
     "torch_post_local_sgd",
+    "torch_quantize_per_tensor",
+    "torch_quantize_per_channel",
 )
 # Reference floors (see ``commhooks_baselines.floors``): the cost of communicating at all, of
 # sending single-round PowerSGD's bytes, and of error feedback's memory passes, without any
@@ -77,6 +81,8 @@ _COUNTERPARTS = {
     "power_sgd_single_round": ("torch_power_sgd",),
     "batched_power_sgd": ("torch_batched_power_sgd",),
     "post_local_sgd": ("torch_post_local_sgd",),
+    "int8": ("torch_quantize_per_tensor", "torch_quantize_per_channel"),
+    "int4": ("torch_quantize_per_tensor", "torch_quantize_per_channel"),
 }
 
 

@@ -1,0 +1,72 @@
+"""Cost of the quantized hook's quantize and dequantize passes against the memory-bound floor.
+
+The floor is one pass that reads and writes the whole float32 bucket (``out.copy_(x)``; an
+elementwise ``torch.add`` of two buckets is shown too). Each pass of
+:mod:`commhooks.quantize` runs over the same bucket, as the hook runs it (one row per rank,
+error kept), in one process, one thread by default; the measurements alternate round by round,
+so that other load on the machine falls on all of them alike, and each reports its median::
+
+    python examples/quantize_passes.py --numel 6000000 --rounds 50 --ranks 2
+"""
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from commhooks import quantize
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--numel", type=int, default=6_000_000, help="bucket elements")
+    parser.add_argument("--ranks", type=int, default=2, help="rows the bucket is cut into")
+    parser.add_argument("--block", type=int, default=256, help="elements per scale")
+    parser.add_argument("--rounds", type=int, default=50)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    x = torch.randn(args.numel)
+    other, out = torch.randn(args.numel), torch.empty(args.numel)
+    passes: dict[str, Callable[[], object]] = {
+        "floor: copy (read + write once)": lambda: out.copy_(x),
+        "torch.add (read 2, write 1)": lambda: torch.add(x, other, out=out),
+    }
+    for bits in (8, 4):
+        fmt = quantize.BlockFormat(bits, args.block)
+        length = fmt.row_length(args.numel, args.ranks)
+        rows = torch.zeros(args.ranks, length)
+        rows.view(-1)[: args.numel].copy_(x)
+        levels = torch.empty_like(rows)
+        packets = torch.empty(args.ranks, fmt.packet_bytes(length), dtype=torch.uint8)
+        decoded = torch.empty_like(rows)
+
+        def encode(rows=rows, packets=packets, fmt=fmt, levels=levels) -> None:
+            quantize.quantize_(rows, packets, fmt, levels)
+
+        passes[f"int{bits} quantize (error kept)"] = encode
+        passes[f"int{bits} dequantize"] = lambda p=packets, f=fmt, d=decoded: quantize.dequantize_(
+            p, f, d
+        )
+    times: dict[str, list[float]] = {name: [] for name in passes}
+    for _ in range(args.rounds):
+        for name, fn in passes.items():
+            times[name].append(_timed(fn))
+    floor = statistics.median(times["floor: copy (read + write once)"])
+    print(f"{args.numel} float32 elements, {args.ranks} rows, blocks of {args.block}:")
+    for name, measured in times.items():
+        median = statistics.median(measured)
+        print(f"  {name:34s} {median * 1e3:8.2f} ms  {median / floor:5.2f}x floor")
+
+
+if __name__ == "__main__":
+    main()

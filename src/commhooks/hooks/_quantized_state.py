@@ -1,0 +1,497 @@
+"""Options, memory and per-bucket bookkeeping of the quantized hook.
+
+Public through :mod:`commhooks.hooks.quantized`, where the hook that uses them lives.
+"""
+
+import dataclasses
+import itertools
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from commhooks import comm, handshake, quantize
+from commhooks._warnings import warn_once
+from commhooks.memory import ErrorFeedback, Key
+from commhooks.numbering import ParameterNumbering
+from commhooks.options import Options, flag, integer, one_of, option
+from commhooks.state import HookState, StateDictError, check_count, check_tensor
+
+__all__ = ["BucketLayout", "QuantizationOptions", "QuantizationState", "Workspace"]
+
+OWNER = "QuantizationState"
+HOOK = "quantized_hook"  # the name the handshake reports for the hook using this state
+_PHASES = (0, 1)  # the two quantizations: a rank's own gradient, the average of its row
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QuantizationOptions(Options):
+    """The options of :class:`QuantizationState`, each checked when the state is built."""
+
+    owner: ClassVar[str] = OWNER
+
+    bits: int = option(
+        8,
+        "bits per element on the wire: 8 sends about a quarter of float32's bytes, 4 about an "
+        "eighth with steps 18 times coarser",
+        check=one_of(8, 4, hint="8 or 4"),
+    )
+    block_size: int = option(
+        256,
+        "elements sharing one float32 scale: smaller blocks follow the gradient's range more "
+        "closely and send more scales (4 bytes a block)",
+        check=integer(8, 1 << 20, hint="a multiple of 8, e.g. 128 or 256"),
+    )
+    rounding: str = option(
+        quantize.NEAREST,
+        "'nearest' has the smallest error; 'stochastic' is unbiased, for use without error "
+        "feedback",
+        check=one_of(*quantize.ROUNDINGS),
+    )
+    error_feedback: bool = option(
+        True,
+        "remember what quantization dropped and add it to the next gradient, so that over steps "
+        "nothing is lost (one float32 copy of the gradients, and a share of one per rank)",
+        check=flag(strict=False),
+    )
+    warmup_steps: int = option(
+        0, "average in full precision for this many steps first", check=integer(0)
+    )
+    random_seed: int = option(
+        0,
+        "seed of stochastic rounding (each rank adds its rank to it)",
+        check=integer(0, 2**62),
+    )
+
+    def check_together(self) -> None:
+        if self.block_size % 8:
+            raise ValueError(
+                f"{self.owner}: block_size must be a multiple of 8 (a block of 4-bit codes fills "
+                f"whole bytes and its scale stays aligned), e.g. {self.block_size // 8 * 8 or 8}; "
+                f"got block_size={self.block_size}."
+            )
+
+    @property
+    def format(self) -> quantize.BlockFormat:
+        """The block format these options describe."""
+        return quantize.BlockFormat(self.bits, self.block_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketLayout:
+    """Where each parameter of a bucket goes, and how the bucket is cut into one row per rank.
+
+    The parameters are laid out by their number, whatever their order in the bucket: DDP's
+    first step hands them over in another order than the rebuilt buckets of the later steps,
+    and a fresh DDP after a restart does that again; laid out by number, the same parameters
+    make the same blocks and rows either way, so a restart resumes bit for bit.
+
+    Attributes:
+        numbers: the parameters' stable numbers
+            (:class:`~commhooks.numbering.ParameterNumbering`), ascending.
+        offsets, sizes: each parameter's place in the rows (as one flat tensor).
+        sources: each parameter's offset in the bucket's buffer.
+        numel: the bucket's length.
+        length: elements per row, whole blocks; the rows together are the bucket zero-padded.
+        pieces: this rank's row, as ``(key, start, stop)``: the parts of parameters it holds,
+            keyed ``"number:first-stop"`` by the elements of the parameter, at ``[start, stop)``
+            in the row. The second error memory is kept under those keys.
+    """
+
+    numbers: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    sources: tuple[int, ...]
+    numel: int
+    length: int
+    pieces: tuple[tuple[str, int, int], ...]
+
+    @property
+    def in_order(self) -> bool:
+        """Whether the rows hold the buffer as it is (the bucket's order is the layout's)."""
+        return self.sources == self.offsets
+
+    @staticmethod
+    def build(
+        numbers: tuple[int, ...], sizes: tuple[int, ...], length: int, rank: int
+    ) -> "BucketLayout":
+        """The layout of a bucket holding parameters ``numbers`` of ``sizes``, in that order."""
+        order = sorted(range(len(numbers)), key=numbers.__getitem__)
+        in_buffer = _starts(sizes)
+        sizes = tuple(sizes[i] for i in order)
+        offsets = _starts(sizes)
+        row_start, row_stop = rank * length, (rank + 1) * length
+        pieces = []
+        for i, offset, size in zip(order, offsets, sizes):
+            start, stop = max(offset, row_start), min(offset + size, row_stop)
+            if start < stop:
+                key = piece_key(numbers[i], start - offset, stop - offset)
+                pieces.append((key, start - row_start, stop - row_start))
+        return BucketLayout(
+            tuple(numbers[i] for i in order),
+            offsets,
+            sizes,
+            tuple(in_buffer[i] for i in order),
+            sum(sizes),
+            length,
+            tuple(pieces),
+        )
+
+    def places(self) -> list[tuple[int, int, int, int]]:
+        """``(number, offset, size, source)`` of each parameter, in the layout's order."""
+        return list(zip(self.numbers, self.offsets, self.sizes, self.sources))
+
+
+def _starts(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(itertools.accumulate(sizes[:-1], initial=0)) if sizes else ()
+
+
+def piece_key(number: int, first: int, stop: int) -> str:
+    """The key of elements ``[first, stop)`` of parameter ``number`` in the second memory."""
+    return f"{number}:{first}-{stop}"
+
+
+def _parse_piece_key(key: str) -> tuple[int, int, int]:
+    number, _, span = key.partition(":")
+    first, _, stop = span.partition("-")
+    parsed = int(number), int(first), int(stop)
+    if min(parsed) < 0 or parsed[1] >= parsed[2]:
+        raise ValueError(f"{key!r} is not 'number:first-stop' with first < stop")
+    return parsed
+
+
+def _describe(key: Key) -> str:
+    if isinstance(key, str):
+        number, first, stop = _parse_piece_key(key)
+        return f"elements {first}-{stop - 1} of parameter #{number}"
+    return f"parameter #{key} (counted from DDP's last parameter, 0 being the last)"
+
+
+class Workspace:
+    """The buffers one bucket reuses from step to step (allocating them costs page faults).
+
+    ``rows`` is the compensated gradient cut into one row per rank, then its error; ``spare``
+    the other error buffer (the error memory points into one of them, see
+    :meth:`QuantizationState.commit`); ``levels`` scratch; ``send``/``received`` the packets
+    of the all-to-all; ``mine``/``mine_spare`` this rank's averaged row and the other buffer
+    of its error; ``own_packet``/``gathered`` the packets of the all-gather. Without error
+    feedback there is no error to keep, and each spare is the buffer itself.
+    """
+
+    def __init__(
+        self,
+        layout: BucketLayout,
+        fmt: quantize.BlockFormat,
+        world: int,
+        device: torch.device,
+        error_feedback: bool,
+    ) -> None:
+        self.layout, self.device = layout, device
+        length, packet = layout.length, fmt.packet_bytes(layout.length)
+
+        def floats(rows: int) -> torch.Tensor:
+            # Zeros: the padding past the bucket's end must quantize to nothing.
+            return torch.zeros(rows, length, device=device)
+
+        def packets(rows: int) -> torch.Tensor:
+            return torch.empty(rows, packet, dtype=torch.uint8, device=device)
+
+        self.rows, self.levels, self.mine = floats(world), floats(world), floats(1)
+        self.spare = floats(world) if error_feedback else self.rows
+        self.mine_spare = floats(1) if error_feedback else self.mine
+        self.send, self.received = packets(world), packets(world)
+        self.own_packet, self.gathered = packets(1), packets(world)
+
+    def fits(self, layout: BucketLayout, device: torch.device) -> bool:
+        """Whether these buffers serve ``layout`` (the same rows, in any bucket order)."""
+        same_rows = (self.layout.numbers, self.layout.sizes) == (layout.numbers, layout.sizes)
+        return same_rows and self.layout.length == layout.length and self.device == device
+
+    def adopt(self, layout: BucketLayout) -> "Workspace":
+        """These buffers, for ``layout`` (which :meth:`fits`), the bucket order it describes."""
+        self.layout = layout
+        return self
+
+
+class QuantizationState(HookState):
+    """Options and error memories of :func:`~commhooks.hooks.quantized.quantized_hook`.
+
+    Build it as ``QuantizationState(process_group=None, bits=8, ...)``, the other options of
+    :class:`QuantizationOptions` as keywords, e.g. ``QuantizationState(None, 4,
+    block_size=128)``. Each option reads as an attribute (``state.bits``),
+    read-only; ``state.settings`` is the whole typed object.
+
+    Two error memories, both :class:`~commhooks.memory.ErrorFeedback`:
+
+    * ``error``: what this rank's quantization dropped from its own gradient, one float32
+      tensor per parameter, keyed by the parameter's number (counted from DDP's last
+      parameter), so it follows each parameter through DDP's bucket rebuild after the first
+      step and through a restart with other bucket sizes.
+    * ``owner_error``: what the second quantization dropped from the average of the row this
+      rank owns, keyed by the parameter elements it covers (``"number:first-stop"``). Which
+      elements a rank owns depends on the bucket layout and the world size: a piece whose
+      elements are owned differently after a rebuild or restart is dropped (it is at most half
+      a quantization step of the average), the others carry over.
+
+    Args:
+        process_group: the group to average over; ``None`` for the default group.
+        bits: 8 or 4 bits per element on the wire (see :class:`QuantizationOptions`).
+        **options: the other options of :class:`QuantizationOptions`.
+
+    Raises:
+        ValueError: an unknown option or a value out of range, with the fix in the message.
+    """
+
+    kind = "quantization"
+    version = 1
+    _transient = ("_numbering", "_layouts", "_workspaces", "issuer", "_checked", "_generators")
+
+    def __init__(
+        self, process_group: dist.ProcessGroup | None = None, bits: int = 8, **options: Any
+    ) -> None:
+        super().__init__(process_group)
+        self.settings = QuantizationOptions.from_mapping({"bits": bits, **options})
+        self.iter = 0
+        self.error = ErrorFeedback(OWNER, _describe)
+        self.owner_error = ErrorFeedback(OWNER, _describe)
+        self._saved_place: tuple[int, int] | None = None  # (world size, rank) of a loaded dict
+        self._generator_states: torch.Tensor | None = None  # loaded, not yet in use
+        self._restore_transient()
+
+    def _restore_transient(self) -> None:
+        self._numbering = ParameterNumbering()
+        self._layouts: dict[tuple[tuple[int, ...], tuple[int, ...]], BucketLayout] = {}
+        self._workspaces: dict[int, Workspace] = {}
+        self.issuer: comm.OrderedIssuer | None = None
+        self._checked: dist.ProcessGroup | None = None
+        self._generators: list[torch.Generator] = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        if self._generators:  # the generators are dropped; their states travel instead
+            state["_generator_states"] = torch.stack([g.get_state() for g in self._generators])
+        return state
+
+    def __getattr__(self, name: str) -> Any:
+        if name != "settings" and name in QuantizationOptions.names():
+            return getattr(self.settings, name)
+        raise AttributeError(f"'{OWNER}' object has no attribute '{name}'")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in QuantizationOptions.names():
+            raise AttributeError(
+                f"{OWNER}.{name} is read-only: the ranks must agree on it, and the memories were "
+                f"made with it. Build a new QuantizationState(..., {name}={value!r}) instead."
+            )
+        super().__setattr__(name, value)
+
+    def __repr__(self) -> str:
+        options = ", ".join(f"{k}={v!r}" for k, v in self.settings.as_dict().items())
+        return f"{OWNER}({options}, iter={self.iter})"
+
+    # -- used by the hook, on DDP's thread ----------------------------------------------------
+    def prepare(self) -> dist.ProcessGroup:
+        """The group to use; on first use (and after ``bind``), check the ranks agree.
+
+        The first call is collective on every rank of the group (the handshake of
+        :mod:`commhooks.handshake`, which gathers the hook's name, its wrapper's and
+        :meth:`handshake_fields`, and the creation of the follow-up group of :attr:`issuer`):
+        the hook makes it on its first bucket, the same point everywhere.
+        """
+        group = comm.resolve_group(self.process_group, owner=OWNER)
+        if self._checked is not group:
+            handshake.agree(group, HOOK, self)
+            self.issuer = comm.OrderedIssuer(comm.follow_up_group(group))
+            self._forget_if_moved(comm.world_size(group), comm.group_rank(group))
+            self._layouts.clear()
+            self._workspaces.clear()
+            self._checked = group
+        return group
+
+    def handshake_fields(self) -> dict[str, Any]:
+        """What every rank must agree on at the first step: the options and the step count
+        (ranks resumed at different steps would leave the warm-up at different steps)."""
+        return {**self.settings.as_dict(), "iter": self.iter}
+
+    def compressing(self, is_last: bool) -> bool:
+        """Whether this step is past the warm-up; counts a step on its last bucket."""
+        compressing = self.iter >= self.settings.warmup_steps
+        if is_last:
+            self.iter += 1
+        return compressing
+
+    def layout(
+        self,
+        bucket: dist.GradBucket,  # type: ignore[name-defined]  # not in torch's stubs
+        group: dist.ProcessGroup,
+    ) -> BucketLayout:
+        """The layout of ``bucket``, made once per set of parameters.
+
+        Raises:
+            ValueError: the bucket's gradients do not tile its buffer.
+        """
+        numbers = self._numbering.numbers(bucket.parameters())
+        sizes = tuple(g.numel() for g in bucket.gradients())
+        found = self._layouts.get((numbers, sizes))
+        if found is not None:
+            return found
+        if sum(sizes) != bucket.buffer().numel():
+            raise ValueError(
+                f"{OWNER}: the bucket's gradients hold {sum(sizes)} elements but its buffer "
+                f"{bucket.buffer().numel()}; a bucket handed to the hook must be laid out as "
+                "DDP's: gradients() are consecutive views that fill buffer()."
+            )
+        world, rank = comm.world_size(group), comm.group_rank(group)
+        length = self.settings.format.row_length(sum(sizes), world)
+        made = BucketLayout.build(numbers, sizes, length, rank)
+        self._drop_stale_pieces(made)
+        self._layouts[(numbers, sizes)] = made
+        return made
+
+    def workspace(
+        self, index: int, layout: BucketLayout, world: int, device: torch.device
+    ) -> Workspace:
+        """The buffers of bucket ``index``, made again when its layout or device changes."""
+        found = self._workspaces.get(index)
+        if found is None or not found.fits(layout, device):
+            settings = self.settings
+            found = Workspace(layout, settings.format, world, device, settings.error_feedback)
+            self._workspaces[index] = found
+        return found.adopt(layout)
+
+    def generator(self, device: torch.device, rank: int, phase: int = 0) -> torch.Generator | None:
+        """The random numbers of stochastic rounding (``None`` with nearest rounding).
+
+        One generator per quantization (``phase`` 0: a rank's own gradient, on DDP's thread;
+        1: the average of its row, in the order the issuer runs follow-ups), so that each is
+        drawn from in the same order in every run, seeded ``random_seed + 2 rank + phase``.
+        """
+        if self.settings.rounding != quantize.STOCHASTIC:
+            return None
+        if not self._generators or self._generators[0].device != device:
+            self._generators = [torch.Generator(device=device) for _ in _PHASES]
+            for i, made in enumerate(self._generators):
+                made.manual_seed(self.settings.random_seed + 2 * rank + i)
+                if self._generator_states is not None:
+                    made.set_state(self._generator_states[i].clone())
+            self._generator_states = None
+        return self._generators[phase]
+
+    # -- used by the hook, once the step's result is known --------------------------------------
+    def commit(self, work: Workspace) -> None:
+        """Keep the errors this step left in ``work`` as the memories; swap the buffers.
+
+        Called only for a step whose result is finite, so that inf or NaN never enter a memory,
+        and an abandoned step leaves the previous memories as they were.
+        """
+        if not self.settings.error_feedback:
+            return
+        layout, flat = work.layout, work.rows.view(-1)
+        for number, offset, size, _ in layout.places():
+            self.error.record(number, flat[offset : offset + size])
+        for key, start, stop in layout.pieces:
+            self.owner_error.record(key, work.mine[0, start:stop])
+        work.rows, work.spare = work.spare, work.rows
+        work.mine, work.mine_spare = work.mine_spare, work.mine
+
+    # -- internal -------------------------------------------------------------------------------
+    def _drop_stale_pieces(self, layout: BucketLayout) -> None:
+        """Forget second-memory pieces of this layout's parameters that it does not hold."""
+        numbers, kept = set(layout.numbers), {key for key, _, _ in layout.pieces}
+        for key in list(self.owner_error):
+            if isinstance(key, str) and key not in kept and _parse_piece_key(key)[0] in numbers:
+                self.owner_error.discard(key)
+
+    def _forget_if_moved(self, world: int, rank: int) -> None:
+        saved, self._saved_place = self._saved_place, None
+        if saved is None or saved == (world, rank) or not (self.error or self.owner_error):
+            return
+        count = len(self.error) + len(self.owner_error)
+        self.error.clear()
+        self.owner_error.clear()
+        warn_once(
+            f"quantization-moved-{saved}-{world}-{rank}",
+            f"{OWNER}: the error memories ({count} tensors) were saved by rank {saved[1]} of "
+            f"{saved[0]} and are used by rank {rank} of {world}: each rank's memory is its own, "
+            "so they were reset. Save every rank's state (commhooks.integrations.PerRankState) "
+            "and resume with the same world size to keep them.",
+        )
+
+    # -- checkpointing --------------------------------------------------------------------------
+    def _save(self) -> dict[str, Any]:
+        world, rank = _place(self.process_group)
+        generators = self._generator_states
+        if self._generators:
+            generators = torch.stack([g.get_state() for g in self._generators])
+        return {
+            "iter": self.iter,
+            "world_size": world,
+            "rank": rank,
+            "error": self.error.state_dict(),
+            "owner_error": self.owner_error.state_dict(),
+            "generators": torch.empty(0, dtype=torch.uint8) if generators is None else generators,
+        }
+
+    def _load(self, state_dict: Mapping[str, Any]) -> None:
+        where = f"{OWNER}.load_state_dict"
+        try:
+            entries = {k: state_dict[k] for k in ("iter", "world_size", "rank", "error")}
+            entries.update(
+                owner_error=state_dict["owner_error"], generators=state_dict["generators"]
+            )
+        except KeyError as exc:
+            raise StateDictError(
+                f"{where}: missing entry {exc}. Pass the unchanged output of state_dict()."
+            ) from exc
+        step = check_count(f"{where} 'iter'", entries["iter"])
+        world = check_count(f"{where} 'world_size'", entries["world_size"], minimum=-1)
+        rank = check_count(f"{where} 'rank'", entries["rank"], minimum=-1)
+        error, owner_error = ErrorFeedback(OWNER, _describe), ErrorFeedback(OWNER, _describe)
+        error.load_state_dict(entries["error"], int, f"{OWNER} 'error'")
+        where_owner = f"{OWNER} 'owner_error'"
+        owner_error.load_state_dict(entries["owner_error"], _checked_piece, where_owner)
+        generators = _checked_generators(f"{OWNER} 'generators'", entries["generators"])
+        self.iter, self.error, self.owner_error = step, error, owner_error
+        self._generator_states, self._generators = generators, []
+        self._saved_place = (world, rank) if world > 0 and rank >= 0 else None
+        self._checked = None
+
+
+def _checked_piece(name: str) -> str:
+    _parse_piece_key(name)
+    return name
+
+
+_CUDA_GENERATOR_BYTES = 16
+
+
+def _checked_generators(where: str, value: Any) -> torch.Tensor | None:
+    states = check_tensor(where, value, dtype=torch.uint8)
+    if states.numel() == 0:
+        return None
+    if states.dim() != 2 or states.shape[0] != len(_PHASES):
+        raise StateDictError(
+            f"{where} must hold {len(_PHASES)} generator states, one a row; got shape "
+            f"{tuple(states.shape)}."
+        )
+    for row in states:
+        try:
+            torch.Generator().set_state(row.clone())
+        except RuntimeError as exc:
+            # A CUDA generator's state is its seed and offset, 16 bytes; it is checked when set.
+            if row.numel() != _CUDA_GENERATOR_BYTES:
+                raise StateDictError(f"{where} is not a generator state ({exc}).") from exc
+    return states.clone()
+
+
+def _place(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """``(world size, rank)`` in ``group``, or ``(-1, -1)`` without torch.distributed."""
+    if dist.is_available() and dist.is_initialized():
+        return comm.world_size(group), comm.group_rank(group)
+    return -1, -1
+
+
+# Pickles and reprs name the public module, whichever module defines the class.
+QuantizationState.__module__ = "commhooks.hooks.quantized"
+QuantizationOptions.__module__ = "commhooks.hooks.quantized"

@@ -1,0 +1,152 @@
+"""The quantization math of ``commhooks.quantize``, in one process: bounds, packing, formats."""
+
+import pytest
+import torch
+
+from commhooks import quantize
+from commhooks.quantize import BlockFormat
+
+
+def _encode(x: torch.Tensor, fmt: BlockFormat, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a copy of ``x``; return the packets and what was left in the copy."""
+    left = x.clone()
+    packets = torch.empty(x.shape[0], fmt.packet_bytes(x.shape[1]), dtype=torch.uint8)
+    quantize.quantize_(left, packets, fmt, torch.empty_like(x), **kwargs)
+    return packets, left
+
+
+def _decode(packets: torch.Tensor, fmt: BlockFormat, shape, dtype=torch.float32) -> torch.Tensor:
+    return quantize.dequantize_(packets, fmt, torch.empty(shape, dtype=dtype))
+
+
+def _block_absmax(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Each element's block absmax, broadcast back to ``x``'s shape."""
+    rows, length = x.shape
+    amax = x.view(rows, -1, block).abs().amax(2, keepdim=True)
+    return amax.expand(rows, length // block, block).reshape(rows, length)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_nearest_rounding_stays_within_half_a_step_and_leaves_the_error(bits):
+    fmt = BlockFormat(bits, 16)
+    gen = torch.Generator().manual_seed(bits)
+    x = torch.randn(3, 64, generator=gen) * torch.logspace(-3, 3, 64)  # blocks of many scales
+    x[1, :16] = 0  # a block of zeros
+    packets, left = _encode(x, fmt)
+    decoded = _decode(packets, fmt, x.shape)
+    error = x - decoded
+    half_step = _block_absmax(x, 16) / (2 * fmt.qmax)
+    assert bool((error.abs() <= half_step * (1 + 1e-6)).all())
+    assert error.abs().max() > 0  # it did quantize
+    assert torch.equal(decoded[1, :16], torch.zeros(16))  # zeros are exact
+    torch.testing.assert_close(left, error, rtol=0, atol=1e-6 * x.abs().max().item())
+    assert bool((decoded.abs() <= _block_absmax(x, 16) * (1 + 1e-6)).all())
+
+
+def test_without_keep_error_the_input_is_left_as_it_was():
+    fmt, x = BlockFormat(8, 8), torch.randn(2, 32)
+    packets, left = _encode(x, fmt, keep_error=False)
+    assert torch.equal(left, x)
+    assert torch.equal(packets, _encode(x, fmt)[0])
+
+
+def test_int4_packs_two_offset_nibbles_a_byte_low_first():
+    fmt = BlockFormat(4, 8)
+    x = torch.tensor([[-7.0, 7.0, 0.0, 1.0, -1.0, 3.0, 2.0, -3.0]])  # absmax 7: scale 1
+    packets, _ = _encode(x, fmt)
+    codes = [k + 8 for k in (-7, 7, 0, 1, -1, 3, 2, -3)]
+    expected = [lo | hi << 4 for lo, hi in zip(codes[::2], codes[1::2])]
+    assert packets[0, :4].tolist() == expected
+    assert packets[0, 4:].view(torch.float32).item() == 1.0
+    assert torch.equal(_decode(packets, fmt, x.shape), x)
+
+
+def test_int8_codes_are_rounded_levels():
+    fmt = BlockFormat(8, 8)
+    x = torch.tensor([[127.0, -127.0, 0.4, 0.6, -0.6, 2.5, 3.5, 10.0]])
+    packets, _ = _encode(x, fmt)
+    assert packets[0, :8].view(torch.int8).tolist() == [127, -127, 0, 1, -1, 2, 4, 10]
+
+
+def test_stochastic_rounding_is_unbiased_in_range_and_reproducible():
+    fmt = BlockFormat(4, 8)
+    x = torch.tensor([[7.0, -7.0, 0.25, 0.5, -2.75, 6.9, 0.0, 1.0]]).repeat(4000, 1)
+    first = torch.Generator().manual_seed(5)
+    packets, left = _encode(x, fmt, rounding=quantize.STOCHASTIC, generator=first)
+    decoded = _decode(packets, fmt, x.shape)
+    assert bool(((x - decoded).abs() < 1).all())  # one of the two nearest levels
+    assert bool((decoded.abs() <= 7).all())
+    torch.testing.assert_close(decoded.mean(0), x[0], rtol=0, atol=0.05)
+    assert set(decoded[:, 2].unique().tolist()) == {0.0, 1.0}
+    torch.testing.assert_close(left, x - decoded, rtol=0, atol=1e-6)
+    again = _encode(
+        x, fmt, rounding=quantize.STOCHASTIC, generator=torch.Generator().manual_seed(5)
+    )
+    assert torch.equal(again[0], packets)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_non_finite_blocks_show_in_their_scales(bits):
+    fmt = BlockFormat(bits, 8)
+    x = torch.randn(2, 32)
+    assert quantize.scales_finite(_encode(x, fmt)[0], fmt, 32)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        y = x.clone()
+        y[1, 9] = bad
+        packets = _encode(y, fmt)[0]
+        assert not quantize.scales_finite(packets, fmt, 32)
+        assert bool(torch.isfinite(_decode(packets, fmt, y.shape)[0]).all())  # other rows fine
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_decoding_into_half_precision_rounds_the_float32_values(dtype):
+    fmt = BlockFormat(8, 16)
+    packets = _encode(torch.randn(2, 48), fmt)[0]
+    exact = _decode(packets, fmt, (2, 48))
+    torch.testing.assert_close(_decode(packets, fmt, (2, 48), dtype), exact.to(dtype))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_dequantize_sum_adds_the_rows(bits):
+    fmt = BlockFormat(bits, 8)
+    packets = _encode(torch.randn(3, 24), fmt)[0]
+    total = quantize.dequantize_sum(packets, fmt, torch.empty(3, 24), torch.empty(24))
+    torch.testing.assert_close(total, _decode(packets, fmt, (3, 24)).sum(0))
+
+
+def test_formats_size_rows_and_packets():
+    fmt = BlockFormat(4, 256)
+    assert (fmt.qmax, BlockFormat(8, 8).qmax) == (7, 127)
+    assert fmt.row_length(1, 3) == 256 and fmt.row_length(1025, 2) == 768
+    assert fmt.packet_bytes(512) == 256 + 8
+    # On the wire, per element, against float32's 4 bytes (both sent 2 (p - 1) / p times).
+    assert BlockFormat(8, 256).packet_bytes(256) / (4 * 256) <= 0.27
+    assert fmt.packet_bytes(256) / (4 * 256) <= 0.15
+
+
+def test_affine_qparams_are_pytorchs_observers():
+    from torch.ao.quantization import MinMaxObserver, PerChannelMinMaxObserver
+
+    gen = torch.Generator().manual_seed(0)
+    for x in (torch.randn(1, 100, generator=gen) + 3, torch.randn(5, 16, generator=gen) * 1e-3):
+        observer = PerChannelMinMaxObserver() if x.shape[0] > 1 else MinMaxObserver()
+        observer(x if x.shape[0] > 1 else x.view(-1))
+        scale, zero_point = observer.calculate_qparams()
+        qparams = quantize.affine_qparams(x)
+        assert torch.equal(qparams[0], scale.to(torch.float32))
+        assert torch.equal(qparams[1], zero_point.to(torch.float32))
+    zeros = quantize.affine_qparams(torch.zeros(2, 4))
+    assert zeros[0].tolist() == [torch.finfo(torch.float32).eps] * 2
+
+
+def test_affine_round_trip_matches_pytorchs_backend_functions():
+    from torch.distributed.algorithms.ddp_comm_hooks import quantization_hooks as reference
+
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(1))
+    qparams = quantize.affine_qparams(x)
+    codes = torch.empty(4, 32, dtype=torch.uint8)
+    quantize.quantize_affine(x, qparams, codes)
+    expected = reference._quantize_per_channel_backend(x, qparams[0], qparams[1])
+    assert torch.equal(codes, expected)
+    decoded = reference._dequantize_per_channel_backend(expected, qparams[0], qparams[1])
+    assert torch.equal(quantize.dequantize_affine(codes, qparams), decoded)
