@@ -10,7 +10,7 @@ collectives in the order their slots were reserved, whichever thread gets there 
 
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -61,7 +61,7 @@ def resolve_group(group: Any, *, owner: str = "this hook") -> dist.ProcessGroup:
             "before the first backward pass."
         )
     if group is None:
-        return dist.group.WORLD
+        return cast(dist.ProcessGroup, dist.group.WORLD)
     if group is dist.GroupMember.NON_GROUP_MEMBER:
         raise ValueError(
             f"{owner}: this rank (global rank {dist.get_rank()}) is not a member of the process "
@@ -153,7 +153,8 @@ def future_devices(*values: Any) -> list[torch.device]:
 
 def new_future(devices: list[torch.device] | None = None) -> "Future[Any]":
     """A future to complete by hand, synchronised with the streams of ``devices`` if any."""
-    return Future(devices=devices) if devices else Future()
+    where: list[int | str | torch.device] = list(devices or [])
+    return Future(devices=where) if where else Future()
 
 
 def holds_follow_ups(devices: list[torch.device]) -> bool:
@@ -183,7 +184,7 @@ def completed(value: T) -> "Future[T]":
     The result is set on the current streams, so consumers wait for the kernels that produced
     ``value`` (see :func:`future_devices`).
     """
-    fut: Future = new_future(future_devices(value))
+    fut: Future[T] = new_future(future_devices(value))
     fut.set_result(value)
     return fut
 
@@ -198,26 +199,33 @@ def _first(fut: "Future[list[torch.Tensor]]") -> torch.Tensor:
 _EXCHANGE_BYTES = 1 << 20
 
 
-def allreduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.Tensor]":
+def allreduce(
+    tensor: torch.Tensor, group: dist.ProcessGroup, issuer: "OrderedIssuer | None" = None
+) -> "Future[torch.Tensor]":
     """Sum ``tensor`` in place across ``group``; the future resolves to ``tensor`` itself.
 
-    One collective either way: an allreduce, or for a small CPU tensor on two gloo ranks an
+    One collective on ``group``: an allreduce, or for a small CPU tensor on two gloo ranks an
     all-gather and a local add (see ``_EXCHANGE_BYTES``), which returns sooner, most of all
-    in the slow tail; PowerSGD's factors are such tensors.
+    in the slow tail; PowerSGD's factors are such tensors. Given an ``issuer``, a larger
+    float16 or bfloat16 tensor on two gloo ranks is summed by trading halves instead (see
+    ``_HALVES_DTYPES``), which takes a second collective: a follow-up slot on ``issuer``,
+    reserved now. A sparse tensor goes to gloo's sparse allreduce; the future then holds the
+    sum it returns.
     """
     if _sums_by_exchange(tensor, group):
         return _exchange_and_add(tensor, group)
+    if issuer is not None and _sums_by_halves(tensor, group):
+        return _exchange_halves(tensor, group, issuer)
     work = dist.all_reduce(tensor, group=group, async_op=True)
-    return work.get_future().then(_first)
+    summed: Future[list[torch.Tensor]] = work.get_future()
+    return summed.then(_first)
 
 
 def _sums_by_exchange(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
     return (
-        group.size() == 2
-        and tensor.device.type == "cpu"
-        and tensor.is_floating_point()
+        tensor.is_floating_point()
         and tensor.numel() * tensor.element_size() <= _EXCHANGE_BYTES
-        and "gloo" in str(dist.get_backend(group))
+        and _two_gloo_ranks_on_cpu(tensor, group)
     )
 
 
@@ -230,7 +238,7 @@ def _exchange_and_add(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     work = gather(both, flat, group=group, async_op=True)
 
-    def add(fut: Future) -> torch.Tensor:
+    def add(fut: "Future[list[torch.Tensor]]") -> torch.Tensor:
         fut.value()  # raises here if the all-gather failed
         # The same order on both ranks, so they hold the same bits.
         torch.add(both[: flat.numel()], both[flat.numel() :], out=flat)
@@ -238,17 +246,84 @@ def _exchange_and_add(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future
             tensor.copy_(flat.view_as(tensor))
         return tensor
 
-    return work.get_future().then(add)
+    gathered: Future[list[torch.Tensor]] = work.get_future()
+    return gathered.then(add)
+
+
+# gloo reduces float16 and bfloat16 one element at a time in scalar code, which makes its
+# allreduce of a half-precision tensor slower than that of the same values in float32. Two
+# ranks sum such a tensor faster by trading halves: each sends the half the other owns, adds
+# the half it receives to its own with torch's vectorised kernels, and they trade the sums. Each
+# sends the bytes of a ring allreduce, and every element is one addition, the same bits
+# (addition commutes). The received half is the only buffer, half the tensor's size.
+_HALVES_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _sums_by_halves(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
+    return (
+        tensor.dtype in _HALVES_DTYPES
+        and tensor.dim() == 1
+        and tensor.is_contiguous()
+        and _two_gloo_ranks_on_cpu(tensor, group)
+    )
+
+
+def _two_gloo_ranks_on_cpu(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
+    return (
+        group.size() == 2
+        and tensor.device.type == "cpu"
+        and tensor.layout == torch.strided
+        and "gloo" in str(dist.get_backend(group))
+    )
+
+
+def _exchange_halves(
+    tensor: torch.Tensor, group: dist.ProcessGroup, issuer: "OrderedIssuer"
+) -> "Future[torch.Tensor]":
+    # Group rank 0 owns the first ``cut`` elements, rank 1 the rest.
+    cut = tensor.numel() // 2
+    first = dist.get_rank(group) == 0
+    mine, theirs = (tensor[:cut], tensor[cut:]) if first else (tensor[cut:], tensor[:cut])
+    received = torch.empty_like(mine)
+    out_sizes, in_sizes = _to_peer(received, first), _to_peer(theirs, first)
+    work = dist.all_to_all_single(received, theirs, out_sizes, in_sizes, group, async_op=True)
+    parts = (tensor, mine, received, theirs)
+    return issuer.then(work.get_future(), lambda _: _trade_sums(*parts, first, issuer.group))
+
+
+def _trade_sums(
+    tensor: torch.Tensor,
+    mine: torch.Tensor,
+    received: torch.Tensor,
+    theirs: torch.Tensor,
+    first: bool,
+    group: dist.ProcessGroup | None,
+) -> "Future[torch.Tensor]":
+    """The second half of :func:`_exchange_halves`, a follow-up: add, then trade the sums."""
+    mine.add_(received)
+    out_sizes, in_sizes = _to_peer(theirs, first), _to_peer(mine, first)
+    work = dist.all_to_all_single(theirs, mine, out_sizes, in_sizes, group, async_op=True)
+    traded: Future[list[torch.Tensor]] = work.get_future()
+    return traded.then(lambda fut: (fut.value(), tensor)[1])
+
+
+def _to_peer(part: torch.Tensor, first: bool) -> list[int]:
+    """Split sizes of an all-to-all between two ranks that moves all of ``part`` to the peer."""
+    return [0, part.numel()] if first else [part.numel(), 0]
 
 
 def average(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.Tensor]":
     """Average ``tensor`` in place across ``group``.
 
     Scaling happens before the sum, as DDP itself does, so the partial sums stay in range. We
-    multiply by ``1 / world_size`` rather than divide because that is DDP's own arithmetic:
-    results are bitwise identical to training without a hook, at any world size.
+    multiply a dense tensor by ``1 / world_size`` and divide a sparse one (the future then holds
+    the summed sparse tensor) because that is DDP's own arithmetic: results are bitwise
+    identical to training without a hook, at any world size.
     """
-    tensor.mul_(1.0 / group.size())
+    if tensor.layout == torch.strided:
+        tensor.mul_(1.0 / group.size())
+    else:
+        tensor.div_(group.size())
     return allreduce(tensor, group)
 
 
@@ -264,7 +339,7 @@ def gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any
 
     For checkpoints written by one rank: only that rank holds every rank's copy.
     """
-    group = group or dist.group.WORLD
+    group = group or cast(dist.ProcessGroup, dist.group.WORLD)
     first = dist.get_global_rank(group, 0)
     out: list[Any] | None = (
         [None] * dist.get_world_size(group) if dist.get_rank() == first else None
@@ -371,9 +446,9 @@ class OrderedIssuer:
                 self._held.add(slot)
             else:  # every held slot is an earlier one
                 self._held.clear()
-        out: Future = new_future(devices)
+        out: Future[Any] = new_future(devices)
 
-        def on_done(fut: Future) -> None:
+        def on_done(fut: "Future[Any]") -> None:
             try:
                 fut.value()
             except BaseException as exc:  # forwarded to the caller's future
@@ -395,7 +470,7 @@ class OrderedIssuer:
             return self._reserved - self._next
 
 
-def _launch_into(issue: Callable[[], "Future[T]"], out: "Future[T]") -> None:
+def _launch_into(issue: Callable[[], "Future[T]"], out: "Future[Any]") -> None:
     try:
         inner = issue()
     except BaseException as exc:
@@ -404,7 +479,7 @@ def _launch_into(issue: Callable[[], "Future[T]"], out: "Future[T]") -> None:
     inner.add_done_callback(lambda fut: _forward(fut, out))
 
 
-def _forward(src: "Future[T]", dst: "Future[T]") -> None:
+def _forward(src: "Future[T]", dst: "Future[Any]") -> None:
     try:
         value = src.value()
     except BaseException as exc:
@@ -438,8 +513,9 @@ def follow_up_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
 
     Creating a group is collective: call it at the same point on every rank of ``group``.
     """
-    return dist.new_group(
+    follow_up: dist.ProcessGroup = dist.new_group(
         ranks=dist.get_process_group_ranks(group),
         backend=dist.get_backend(group),
         use_local_synchronization=True,
     )
+    return follow_up

@@ -4,13 +4,13 @@ import torch
 import torch.distributed as dist
 
 from commhooks import comm
-from commhooks.hooks._bucket import float_buffer, group_state
+from commhooks.hooks._bucket import GradBucket, gradient_buffer, group_state
 
 __all__ = ["noop_hook"]
 
 
 def noop_hook(
-    state: dist.ProcessGroup | None, bucket: dist.GradBucket
+    state: dist.ProcessGroup | None, bucket: GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """Return each rank's local gradient untouched, communicating nothing.
 
@@ -29,4 +29,4 @@ def noop_hook(
         ValueError: this rank is not in the group ``state``.
     """
     group_state(state, "noop_hook")
-    return comm.completed(float_buffer(bucket, "noop_hook"))
+    return comm.completed(gradient_buffer(bucket, "noop_hook"))

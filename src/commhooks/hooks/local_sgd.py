@@ -23,7 +23,7 @@ import torch.distributed as dist
 from commhooks import comm
 from commhooks._machines import MACHINE_ID_VAR, local_launch_info, machine_rank_lists
 from commhooks._validate import check_bool, check_int
-from commhooks.hooks._bucket import float_buffer
+from commhooks.hooks._bucket import GradBucket, gradient_buffer
 from commhooks.state import HookState, StateDictError
 
 __all__ = ["PostLocalSGDState", "post_localSGD_hook"]
@@ -160,7 +160,7 @@ class PostLocalSGDState(HookState):
         comm.check_same_on_all_ranks(options, group, owner=type(self).__name__)
         self._checked = True
 
-    def _advance(self, bucket: dist.GradBucket) -> None:
+    def _advance(self, bucket: GradBucket) -> None:
         if not bucket.is_last():
             return
         self.iter += 1
@@ -208,7 +208,7 @@ def _check_default_subgroup_allowed(
 
 
 def post_localSGD_hook(
-    state: PostLocalSGDState, bucket: dist.GradBucket
+    state: PostLocalSGDState, bucket: GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """Average globally during the warm-up, then within the subgroup, or not at all.
 
@@ -227,7 +227,7 @@ def post_localSGD_hook(
             "post_localSGD_hook)."
         )
     group = comm.resolve_group(state.process_group, owner=OWNER)
-    buffer = float_buffer(bucket, OWNER)
+    buffer = gradient_buffer(bucket, OWNER)
     state._first_use(group)
     warming_up = state.iter < state.start_localSGD_iter
     state._advance(bucket)
