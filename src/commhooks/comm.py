@@ -19,6 +19,7 @@ __all__ = [
     "OrderedIssuer",
     "all_gather_objects",
     "allreduce",
+    "allreduce_filled",
     "average",
     "backend_for_device",
     "check_same_on_all_ranks",
@@ -199,23 +200,16 @@ def _first(fut: "Future[list[torch.Tensor]]") -> torch.Tensor:
 _EXCHANGE_BYTES = 1 << 20
 
 
-def allreduce(
-    tensor: torch.Tensor, group: dist.ProcessGroup, issuer: "OrderedIssuer | None" = None
-) -> "Future[torch.Tensor]":
+def allreduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.Tensor]":
     """Sum ``tensor`` in place across ``group``; the future resolves to ``tensor`` itself.
 
-    One collective on ``group``: an allreduce, or for a small CPU tensor on two gloo ranks an
+    One collective either way: an allreduce, or for a small CPU tensor on two gloo ranks an
     all-gather and a local add (see ``_EXCHANGE_BYTES``), which returns sooner, most of all
-    in the slow tail; PowerSGD's factors are such tensors. Given an ``issuer``, a larger
-    float16 or bfloat16 tensor on two gloo ranks is summed by trading halves instead (see
-    ``_HALVES_DTYPES``), which takes a second collective: a follow-up slot on ``issuer``,
-    reserved now. A sparse tensor goes to gloo's sparse allreduce; the future then holds the
-    sum it returns.
+    in the slow tail; PowerSGD's factors are such tensors. A sparse tensor goes to gloo's
+    sparse allreduce; the future then holds the sum it returns.
     """
     if _sums_by_exchange(tensor, group):
         return _exchange_and_add(tensor, group)
-    if issuer is not None and _sums_by_halves(tensor, group):
-        return _exchange_halves(tensor, group, issuer)
     work = dist.all_reduce(tensor, group=group, async_op=True)
     summed: Future[list[torch.Tensor]] = work.get_future()
     return summed.then(_first)
@@ -250,13 +244,38 @@ def _exchange_and_add(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future
     return gathered.then(add)
 
 
-# gloo reduces float16 and bfloat16 one element at a time in scalar code, which makes its
-# allreduce of a half-precision tensor slower than that of the same values in float32. Two
-# ranks sum such a tensor faster by trading halves: each sends the half the other owns, adds
-# the half it receives to its own with torch's vectorised kernels, and they trade the sums. Each
-# sends the bytes of a ring allreduce, and every element is one addition, the same bits
-# (addition commutes). The received half is the only buffer, half the tensor's size.
+Fill = Callable[[torch.Tensor, int], None]
+
+
+def allreduce_filled(
+    tensor: torch.Tensor, group: dist.ProcessGroup, issuer: "OrderedIssuer", fill: Fill
+) -> "Future[torch.Tensor]":
+    """Sum across ``group`` the values that ``fill`` writes into ``tensor``, a 1-D tensor.
+
+    ``fill(out, start)`` writes this rank's values of the elements ``start`` to
+    ``start + out.numel()`` into ``out``; it is called on this thread, and may be called again
+    later on a follow-up's thread. The future resolves to ``tensor``, summed in place.
+
+    Usually ``fill`` writes all of ``tensor`` at once, and :func:`allreduce` sums it. On two
+    gloo ranks a float16 or bfloat16 tensor is summed by trading halves instead (see
+    ``_HALVES_DTYPES``): one collective now, and one in a follow-up slot of ``issuer``,
+    reserved now.
+    """
+    if _sums_by_halves(tensor, group):
+        return _exchange_halves(tensor, group, issuer, fill)
+    fill(tensor, 0)
+    return allreduce(tensor, group)
+
+
+# gloo adds float16 and bfloat16 one element at a time in scalar code: its allreduce of a
+# half-precision tensor takes longer than that of the same values in float32. Two ranks sum one
+# faster by trading halves: each sends the half the other owns, adds its own values to the half
+# it receives with torch's vectorised kernels, and they trade the sums. Each sends the bytes of
+# a ring allreduce, and every element is one addition, so the sums are the same bits (addition
+# commutes). The half received first lands where this rank's own values of it would be; those
+# are written later, a chunk at a time, so the tensor is the only buffer.
 _HALVES_DTYPES = (torch.float16, torch.bfloat16)
+_HALVES_CHUNK = 1 << 18  # elements of this rank's own values written at a time while adding
 
 
 def _sums_by_halves(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
@@ -264,6 +283,7 @@ def _sums_by_halves(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
         tensor.dtype in _HALVES_DTYPES
         and tensor.dim() == 1
         and tensor.is_contiguous()
+        and tensor.numel() * tensor.element_size() > _EXCHANGE_BYTES
         and _two_gloo_ranks_on_cpu(tensor, group)
     )
 
@@ -278,31 +298,38 @@ def _two_gloo_ranks_on_cpu(tensor: torch.Tensor, group: dist.ProcessGroup) -> bo
 
 
 def _exchange_halves(
-    tensor: torch.Tensor, group: dist.ProcessGroup, issuer: "OrderedIssuer"
+    tensor: torch.Tensor, group: dist.ProcessGroup, issuer: "OrderedIssuer", fill: Fill
 ) -> "Future[torch.Tensor]":
     # Group rank 0 owns the first ``cut`` elements, rank 1 the rest.
     cut = tensor.numel() // 2
     first = dist.get_rank(group) == 0
     mine, theirs = (tensor[:cut], tensor[cut:]) if first else (tensor[cut:], tensor[:cut])
-    received = torch.empty_like(mine)
-    out_sizes, in_sizes = _to_peer(received, first), _to_peer(theirs, first)
-    work = dist.all_to_all_single(received, theirs, out_sizes, in_sizes, group, async_op=True)
-    parts = (tensor, mine, received, theirs)
-    return issuer.then(work.get_future(), lambda _: _trade_sums(*parts, first, issuer.group))
+    own = 0 if first else cut  # where ``mine`` starts
+    fill(theirs, cut if first else 0)
+    sizes = _to_peer(mine, first), _to_peer(theirs, first)
+    work = dist.all_to_all_single(mine, theirs, *sizes, group, async_op=True)
+    parts = (tensor, mine, own, theirs, fill, first)
+    return issuer.then(work.get_future(), lambda _: _trade_sums(*parts, issuer.group))
 
 
 def _trade_sums(
     tensor: torch.Tensor,
     mine: torch.Tensor,
-    received: torch.Tensor,
+    own: int,
     theirs: torch.Tensor,
+    fill: Fill,
     first: bool,
     group: dist.ProcessGroup | None,
 ) -> "Future[torch.Tensor]":
     """The second half of :func:`_exchange_halves`, a follow-up: add, then trade the sums."""
-    mine.add_(received)
-    out_sizes, in_sizes = _to_peer(theirs, first), _to_peer(mine, first)
-    work = dist.all_to_all_single(theirs, mine, out_sizes, in_sizes, group, async_op=True)
+    room = mine.new_empty(min(mine.numel(), _HALVES_CHUNK))
+    for offset in range(0, mine.numel(), _HALVES_CHUNK):
+        received = mine[offset : offset + _HALVES_CHUNK]
+        values = room[: received.numel()]
+        fill(values, own + offset)
+        received.add_(values)
+    sizes = _to_peer(theirs, first), _to_peer(mine, first)
+    work = dist.all_to_all_single(theirs, mine, *sizes, group, async_op=True)
     traded: Future[list[torch.Tensor]] = work.get_future()
     return traded.then(lambda fut: (fut.value(), tensor)[1])
 

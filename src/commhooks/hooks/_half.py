@@ -54,11 +54,15 @@ def average_in(
     which send something only for a bucket whose sum is not finite (see the module's note).
     ``buffer`` keeps its own values until the result is known, so that it can be sent again.
     """
-    # PyTorch's order (cast, then divide) keeps the results bitwise equal to its hooks'.
-    low = buffer.to(dtype, copy=True).div_(group.size())
-    repair = _Repair(buffer, group.size(), issuer.group, owner)
+    world = group.size()
+
+    def cast_down(out: torch.Tensor, start: int) -> None:
+        # PyTorch's order (cast, then divide) keeps the results bitwise equal to its hooks'.
+        out.copy_(buffer[start : start + out.numel()]).div_(world)
+
+    repair = _Repair(buffer, world, issuer.group, owner)
     devices, hold = comm.follow_up_options(buffer, last_bucket)
-    sums = comm.allreduce(low, group, issuer)
+    sums = comm.allreduce_filled(torch.empty_like(buffer, dtype=dtype), group, issuer, cast_down)
     again = issuer.then(sums, repair.resend_overflowed, devices, hold)
     done = issuer.then(again, repair.resend_bucket, devices, hold)
     # ``done`` is completed by hand. A future derived from it with ``then`` fails as a real

@@ -17,7 +17,8 @@ def noop_hook(
     Training with it is no longer data parallel; its purpose is the step time with zero
     communication, the floor that every other hook is measured against. It checks its
     arguments as the other stateless hooks do, so that a setup that is wrong for them is
-    reported here too rather than only once a real hook is swapped in.
+    reported here too rather than only once a real hook is swapped in. Sparse gradients are
+    returned untouched too.
 
     Args:
         state: a process group or ``None`` (the default group); only validated.

@@ -32,6 +32,8 @@ def allreduce_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket across the group: the same result, bit for bit, as DDP without a hook.
 
+    Sparse gradients (``nn.Embedding(..., sparse=True)``, in buckets of their own) included.
+
     Args:
         process_group: group to average over; ``None`` for the default group.
         bucket: the gradient bucket DDP hands to the hook.
@@ -47,7 +49,8 @@ def fp16_compress_hook(
 
     The arithmetic is PyTorch's (cast, then divide by the world size), so results match its
     ``fp16_compress_hook`` bit for bit wherever PyTorch's stay finite, at the same cost plus one
-    pass that reads the sum's minimum and maximum. Where PyTorch's would not stay finite:
+    pass that reads the sum's minimum and maximum (on two gloo ranks, at less: the sum trades
+    halves, see :func:`commhooks.comm.allreduce`). Where PyTorch's would not stay finite:
 
     * a rank's value too large for float16 (|x| > 65504) but finite: PyTorch sends ``inf``.
       Here the elements whose sum is not finite are sent again, divided by the world size
