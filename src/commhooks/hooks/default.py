@@ -91,18 +91,20 @@ def _cast_average(
 
 
 def fp16_compress_wrapper(hook: Hook) -> Hook:
-    """Run ``hook`` on a float16 copy of the bucket and cast its result back.
+    """Run ``hook`` on a float16 copy of the bucket; DDP casts its result back.
 
     Composes with any hook of this package, stateful ones included:
     ``fp16_compress_wrapper(powerSGD_hook)`` compresses the low-rank factors' traffic too.
     Values beyond float16's range (|x| > 65504) are clipped to it before the hook runs, with a
-    warning, rather than turned into ``inf``.
+    warning on CPU, rather than turned into ``inf``. As with PyTorch's wrapper, the future holds
+    the float16 copy with the hook's result in it: DDP casts that back as it copies it into the
+    gradients, one pass fewer than casting it into the bucket first.
     """
     return _cast_wrapper(hook, torch.float16, "fp16")
 
 
 def bf16_compress_wrapper(hook: Hook) -> Hook:
-    """Run ``hook`` on a bfloat16 copy of the bucket and cast its result back. Works on CPU."""
+    """Run ``hook`` on a bfloat16 copy of the bucket, as ``fp16_compress_wrapper``. Works on CPU."""
     return _cast_wrapper(hook, torch.bfloat16, "bf16")
 
 
@@ -129,9 +131,10 @@ class CastWrapper:
         self.__wrapped__ = hook
 
     def __call__(self, state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-        original = float_buffer(bucket, self.owner)
-        bucket.set_buffer(saturating_cast(original, self.dtype, self.owner))
-        return self.hook(state, bucket).then(lambda fut: original.copy_(fut.value()))
+        low = saturating_cast(float_buffer(bucket, self.owner), self.dtype, self.owner)
+        bucket.set_buffer(low)
+        # Nothing to copy when the hook's result is ``low`` itself, as with allreduce_hook.
+        return self.hook(state, bucket).then(lambda fut: low.copy_(fut.value()))
 
     def __repr__(self) -> str:
         return f"{self.owner}({getattr(self.hook, '__name__', self.hook)!r})"
