@@ -151,3 +151,56 @@ def test_allreduce_sums_like_dist_all_reduce_on_any_world_size():
             assert calls["all_reduce"] == 10
             large = (comm._EXCHANGE_BYTES // 4 + 1) * 4
             assert sent["all_reduce"] == 2 * (40 * 3 * 4 + 17 * 2 + 35 * 4 + large)
+
+
+def _filled_sums(rank, world_size):
+    from commhooks.bench.worker import PayloadCounter
+
+    group = dist.group.WORLD
+    counter = PayloadCounter()
+    counter.install(dist)
+    issuer = comm.issuer_for(group)
+    out = {}
+    for name, numel, dtype in (
+        ("half", comm._EXCHANGE_BYTES + 1, torch.float16),  # odd: the halves differ by one
+        ("bfloat16", comm._EXCHANGE_BYTES // 2 + 2, torch.bfloat16),
+        ("small", 100, torch.float16),
+        ("float32", comm._EXCHANGE_BYTES // 2, torch.float32),
+    ):
+        values = torch.randn(numel, generator=torch.Generator().manual_seed(rank)) * 100
+        reference = values.to(dtype, copy=True).div_(world_size)
+        dist.all_reduce(reference)
+        tensor = torch.empty(numel, dtype=dtype)
+        calls = []
+
+        def fill(part, start, values=values, calls=calls):
+            calls.append(part.numel())
+            part.copy_(values[start : start + part.numel()]).div_(world_size)
+
+        counter.active = True
+        result = comm.allreduce_filled(tensor, group, issuer, fill).wait()
+        counter.active = False
+        halves = comm._sums_by_halves(tensor, group)
+        out[name] = (result is tensor, torch.equal(tensor, reference), halves, sum(calls), numel)
+    return out, dict(counter.calls), dict(counter.bytes), issuer.pending
+
+
+def test_filled_sums_trade_halves_on_two_gloo_ranks_with_the_same_bits():
+    for world_size in (2, 3):
+        for out, calls, sent, pending in run_on_ranks(_filled_sums, world_size):
+            for name, (same, equal, halves, filled, numel) in out.items():
+                assert same and equal, name
+                assert halves == (world_size == 2 and name in ("half", "bfloat16")), name
+                assert filled == numel, name  # every element written once
+            assert pending == 0
+            # Counted as the allreduce each one stands for, whichever path summed it.
+            assert calls == {"all_reduce": 4}
+            assert sent["all_reduce"] == sum(
+                numel * torch.tensor([], dtype=d).element_size()
+                for numel, d in (
+                    (comm._EXCHANGE_BYTES + 1, torch.float16),
+                    (comm._EXCHANGE_BYTES // 2 + 2, torch.bfloat16),
+                    (100, torch.float16),
+                    (comm._EXCHANGE_BYTES // 2, torch.float32),
+                )
+            )

@@ -10,7 +10,8 @@ import io
 
 import pytest
 import torch
-from ddp_utils import IN, OUT, make_mlp
+import torch.distributed as dist
+from ddp_utils import IN, OUT, FakeBucket, make_mlp
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_default
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
@@ -156,6 +157,59 @@ def _check_default_hooks(r: dict) -> None:
         assert not torch.equal(r[name], r["plain"]), f"{name} did not reduce the precision"
     assert torch.equal(r["registered_bf16"], r["bf16"])
     assert torch.equal(r["noop"], r["local"])
+
+
+# Per bucket, this rank's values: plain; a rank's cast overflows (on two ranks the average
+# fits); the average is beyond float16; a NaN with an overflowing value beside it.
+def _half_buckets(rank: int) -> list[list[float]]:
+    return [
+        [1.0 + rank, -2.5, 0.25],
+        [7e4 if rank == 0 else 0.0, 0.5, 1.0],
+        [7e4, 1.0 + 2 * rank, 3.0],
+        [float("nan") if rank == 0 else 1.0, 1.0, 7e4 if rank == 0 else 0.0],
+    ]
+
+
+def _half_hooks_without_a_sync_per_bucket(rank: int, world_size: int) -> dict:
+    """Every bucket but the last under CUDA's sync debug mode "error": nothing may make the
+    host wait for the device there. The results must equal the same hooks' on CPU tensors."""
+    device = _device(rank)
+    cpu_group = dist.new_group(backend="gloo")
+    hooks = {
+        "fp16": commhooks.fp16_compress_hook,
+        "bf16": commhooks.bf16_compress_hook,
+        "fp16_wrapper": commhooks.fp16_compress_wrapper(commhooks.allreduce_hook),
+    }
+    out = {}
+    for name, hook in hooks.items():
+        hook(None, FakeBucket([torch.ones(4)], last=True, device=device)).wait()  # set-up
+        values = _half_buckets(rank)
+        buckets = [
+            FakeBucket([torch.tensor(v)], i, last=i == len(values) - 1, device=device)
+            for i, v in enumerate(values)
+        ]
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            futures = [hook(None, b) for b in buckets[:-1]]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        futures.append(hook(None, buckets[-1]))
+        on_gpu = [f.wait().cpu() for f in futures]
+        on_cpu = [
+            hook(cpu_group, FakeBucket([torch.tensor(v)], i)).wait() for i, v in enumerate(values)
+        ]
+        out[name] = (on_gpu, on_cpu)
+    return out
+
+
+def test_half_precision_hooks_wait_for_the_device_once_a_step_and_keep_their_promises():
+    world = _nccl_world()
+    for result in run_on_ranks(_half_hooks_without_a_sync_per_bucket, world, backend="nccl"):
+        for name, (on_gpu, on_cpu) in result.items():
+            for gpu, cpu in zip(on_gpu, on_cpu):
+                assert torch.equal(gpu.isnan(), cpu.isnan()), (name, gpu, cpu)
+                assert torch.equal(gpu.nan_to_num(), cpu.nan_to_num()), (name, gpu, cpu)
 
 
 def _powersgd_against_pytorch(rank: int, world_size: int) -> list:

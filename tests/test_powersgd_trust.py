@@ -83,7 +83,9 @@ def _other_hooks(rank, world_size):
 
 
 def test_ranks_with_different_powersgd_hooks_are_named_before_any_collective():
-    with pytest.raises(Exception, match="rank 0: powerSGD_hook, no wrapper; rank 1: batched_powerSGD_hook"):
+    with pytest.raises(
+        Exception, match="rank 0: powerSGD_hook, no wrapper; rank 1: batched_powerSGD_hook"
+    ):
         run_on_ranks(_other_hooks, 2)
 
 

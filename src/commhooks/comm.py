@@ -23,6 +23,7 @@ __all__ = [
     "all_gather_objects",
     "all_to_all",
     "allreduce",
+    "allreduce_filled",
     "average",
     "backend_for_device",
     "check_same_on_all_ranks",
@@ -260,7 +261,8 @@ def allreduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.T
 
     One collective either way: an allreduce, or for a small CPU tensor on two gloo ranks an
     all-gather and a local add (see ``_EXCHANGE_BYTES``), which returns sooner, most of all
-    in the slow tail; PowerSGD's factors are such tensors.
+    in the slow tail; PowerSGD's factors are such tensors. A sparse tensor goes to gloo's
+    sparse allreduce; the future then holds the sum it returns.
     """
     if _sums_by_exchange(tensor, group):
         return _exchange_and_add(tensor, group)
@@ -275,11 +277,9 @@ def _future_of(work: Any) -> "Future[list[torch.Tensor]]":
 
 def _sums_by_exchange(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
     return (
-        group.size() == 2
-        and tensor.device.type == "cpu"
-        and tensor.is_floating_point()
+        tensor.is_floating_point()
         and tensor.numel() * tensor.element_size() <= _EXCHANGE_BYTES
-        and "gloo" in str(dist.get_backend(group))
+        and _two_gloo_ranks_on_cpu(tensor, group)
     )
 
 
@@ -336,14 +336,112 @@ def _checked(fut: "Future[Any]", out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+Fill = Callable[[torch.Tensor, int], None]
+
+
+def allreduce_filled(
+    tensor: torch.Tensor, group: dist.ProcessGroup, issuer: "OrderedIssuer", fill: Fill
+) -> "Future[torch.Tensor]":
+    """Sum across ``group`` the values that ``fill`` writes into ``tensor``, a 1-D tensor.
+
+    ``fill(out, start)`` writes this rank's values of the elements ``start`` to
+    ``start + out.numel()`` into ``out``; it is called on this thread, and may be called again
+    later on a follow-up's thread. The future resolves to ``tensor``, summed in place.
+
+    Usually ``fill`` writes all of ``tensor`` at once, and :func:`allreduce` sums it. On two
+    gloo ranks a float16 or bfloat16 tensor is summed by trading halves instead (see
+    ``_HALVES_DTYPES``): one collective now, and one in a follow-up slot of ``issuer``,
+    reserved now.
+    """
+    if _sums_by_halves(tensor, group):
+        return _exchange_halves(tensor, group, issuer, fill)
+    fill(tensor, 0)
+    return allreduce(tensor, group)
+
+
+# gloo adds float16 and bfloat16 one element at a time in scalar code: its allreduce of a
+# half-precision tensor takes longer than that of the same values in float32. Two ranks sum one
+# faster by trading halves: each sends the half the other owns, adds its own values to the half
+# it receives with torch's vectorised kernels, and they trade the sums. Each sends the bytes of
+# a ring allreduce, and every element is one addition, so the sums are the same bits (addition
+# commutes). The half received first lands where this rank's own values of it would be; those
+# are written later, a chunk at a time, so the tensor is the only buffer.
+_HALVES_DTYPES = (torch.float16, torch.bfloat16)
+_HALVES_CHUNK = 1 << 18  # elements of this rank's own values written at a time while adding
+
+
+def _sums_by_halves(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
+    return (
+        tensor.dtype in _HALVES_DTYPES
+        and tensor.dim() == 1
+        and tensor.is_contiguous()
+        and tensor.numel() * tensor.element_size() > _EXCHANGE_BYTES
+        and _two_gloo_ranks_on_cpu(tensor, group)
+    )
+
+
+def _two_gloo_ranks_on_cpu(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
+    return (
+        group.size() == 2
+        and tensor.device.type == "cpu"
+        and tensor.layout == torch.strided
+        and "gloo" in str(dist.get_backend(group))
+    )
+
+
+def _exchange_halves(
+    tensor: torch.Tensor, group: dist.ProcessGroup, issuer: "OrderedIssuer", fill: Fill
+) -> "Future[torch.Tensor]":
+    # Group rank 0 owns the first ``cut`` elements, rank 1 the rest.
+    cut = tensor.numel() // 2
+    first = dist.get_rank(group) == 0
+    mine, theirs = (tensor[:cut], tensor[cut:]) if first else (tensor[cut:], tensor[:cut])
+    own = 0 if first else cut  # where ``mine`` starts
+    fill(theirs, cut if first else 0)
+    sizes = _to_peer(mine, first), _to_peer(theirs, first)
+    work = dist.all_to_all_single(mine, theirs, *sizes, group, async_op=True)
+    parts = (tensor, mine, own, theirs, fill, first)
+    return issuer.then(_future_of(work), lambda _: _trade_sums(*parts, issuer.group))
+
+
+def _trade_sums(
+    tensor: torch.Tensor,
+    mine: torch.Tensor,
+    own: int,
+    theirs: torch.Tensor,
+    fill: Fill,
+    first: bool,
+    group: dist.ProcessGroup | None,
+) -> "Future[torch.Tensor]":
+    """The second half of :func:`_exchange_halves`, a follow-up: add, then trade the sums."""
+    room = mine.new_empty(min(mine.numel(), _HALVES_CHUNK))
+    for offset in range(0, mine.numel(), _HALVES_CHUNK):
+        received = mine[offset : offset + _HALVES_CHUNK]
+        values = room[: received.numel()]
+        fill(values, own + offset)
+        received.add_(values)
+    sizes = _to_peer(theirs, first), _to_peer(mine, first)
+    work = dist.all_to_all_single(theirs, mine, *sizes, group, async_op=True)
+    return _future_of(work).then(lambda fut: _checked(fut, tensor))
+
+
+def _to_peer(part: torch.Tensor, first: bool) -> list[int]:
+    """Split sizes of an all-to-all between two ranks that moves all of ``part`` to the peer."""
+    return [0, part.numel()] if first else [part.numel(), 0]
+
+
 def average(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.Tensor]":
     """Average ``tensor`` in place across ``group``.
 
     Scaling happens before the sum, as DDP itself does, so the partial sums stay in range. We
-    multiply by ``1 / world_size`` rather than divide because that is DDP's own arithmetic:
-    results are bitwise identical to training without a hook, at any world size.
+    multiply a dense tensor by ``1 / world_size`` and divide a sparse one (the future then holds
+    the summed sparse tensor) because that is DDP's own arithmetic: results are bitwise
+    identical to training without a hook, at any world size.
     """
-    tensor.mul_(1.0 / group.size())
+    if tensor.layout == torch.strided:
+        tensor.mul_(1.0 / group.size())
+    else:
+        tensor.div_(group.size())
     return allreduce(tensor, group)
 
 
@@ -487,7 +585,7 @@ class OrderedIssuer:
             return self._reserved - self._next
 
 
-def _launch_into(issue: Callable[[], "Future[T]"], out: "Future[T]") -> None:
+def _launch_into(issue: Callable[[], "Future[T]"], out: "Future[Any]") -> None:
     try:
         inner = issue()
     except BaseException as exc:
@@ -496,7 +594,7 @@ def _launch_into(issue: Callable[[], "Future[T]"], out: "Future[T]") -> None:
     inner.add_done_callback(lambda fut: _forward(fut, out))
 
 
-def _forward(src: "Future[T]", dst: "Future[T]") -> None:
+def _forward(src: "Future[T]", dst: "Future[Any]") -> None:
     try:
         value = src.value()
     except BaseException as exc:

@@ -64,6 +64,8 @@ class PayloadCounter:
         from commhooks import comm
 
         comm._exchange_and_add = self._wrap_exchange(comm._exchange_and_add)
+        comm._exchange_halves = self._wrap_exchange(comm._exchange_halves)
+        comm._trade_sums = self._wrap_uncounted(comm._trade_sums)
 
     def _count(self, name: str, tensor: Any) -> None:
         if not self.active or getattr(self._inside_exchange, "on", False):
@@ -81,18 +83,26 @@ class PayloadCounter:
         return counted
 
     def _wrap_exchange(self, original: Any) -> Any:
-        # commhooks sums a small tensor of two gloo ranks with an all-gather (see
-        # comm.allreduce): it is counted as the allreduce it stands for, the collective the same
-        # hook issues at other world sizes, so that predictions for them hold.
-        def counted(tensor: Any, group: Any) -> Any:
+        # commhooks sums some tensors of two gloo ranks by exchanging them (see
+        # comm.allreduce): each such sum is counted as the allreduce it stands for, the
+        # collective the same hook issues at other world sizes, so that predictions for them hold.
+        def counted(tensor: Any, *args: Any) -> Any:
             self._count("all_reduce", tensor)
-            self._inside_exchange.on = True
-            try:
-                return original(tensor, group)
-            finally:
-                self._inside_exchange.on = False
+            return self._uncounted(original, tensor, *args)
 
         return counted
+
+    def _wrap_uncounted(self, original: Any) -> Any:
+        # The follow-up of an exchange counted above, on whichever thread runs it.
+        return lambda *args: self._uncounted(original, *args)
+
+    def _uncounted(self, original: Any, *args: Any) -> Any:
+        before = getattr(self._inside_exchange, "on", False)  # a follow-up may run inline
+        self._inside_exchange.on = True
+        try:
+            return original(*args)
+        finally:
+            self._inside_exchange.on = before
 
 
 def _rss_bytes() -> int:
@@ -165,7 +175,7 @@ def enter_namespace(name: str) -> None:
         os.close(fd)
 
 
-def run_rank(spec: dict, rank: int) -> dict:
+def run_rank(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     """Train with ``spec["hook"]`` on this rank and return the raw figures."""
     phases = {"start": time.time()}
     import torch
@@ -213,7 +223,7 @@ def run_rank(spec: dict, rank: int) -> dict:
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = task.loss(batch, ddp)
-        loss.backward()
+        torch.autograd.backward(loss)
         opt.step()
         after_step()
         end = time.perf_counter()
@@ -270,8 +280,8 @@ def rank_entry(spec_path: str, rank: int, log_path: str, env: dict[str, str]) ->
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of a rank process: run, write ``rank<R>.json``, exit 0 or 1."""
-    spec_path, rank = (argv or sys.argv[1:])[:2]
-    rank = int(rank)
+    spec_path, rank_text = (argv or sys.argv[1:])[:2]
+    rank = int(rank_text)
     with open(spec_path) as f:
         spec = json.load(f)
     out = os.path.join(spec["out"], f"rank{rank}.json")

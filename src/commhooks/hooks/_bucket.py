@@ -1,11 +1,19 @@
 """Argument checks shared by the hooks, run before any collective is issued."""
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from commhooks import comm, handshake
+
+if TYPE_CHECKING:  # torch.distributed does not re-export it to type checkers
+    from torch._C._distributed_c10d import GradBucket as GradBucket
+else:
+    GradBucket = dist.GradBucket  # the very class DDP expects a hook's annotation to name
+
+# What a hook that cannot take sparse gradients tells the user to use instead.
+SPARSE_HOOKS = "allreduce_hook, post_localSGD_hook or noop_hook"
 
 
 def group_state(state: Any, owner: str) -> dist.ProcessGroup:
@@ -26,13 +34,36 @@ def group_state(state: Any, owner: str) -> dist.ProcessGroup:
     return group
 
 
-def float_buffer(bucket: dist.GradBucket, owner: str) -> torch.Tensor:
-    """The bucket's flat gradient, checked to be floating point."""
-    buffer = bucket.buffer()
+def gradient_buffer(bucket: GradBucket, owner: str) -> torch.Tensor:
+    """The bucket's gradient, checked to be floating point; dense or sparse.
+
+    DDP hands a parameter with sparse gradients (``nn.Embedding(..., sparse=True)``) a bucket of
+    its own whose buffer is that sparse gradient. Only hooks that average or return a bucket as
+    it is take this path; every other hook calls :func:`float_buffer`.
+    """
+    buffer: torch.Tensor = bucket.buffer()
     if not buffer.is_floating_point():
         raise TypeError(
             f"{owner} received a bucket of dtype {buffer.dtype}; gradient buckets must be "
             "floating point. Keep integer tensors out of the parameters DDP synchronises "
             "(register them as buffers instead)."
+        )
+    return buffer
+
+
+def float_buffer(bucket: GradBucket, owner: str) -> torch.Tensor:
+    """The bucket's flat gradient, checked to be dense and floating point.
+
+    Raises:
+        TypeError: the gradient is sparse, naming the hooks that take sparse gradients, or not
+            floating point.
+    """
+    buffer = gradient_buffer(bucket, owner)
+    if buffer.layout != torch.strided:
+        raise TypeError(
+            f"{owner} cannot compress a sparse gradient ({buffer.layout}, shape "
+            f"{tuple(buffer.shape)}, from a module such as nn.Embedding(..., sparse=True)). "
+            f"Register {SPARSE_HOOKS} for a model with sparse gradients, or make that module "
+            "dense (sparse=False)."
         )
     return buffer

@@ -27,7 +27,7 @@ from torch._C._distributed_c10d import GradBucket
 
 from commhooks import comm, handshake
 from commhooks._machines import MACHINE_ID_VAR, local_launch_info, machine_rank_lists
-from commhooks.hooks._bucket import float_buffer
+from commhooks.hooks._bucket import gradient_buffer
 from commhooks.options import Options, count, flag, option
 from commhooks.state import HookState, check_count
 
@@ -260,7 +260,7 @@ def post_localSGD_hook(
             "post_localSGD_hook)."
         )
     group = comm.resolve_group(state.process_group, owner=OWNER)
-    buffer = float_buffer(bucket, OWNER)
+    buffer = gradient_buffer(bucket, OWNER)
     state._first_use(group)
     warming_up = state.iter < state.start_localSGD_iter
     state._advance(bucket)

@@ -1,0 +1,191 @@
+"""Averaging a bucket in float16 or bfloat16, and the rare bucket whose sum there is not finite.
+
+The common path is PyTorch's own, pass for pass: cast the bucket down, divide by the world
+size, sum across ranks, cast the sum back into the bucket. One more pass reads the sum's
+minimum and maximum (a reduction that keeps no copy) to learn whether every element stayed
+finite. Nothing else is allocated, copied or sent unless it did not, which takes one of:
+
+* A rank's value beyond the reduced range (float16's is +-65504) whose average fits: its cast
+  gave ``inf``. The elements where the sum is not finite are sent again, each rank dividing
+  before the cast where its own cast overflowed; the sum of those is finite and is used.
+* The average itself is beyond the range, or a gradient was ``inf``/``NaN``: the elements sent
+  again are still not finite, and the whole bucket is averaged in its own precision, which is
+  plain allreduce's result, non-finite gradients included. A finite average gets a warning.
+
+Every rank decides on the sums, which are the same bits on every rank, so every rank takes the
+same branch and issues the same collectives. Both decisions are follow-ups (they need a result
+first), issued through the group's :class:`commhooks.comm.OrderedIssuer` in slots reserved when
+the hook is called.
+
+Per element on an accelerator: the cast, the division, the collective, the minimum/maximum
+reduction and the copy back, all queued on the stream. The host reads the reductions only in
+the follow-ups, which an accelerator holds until the step's last bucket
+(:func:`commhooks.comm.holds_follow_ups`): the host waits for the device once a step, not once a
+bucket. Until then each bucket keeps its reduced-precision sum, which the decision needs.
+
+Hook modules must not use ``from __future__ import annotations``: DDP rejects string annotations.
+"""
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from commhooks import comm
+from commhooks._warnings import warn_once
+
+__all__ = ["all_finite", "average_in", "reads_back_checks", "saturating_cast"]
+
+Future = torch.futures.Future
+
+
+def average_in(
+    dtype: torch.dtype,
+    buffer: torch.Tensor,
+    group: dist.ProcessGroup,
+    issuer: comm.OrderedIssuer,
+    last_bucket: bool,
+    owner: str,
+) -> "Future[torch.Tensor]":
+    """Average ``buffer`` across ``group`` in ``dtype``; the future holds ``buffer``, averaged.
+
+    Issues one collective on ``group`` now, and reserves two follow-up slots on ``issuer``,
+    which send something only for a bucket whose sum is not finite (see the module's note).
+    ``buffer`` keeps its own values until the result is known, so that it can be sent again.
+    """
+    world = group.size()
+
+    def cast_down(out: torch.Tensor, start: int) -> None:
+        # PyTorch's order (cast, then divide) keeps the results bitwise equal to its hooks'.
+        out.copy_(buffer[start : start + out.numel()]).div_(world)
+
+    repair = _Repair(buffer, world, issuer.group, owner)
+    devices, hold = comm.follow_up_options(buffer, last_bucket)
+    sums = comm.allreduce_filled(torch.empty_like(buffer, dtype=dtype), group, issuer, cast_down)
+    again = issuer.then(sums, repair.resend_overflowed, devices, hold)
+    done = issuer.then(again, repair.resend_bucket, devices, hold)
+    # ``done`` is completed by hand. A future derived from it with ``then`` fails as a real
+    # error when a collective failed, which DDP reports with the backend's message; the hand-made
+    # one would hold the exception as a value, which DDP then fails to read as a tensor.
+    return done.then(_value)
+
+
+def _value(fut: "Future[torch.Tensor]") -> torch.Tensor:
+    return fut.value()
+
+
+class _Repair:
+    """What one bucket needs if its reduced-precision sum is not finite everywhere.
+
+    Its two methods are follow-up steps (:meth:`commhooks.comm.OrderedIssuer.then`): each runs
+    on the thread that completed the collective before it (on an accelerator, on DDP's thread
+    at the last bucket), in slot order, and issues at most one collective, on ``follow_up``.
+    """
+
+    def __init__(
+        self, buffer: torch.Tensor, world: int, follow_up: dist.ProcessGroup | None, owner: str
+    ) -> None:
+        self.buffer, self.world, self.follow_up, self.owner = buffer, world, follow_up, owner
+        self.sums: torch.Tensor | None = None
+        self.where: torch.Tensor | None = None
+
+    def _group(self) -> dist.ProcessGroup:
+        if self.follow_up is None:
+            raise RuntimeError(f"{self.owner}: its follow-up issuer has no process group.")
+        return self.follow_up
+
+    def resend_overflowed(self, sums: torch.Tensor) -> "Future[Any]":
+        """Cast a finite sum back; otherwise send its non-finite elements again, divided first."""
+        if all_finite(sums):
+            self.buffer.copy_(sums)
+            return comm.completed(None)
+        self.sums = sums
+        self.where = torch.isfinite(sums).logical_not_().nonzero().view(-1)
+        part = self.buffer[self.where]
+        again = divide_overflowed_first(part, part.to(sums.dtype), self.world)
+        return comm.allreduce(again, self._group())
+
+    def resend_bucket(self, again: torch.Tensor | None) -> "Future[torch.Tensor]":
+        """Finish with the elements sent again if finite; otherwise average in full precision."""
+        sums, where = self.sums, self.where
+        self.sums = self.where = None  # the tensors are not needed past this step
+        if sums is None or where is None:  # finished by the first step
+            return comm.completed(self.buffer)
+        if again is not None and all_finite(again):
+            sums[where] = again
+            return comm.completed(self.buffer.copy_(sums))
+        owner, dtype = self.owner, sums.dtype
+        resent = comm.average(self.buffer, self._group())
+        return resent.then(lambda fut: _warn_if_overflowed(fut.value(), owner, dtype))
+
+
+def divide_overflowed_first(buffer: torch.Tensor, low: torch.Tensor, world: int) -> torch.Tensor:
+    """``low / world``, except where ``low`` is infinite: there ``buffer / world``, then cast.
+
+    Where ``low`` is infinite, ``buffer`` was either too large for ``low``'s dtype (divided
+    first, it may fit) or infinite itself (divided first, it stays the same infinity). Every
+    other element keeps PyTorch's arithmetic, NaN included.
+    """
+    early = torch.div(buffer, world, out=torch.empty_like(low))
+    return torch.where(torch.isinf(low), early, low.div_(world))
+
+
+def _warn_if_overflowed(averaged: torch.Tensor, owner: str, dtype: torch.dtype) -> torch.Tensor:
+    # A finite full-precision average means every rank's gradient was finite: the overflow was
+    # the reduced precision's. Otherwise the gradient itself was inf/NaN, which is no news here.
+    if all_finite(averaged):
+        advice = " or use bf16" if dtype == torch.float16 else ""
+        warn_once(
+            f"{owner}-overflow",
+            f"{owner}: a bucket's average, summed in {dtype}, went beyond its range "
+            f"(+-{torch.finfo(dtype).max:g}) although every gradient was finite, so that bucket "
+            f"was re-sent in {averaged.dtype}. If this repeats, scale the loss down{advice}.",
+        )
+    return averaged
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every element of ``tensor`` is finite, reading it once and copying nothing.
+
+    The minimum and maximum are NaN if any element is, and infinite if any element is; a sum
+    would need a float32 copy of a half-precision tensor on CPU to avoid overflowing itself.
+    Reading the result back makes the host wait for an accelerator.
+    """
+    if tensor.numel() == 0:
+        return True
+    low, high = torch.aminmax(tensor)
+    return math.isfinite(low.item()) and math.isfinite(high.item())
+
+
+def reads_back_checks(tensor: torch.Tensor) -> bool:
+    """Whether a check on ``tensor`` is read back on the spot: only on CPU, where it is free."""
+    return tensor.device.type == "cpu"
+
+
+def saturating_cast(buffer: torch.Tensor, dtype: torch.dtype, owner: str) -> torch.Tensor:
+    """``buffer`` cast to ``dtype``, finite values beyond float16's range clipped to it.
+
+    Infinite and NaN gradients stay what they are. On CPU a clip is reported with a warning;
+    on an accelerator the clip is applied on the device without one (counting would make the
+    host wait for the device at every bucket): three more passes, with a boolean mask.
+    """
+    low = buffer.to(dtype)
+    if dtype != torch.float16:  # bfloat16 has float32's range
+        return low
+    if reads_back_checks(low):
+        if all_finite(low):
+            return low
+        clipped = int((torch.isinf(low) & torch.isfinite(buffer)).sum())
+        if clipped:
+            warn_once(
+                f"{owner}-clip",
+                f"{owner}: {clipped} gradient values exceed the float16 range and were clipped "
+                f"to +-{torch.finfo(dtype).max:g}. Scale the loss down or use "
+                "bf16_compress_wrapper.",
+            )
+    limit = torch.finfo(dtype).max
+    low.clamp_(-limit, limit)  # every infinity, overflowed or not, becomes +-limit
+    # The gradient's own infinities come back; one boolean mask alive at a time.
+    low.masked_fill_(torch.isposinf(buffer), math.inf)
+    return low.masked_fill_(torch.isneginf(buffer), -math.inf)

@@ -1,0 +1,281 @@
+"""The float16 and bfloat16 hooks: their memory, their accelerator logic run on CPU, and how they
+fail when a peer dies. gloo, 2 ranks.
+
+The other promises (bitwise PyTorch, overflow handling, non-finite gradients) are checked in
+``test_default_hooks.py``; here the same promises are checked again with the logic the hooks
+follow on an accelerator, forced on CPU tensors.
+"""
+
+import contextlib
+import ctypes
+import datetime
+import multiprocessing
+import os
+import resource
+import signal
+import tempfile
+import time
+import warnings
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+from ddp_utils import FakeBucket, batches, flat_params, make_ddp, make_mlp, train
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_default
+
+import commhooks
+from commhooks import comm
+from commhooks.hooks import _half
+from commhooks.testing import run_on_ranks
+
+# ----------------------------------------------------------------------------------------------
+# Memory: what the hooks allocate per bucket
+# ----------------------------------------------------------------------------------------------
+ELEMENTS = 1 << 22  # a float32 bucket of 16 MiB: large enough to dwarf everything else
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def _status_bytes(key):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def _every_large_allocation_mapped_afresh():
+    """Make glibc serve every allocation above 64 KiB from pages of its own, returned on free.
+
+    Then each temporary a hook writes costs page faults and resident memory, whichever thread
+    allocates it (the hooks' later steps run on gloo's threads), and nothing is reused unseen
+    from memory freed earlier.
+    """
+    libc = ctypes.CDLL("libc.so.6")
+    assert libc.mallopt(M_MMAP_THRESHOLD, 1 << 16) == 1
+
+
+def _temporaries(run):
+    """(peak resident bytes above the start, bytes of fresh pages written) while ``run`` runs."""
+    start = _status_bytes("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets the peak resident size (VmHWM) to the current one
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    run()
+    written = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    return _status_bytes("VmHWM") - start, written * os.sysconf("SC_PAGE_SIZE")
+
+
+MEASURED = {
+    "fp16": (commhooks.fp16_compress_hook, torch.float16),
+    "bf16": (commhooks.bf16_compress_hook, torch.bfloat16),
+    "fp16_wrapper": (commhooks.fp16_compress_wrapper(commhooks.allreduce_hook), torch.float16),
+    "bf16_wrapper": (commhooks.bf16_compress_wrapper(commhooks.allreduce_hook), torch.bfloat16),
+    "pytorch_fp16": (torch_default.fp16_compress_hook, torch.float16),
+}
+
+
+def _memory_per_bucket(rank, world_size):
+    _every_large_allocation_mapped_afresh()
+    gradient = torch.randn(ELEMENTS, generator=torch.Generator().manual_seed(rank)) * 1e-2
+    out = {}
+    for name, (hook, _) in MEASURED.items():
+        for _ in range(2):  # the first call also sets up the group's follow-up issuer
+            bucket = FakeBucket([gradient])
+            dist.barrier()
+            out[name] = _temporaries(lambda hook=hook, bucket=bucket: hook(None, bucket).wait())
+            assert torch.isfinite(bucket.buffer()).all()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_each_bucket_costs_at_most_one_full_size_temporary():
+    # PyTorch's fp16 hook writes one full-size float16 copy of the bucket, and gloo a buffer of
+    # 2 MiB: an eighth of this bucket. A second full-size copy, a float32 one, or even a half
+    # one on top of that, fails here, and so does anything that PyTorch's hook does not need.
+    for rank, out in enumerate(run_on_ranks(_memory_per_bucket, 2)):
+        for name, (peak, written) in out.items():
+            copy = ELEMENTS * MEASURED[name][1].itemsize
+            assert peak < 1.5 * copy and written < 1.5 * copy, (rank, name, peak / copy, out)
+            assert peak < out["pytorch_fp16"][0] + 0.1 * copy, (rank, name, out)
+
+
+# ----------------------------------------------------------------------------------------------
+# The accelerator's logic, forced on CPU tensors
+# ----------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _as_on_an_accelerator():
+    """CPU tensors take an accelerator's paths: follow-ups (which read the checks) held until
+    the last bucket, no check read back in the wrappers, and gloo's sum without trading halves
+    (only CPU tensors trade halves)."""
+    with (
+        mock.patch.object(comm, "holds_follow_ups", lambda devices: True),
+        mock.patch.object(_half, "reads_back_checks", lambda tensor: False),
+        mock.patch.object(comm, "_sums_by_halves", lambda tensor, group: False),
+    ):
+        yield
+
+
+def _promises_on_an_accelerator(rank, world_size):
+    out = {}
+    with _as_on_an_accelerator():
+        data = batches(rank, 4)
+        for name, ours, theirs in (
+            ("hook", commhooks.fp16_compress_hook, torch_default.fp16_compress_hook),
+            (
+                "wrapper",
+                commhooks.fp16_compress_wrapper(commhooks.allreduce_hook),
+                torch_default.fp16_compress_wrapper(torch_default.allreduce_hook),
+            ),
+        ):
+            a, b = make_ddp(make_mlp(), ours), make_ddp(make_mlp(), theirs)
+            train(a, data)
+            train(b, data)
+            out[name] = flat_params(a.module), flat_params(b.module)
+        out["buckets"] = _held_buckets(rank)
+        out["clip"] = _clipped_without_reading(rank)
+    return out
+
+
+# Per bucket: rank 0's values, rank 1's values, what each of the hook's promises gives.
+BUCKETS = [
+    ([1.0, -2.5], [3.0, 0.25], [2.0, -1.125]),  # plain
+    ([7e4, 0.5], [0.0, 0.5], [35008.0, 0.5]),  # rank 0's cast overflows; divided first, fits
+    ([7e4, 1.0], [7e4, 3.0], [7e4, 2.0]),  # the average is beyond float16: re-sent in float32
+    ([float("nan"), 1.0, 7e4], [1.0, 1.0, 0.0], [float("nan"), 1.0, 3.5e4]),  # as allreduce
+]
+
+
+def _held_buckets(rank):
+    """Several buckets of one step: nothing is read back (no step runs) before the last."""
+    issuer = comm.issuer_for(dist.group.WORLD)
+    futures = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for index, values in enumerate(BUCKETS):
+            bucket = FakeBucket([torch.tensor(values[rank])], index, last=False)
+            futures.append(commhooks.fp16_compress_hook(None, bucket))
+        time.sleep(0.5)  # long enough for every collective above to complete
+        held = (issuer.pending, [f.done() for f in futures])
+        last = FakeBucket([torch.tensor(BUCKETS[0][rank])], len(BUCKETS), last=True)
+        futures.append(commhooks.fp16_compress_hook(None, last))
+        values = [f.wait() for f in futures]
+    return held, values, [str(w.message) for w in caught]
+
+
+def _clipped_without_reading(rank):
+    hook = commhooks.fp16_compress_wrapper(commhooks.noop_hook)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        inf = float("inf")
+        out = hook(None, FakeBucket([torch.tensor([1e6, -1e6, 1.0, inf, -inf])])).wait()
+    return out, len(caught)
+
+
+@pytest.mark.timeout(120)
+def test_the_accelerator_logic_keeps_every_promise():
+    for out in run_on_ranks(_promises_on_an_accelerator, 2):
+        for name in ("hook", "wrapper"):
+            ours, theirs = out[name]
+            assert torch.equal(ours, theirs), name
+        (pending, done), values, messages = out["buckets"]
+        assert pending >= 2 * len(BUCKETS) and not any(done)
+        for got, (_, _, expected) in zip(values, BUCKETS):
+            expected = torch.tensor(expected)
+            assert torch.equal(got.isnan(), expected.isnan()), (got, expected)
+            assert torch.equal(got.nan_to_num(), expected.nan_to_num()), (got, expected)
+        assert len(messages) == 1 and "re-sent in torch.float32" in messages[0]
+        clipped, warned = out["clip"]
+        inf = float("inf")
+        assert torch.equal(clipped, torch.tensor([65504.0, -65504.0, 1.0, inf, -inf]))
+        assert warned == 0  # counting the clipped values would mean reading back
+
+
+# ----------------------------------------------------------------------------------------------
+# A peer killed by SIGKILL: the backend's error, not a failure to read the hook's result
+# ----------------------------------------------------------------------------------------------
+PG_TIMEOUT = 10
+KILLED_AT_STEP = 2
+HOOKS = {
+    "fp16": commhooks.fp16_compress_hook,
+    "bf16": commhooks.bf16_compress_hook,
+    "fp16_wrapper": commhooks.fp16_compress_wrapper(commhooks.allreduce_hook),
+    "allreduce": commhooks.allreduce_hook,
+}
+
+
+def _train_until_the_peer_dies(rank, hook_name, bucket_cap_mb):
+    # 1.3 MB of gradients: one bucket trades halves when it may hold them all.
+    ddp = make_ddp(make_mlp(widths=(32, 512, 512, 8)), HOOKS[hook_name], None, bucket_cap_mb)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    started = time.monotonic()
+    try:
+        for step, (x, y) in enumerate(batches(rank, KILLED_AT_STEP + 2)):
+            if step == KILLED_AT_STEP:
+                if rank == 1:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                started = time.monotonic()
+            opt.zero_grad(set_to_none=True)
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}", time.monotonic() - started
+    return "no error", time.monotonic() - started
+
+
+def _peer_rank(rank, store, fn, args, queue):
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=PG_TIMEOUT),
+    )
+    queue.put((rank, fn(rank, *args)))
+    queue.close()
+    queue.join_thread()
+    os._exit(0)  # skip teardown: the peer is gone
+
+
+def _outcome_of_the_survivor(fn, *args):
+    """Run ``fn(rank, *args)`` on two ranks, of which rank 1 kills itself; rank 0's result.
+
+    ``commhooks.testing.run_on_ranks`` stops at the first rank that dies; here that is the
+    point, and what the surviving rank saw is the result.
+    """
+    ctx = multiprocessing.get_context("forkserver")
+    with tempfile.TemporaryDirectory(prefix="commhooks-killed-") as tmp:
+        queue = ctx.Queue()
+        procs = [
+            ctx.Process(target=_peer_rank, args=(r, f"{tmp}/store", fn, args, queue), daemon=True)
+            for r in range(2)
+        ]
+        for proc in procs:
+            proc.start()
+        try:
+            rank, outcome = queue.get(timeout=3 * PG_TIMEOUT + 30)
+        finally:
+            for proc in procs:
+                proc.join(5)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join(5)
+        assert rank == 0 and procs[1].exitcode == -signal.SIGKILL
+        return outcome
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    "hook_name, bucket_cap_mb",
+    [("fp16", 0.004), ("fp16", 100.0), ("bf16", 100.0), ("fp16_wrapper", 0.004)],
+    ids=["fp16-small-buckets", "fp16-one-bucket", "bf16-one-bucket", "fp16-wrapper"],
+)
+def test_a_killed_peer_surfaces_the_backends_error(hook_name, bucket_cap_mb):
+    error, seconds = _outcome_of_the_survivor(_train_until_the_peer_dies, hook_name, bucket_cap_mb)
+    reference, _ = _outcome_of_the_survivor(_train_until_the_peer_dies, "allreduce", 0.004)
+    for message in (error, reference):
+        assert message.startswith("RuntimeError") and "Unable to cast" not in message, message
+        assert "gloo" in message and "peer" in message, message  # gloo's own words
+    assert seconds < PG_TIMEOUT + 5, seconds
