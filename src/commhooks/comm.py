@@ -8,9 +8,10 @@ threads in a different order on each rank. :class:`OrderedIssuer` fixes it by st
 collectives in the order their slots were reserved, whichever thread gets there first.
 """
 
+import contextlib
 import threading
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,7 @@ __all__ = [
     "average",
     "backend_for_device",
     "check_same_on_all_ranks",
+    "check_same_on_grid",
     "completed",
     "follow_up_group",
     "follow_up_options",
@@ -36,6 +38,7 @@ __all__ = [
     "issuer_for",
     "new_groups",
     "resolve_group",
+    "unheld_follow_ups",
     "world_size",
 ]
 
@@ -61,7 +64,7 @@ def resolve_group(group: Any, *, owner: str = "this hook") -> dist.ProcessGroup:
             "before the first backward pass."
         )
     if group is None:
-        return dist.group.WORLD
+        return _world()
     if group is dist.GroupMember.NON_GROUP_MEMBER:
         raise ValueError(
             f"{owner}: this rank (global rank {dist.get_rank()}) is not a member of the process "
@@ -73,6 +76,11 @@ def resolve_group(group: Any, *, owner: str = "this hook") -> dist.ProcessGroup:
             f"{owner} expects a torch.distributed.ProcessGroup or None, got {type(group).__name__}."
         )
     return group
+
+
+def _world() -> dist.ProcessGroup:
+    # Typed as optional by torch: it is None only before init_process_group.
+    return cast(dist.ProcessGroup, dist.group.WORLD)
 
 
 def is_default_group(group: dist.ProcessGroup | None) -> bool:
@@ -153,7 +161,27 @@ def future_devices(*values: Any) -> list[torch.device]:
 
 def new_future(devices: list[torch.device] | None = None) -> "Future[Any]":
     """A future to complete by hand, synchronised with the streams of ``devices`` if any."""
-    return Future(devices=devices) if devices else Future()
+    wanted: list[int | str | torch.device] = list(devices or ())
+    return Future(devices=wanted) if wanted else Future()
+
+
+_calling = threading.local()
+
+
+@contextlib.contextmanager
+def unheld_follow_ups() -> Iterator[None]:
+    """Within this block, hooks called on this thread never hold their follow-ups.
+
+    For callers that wait for each hook's result before they call the next one (FSDP2's
+    all-reduce hook must hand its shard back averaged): a follow-up held until a later bucket
+    would then never run.
+    """
+    before = getattr(_calling, "unheld", False)
+    _calling.unheld = True
+    try:
+        yield
+    finally:
+        _calling.unheld = before
 
 
 def holds_follow_ups(devices: list[torch.device]) -> bool:
@@ -165,8 +193,9 @@ def holds_follow_ups(devices: list[torch.device]) -> bool:
     every bucket, and with it the overlap of communication and computation. Held until the last
     bucket (the whole backward pass is queued by then), the first read waits once and the others
     find the device idle. On CPU a read waits for nothing, and follow-ups run when they can.
+    Never inside :func:`unheld_follow_ups`.
     """
-    return bool(devices)
+    return bool(devices) and not getattr(_calling, "unheld", False)
 
 
 def follow_up_options(buffer: torch.Tensor, last_bucket: bool) -> tuple[list[torch.device], bool]:
@@ -183,7 +212,7 @@ def completed(value: T) -> "Future[T]":
     The result is set on the current streams, so consumers wait for the kernels that produced
     ``value`` (see :func:`future_devices`).
     """
-    fut: Future = new_future(future_devices(value))
+    fut: Future[T] = new_future(future_devices(value))
     fut.set_result(value)
     return fut
 
@@ -208,7 +237,8 @@ def allreduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.T
     if _sums_by_exchange(tensor, group):
         return _exchange_and_add(tensor, group)
     work = dist.all_reduce(tensor, group=group, async_op=True)
-    return work.get_future().then(_first)
+    summed: Future[torch.Tensor] = work.get_future().then(_first)
+    return summed
 
 
 def _sums_by_exchange(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
@@ -230,7 +260,7 @@ def _exchange_and_add(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     work = gather(both, flat, group=group, async_op=True)
 
-    def add(fut: Future) -> torch.Tensor:
+    def add(fut: "Future[Any]") -> torch.Tensor:
         fut.value()  # raises here if the all-gather failed
         # The same order on both ranks, so they hold the same bits.
         torch.add(both[: flat.numel()], both[flat.numel() :], out=flat)
@@ -238,7 +268,8 @@ def _exchange_and_add(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future
             tensor.copy_(flat.view_as(tensor))
         return tensor
 
-    return work.get_future().then(add)
+    added: Future[torch.Tensor] = work.get_future().then(add)
+    return added
 
 
 def average(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.Tensor]":
@@ -264,7 +295,7 @@ def gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any
 
     For checkpoints written by one rank: only that rank holds every rank's copy.
     """
-    group = group or dist.group.WORLD
+    group = group or _world()
     first = dist.get_global_rank(group, 0)
     out: list[Any] | None = (
         [None] * dist.get_world_size(group) if dist.get_rank() == first else None
@@ -286,6 +317,33 @@ def check_same_on_all_ranks(
         ValueError: naming each differing option and its value on every rank.
     """
     everyone = all_gather_objects(options, group)
+    _raise_if_differing(dict(enumerate(everyone)), owner)
+
+
+def check_same_on_grid(
+    options: dict[str, Any], groups: Sequence[dist.ProcessGroup], *, owner: str
+) -> None:
+    """Raise on every rank of a grid of ranks if any option differs between any two of them.
+
+    ``groups`` are this rank's groups along each dimension of the grid (for HSDP: the ranks of
+    its machine, then the ranks holding the same shard on other machines). What each rank knows
+    is gathered along one dimension after the other, so after the last every rank holds every
+    rank's options without a group spanning the grid; one small gather per dimension, once.
+
+    Raises:
+        ValueError: naming each differing option and its value on every rank (global ranks).
+    """
+    known: dict[int, dict[str, Any]] = {dist.get_rank(): options}
+    for group in groups:
+        merged: dict[int, dict[str, Any]] = {}
+        for part in all_gather_objects(known, group):
+            merged.update(part)
+        known = merged
+    _raise_if_differing(dict(sorted(known.items())), owner)
+
+
+def _raise_if_differing(by_rank: Mapping[int, Mapping[str, Any]], owner: str) -> None:
+    everyone = list(by_rank.values())
     differing = [
         name
         for name in sorted(set().union(*(o.keys() for o in everyone)))
@@ -293,7 +351,7 @@ def check_same_on_all_ranks(
     ]
     if differing:
         details = "; ".join(
-            f"{name}: " + ", ".join(f"rank {r}={o.get(name)!r}" for r, o in enumerate(everyone))
+            f"{name}: " + ", ".join(f"rank {r}={o.get(name)!r}" for r, o in by_rank.items())
             for name in differing
         )
         raise ValueError(
@@ -371,14 +429,14 @@ class OrderedIssuer:
                 self._held.add(slot)
             else:  # every held slot is an earlier one
                 self._held.clear()
-        out: Future = new_future(devices)
+        out: Future[T] = new_future(devices)
 
-        def on_done(fut: Future) -> None:
+        def on_done(fut: "Future[Any]") -> None:
             try:
                 fut.value()
             except BaseException as exc:  # forwarded to the caller's future
                 self.start(slot, lambda: None)
-                out.set_exception(exc)
+                out.set_exception(exc)  # type: ignore[arg-type]  # torch's stub: a result type
                 return
             self.start(slot, lambda: _launch_into(lambda: step(fut.wait()), out))
 
@@ -399,7 +457,7 @@ def _launch_into(issue: Callable[[], "Future[T]"], out: "Future[T]") -> None:
     try:
         inner = issue()
     except BaseException as exc:
-        out.set_exception(exc)
+        out.set_exception(exc)  # type: ignore[arg-type]  # torch's stub: a result type
         return
     inner.add_done_callback(lambda fut: _forward(fut, out))
 
@@ -408,7 +466,7 @@ def _forward(src: "Future[T]", dst: "Future[T]") -> None:
     try:
         value = src.value()
     except BaseException as exc:
-        dst.set_exception(exc)
+        dst.set_exception(exc)  # type: ignore[arg-type]  # torch's stub: a result type
         return
     dst.set_result(value)
 
@@ -438,8 +496,9 @@ def follow_up_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
 
     Creating a group is collective: call it at the same point on every rank of ``group``.
     """
-    return dist.new_group(
+    follow_up: dist.ProcessGroup = dist.new_group(
         ranks=dist.get_process_group_ranks(group),
         backend=dist.get_backend(group),
         use_local_synchronization=True,
     )
+    return follow_up
