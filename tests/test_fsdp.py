@@ -14,6 +14,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commhooks
+from commhooks import comm
 from commhooks.config import hook_spec
 from commhooks.integrations.checkpoint import DistributedCheckpointState
 from commhooks.testing import run_on_ranks
@@ -64,7 +65,9 @@ def shard(model: nn.Module, mesh, reduce_dtype: torch.dtype | None = None) -> nn
 
 def data(rank: int, steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(rank)
-    return [(torch.randn(8, 16, generator=gen), torch.randn(8, 1, generator=gen)) for _ in range(steps)]
+    return [
+        (torch.randn(8, 16, generator=gen), torch.randn(8, 1, generator=gen)) for _ in range(steps)
+    ]
 
 
 def train(model: nn.Module, batches, accumulate: int = 1) -> None:
@@ -84,7 +87,7 @@ def train(model: nn.Module, batches, accumulate: int = 1) -> None:
 
 
 def full(model: nn.Module) -> torch.Tensor:
-    """Every parameter, gathered from the shards of this machine (a collective of the shard group)."""
+    """Every parameter, gathered from this machine's shards (a collective of the shard group)."""
     pieces = []
     for p in model.parameters():
         p = p.detach()
@@ -122,7 +125,9 @@ def mismatch_message(mesh, odd_rank: int) -> str:
 
 def common_checks(rank: int, world_size: int, machines: int = 2) -> dict:
     """What both grids check; returns plain tensors and strings."""
-    mesh = init_device_mesh("cpu", (machines, world_size // machines), mesh_dim_names=("replicate", "shard"))
+    mesh = init_device_mesh(
+        "cpu", (machines, world_size // machines), mesh_dim_names=("replicate", "shard")
+    )
     batches = data(rank)
     gate_open = mesh.get_local_rank("replicate") == 0  # the gate trains on the first machine only
     out: dict = {"initial": full(shard(make_net(), mesh["shard"]))}
@@ -135,7 +140,9 @@ def common_checks(rank: int, world_size: int, machines: int = 2) -> dict:
     train(ddp, batches)
     out["ddp"] = full(ddp.module)
     out["noop"], _ = fsdp_run(mesh, "noop", batches)
-    out["compressed"] = {name: fsdp_run(mesh, name, batches, **opts)[0] for name, opts in compressors()}
+    out["compressed"] = {
+        name: fsdp_run(mesh, name, batches, **opts)[0] for name, opts in compressors()
+    }
     out["full_rank"] = full_rank(mesh, batches)
     out["mismatch"] = mismatch_message(mesh, odd_rank=world_size - 1)
     return out
@@ -184,7 +191,95 @@ def grid_of_two(rank: int, world_size: int, folder: str) -> dict:
     mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
     out["resume"] = resume(mesh, rank, folder)
     out["errors"] = bad_arguments(mesh)
+    out["non_finite"] = non_finite(mesh, rank)
+    out["late_module"] = late_module(mesh)
+    out["partial_sync"] = partial_sync(mesh)
     return out
+
+
+def non_finite(mesh, rank: int) -> dict:
+    """One step with a NaN target on the first machine, after a step that fills the memory."""
+    batches = data(rank, steps=2)
+    if rank == 0:
+        batches[1][1][0, 0] = float("nan")
+    out = {}
+    for hook in ("allreduce", "power_sgd", "power_sgd_single_round"):
+        model = shard(make_net(), mesh["shard"])
+        state = commhooks.fsdp.register(
+            model, hook, mesh=mesh, **(FAST if hook != "allreduce" else {})
+        )
+        train(model, batches[:1])
+        memory = {k: v.clone() for k, v in getattr(state, "error_dict", {}).items()}
+        model.zero_grad(set_to_none=True)
+        x, y = batches[1]
+        nn.functional.mse_loss(model(x), y).backward()
+        grads = torch.cat([p.grad.detach().full_tensor().reshape(-1) for p in model.parameters()])
+        after = getattr(state, "error_dict", {})
+        # The single-round variant adds the gradient into its memory and takes it back out:
+        # the memory is the previous one to the rounding of that addition.
+        kept = memory.keys() == after.keys() and all(
+            torch.allclose(memory[k], after[k], rtol=1e-5, atol=1e-7) for k in memory
+        )
+        out[hook] = (torch.isfinite(grads), kept and len(memory) > 0)
+    ddp = DDP(make_net(), find_unused_parameters=True)
+    train(ddp, batches[:1])
+    ddp.zero_grad(set_to_none=True)
+    nn.functional.mse_loss(ddp(batches[1][0]), batches[1][1]).backward()
+    out["ddp"] = torch.isfinite(
+        torch.cat(
+            [
+                (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                for p in ddp.parameters()
+            ]
+        )
+    )
+    return out
+
+
+class Heads(nn.Module):
+    """A trunk and a head that joins the forward pass at step ``late`` only."""
+
+    def __init__(self, late: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk, self.head, self.late, self.step = nn.Linear(16, 8), nn.Linear(8, 1), late, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.step += 1
+        h = self.trunk(x).sum(1, keepdim=True)
+        return h + self.head(self.trunk(x)) if self.step >= self.late else h
+
+
+def sharded_heads(mesh, late: int) -> Heads:
+    model = Heads(late)
+    fully_shard(model.trunk, mesh=mesh["shard"])
+    fully_shard(model.head, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    return model
+
+
+def late_module(mesh) -> list[int]:
+    """The step count while an FSDP module that joins at the third step."""
+    model = sharded_heads(mesh, late=3)
+    state = commhooks.fsdp.register(model, "power_sgd", mesh=mesh, start_powerSGD_iter=100)
+    counts = []
+    for x, y in data(dist.get_rank(), steps=4):
+        nn.functional.mse_loss(model(x), y).backward()
+        counts.append(state.iter)
+    return counts
+
+
+def partial_sync(mesh) -> str:
+    """Gradient synchronisation turned off for one FSDP module only: refused with the fix."""
+    model = sharded_heads(mesh, late=0)
+    commhooks.fsdp.register(model, "power_sgd", mesh=mesh, start_powerSGD_iter=100)
+    model.head.set_requires_gradient_sync(False)
+    try:
+        for x, y in data(dist.get_rank(), steps=2):
+            nn.functional.mse_loss(model(x), y).backward()
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
 
 
 def resume(mesh, rank: int, folder: str) -> tuple:
@@ -196,7 +291,10 @@ def resume(mesh, rank: int, folder: str) -> tuple:
     model = shard(make_net(), mesh["shard"])
     state = commhooks.fsdp.register(model, "power_sgd", mesh=mesh, **options)
     train(model, batches[:3])
-    dcp.save({"model": model.state_dict(), "hook": DistributedCheckpointState(state)}, checkpoint_id=folder)
+    dcp.save(
+        {"model": model.state_dict(), "hook": DistributedCheckpointState(state)},
+        checkpoint_id=folder,
+    )
     train(model, batches[3:])
     fresh = shard(make_net(seed=7), mesh["shard"])
     restored = commhooks.fsdp.register(fresh, "power_sgd", mesh=mesh, **options)
@@ -344,3 +442,36 @@ def test_bad_arguments_raise_before_training(two):
         assert text in errors[case], (case, errors[case])
         assert errors[case].startswith(("ValueError", "TypeError")), (case, errors[case])
     assert "ProcessGroup" in errors["after"]
+
+
+def test_non_finite_gradients_come_back_where_ddp_puts_them(two):
+    for r in two:
+        found = r["non_finite"]
+        assert not found["ddp"].all()  # the NaN reached the gradients
+        for hook in ("allreduce", "power_sgd", "power_sgd_single_round"):
+            finite, kept = found[hook]
+            assert torch.equal(finite, found["ddp"]), hook
+        for hook in ("power_sgd", "power_sgd_single_round"):
+            assert found[hook][1], f"{hook} changed its error memory on a non-finite step"
+
+
+def test_step_count_follows_modules_that_join_later(two):
+    for r in two:
+        assert r["late_module"] == [1, 2, 3, 4]
+
+
+def test_partial_gradient_sync_is_refused_with_the_fix(two):
+    for r in two:
+        assert "twice before" in r["partial_sync"], r["partial_sync"]
+        assert "set_requires_gradient_sync" in r["partial_sync"]
+
+
+def test_follow_ups_are_never_held_while_the_caller_waits():
+    # On a GPU a hook holds its follow-ups until the last bucket; FSDP2's hook waits for each
+    # shard's result, so a held follow-up would never run there.
+    gpu = [torch.device("cuda", 0)]
+    assert comm.holds_follow_ups(gpu)
+    with comm.unheld_follow_ups():
+        assert not comm.holds_follow_ups(gpu)
+        assert comm.follow_up_options(torch.zeros(1), last_bucket=False)[1] is False
+    assert comm.holds_follow_ups(gpu) and not comm.holds_follow_ups([])

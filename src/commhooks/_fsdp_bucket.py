@@ -81,8 +81,10 @@ class ShardBucket:
 class StepTracker:
     """Finds the last hook call of each backward pass, which a DDP bucket reports as ``is_last()``.
 
-    Stateful hooks count steps on that call; FSDP2 calls the hook of every module once per
-    backward pass that synchronises, so the pass ends when every module has been called.
+    Stateful hooks count steps on that call. FSDP2 reduces, in every backward pass that
+    synchronises, each FSDP module that has run a forward pass since it was built (one that did
+    not run in this step's forward reduces zeros), so the pass ends when every module seen in
+    a forward pass has been called. Modules are watched with forward pre-hooks.
 
     Args:
         names: the hooked modules' names, by index, for messages.
@@ -90,29 +92,41 @@ class StepTracker:
 
     def __init__(self, names: Sequence[str]) -> None:
         self._names = tuple(names)
+        self._ran: set[int] = set()
         self._seen: set[int] = set()
+
+    def watch(self, module: nn.Module, index: int) -> None:
+        """Note module ``index`` as taking part from its first forward pass on."""
+        module.register_forward_pre_hook(lambda _module, _args: self._ran.add(index))
 
     def arrive(self, index: int) -> bool:
         """Record module ``index``'s call; whether it completes the backward pass.
 
         Raises:
-            RuntimeError: the module was called twice before every other one was: a module
-                took no part in a backward pass, and the step count would go wrong.
+            RuntimeError: the module was called twice before every other module that has run
+                was called once, or before it ran a forward pass: the step count would go wrong.
         """
-        if index in self._seen:
-            missing = [self._names[i] for i in range(len(self._names)) if i not in self._seen]
-            self._seen.clear()
-            raise RuntimeError(
-                f"commhooks.fsdp: FSDP module {self._names[index]} reduced its gradients again "
-                f"before {', '.join(missing)} did. Every hooked FSDP module must take part in "
-                "every backward pass (the hook counts optimizer steps by them): run each one in "
-                "the forward pass, or leave modules that train only sometimes out of fully_shard."
-            )
+        if index in self._seen or index not in self._ran:
+            raise self._out_of_turn(index)
         self._seen.add(index)
-        if len(self._seen) < len(self._names):
+        if self._seen != self._ran:
             return False
         self._seen.clear()
         return True
+
+    def _out_of_turn(self, index: int) -> RuntimeError:
+        if index in self._ran:
+            missing = ", ".join(self._names[i] for i in sorted(self._ran - self._seen))
+            what = f"twice before {missing} reduced once"
+        else:
+            what = "before it ran a forward pass"
+        self._seen.clear()
+        return RuntimeError(
+            f"commhooks.fsdp: FSDP module {self._names[index]} reduced its gradients {what}. The "
+            "hook counts optimizer steps by the backward passes in which every FSDP module that "
+            "has run reduces once: turn gradient synchronisation on and off for the whole model "
+            "(model.set_requires_gradient_sync(...) on the root, which recurses)."
+        )
 
 
 class ShardHook:

@@ -236,6 +236,7 @@ def _ranks_of(mesh: Any) -> tuple[int, ...]:
 def _install(named: list[tuple[str, nn.Module]], hook: Any, state: Any) -> None:
     steps = StepTracker([name for name, _ in named])
     for index, (_, m) in enumerate(named):
+        steps.watch(m, index)
         m.set_reduce_scatter_unused_params(True, recurse=False)  # type: ignore[operator]
         m.set_all_reduce_hook(ShardHook(m, index, hook, state, steps))  # type: ignore[operator]
         _hooked.add(m)
