@@ -153,13 +153,11 @@ class ShardHook:
         state: Any,
         steps: StepTracker,
     ) -> None:
-        self.module, self.index, self.hook, self.state, self.steps = (
-            module,
-            index,
-            hook,
-            state,
-            steps,
-        )
+        self.module = module
+        self.index = index
+        self.hook = hook
+        self.state = state
+        self.steps = steps
 
     def __call__(self, shard: torch.Tensor) -> None:
         slots = reduced_shards(self.module)

@@ -34,7 +34,9 @@ def attach_sharded(model: nn.Module, hook: str, options: dict[str, Any]) -> Call
         "cpu", (dist.get_world_size(), 1), mesh_dim_names=("replicate", "shard")
     )
     for unit in _layers(model):
-        fully_shard(unit, mesh=mesh["shard"])
+        # A shard group of one saves no memory by resharding between forward and backward;
+        # keeping the parameters saves FSDP2 the second all-gather (copies, here) of each step.
+        fully_shard(unit, mesh=mesh["shard"], reshard_after_forward=False)
     fully_shard(model, mesh=mesh["shard"])
     commhooks.fsdp.register(model, hook, mesh=mesh, **options)
     return lambda: None
