@@ -33,10 +33,11 @@ class Gated(nn.Module):
         self.weight = nn.Parameter(torch.randn(width, width) / width)
         self.gate = nn.Parameter(torch.ones(width))
         self.never = nn.Parameter(torch.zeros(3))  # no rank uses it
+        self.frozen = nn.Parameter(torch.full((width,), 0.5), requires_grad=False)
         self.open = open_
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = x @ self.weight.t()
+        out = (x * self.frozen) @ self.weight.t()
         return out * self.gate if self.open else out
 
 
@@ -168,6 +169,7 @@ def grid_of_four(rank: int, world_size: int) -> dict:
     native = shard(make_net(), mesh, torch.bfloat16)
     train(native, batches)
     out["bf16_reduce"] = (ours, full(native))
+    out["by_group"] = by_replicate_group(mesh, batches)
     out["bf16_power_sgd"] = fsdp_run(mesh, "power_sgd", batches, torch.bfloat16, **FAST)[0]
     micro = data(rank, steps=2 * 3)
     ours, state = fsdp_run(mesh, "power_sgd", micro, accumulate=3, **FAST)
@@ -175,9 +177,22 @@ def grid_of_four(rank: int, world_size: int) -> dict:
     ddp = DDP(make_net(), find_unused_parameters=True)
     train(ddp, micro, accumulate=3)
     shards = shard(make_net(), mesh["shard"])
-    local = sum(p.to_local().numel() for p in shards.parameters())
+    local = sum(p.to_local().numel() for p in trained(shards))
     out["accumulation"] = (state.iter, state.compression_stats()[1], local, plain, full(ddp.module))
     return out
+
+
+def by_replicate_group(mesh, batches) -> tuple:
+    """Registered with replicate_group instead of the mesh; the world group is refused."""
+    model = shard(make_net(), mesh["shard"])
+    try:
+        commhooks.fsdp.register(model, "allreduce", replicate_group=dist.group.WORLD)
+        refused = "no error"
+    except ValueError as exc:
+        refused = str(exc)
+    commhooks.fsdp.register(model, "allreduce", replicate_group=mesh.get_group("replicate"))
+    train(model, batches)
+    return full(model), fsdp_run(mesh, "allreduce", batches)[0], refused
 
 
 @pytest.fixture(scope="module")
@@ -213,7 +228,7 @@ def non_finite(mesh, rank: int) -> dict:
         model.zero_grad(set_to_none=True)
         x, y = batches[1]
         nn.functional.mse_loss(model(x), y).backward()
-        grads = torch.cat([p.grad.detach().full_tensor().reshape(-1) for p in model.parameters()])
+        grads = torch.cat([p.grad.detach().full_tensor().reshape(-1) for p in trained(model)])
         after = getattr(state, "error_dict", {})
         # The single-round variant adds the gradient into its memory and takes it back out:
         # the memory is the previous one to the rounding of that addition.
@@ -229,11 +244,15 @@ def non_finite(mesh, rank: int) -> dict:
         torch.cat(
             [
                 (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                for p in ddp.parameters()
+                for p in trained(ddp)
             ]
         )
     )
     return out
+
+
+def trained(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
 
 
 class Heads(nn.Module):
@@ -405,6 +424,13 @@ def test_bf16_reduce_dtype_equals_native_hsdp(four):
         assert relative(ours, r["allreduce"]) < 1e-2  # bfloat16 rounding only
         assert torch.isfinite(r["bf16_power_sgd"]).all()
         assert torch.equal(r["bf16_power_sgd"], four[0]["bf16_power_sgd"])
+
+
+def test_replicate_group_works_as_the_mesh_does(four):
+    for r in four:
+        ours, by_mesh, refused = r["by_group"]
+        assert torch.equal(ours, by_mesh)
+        assert "shares ranks" in refused and "mesh" in refused, refused
 
 
 def test_gradient_accumulation_counts_optimizer_steps(four):
