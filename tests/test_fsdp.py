@@ -5,6 +5,9 @@ size), and 2 ranks as 2 x 1. Each grid runs once, in one set of processes, and r
 tests below check, so that the processes and their connections are paid for once per grid.
 """
 
+import os
+import signal
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,7 +20,7 @@ import commhooks
 from commhooks import comm
 from commhooks.config import hook_spec
 from commhooks.integrations.checkpoint import DistributedCheckpointState
-from commhooks.testing import run_on_ranks
+from commhooks.testing import RankError, run_on_ranks
 
 STEPS = 3
 FAST = {"start_powerSGD_iter": 0, "matrix_approximation_rank": 1}
@@ -501,3 +504,22 @@ def test_follow_ups_are_never_held_while_the_caller_waits():
         assert not comm.holds_follow_ups(gpu)
         assert comm.follow_up_options(torch.zeros(1), last_bucket=False)[1] is False
     assert comm.holds_follow_ups(gpu) and not comm.holds_follow_ups([])
+
+
+def stopped_peer(rank: int, world_size: int) -> str:
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    model = shard(make_net(), mesh["shard"])
+    commhooks.fsdp.register(model, "power_sgd", mesh=mesh, **FAST)
+    for step, (x, y) in enumerate(data(rank)):
+        if step == 2 and rank == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)  # the other machine stops answering
+        nn.functional.mse_loss(model(x), y).backward()
+    return "finished"
+
+
+@pytest.mark.timeout(150)
+def test_a_stopped_machine_raises_after_the_group_timeout_not_a_hang():
+    with pytest.raises(RankError) as error:
+        run_on_ranks(stopped_peer, 2, pg_timeout=5, timeout=120)
+    message = str(error.value)
+    assert "rank 0 raised" in message and "Timed out" in message, message[-2000:]
