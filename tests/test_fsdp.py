@@ -393,7 +393,7 @@ def test_each_compressor_trains_and_keeps_the_replicas_identical(grid, request):
             assert torch.isfinite(ours).all(), name
             # Closer to plain averaging than the start is: it trained, in the same direction.
             gap, start = relative(ours, r["allreduce"]), relative(r["initial"], r["allreduce"])
-            assert gap < 0.1 * start, (name, gap, start)
+            assert gap < 0.25 * start, (name, gap, start)
 
 
 @pytest.mark.parametrize("grid", GRIDS)
