@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import commhooks
 from commhooks.config import hook_names, hook_spec, wrapper_names
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,3 +123,24 @@ def test_gpu_step_time_runs_on_gloo_without_a_gpu(tmp_path):
     results = json.loads(out_json.read_text())["results"]
     assert results["4096/power_sgd"]["median_ms"] > 0
     assert "error" in results["4096/torch_bf16"]  # PyTorch refuses its bf16 hook without CUDA
+
+
+def test_fsdp_example_trains_saves_and_resumes(tmp_path):
+    # Two processes standing for two machines of one rank each (the README's laptop command).
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(EXAMPLES / "train_fsdp.py"), "--ranks-per-machine", "1", "--hook", "power_sgd",
+           "--options", json.dumps({"start_powerSGD_iter": 2}), "--steps", "6",
+           "--checkpoint", str(tmp_path / "ckpt")]  # fmt: skip
+    first, second = run(cmd, tmp_path), run(cmd, tmp_path)
+    assert "mesh 2 machines x 1 ranks, hook power_sgd" in first
+    assert "saved to" in first and "resumed at step 6" in second, second[-3000:]
+    losses = [float(x) for x in re.findall(r"^step +\d+ +loss +(\S+)", first + second, re.M)]
+    assert len(losses) == 4 and losses[-1] < losses[0], losses
+
+
+def test_fsdp_example_offers_every_hook_for_fsdp():
+    spec = importlib.util.spec_from_file_location("train_fsdp", EXAMPLES / "train_fsdp.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    actions = {a.dest: a for a in module.build_parser()._actions}
+    assert list(actions["hook"].choices) == commhooks.fsdp.hook_names()

@@ -7,7 +7,7 @@ working on gloo/CPU as well as NCCL/GPU::
     ddp_model.register_comm_hook(None, fp16_compress_hook)
 """
 
-from commhooks import checkpoint
+from commhooks import checkpoint, fsdp
 from commhooks._warnings import CommHooksWarning
 from commhooks.averagers import (
     HierarchicalAveragerOptions,
@@ -49,6 +49,7 @@ __all__ = [
     "StateDictError",
     "checkpoint",
     "HierarchicalAveragerOptions",
+    "fsdp",
     "HierarchicalModelAverager",
     "ModelAverager",
     "OuterOptimizerAverager",

@@ -8,10 +8,11 @@ threads in a different order on each rank. :class:`OrderedIssuer` fixes it by st
 collectives in the order their slots were reserved, whichever thread gets there first.
 """
 
+import contextlib
 import datetime
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar, cast
 
 import torch
@@ -27,6 +28,7 @@ __all__ = [
     "average",
     "backend_for_device",
     "check_same_on_all_ranks",
+    "check_same_on_grid",
     "completed",
     "excludes_this_rank",
     "follow_up_group",
@@ -43,6 +45,7 @@ __all__ = [
     "issuer_for",
     "new_groups",
     "resolve_group",
+    "unheld_follow_ups",
     "world_size",
 ]
 
@@ -214,6 +217,25 @@ def new_future(devices: Sequence[torch.device] | None = None) -> "Future[Any]":
     return Future(devices=list(devices)) if devices else Future()
 
 
+_calling = threading.local()
+
+
+@contextlib.contextmanager
+def unheld_follow_ups() -> Iterator[None]:
+    """Within this block, hooks called on this thread never hold their follow-ups.
+
+    For callers that wait for each hook's result before they call the next one (FSDP2's
+    all-reduce hook must hand its shard back averaged): a follow-up held until a later bucket
+    would then never run.
+    """
+    before = getattr(_calling, "unheld", False)
+    _calling.unheld = True
+    try:
+        yield
+    finally:
+        _calling.unheld = before
+
+
 def holds_follow_ups(devices: list[torch.device]) -> bool:
     """Whether a hook holds its follow-ups until the step's last bucket (on a GPU).
 
@@ -223,8 +245,9 @@ def holds_follow_ups(devices: list[torch.device]) -> bool:
     every bucket, and with it the overlap of communication and computation. Held until the last
     bucket (the whole backward pass is queued by then), the first read waits once and the others
     find the device idle. On CPU a read waits for nothing, and follow-ups run when they can.
+    Never inside :func:`unheld_follow_ups`.
     """
-    return bool(devices)
+    return bool(devices) and not getattr(_calling, "unheld", False)
 
 
 def follow_up_options(buffer: torch.Tensor, last_bucket: bool) -> tuple[list[torch.device], bool]:
@@ -480,6 +503,46 @@ def check_same_on_all_ranks(
     from commhooks import handshake  # it gathers through this module
 
     handshake.check_fields(options, resolve_group(group, owner=owner), owner=owner)
+
+
+def check_same_on_grid(
+    options: dict[str, Any], groups: Sequence[dist.ProcessGroup], *, owner: str
+) -> None:
+    """Raise on every rank of a grid of ranks if any option differs between any two of them.
+
+    ``groups`` are this rank's groups along each dimension of the grid (for HSDP: the ranks of
+    its machine, then the ranks holding the same shard on other machines). What each rank knows
+    is gathered along one dimension after the other, so after the last every rank holds every
+    rank's options without a group spanning the grid; one small gather per dimension, once.
+
+    Raises:
+        ValueError: naming each differing option and its value on every rank (global ranks).
+    """
+    known: dict[int, dict[str, Any]] = {dist.get_rank(): options}
+    for group in groups:
+        merged: dict[int, dict[str, Any]] = {}
+        for part in all_gather_objects(known, group):
+            merged.update(part)
+        known = merged
+    _raise_if_differing(dict(sorted(known.items())), owner)
+
+
+def _raise_if_differing(by_rank: Mapping[int, Mapping[str, Any]], owner: str) -> None:
+    everyone = list(by_rank.values())
+    differing = [
+        name
+        for name in sorted(set().union(*(o.keys() for o in everyone)))
+        if any(o.get(name) != everyone[0].get(name) for o in everyone)
+    ]
+    if differing:
+        details = "; ".join(
+            f"{name}: " + ", ".join(f"rank {r}={o.get(name)!r}" for r, o in by_rank.items())
+            for name in differing
+        )
+        raise ValueError(
+            f"{owner} was configured differently on different ranks ({details}). "
+            "Every rank must build its state with the same options."
+        )
 
 
 class OrderedIssuer:

@@ -38,6 +38,7 @@ class Plan:
     repeat: int = 1
     lockstep: bool = False
     offload: bool = True
+    fsdp: bool = False
     notes: list[str] = field(default_factory=list)
 
 
@@ -118,6 +119,12 @@ def build_parser(prog: str = "commhooks bench") -> argparse.ArgumentParser:
         help="segment every packet in software, as a NIC without segmentation offload does "
         "(default: offload on, as on real NICs; the rate limit and byte counts are the same)",
     )
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard the model with FSDP2 (each rank a machine, a shard group of one) and run "
+        "the hooks through commhooks.fsdp.register, across the ranks",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per hook run")
     p.add_argument("--json", dest="json_path", metavar="PATH", help="write every figure as JSON")
     p.add_argument("--plot", dest="plot_path", metavar="PATH", help="write a PNG (matplotlib)")
@@ -165,6 +172,11 @@ def _plan(a: argparse.Namespace, parser: argparse.ArgumentParser) -> Plan:
                 f"unknown hook(s) {', '.join(unknown)}; valid hooks: {', '.join(valid)}."
             )
         hooks = requested
+    fsdp_notes: list[str] = []
+    if a.fsdp:
+        hooks, fsdp_notes = _for_fsdp(hooks, explicit=a.hooks is not None)
+        if a.compare_torch:
+            raise ValueError("--compare-torch runs PyTorch's DDP hooks, which FSDP2 has none of.")
     if a.compare_torch:
         hooks += hookset.torch_counterparts(requested)
     if not hooks:
@@ -174,11 +186,11 @@ def _plan(a: argparse.Namespace, parser: argparse.ArgumentParser) -> Plan:
         raise ValueError("give --bandwidth or --sweep, not both (a sweep lists every rate).")
     bandwidths: list[int | None] = [None]
     if a.bandwidth:
-        bandwidths = _rates(a.bandwidth, "--bandwidth")
+        bandwidths = [*_rates(a.bandwidth, "--bandwidth")]
         if len(bandwidths) > 1:
             raise ValueError("--bandwidth takes one rate; use --sweep for several.")
     if a.sweep:
-        bandwidths = sorted(set(_rates(a.sweep, "--sweep")))
+        bandwidths = [*sorted(set(_rates(a.sweep, "--sweep")))]
     latency = parse_duration(a.latency) if a.latency else 0.0
     if latency and bandwidths == [None]:
         raise ValueError("--latency needs --bandwidth or --sweep (loopback has no link to delay).")
@@ -190,7 +202,9 @@ def _plan(a: argparse.Namespace, parser: argparse.ArgumentParser) -> Plan:
         raise ValueError("--latency above 1s is not a network worth benchmarking; use e.g. 5ms.")
 
     predict_bps = parse_rate(a.predict) if a.predict else None
-    notes = _add_references(hooks, sweep=bool(a.sweep), predict=predict_bps is not None)
+    notes = fsdp_notes + _add_references(
+        hooks, sweep=bool(a.sweep), predict=predict_bps is not None
+    )
     for flag, value in (("--world-size", a.world_size), ("--ranks", a.ranks)):
         if value is not None and value < 2:
             raise ValueError(f"{flag} must be at least 2 (a single rank communicates nothing).")
@@ -253,8 +267,28 @@ def _plan(a: argparse.Namespace, parser: argparse.ArgumentParser) -> Plan:
         repeat=a.repeat,
         lockstep=a.lockstep,
         offload=a.offload,
+        fsdp=a.fsdp,
         notes=notes,
     )
+
+
+def _for_fsdp(hooks: list[str], explicit: bool) -> tuple[list[str], list[str]]:
+    """The hooks to run under ``--fsdp`` (those ``commhooks.fsdp.register`` takes), and notes.
+
+    Hooks of the default list that it does not take are skipped with a note; hooks asked for by
+    name are refused, naming the ones it takes.
+    """
+    from commhooks import fsdp
+
+    valid = fsdp.hook_names()
+    refused = [h for h in hooks if h not in valid]
+    if refused and explicit:
+        raise ValueError(
+            f"--fsdp runs hooks through commhooks.fsdp.register, which does not take "
+            f"{', '.join(refused)}; hooks for FSDP2: {', '.join(valid)}."
+        )
+    notes = [f"hook '{h}' does not apply to FSDP2 gradient shards; skipped" for h in refused]
+    return [h for h in hooks if h in valid], notes
 
 
 def _add_references(hooks: list[str], sweep: bool, predict: bool) -> list[str]:

@@ -50,7 +50,7 @@ def _progress() -> Any:
     )
 
 
-def _spec(plan: Plan, hook: str) -> tuple[dict, dict]:
+def _spec(plan: Plan, hook: str) -> tuple[dict[str, Any], dict[str, Any]]:
     options = hookset.settings_for(hook)
     single = hook in hookset.SINGLE_BUCKET_HOOKS
     bucket = hookset.SINGLE_BUCKET_MB if single else plan.bucket_cap_mb
@@ -66,6 +66,7 @@ def _spec(plan: Plan, hook: str) -> tuple[dict, dict]:
         "bucket_cap_mb": bucket,
         "lr": plan.lr,
         "lockstep": plan.lockstep,
+        "fsdp": plan.fsdp,
     }
     context = {"options": options, "bucket_cap_mb": bucket, "latency_s": plan.latency_s or None}
     if hook in ("post_local_sgd", "torch_post_local_sgd"):
@@ -75,7 +76,7 @@ def _spec(plan: Plan, hook: str) -> tuple[dict, dict]:
     return spec, context
 
 
-def run(plan: Plan, argv: list[str]) -> dict:
+def run(plan: Plan, argv: list[str]) -> dict[str, Any]:
     """Run ``plan``; print the table; write JSON/PNG when asked. Returns the JSON document."""
     for name in plan.skipped:
         print(f"note: hook '{name}' is not registered in this build of commhooks; skipped.")
@@ -88,7 +89,7 @@ def run(plan: Plan, argv: list[str]) -> dict:
     for line in _setting_notes(plan):
         print(f"settings: {line}")
     started = time.time()
-    rows: list[dict] = []
+    rows: list[dict[str, Any]] = []
     total = len(plan.hooks) * len(plan.bandwidths) * plan.repeat
     done = 0
     progress = _progress()
@@ -100,7 +101,7 @@ def run(plan: Plan, argv: list[str]) -> dict:
             if bw is not None:
                 net = Network(plan.ranks, bw, plan.latency_s, offload=plan.offload)
             specs = {hook: _spec(plan, hook) for hook in plan.hooks}
-            runs: dict[str, list[dict]] = {hook: [] for hook in plan.hooks}
+            runs: dict[str, list[dict[str, Any]]] = {hook: [] for hook in plan.hooks}
             with net or nullcontext():
                 # Rounds of every hook in turn: a drift of the machine's speed during the run
                 # then shows in every hook's figures instead of in the last hooks' alone.
@@ -163,6 +164,11 @@ def _setting_notes(plan: Plan) -> list[str]:
             f"local steps (post_local_gradient_allreduce={ls['post_local_gradient_allreduce']}) "
             f"with parameters averaged every {hookset.AVERAGER_PERIOD} steps"
         )
+    if plan.fsdp:
+        lines.append(
+            "FSDP2: the model sharded per layer with fully_shard over a shard group of one rank "
+            "(each rank a machine), the hook averaging the shards across ranks"
+        )
     lines.append(f"{plan.steps} steps per hook, the first {plan.warmup} not timed")
     if plan.repeat > 1:
         lines.append(f"{plan.repeat} rounds of every hook in turn, each hook's timed steps pooled")
@@ -173,7 +179,7 @@ def _setting_notes(plan: Plan) -> list[str]:
     return lines
 
 
-def _print_comparisons(comparisons: dict, plan: Plan) -> None:
+def _print_comparisons(comparisons: dict[str, Any], plan: Plan) -> None:
     for hook, info in comparisons.get("sweep", {}).items():
         sp = ", ".join(
             f"{format_rate(int(bw))}: {s:.2f}x"
@@ -198,7 +204,7 @@ def _print_comparisons(comparisons: dict, plan: Plan) -> None:
         print(f"note: {comparisons['prediction_note']}")
 
 
-def _settings(plan: Plan) -> dict:
+def _settings(plan: Plan) -> dict[str, Any]:
     return {
         "hooks": plan.hooks,
         "skipped_hooks": plan.skipped,
@@ -208,6 +214,7 @@ def _settings(plan: Plan) -> dict:
         "repeat": plan.repeat,
         "lockstep": plan.lockstep,
         "offload": plan.offload,
+        "fsdp": plan.fsdp,
         "task": plan.task,
         "lr": plan.lr,
         "seed": plan.seed,
@@ -222,7 +229,7 @@ def _settings(plan: Plan) -> dict:
     }
 
 
-def _environment(plan: Plan, argv: list[str], elapsed: float) -> dict:
+def _environment(plan: Plan, argv: list[str], elapsed: float) -> dict[str, Any]:
     import torch
 
     import commhooks

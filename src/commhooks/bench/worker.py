@@ -199,9 +199,15 @@ def run_rank(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     phases["process_group"] = time.time()
     rss_before = _rss_bytes()
     task = make_task(spec["task"], seed=spec["seed"], params=spec["params"])
-    ddp = DDP(task.model, bucket_cap_mb=spec["bucket_cap_mb"])
-    after_step = hookset.attach(ddp, spec["hook"], spec["options"])
-    opt = torch.optim.AdamW(ddp.parameters(), lr=spec["lr"])
+    if spec.get("fsdp"):
+        from commhooks.bench.sharding import attach_sharded
+
+        model = task.model
+        after_step = attach_sharded(model, spec["hook"], spec["options"])
+    else:
+        model = DDP(task.model, bucket_cap_mb=spec["bucket_cap_mb"])
+        after_step = hookset.attach(model, spec["hook"], spec["options"])
+    opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"])
     phases["model"] = time.time()
 
     steps, warmup, iface = (
@@ -222,7 +228,7 @@ def run_rank(spec: dict[str, Any], rank: int) -> dict[str, Any]:
             dist.barrier()  # untimed: every rank starts the step together
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = task.loss(batch, ddp)
+        loss = task.loss(batch, model)
         torch.autograd.backward(loss)
         opt.step()
         after_step()
