@@ -113,12 +113,13 @@ def test_holding_follow_ups_until_the_last_bucket_changes_no_result():
 
 
 def _sums(rank, world_size):
-    from commhooks.bench.worker import PayloadCounter
+    with comm.observe_collectives(torch_calls=True) as counter:
+        out = _sum_each_shape(rank)
+    return out, counter.calls, counter.bytes
 
+
+def _sum_each_shape(rank):
     group = dist.group.WORLD
-    counter = PayloadCounter()
-    counter.install(dist)
-    counter.active = True
     gen = torch.Generator().manual_seed(rank)
     out = {}
     for name, shape, dtype in (
@@ -135,7 +136,7 @@ def _sums(rank, world_size):
         dist.all_reduce(reference)
         result = comm.allreduce(t, group).wait()
         out[name] = (result is t, torch.equal(t, reference), comm._sums_by_exchange(t, group))
-    return out, counter.calls, counter.bytes
+    return out
 
 
 def test_allreduce_sums_like_dist_all_reduce_on_any_world_size():

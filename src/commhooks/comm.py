@@ -8,14 +8,16 @@ threads in a different order on each rank. :class:`OrderedIssuer` fixes it by st
 collectives in the order their slots were reserved, whichever thread gets there first.
 """
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 __all__ = [
+    "CollectiveCounter",
     "OrderedIssuer",
     "all_gather_objects",
     "allreduce",
@@ -35,6 +37,7 @@ __all__ = [
     "is_world",
     "issuer_for",
     "new_groups",
+    "observe_collectives",
     "resolve_group",
     "world_size",
 ]
@@ -61,7 +64,7 @@ def resolve_group(group: Any, *, owner: str = "this hook") -> dist.ProcessGroup:
             "before the first backward pass."
         )
     if group is None:
-        return dist.group.WORLD
+        return _world()
     if group is dist.GroupMember.NON_GROUP_MEMBER:
         raise ValueError(
             f"{owner}: this rank (global rank {dist.get_rank()}) is not a member of the process "
@@ -73,6 +76,13 @@ def resolve_group(group: Any, *, owner: str = "this hook") -> dist.ProcessGroup:
             f"{owner} expects a torch.distributed.ProcessGroup or None, got {type(group).__name__}."
         )
     return group
+
+
+def _world() -> dist.ProcessGroup:
+    world = dist.group.WORLD
+    if world is None:
+        raise RuntimeError("torch.distributed is not initialised: call init_process_group first.")
+    return world
 
 
 def is_default_group(group: dist.ProcessGroup | None) -> bool:
@@ -153,7 +163,7 @@ def future_devices(*values: Any) -> list[torch.device]:
 
 def new_future(devices: list[torch.device] | None = None) -> "Future[Any]":
     """A future to complete by hand, synchronised with the streams of ``devices`` if any."""
-    return Future(devices=devices) if devices else Future()
+    return Future(devices=list[Any](devices)) if devices else Future()
 
 
 def holds_follow_ups(devices: list[torch.device]) -> bool:
@@ -183,13 +193,129 @@ def completed(value: T) -> "Future[T]":
     The result is set on the current streams, so consumers wait for the kernels that produced
     ``value`` (see :func:`future_devices`).
     """
-    fut: Future = new_future(future_devices(value))
+    fut: Future[T] = new_future(future_devices(value))
     fut.set_result(value)
     return fut
 
 
 def _first(fut: "Future[list[torch.Tensor]]") -> torch.Tensor:
     return fut.value()[0]
+
+
+# -- observing what is sent --------------------------------------------------------------------
+
+
+class CollectiveCounter:
+    """Calls and bytes handed to each kind of collective while an observer was open.
+
+    The bytes are what this rank hands over (a collective's input), not what crosses the wire:
+    how many bytes that puts on each link depends on the algorithm and the world size, which
+    is a cost model's business (``commhooks.bench.costmodel``).
+    """
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+        self.bytes: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def record(self, kind: str, nbytes: int) -> None:
+        """Count one collective of ``kind`` handing over ``nbytes``. Safe from any thread."""
+        with self._lock:
+            self.calls[kind] = self.calls.get(kind, 0) + 1
+            self.bytes[kind] = self.bytes.get(kind, 0) + nbytes
+
+
+# torch.distributed's collectives that ``observe_collectives(torch_calls=True)`` counts: the
+# argument (position, name) holding what this rank hands over; the gathers and scatters take
+# their output first.
+_TORCH_COLLECTIVES: dict[str, tuple[int, str]] = {
+    "all_reduce": (0, "tensor"),
+    "broadcast": (0, "tensor"),
+    "all_gather": (1, "tensor"),
+    "all_gather_into_tensor": (1, "input_tensor"),
+    "all_gather_single": (1, "input_tensor"),
+    "reduce_scatter_tensor": (1, "input"),
+    "all_to_all_single": (1, "input"),
+}
+_counters: list[CollectiveCounter] = []
+_torch_originals: dict[str, Callable[..., Any]] = {}
+_torch_watchers = 0
+_observers_lock = threading.Lock()
+_local = threading.local()  # ``issuing``: this thread is inside one of this module's calls
+
+
+@contextlib.contextmanager
+def observe_collectives(*, torch_calls: bool = False) -> Iterator[CollectiveCounter]:
+    """Count the collectives this process issues while inside, per kind: calls and bytes.
+
+    Every collective of the package's hooks is issued here and counted as the collective it
+    stands for: the exchange that sums a small tensor on two ranks counts as the allreduce it
+    replaces, so that a cost model prices it as the same hook issues it at other world sizes.
+    Counting covers every thread (follow-up collectives are issued from the backend's).
+
+    Args:
+        torch_calls: also count calls made straight to ``torch.distributed`` (PyTorch's own
+            hooks, a user's hook). Its collective functions are wrapped, process-wide, while
+            such an observer is open, so that calls through the module attribute are seen;
+            calls this module makes are not counted twice. DDP's own allreduce (no hook),
+            issued from C++, is never seen.
+
+    Yields:
+        the counter, complete once the block is left.
+    """
+    counter = CollectiveCounter()
+    with _observers_lock:
+        _counters.append(counter)
+        if torch_calls:
+            _watch_torch(+1)
+    try:
+        yield counter
+    finally:
+        with _observers_lock:
+            _counters.remove(counter)
+            if torch_calls:
+                _watch_torch(-1)
+
+
+def _watch_torch(change: int) -> None:
+    """Wrap torch.distributed's collectives for the first watcher, restore them after the last."""
+    global _torch_watchers
+    _torch_watchers += change
+    if _torch_watchers == 1 and change > 0:
+        for name, where in _TORCH_COLLECTIVES.items():
+            original = getattr(dist, name, None)
+            if original is not None:
+                _torch_originals[name] = original
+                setattr(dist, name, _counting(name, where, original))
+    elif _torch_watchers == 0:
+        for name, original in _torch_originals.items():
+            setattr(dist, name, original)
+        _torch_originals.clear()
+
+
+def _counting(
+    name: str, where: tuple[int, str], original: Callable[..., Any]
+) -> Callable[..., Any]:
+    position, keyword = where
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        if not getattr(_local, "issuing", False):
+            given = args[position] if len(args) > position else kwargs.get(keyword)
+            _observed(name, given)
+        return original(*args, **kwargs)
+
+    counted.__wrapped__ = original  # type: ignore[attr-defined]
+    return counted
+
+
+def _observed(kind: str, handed: Any) -> None:
+    """Report a collective of ``kind`` handing over ``handed`` (a tensor or a list of them)."""
+    if not _counters:
+        return
+    tensors = handed if isinstance(handed, (list, tuple)) else [handed]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    for counter in list(_counters):
+        counter.record(kind, nbytes)
 
 
 # Up to this size, two gloo ranks sum a tensor faster by exchanging it whole (one all-gather and
@@ -205,10 +331,16 @@ def allreduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.T
     all-gather and a local add (see ``_EXCHANGE_BYTES``), which returns sooner, most of all
     in the slow tail; PowerSGD's factors are such tensors.
     """
-    if _sums_by_exchange(tensor, group):
-        return _exchange_and_add(tensor, group)
-    work = dist.all_reduce(tensor, group=group, async_op=True)
-    return work.get_future().then(_first)
+    _observed("all_reduce", tensor)
+    _local.issuing = True  # the call below is counted above, as what it stands for
+    try:
+        if _sums_by_exchange(tensor, group):
+            return _exchange_and_add(tensor, group)
+        work = dist.all_reduce(tensor, group=group, async_op=True)
+    finally:
+        _local.issuing = False
+    reduced: Future[torch.Tensor] = work.get_future().then(_first)
+    return reduced
 
 
 def _sums_by_exchange(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
@@ -230,7 +362,7 @@ def _exchange_and_add(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     work = gather(both, flat, group=group, async_op=True)
 
-    def add(fut: Future) -> torch.Tensor:
+    def add(fut: "Future[Any]") -> torch.Tensor:
         fut.value()  # raises here if the all-gather failed
         # The same order on both ranks, so they hold the same bits.
         torch.add(both[: flat.numel()], both[flat.numel() :], out=flat)
@@ -238,7 +370,8 @@ def _exchange_and_add(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future
             tensor.copy_(flat.view_as(tensor))
         return tensor
 
-    return work.get_future().then(add)
+    summed: Future[torch.Tensor] = work.get_future().then(add)
+    return summed
 
 
 def average(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.Tensor]":
@@ -264,7 +397,7 @@ def gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any
 
     For checkpoints written by one rank: only that rank holds every rank's copy.
     """
-    group = group or dist.group.WORLD
+    group = group or _world()
     first = dist.get_global_rank(group, 0)
     out: list[Any] | None = (
         [None] * dist.get_world_size(group) if dist.get_rank() == first else None
@@ -371,14 +504,14 @@ class OrderedIssuer:
                 self._held.add(slot)
             else:  # every held slot is an earlier one
                 self._held.clear()
-        out: Future = new_future(devices)
+        out: Future[T] = new_future(devices)
 
-        def on_done(fut: Future) -> None:
+        def on_done(fut: "Future[Any]") -> None:
             try:
                 fut.value()
             except BaseException as exc:  # forwarded to the caller's future
                 self.start(slot, lambda: None)
-                out.set_exception(exc)
+                _fail(out, exc)
                 return
             self.start(slot, lambda: _launch_into(lambda: step(fut.wait()), out))
 
@@ -399,7 +532,7 @@ def _launch_into(issue: Callable[[], "Future[T]"], out: "Future[T]") -> None:
     try:
         inner = issue()
     except BaseException as exc:
-        out.set_exception(exc)
+        _fail(out, exc)
         return
     inner.add_done_callback(lambda fut: _forward(fut, out))
 
@@ -408,9 +541,14 @@ def _forward(src: "Future[T]", dst: "Future[T]") -> None:
     try:
         value = src.value()
     except BaseException as exc:
-        dst.set_exception(exc)
+        _fail(dst, exc)
         return
     dst.set_result(value)
+
+
+def _fail(fut: "Future[Any]", exc: BaseException) -> None:
+    # Through Future[Any]: torch's stub types set_exception's argument as the result type.
+    fut.set_exception(exc)
 
 
 _issuers: dict[int, tuple[dist.ProcessGroup, OrderedIssuer]] = {}
@@ -438,8 +576,9 @@ def follow_up_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
 
     Creating a group is collective: call it at the same point on every rank of ``group``.
     """
-    return dist.new_group(
+    follow_up: dist.ProcessGroup = dist.new_group(
         ranks=dist.get_process_group_ranks(group),
         backend=dist.get_backend(group),
         use_local_synchronization=True,
     )
+    return follow_up
