@@ -28,7 +28,7 @@ from commhooks.hooks import (
 from commhooks.hooks.local_sgd import PostLocalSGDState, post_localSGD_hook
 from commhooks.hooks.powersgd import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
 from commhooks.optim import PostLocalSGDOptimizer
-from commhooks.state import HookState, StateDictError
+from commhooks.state import HookState, StateDictError, StatelessState
 
 __version__ = "0.1.0"
 
@@ -36,6 +36,7 @@ __all__ = [
     "CommHooksWarning",
     "HookState",
     "StateDictError",
+    "StatelessState",
     "checkpoint",
     "HierarchicalModelAverager",
     "ModelAverager",

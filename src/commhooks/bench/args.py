@@ -315,7 +315,8 @@ def _world(a: argparse.Namespace) -> tuple[int, int]:
     if ranks > MAX_LOCAL_RANKS:
         raise ValueError(
             f"{ranks} ranks on one machine would measure the CPU, not the network; start at most "
-            f"{MAX_LOCAL_RANKS} and predict larger worlds with --world-size N."
+            f"{MAX_LOCAL_RANKS} and predict larger worlds with --world-size N (and --link or "
+            "--predict RATE for your link)."
         )
     return ranks, a.world_size or ranks
 
@@ -353,7 +354,9 @@ def _check_outputs(a: argparse.Namespace) -> None:
     if a.plot_path and not a.plot_path.lower().endswith(".png"):
         raise ValueError(f"--plot {a.plot_path!r}: give a .png path.")
     if a.plot_path and importlib.util.find_spec("matplotlib") is None:
-        raise ValueError(f"--plot needs matplotlib, which is not installed: {PLOT_INSTALL}.")
+        raise ValueError(
+            f"--plot draws with matplotlib, and matplotlib is not installed: {PLOT_INSTALL}."
+        )
 
 
 def _add_references(hooks: list[str], sweep: bool, predict: bool, other_world: bool) -> list[str]:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from commhooks.config import CommHookType, HookConfig, register_from_config
 from commhooks.integrations.checkpoint import PerRankState
+from commhooks.state import StatelessState
 
 try:
     from lightning.pytorch.strategies import DDPStrategy
@@ -84,7 +85,8 @@ class CommHookDDPStrategy(DDPStrategy):
         super().configure_ddp()
         if self._lightning_hook is not None:
             hook, state, wrapper = self._lightning_hook
-            self.model.register_comm_hook(state, hook if wrapper is None else wrapper(hook))
+            model: Any = self.model  # the DistributedDataParallel model just built
+            model.register_comm_hook(state, hook if wrapper is None else wrapper(hook))
             self.hook_state = state
         else:
             self.hook_state = register_from_config(self.model, self.hook_config, self._hook_group)
@@ -100,6 +102,8 @@ class CommHookDDPStrategy(DDPStrategy):
 
     def _per_rank(self) -> PerRankState | None:
         state = self.hook_state
+        if isinstance(state, StatelessState):  # nothing to keep: checkpoints stay as they were
+            return None
         if not (hasattr(state, "state_dict") and hasattr(state, "load_state_dict")):
             return None
         return PerRankState(state, self._hook_group)
