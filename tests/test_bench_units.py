@@ -220,3 +220,47 @@ def test_failed_row_and_plain_text_fallbacks(monkeypatch, capsys, tmp_path):
     # Without matplotlib, --plot is refused before anything runs.
     note = _parse_error(capsys, ["--plot", str(tmp_path / "p.png")])
     assert "matplotlib is not installed" in note and not (tmp_path / "p.png").exists()
+
+
+# -- the prediction from loopback, by hand -------------------------------------------------------
+def _step(step_s, payload, world=2, calls=1):
+    collectives = costmodel.Collectives({"all_reduce": calls}, {"all_reduce": payload})
+    return costmodel.LoopbackStep(step_s, collectives, world)
+
+
+def test_prediction_from_loopback_by_hand():
+    allreduce, noop = _step(0.060, 1_000_000), _step(0.040, 0)
+    # k: 20 ms more than noop for the 1 MB each of two ranks sends -> 20 ns per byte
+    k = costmodel.backend_s_per_byte(allreduce, noop)
+    assert k == pytest.approx(2e-8)
+    bare = costmodel.Link(100e6, 0.0, wire_factor=1.0)
+    # Two ranks, as measured: the loopback step plus 8 Mbit at 100 Mbit/s = 80 ms.
+    assert costmodel.predicted_step_s(allreduce, 2, bare, k) == pytest.approx(0.060 + 0.080)
+    # Four ranks: each sends 2 * 3/4 * 1 MB = 1.5 MB; compute 60 - 20 = 40 ms, the backend's
+    # work 1.5 MB * 20 ns = 30 ms, the link 12 Mbit / 100 Mbit/s = 120 ms, latency 6 rounds.
+    link = costmodel.Link(100e6, 0.001, wire_factor=1.0)
+    expected = 0.040 + 0.030 + 0.120 + 6 * 0.001
+    assert costmodel.predicted_step_s(allreduce, 4, link, k) == pytest.approx(expected)
+    # The default wire factor adds the headers of full Ethernet frames.
+    headers = costmodel.predicted_step_s(allreduce, 2, costmodel.Link(100e6), k)
+    assert headers == pytest.approx(0.060 + 0.080 * 1514 / 1448)
+    # No allreduce excess (a noisy loopback run): no per-byte work, never negative.
+    assert costmodel.backend_s_per_byte(noop, allreduce) == 0.0
+
+
+def test_break_even_by_hand():
+    link = costmodel.Link(1.0, 0.0, wire_factor=1.0)
+    allreduce = _step(0.060, 1_000_000)
+    # fp16: 5 ms more compute, half the bits: 0.065 + 4e6 / B = 0.060 + 8e6 / B at 800 Mbit/s.
+    fp16 = _step(0.065, 500_000)
+    assert costmodel.break_even_bps(fp16, allreduce, 2, link, 0.0) == pytest.approx(8e8)
+    # The backend's per-byte work k is in the loopback steps already: at the world size
+    # measured it changes nothing.
+    assert costmodel.break_even_bps(fp16, allreduce, 2, link, 1e-8) == pytest.approx(8e8)
+    assert costmodel.break_even_bps(_step(0.050, 500_000), allreduce, 2, link, 0.0) is None
+    assert costmodel.break_even_bps(_step(0.070, 1_000_000), allreduce, 2, link, 0.0) == 0.0
+    assert costmodel.break_even_bps(_step(0.070, 2_000_000), allreduce, 2, link, 0.0) == 0.0
+    # At four ranks the allreduce sends 1.5 MB and fp16 0.75 MB: 6e6 bits apart -> 1.2 Gbit/s.
+    assert costmodel.break_even_bps(fp16, allreduce, 4, link, 0.0) == pytest.approx(1.2e9)
+    # With k = 10 ns/B: allreduce 50 + 15 ms, fp16 60 + 7.5 ms -> 6e6 / 2.5 ms = 2.4 Gbit/s.
+    assert costmodel.break_even_bps(fp16, allreduce, 4, link, 1e-8) == pytest.approx(2.4e9)

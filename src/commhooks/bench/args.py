@@ -253,9 +253,11 @@ def _hooks(a: argparse.Namespace) -> tuple[list[str], list[str]]:
             raise ValueError(f"--hooks is empty; valid hooks: {', '.join(valid)}.")
         unknown = [h for h in requested if h not in valid]
         if unknown:
-            hints = "".join(suggest(h, valid) for h in unknown)
+            named = [
+                h + (f" ({hint.strip()})" if (hint := suggest(h, valid)) else "") for h in unknown
+            ]
             raise ValueError(
-                f"unknown hook(s) {', '.join(unknown)}.{hints} valid hooks: {', '.join(valid)}."
+                f"unknown hook(s) {', '.join(named)}; valid hooks: {', '.join(valid)}."
             )
         hooks, skipped = list(requested), []
     if a.compare_torch:
