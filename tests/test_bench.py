@@ -1,6 +1,8 @@
 """``commhooks bench`` end to end on a tiny budget: the default command, the JSON schema, a
 PyTorch baseline that fails becoming a row, and the command-line entry points."""
 
+import contextlib
+import io
 import json
 import math
 import os
@@ -25,12 +27,20 @@ SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 
 
 
 @pytest.fixture(scope="module")
-def default_run(tmp_path_factory):
-    """The no-argument command with only a tiny budget added (every default hook that exists)."""
+def default_output(tmp_path_factory):
+    """The no-argument command with only a tiny budget added (every default hook that exists):
+    its JSON document and what it printed."""
     path = tmp_path_factory.mktemp("bench") / "out.json"
-    assert cli.main(["--steps", "5", "--warmup", "2", "--json", str(path)]) == 0
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert cli.main(["--steps", "5", "--warmup", "2", "--json", str(path)]) == 0
     with open(path) as f:
-        return json.load(f)
+        return json.load(f), printed.getvalue()
+
+
+@pytest.fixture(scope="module")
+def default_run(default_output):
+    return default_output[0]
 
 
 def test_default_command_runs_every_registered_default_hook(default_run, capsys):
@@ -74,6 +84,43 @@ def test_bytes_follow_the_hooks_compression(default_run):
     # allreduce keeps every rank's model identical; noop trains two separate models
     a, n = rows["allreduce"]["heldout_loss_per_rank"], rows["noop"]["heldout_loss_per_rank"]
     assert a[0] == pytest.approx(a[1], abs=1e-6) and n[0] != pytest.approx(n[1], abs=1e-6)
+
+
+def test_default_run_ends_with_the_answer(default_output):
+    document, printed = default_output
+    ladder = {str(b) for b in (10**8, 10**9, 10**10, 25 * 10**9)}
+    for row in document["results"]:
+        assert set(row["predicted"]) == ladder, row["hook"]
+        for at in row["predicted"].values():
+            assert at["step_ms"] > 0 and at["speedup_vs_allreduce"] > 0
+        assert "break_even_bps" in row and isinstance(row["noise"]["noisy"], bool)
+        reached = row["steps_to_allreduce_loss"]
+        assert (reached is None) == (row["time_to_allreduce_loss_s"] is None)
+    rows = {r["hook"]: r for r in document["results"]}
+    assert rows["allreduce"]["break_even_bps"] == 0  # never faster than itself
+    assert 1 <= rows["allreduce"]["steps_to_allreduce_loss"] <= 5
+    recommendations = document["answer"]["recommendations"]
+    assert [r["bandwidth"] for r in recommendations] == sorted(int(b) for b in ladder)
+    # The last screen: the tables and the answer, in 80 columns, ending with which hook to use.
+    screen = printed[printed.index("measured on loopback:") :].splitlines()
+    assert max(len(line) for line in screen) <= 80, max(screen, key=len)
+    assert "Which hook on which link" in printed
+    for recommendation in recommendations:
+        assert recommendation["text"] in printed
+
+
+def test_command_line_conventions(capsys):
+    from commhooks.__main__ import main
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == "commhooks 0.1.0"
+    assert main(["--help"]) == 0
+    assert "bench" in capsys.readouterr().out
+    assert main(["benhc"]) == 2
+    assert "valid commands: bench" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "--hooks", "powersgd"])
+    assert "powersgd (Did you mean 'power_sgd'?)" in capsys.readouterr().err
 
 
 def test_failing_torch_baseline_is_a_row_not_an_abort(tmp_path, capsys):

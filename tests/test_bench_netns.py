@@ -225,3 +225,25 @@ def test_sweep_over_rate_limited_links_counts_real_bytes(tmp_path):
     assert pred["bandwidth"] == 10**10 and pred["world_size"] == 8
     assert set(pred["hooks"]) == set(hooks)
     assert "commhooks-" not in _names()[0]
+
+
+@pytest.mark.timeout(150)
+def test_prediction_from_loopback_holds_on_a_100mbit_link(tmp_path):
+    """Each hook's mean step on the link within 15% of what its loopback run predicted."""
+    import json
+
+    from commhooks.bench import cli
+
+    path = tmp_path / "link.json"
+    argv = ["--hooks", "allreduce,fp16", "--task", "synthetic", "--params", "2M"]
+    argv += ["--bandwidth", "100mbit", "--steps", "10", "--warmup", "3", "--json", str(path)]
+    assert cli.main(argv) == 0
+    rows = json.loads(path.read_text())["results"]
+    checked = [r for r in rows if r["bandwidth"] == 10**8]
+    assert {r["hook"] for r in checked} == {"allreduce", "fp16"}
+    for row in checked:
+        assert row["ok"], row["error"]
+        prediction = row["prediction"]
+        assert prediction["from"] == "loopback"
+        assert abs(prediction["error"]) <= 0.15, (row["hook"], prediction)
+    assert all(r["prediction"] is None for r in rows if r["bandwidth"] is None)
