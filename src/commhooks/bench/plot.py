@@ -20,6 +20,8 @@ __all__ = ["write_plot"]
 
 _STYLES = ("-", "--", "-.", ":")
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+_COARSE_TICKS = (0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100)
+_FINE_TICKS = (0.1, 0.2, 0.3, 0.5, 0.7, 1, 1.5, 2, 3, 4, 5, 7, 10, 15, 20, 30, 50, 70, 100)
 
 
 def _drawn(rows: list[Row]) -> list[Row]:
@@ -32,9 +34,9 @@ def _drawn(rows: list[Row]) -> list[Row]:
 
 
 def _rates(ladder: list[int]) -> list[float]:
-    """Rates from a tenth of the ladder's lowest to four times its highest, evenly in log,
-    and the ladder's own."""
-    low, high = math.log10(min(ladder) / 10), math.log10(max(ladder) * 4)
+    """Rates from a quarter of the ladder's lowest to twice its highest, evenly in log, and
+    the ladder's own."""
+    low, high = math.log10(min(ladder) / 4), math.log10(max(ladder) * 2)
     return sorted({10 ** (low + (high - low) * i / 80) for i in range(81)} | set(ladder))
 
 
@@ -68,8 +70,14 @@ def _speedup_panel(
         ax.axvline(rate, color="0.8", linewidth=0.8, zorder=0)
     ax.set_xscale("log")
     ax.set_yscale("log")
+    ax.set_xlim(rates[0], rates[-1])
     ax.set_xticks(answer["links"], [format_rate(b) for b in answer["links"]])
-    ax.yaxis.set_major_formatter(_times_formatter())
+    ax.minorticks_off()
+    low, high = ax.get_ylim()
+    ticks = [t for t in _COARSE_TICKS if low <= t <= high]
+    if len(ticks) < 4:  # a narrow range: finer steps
+        ticks = [t for t in _FINE_TICKS if low <= t <= high]
+    ax.set_yticks(ticks, [f"{t:g}x" for t in ticks])
     ax.set_xlabel("link rate (each rank's link, both directions)")
     ax.set_ylabel("speedup over allreduce (above 1: pays)")
     ax.set_title(f"predicted step speedup, {world} ranks", fontsize=11)
@@ -87,26 +95,39 @@ def _hollow(style: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _times_formatter() -> Any:
-    from matplotlib.ticker import FuncFormatter
-
-    return FuncFormatter(lambda y, _pos: f"{y:g}x")
-
-
 def _loss_panel(ax: Any, rows: list[Row], styles: dict[str, Any]) -> None:
+    """Each hook's held-out loss as a point on its own line (a bar from zero would hide the
+    differences that matter), with allreduce's as a dashed reference."""
     drawn = [r for r in _drawn(rows) if r.heldout_loss is not None]
-    names = [r.hook for r in drawn]
-    losses = [float(r.heldout_loss or 0.0) for r in drawn]
-    bars = ax.barh(names, losses, color=[styles[n]["color"] for n in names], edgecolor="black")
-    for bar, loss in zip(bars, losses):
-        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {loss:.3f}", va="center")
+    for y, row in enumerate(drawn):
+        loss = float(row.heldout_loss or 0.0)
+        style = styles[row.hook]
+        ax.plot(
+            [loss],
+            [y],
+            linestyle="none",
+            marker=style["marker"],
+            markersize=9,
+            color=style["color"],
+            markeredgecolor="black",
+        )
+        ax.annotate(
+            f"{loss:.3f}",
+            (loss, y),
+            xytext=(8, 0),
+            textcoords="offset points",
+            va="center",
+            fontsize=9,
+        )
     reference = next((r.heldout_loss for r in drawn if r.hook == "allreduce"), None)
     if reference is not None:
         ax.axvline(reference, color="black", linestyle="--", linewidth=1)
-    low, high = min(losses), max(losses)
-    ax.set_xlim(low - 0.6 * (high - low or 0.1), high + 0.35 * (high - low or 0.1))
-    ax.invert_yaxis()
-    ax.set_yticks(range(len(names)), [""] * len(names))
+    losses = [float(r.heldout_loss or 0.0) for r in drawn]
+    margin = (max(losses) - min(losses)) or 0.05
+    ax.set_xlim(min(losses) - 0.3 * margin, max(losses) + 0.6 * margin)
+    ax.set_ylim(len(drawn) - 0.5, -0.5)
+    ax.set_yticks(range(len(drawn)), [r.hook for r in drawn])
+    ax.grid(True, axis="x", color="0.9")
     ax.set_xlabel("held-out loss after the run (lower is better)")
     ax.set_title("accuracy (dashed: allreduce)", fontsize=11)
 
