@@ -98,12 +98,19 @@ def run_on_ranks(
     with tempfile.TemporaryDirectory(prefix="commhooks-ranks-") as tmp:
         results: Any = ctx.Queue()
         logs = [os.path.join(tmp, f"rank{r}.log") for r in range(world_size)]
-        setup = _Setup(os.path.join(tmp, "store"), backend, pg_timeout, dict(env or {}), prepare)
+        setup = _Setup(
+            os.path.join(tmp, "store"),
+            backend,
+            pg_timeout,
+            dict(env or {}),
+            prepare,
+            fn,
+            args,
+            kwargs,
+        )
         procs = [
             ctx.Process(
-                target=_rank_main,
-                args=(rank, world_size, setup, fn, args, kwargs, results, logs[rank]),
-                daemon=True,
+                target=_rank_main, args=(rank, world_size, setup, results, logs[rank]), daemon=True
             )
             for rank in range(world_size)
         ]
@@ -120,13 +127,16 @@ def run_on_ranks(
 
 @dataclass(frozen=True)
 class _Setup:
-    """What every rank needs before ``fn``: where to meet, how, and what to do first."""
+    """What every rank is to do: where to meet and how, what to do first, what to call."""
 
     store: str
     backend: str
     pg_timeout: float
     env: dict[str, str]
     prepare: Callable[[int], None] | None
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
 
 
 def _collect(
@@ -195,16 +205,7 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__} (raised in {last.name}, {where})"
 
 
-def _rank_main(
-    rank: int,
-    world_size: int,
-    setup: _Setup,
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    results: Any,
-    log: str,
-) -> None:
+def _rank_main(rank: int, world_size: int, setup: _Setup, results: Any, log: str) -> None:
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -219,29 +220,25 @@ def _rank_main(
     )
     os.environ.update(setup.env)
     try:
-        result = _run(rank, world_size, setup, fn, args, kwargs)
+        result = _run(rank, world_size, setup)
     except BaseException as exc:
-        results.put(("error", rank, describe(exc), traceback.format_exc()))
-        results.close()
-        results.join_thread()
+        _send(results, ("error", rank, describe(exc), traceback.format_exc()))
         os._exit(1)  # skip teardown: the other ranks may be stuck in a collective
-    results.put(("ok", rank, "", result))
-    results.close()
-    results.join_thread()
+    _send(results, ("ok", rank, "", result))
     import torch.distributed as dist
 
     dist.destroy_process_group()
 
 
-def _run(
-    rank: int,
-    world_size: int,
-    setup: _Setup,
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> bytes:
-    """Prepare, join the process group, call ``fn``; its result, serialised."""
+def _send(results: Any, message: tuple[str, int, str, Any]) -> None:
+    """Put ``message`` and wait until it has left this process."""
+    results.put(message)
+    results.close()
+    results.join_thread()
+
+
+def _run(rank: int, world_size: int, setup: _Setup) -> bytes:
+    """Prepare, join the process group, call the function; its result, serialised."""
     if setup.prepare is not None:
         setup.prepare(rank)
     import torch
@@ -256,5 +253,5 @@ def _run(
         timeout=datetime.timedelta(seconds=setup.pg_timeout),
     )
     buf = io.BytesIO()
-    torch.save(fn(rank, world_size, *args, **kwargs), buf)
+    torch.save(setup.fn(rank, world_size, *setup.args, **setup.kwargs), buf)
     return buf.getvalue()
