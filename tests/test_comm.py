@@ -152,3 +152,35 @@ def test_allreduce_sums_like_dist_all_reduce_on_any_world_size():
             assert calls["all_reduce"] == 10
             large = (comm._EXCHANGE_BYTES // 4 + 1) * 4
             assert sent["all_reduce"] == 2 * (40 * 3 * 4 + 17 * 2 + 35 * 4 + large)
+
+
+def _observed(rank, world_size):
+    group, t = dist.group.WORLD, torch.ones(10)  # 40 bytes
+    plain = dist.all_reduce
+    with comm.observe_collectives() as ours:
+        comm.allreduce(t.clone(), group).wait()
+        dist.all_reduce(t.clone())  # not through comm: seen only with torch_calls
+        with comm.observe_collectives(torch_calls=True) as everything:
+            wrapped = dist.all_reduce is not plain
+            comm.allreduce(t.clone(), group).wait()  # an exchange inside: counted once
+            dist.all_gather_into_tensor(torch.empty(20), t)  # what this rank hands over
+            # follow-ups are issued from the backend's threads: counted there too
+            thread = threading.Thread(target=lambda: comm.allreduce(t.clone(), group).wait())
+            thread.start()
+            thread.join()
+    return {
+        "ours": (ours.calls, ours.bytes),
+        "everything": (everything.calls, everything.bytes),
+        "wrapped": wrapped,
+        "restored": dist.all_reduce is plain,
+    }
+
+
+def test_observers_count_what_each_collective_hands_over():
+    for out in run_on_ranks(_observed, 2):
+        assert out["ours"] == ({"all_reduce": 3}, {"all_reduce": 120})
+        assert out["everything"] == (
+            {"all_reduce": 2, "all_gather_into_tensor": 1},
+            {"all_reduce": 80, "all_gather_into_tensor": 40},
+        )
+        assert out["wrapped"] and out["restored"]

@@ -213,7 +213,8 @@ class CollectiveCounter:
     is a cost model's business (``commhooks.bench.costmodel``).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, torch_calls: bool = False) -> None:
+        self.torch_calls = torch_calls  # also counts calls made straight to torch.distributed
         self.calls: dict[str, int] = {}
         self.bytes: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -263,7 +264,7 @@ def observe_collectives(*, torch_calls: bool = False) -> Iterator[CollectiveCoun
     Yields:
         the counter, complete once the block is left.
     """
-    counter = CollectiveCounter()
+    counter = CollectiveCounter(torch_calls)
     with _observers_lock:
         _counters.append(counter)
         if torch_calls:
@@ -301,21 +302,23 @@ def _counting(
     def counted(*args: Any, **kwargs: Any) -> Any:
         if not getattr(_local, "issuing", False):
             given = args[position] if len(args) > position else kwargs.get(keyword)
-            _observed(name, given)
+            _observed(name, given, direct=True)
         return original(*args, **kwargs)
 
     counted.__wrapped__ = original  # type: ignore[attr-defined]
     return counted
 
 
-def _observed(kind: str, handed: Any) -> None:
-    """Report a collective of ``kind`` handing over ``handed`` (a tensor or a list of them)."""
+def _observed(kind: str, handed: Any, direct: bool = False) -> None:
+    """Report a collective of ``kind`` handing over ``handed`` (a tensor or a list of them);
+    ``direct``: called straight on torch.distributed, for the observers that asked for those."""
     if not _counters:
         return
     tensors = handed if isinstance(handed, (list, tuple)) else [handed]
     nbytes = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
     for counter in list(_counters):
-        counter.record(kind, nbytes)
+        if counter.torch_calls or not direct:
+            counter.record(kind, nbytes)
 
 
 # Up to this size, two gloo ranks sum a tensor faster by exchanging it whole (one all-gather and
