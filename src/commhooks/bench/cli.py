@@ -8,6 +8,7 @@ import datetime
 import os
 import platform
 import sys
+import textwrap
 import time
 from contextlib import ExitStack
 from typing import Any
@@ -239,9 +240,10 @@ def _print_sweep(comparisons: dict[str, Any]) -> None:
         )
         be = info["break_even_bandwidth"]
         be_text = f"break-even {format_rate(be)}; " if be else ""
-        print(
-            f"measured {hook}: " + "; ".join(x for x in (measured, be_text + info["verdict"]) if x)
+        line = f"measured {hook}: " + "; ".join(
+            x for x in (measured, be_text + info["verdict"]) if x
         )
+        print("\n".join(textwrap.wrap(line, report.WIDTH, subsequent_indent="  ")))
 
 
 def _document(

@@ -165,6 +165,9 @@ def _recommend(model: Model, loopback: dict[str, Row], bps: int, plan: Plan) -> 
     """The hook predicted to reach ``allreduce``'s final loss soonest on a ``bps`` link."""
     world, rate = plan.predict_world, format_rate(bps)
     out: dict[str, Any] = {"bandwidth": bps, "hook": None}
+    if "allreduce" not in loopback:
+        out["text"] = f"{rate}: no answer: add allreduce to --hooks, every hook is compared with it"
+        return out
     if "allreduce" not in model.measured or loopback["allreduce"].steps_to_allreduce_loss is None:
         out["text"] = f"{rate}: no answer: every hook is compared with allreduce, which failed"
         return out
