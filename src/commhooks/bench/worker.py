@@ -19,8 +19,7 @@ hangs takes down only its own ranks. Figures recorded (see :class:`RankResult`):
 import os
 import resource
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,15 +84,22 @@ def _build(spec: RunSpec, rank: int) -> _Training:
     return _Training(spec, rank, task, ddp, optimizer, after_step)
 
 
-@contextmanager
-def _link_counted(host_end: str | None, into: dict[str, Any]) -> Iterator[None]:
-    """Put into ``into["wire"]`` the link's counters over the block (``None`` on loopback)."""
-    before = link_counters(host_end)
-    yield
-    after = link_counters(host_end)
-    into["wire"] = None
-    if before is not None and after is not None:
-        into["wire"] = {k: after[k] - before[k] for k in after}
+class _LinkTraffic:
+    """The counters of the rank's link over a block: ``delta``, ``None`` on loopback."""
+
+    def __init__(self, host_end: str | None) -> None:
+        self.host_end = host_end
+        self.delta: dict[str, int] | None = None
+        self._before: dict[str, int] | None = None
+
+    def __enter__(self) -> "_LinkTraffic":
+        self._before = link_counters(self.host_end)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        after = link_counters(self.host_end)
+        if self._before is not None and after is not None:
+            self.delta = {k: after[k] - self._before[k] for k in after}
 
 
 def train_rank(rank: int, world_size: int, spec: RunSpec) -> RankResult:
@@ -106,11 +112,10 @@ def train_rank(rank: int, world_size: int, spec: RunSpec) -> RankResult:
         run.step(step, timed=False)
     dist.barrier()
     host_end = spec.host_ends[rank] if spec.host_ends else None
-    measured: dict[str, Any] = {}
     torch_calls = hookset.calls_torch_directly(spec.hook)
     with (
         comm.observe_collectives(torch_calls=torch_calls) as sent,
-        _link_counted(host_end, measured),
+        _LinkTraffic(host_end) as link,
     ):
         for step in range(spec.warmup, spec.steps):
             run.step(step, timed=True)
@@ -126,7 +131,7 @@ def train_rank(rank: int, world_size: int, spec: RunSpec) -> RankResult:
         peak_memory_bytes=max(0, _peak_rss_bytes() - rss_before),
         payload_calls=dict(sent.calls),
         payload_bytes=dict(sent.bytes),
-        wire=measured["wire"],
+        wire=link.delta,
         gradient_bytes=sum(p.numel() * p.element_size() for p in run.task.model.parameters()),
         task=run.task.describe,
         phases=phases,
