@@ -182,7 +182,8 @@ def _recommend(model: Model, loopback: dict[str, Row], bps: int, plan: Plan) -> 
         out.update(hook="allreduce", time_to_loss_vs_allreduce=1.0, speedup_vs_allreduce=1.0)
         out["text"] = f"{rate}: allreduce; no hook reaches its loss 5% sooner"
         return out
-    speedup = model.speedup(best, bps, world)
+    speedup = model.speedup(best, bps, world) or 1.0
     out.update(hook=best, time_to_loss_vs_allreduce=ratio, speedup_vs_allreduce=speedup)
-    out["text"] = f"{rate}: {best}, {ratio:.2f}x allreduce's time, steps {speedup:.2f}x faster"
+    pace = f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower"
+    out["text"] = f"{rate}: {best}, {ratio:.2f}x allreduce's time, steps {pace}"
     return out
