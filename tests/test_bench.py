@@ -33,7 +33,8 @@ def default_output(tmp_path_factory):
     path = tmp_path_factory.mktemp("bench") / "out.json"
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        assert cli.main(["--steps", "5", "--warmup", "2", "--json", str(path)]) == 0
+        argv = ["--steps", "5", "--warmup", "2", "--reach-steps", "5", "--json", str(path)]
+        assert cli.main(argv) == 0
     with open(path) as f:
         return json.load(f), printed.getvalue()
 
@@ -138,6 +139,7 @@ def test_failing_torch_baseline_is_a_row_not_an_abort(tmp_path, capsys):
 def test_repeated_rounds_in_lockstep_pool_every_timed_step(tmp_path, capsys):
     path = tmp_path / "r.json"
     argv = ["--hooks", "noop,power_sgd_single_round", "--steps", "4", "--warmup", "1"]
+    argv += ["--reach-steps", "4"]
     assert cli.main([*argv, "--repeat", "2", "--lockstep", "--json", str(path)]) == 0
     doc = json.loads(path.read_text())
     assert doc["settings"]["repeat"] == 2 and doc["settings"]["lockstep"] is True
@@ -173,7 +175,8 @@ def test_bandwidth_without_root_says_so(monkeypatch):
 def test_floors_send_what_single_round_powersgd_sends(tmp_path):
     path = tmp_path / "f.json"
     hooks = "noop,floor_sync,floor_wire,floor_memory,power_sgd_single_round"
-    argv = ["--hooks", hooks, "--steps", "7", "--warmup", "4", "--json", str(path)]
+    argv = ["--hooks", hooks, "--steps", "7", "--warmup", "4", "--reach-steps", "7"]
+    argv += ["--json", str(path)]
     assert cli.main(argv) == 0
     rows = {r["hook"]: r for r in json.loads(path.read_text())["results"]}
     assert all(r["ok"] for r in rows.values()), [r.get("error") for r in rows.values()]
@@ -187,3 +190,15 @@ def test_floors_send_what_single_round_powersgd_sends(tmp_path):
         assert rows[name]["heldout_loss_per_rank"] == rows["noop"]["heldout_loss_per_rank"]
     # The last one overwrites it with its fixed low-rank product.
     assert rows["floor_memory"]["heldout_loss_per_rank"] != rows["noop"]["heldout_loss_per_rank"]
+
+
+def test_longer_runs_compare_held_out_loss_after_the_same_steps(tmp_path):
+    path = tmp_path / "reach.json"
+    argv = ["--hooks", "allreduce,no", "--steps", "4", "--warmup", "1", "--reach-steps", "6"]
+    assert cli.main([*argv, "--json", str(path)]) == 0
+    rows = {r["hook"]: r for r in json.loads(path.read_text())["results"]}
+    # DDP's own allreduce trains bit for bit as the allreduce hook, two steps longer; the
+    # held-out loss is taken after step 4 in both.
+    assert len(rows["allreduce"]["losses"]) == 4 and len(rows["no"]["losses"]) == 6
+    assert rows["no"]["heldout_loss_per_rank"] == rows["allreduce"]["heldout_loss_per_rank"]
+    assert rows["no"]["steps_to_allreduce_loss"] <= 4

@@ -170,6 +170,7 @@ def test_records_round_trip_through_json():
         seed=0,
         steps=10,
         warmup=2,
+        heldout_at=10,
         lr=1e-3,
         bucket_cap_mb=25.0,
         host_ends=["a", "b"],
@@ -210,3 +211,9 @@ def test_predictions_are_noted_only_when_asked_for():
 
 def _plan_notes(*argv):
     return args.parse(list(argv)).notes
+
+
+def test_hooks_other_than_the_references_train_longer():
+    assert args.parse([]).reach_steps == 100 and args.parse(["--steps", "10"]).reach_steps == 25
+    with pytest.raises(SystemExit):
+        args.parse(["--steps", "10", "--reach-steps", "9"])

@@ -236,7 +236,8 @@ def test_prediction_from_loopback_holds_on_a_100mbit_link(tmp_path):
 
     path = tmp_path / "link.json"
     argv = ["--hooks", "allreduce,fp16", "--task", "synthetic", "--params", "2M"]
-    argv += ["--bandwidth", "100mbit", "--steps", "10", "--warmup", "3", "--json", str(path)]
+    argv += ["--bandwidth", "100mbit", "--steps", "10", "--warmup", "3", "--reach-steps", "10"]
+    argv += ["--json", str(path)]
     assert cli.main(argv) == 0
     rows = json.loads(path.read_text())["results"]
     checked = [r for r in rows if r["bandwidth"] == 10**8]

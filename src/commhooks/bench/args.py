@@ -13,6 +13,9 @@ from commhooks.options import suggest
 __all__ = ["DEFAULT_LADDER", "Plan", "build_parser", "parse"]
 
 MAX_LOCAL_RANKS = 16
+# A hook that loses a little per step (PowerSGD) reaches allreduce's final loss some steps
+# later; within this many times allreduce's steps, the time it takes is worth knowing.
+REACH_FACTOR = 2.5
 DEFAULT_LADDER = "100mbit,1gbit,10gbit,25gbit"
 PLOT_INSTALL = "pip install matplotlib (or pip install -e '.[bench]')"
 
@@ -38,6 +41,7 @@ class Plan:
     ranks: int
     steps: int
     warmup: int
+    reach_steps: int
     task: str
     params: int
     lr: float
@@ -154,7 +158,20 @@ def _prediction_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _budget_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--steps", type=int, default=40, help="training steps per hook (default 40)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=40,
+        help="training steps of allreduce, the reference, and of the measuring hooks; every "
+        "hook's held-out loss is taken after this many (default 40)",
+    )
+    p.add_argument(
+        "--reach-steps",
+        type=int,
+        default=None,
+        help="steps the other hooks may take to reach allreduce's final training loss, the "
+        f"time to accuracy (default {REACH_FACTOR:g} x --steps)",
+    )
     p.add_argument(
         "--warmup",
         type=int,
@@ -217,6 +234,7 @@ def _plan(a: argparse.Namespace) -> Plan:
         ranks=ranks,
         steps=steps,
         warmup=warmup,
+        reach_steps=_reach_steps(a, steps),
         task=a.task,
         params=parse_params(a.params),
         lr=_lr(a),
@@ -340,6 +358,16 @@ def _budget(a: argparse.Namespace) -> tuple[int, int]:
     if not 1 <= a.repeat <= 100:
         raise ValueError("--repeat must be between 1 and 100.")
     return a.steps, warmup
+
+
+def _reach_steps(a: argparse.Namespace, steps: int) -> int:
+    reach: int = round(REACH_FACTOR * steps) if a.reach_steps is None else a.reach_steps
+    if reach < steps:
+        raise ValueError(
+            f"--reach-steps {reach} is below --steps {steps}: the hooks compared with "
+            "allreduce train at least as long as it does."
+        )
+    return reach
 
 
 def _lr(a: argparse.Namespace) -> float:

@@ -55,7 +55,7 @@ def run(plan: Plan, argv: list[str]) -> dict[str, Any]:
     rows = _rows(plan, _measure(plan))
     comparisons = summary.analyse(rows, plan.sweep)
     answer = predict.predict(rows, plan)
-    report.print_report(rows, answer, _title(plan), plan.wide, plan.steps)
+    report.print_report(rows, answer, _title(plan), plan.wide, plan.reach_steps)
     _print_sweep(comparisons)
     document = _document(plan, argv, rows, comparisons, answer, time.time() - started)
     _write_outputs(plan, document, rows, answer)
@@ -160,6 +160,12 @@ def _bucket_cap_mb(plan: Plan, hook: str) -> float:
     return hookset.SINGLE_BUCKET_MB if single else plan.bucket_cap_mb
 
 
+def _steps(plan: Plan, hook: str) -> int:
+    """allreduce's steps for the references, more for the hooks that may reach its loss later."""
+    reaching = hookset.recommendable(hook) and hook != "allreduce"
+    return plan.reach_steps if reaching else plan.steps
+
+
 def _spec(plan: Plan, hook: str, net: Network | None) -> RunSpec:
     return RunSpec(
         hook=hook,
@@ -167,8 +173,9 @@ def _spec(plan: Plan, hook: str, net: Network | None) -> RunSpec:
         task=plan.task,
         params=plan.params,
         seed=plan.seed,
-        steps=plan.steps,
+        steps=_steps(plan, hook),
         warmup=plan.warmup,
+        heldout_at=plan.steps,
         lr=plan.lr,
         bucket_cap_mb=_bucket_cap_mb(plan, hook),
         lockstep=plan.lockstep,
@@ -221,7 +228,11 @@ def _setting_notes(plan: Plan) -> list[str]:
             f"local steps (post_local_gradient_allreduce={ls['post_local_gradient_allreduce']}) "
             f"with parameters averaged every {hookset.AVERAGER_PERIOD} steps"
         )
-    lines.append(f"{plan.steps} steps per hook, the first {plan.warmup} not timed")
+    lines.append(
+        f"{plan.steps} steps for allreduce and the measuring hooks, {plan.reach_steps} for the "
+        f"others (to see when they reach allreduce's loss); the first {plan.warmup} not timed; "
+        f"held-out loss after {plan.steps}"
+    )
     if plan.repeat > 1:
         lines.append(f"{plan.repeat} rounds of every hook in turn, each hook's timed steps pooled")
     if plan.lockstep:
@@ -287,6 +298,7 @@ def _settings(plan: Plan) -> dict[str, Any]:
         "skipped_hooks": plan.skipped,
         "notes": plan.notes,
         "steps": plan.steps,
+        "reach_steps": plan.reach_steps,
         "warmup_steps": plan.warmup,
         "repeat": plan.repeat,
         "lockstep": plan.lockstep,

@@ -20,6 +20,7 @@ __all__ = [
     "attach",
     "available_hooks",
     "calls_torch_directly",
+    "recommendable",
     "torch_counterparts",
 ]
 
@@ -99,6 +100,15 @@ def calls_torch_directly(name: str) -> bool:
     """Whether hook ``name`` issues collectives through ``torch.distributed`` itself (PyTorch's
     hooks), rather than through ``commhooks.comm``, where they are counted anyway."""
     return name.startswith("torch_")
+
+
+def recommendable(name: str) -> bool:
+    """Whether hook ``name`` is one to train with: not a measuring instrument, not a baseline.
+
+    These are the hooks the bench recommends from, and the ones that train past ``--steps``,
+    up to ``--reach-steps``, to show when they reach ``allreduce``'s loss.
+    """
+    return name not in MEASURING_HOOKS and not calls_torch_directly(name)
 
 
 def torch_counterparts(names: Iterable[str]) -> list[str]:

@@ -153,12 +153,8 @@ def _at_link(model: Model, bps: int, plan: Plan) -> dict[str, Any]:
 
 
 def _candidates(model: Model) -> list[str]:
-    """Hooks a user could train with: not a measuring instrument, not PyTorch's baseline."""
-    return [
-        h
-        for h in model.measured
-        if h not in hookset.MEASURING_HOOKS and not hookset.calls_torch_directly(h)
-    ]
+    """The hooks measured that a user could train with."""
+    return [h for h in model.measured if hookset.recommendable(h)]
 
 
 def _recommend(model: Model, loopback: dict[str, Row], bps: int, plan: Plan) -> dict[str, Any]:

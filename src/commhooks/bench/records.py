@@ -49,6 +49,8 @@ class RunSpec(Record):
         options: the options its state is built with.
         task, params, seed: what is trained (see ``bench.tasks``).
         steps, warmup: steps run, and how many of the first are left out of the timing.
+        heldout_at: the held-out loss is taken after this many steps (the same for every
+            hook, whatever its ``steps``), so that it compares hooks at equal training.
         lr: AdamW's learning rate.
         bucket_cap_mb: DDP's bucket size.
         lockstep: start every step on all ranks together (an untimed barrier).
@@ -63,6 +65,7 @@ class RunSpec(Record):
     seed: int
     steps: int
     warmup: int
+    heldout_at: int
     lr: float
     bucket_cap_mb: float
     lockstep: bool = False
@@ -79,7 +82,7 @@ class RankResult(Record):
             hook's communication, optimizer step, model averaging).
         losses: per step, ``[step, training loss, seconds from the first step's start to this
             step's end]``.
-        heldout_loss: the held-out loss of this rank's model after the last step.
+        heldout_loss: the held-out loss of this rank's model after ``heldout_at`` steps.
         peak_memory_bytes: peak resident set minus the resident set before the task was built.
         payload_calls, payload_bytes: per collective kind, over the timed steps: calls, and
             bytes handed over (``commhooks.comm.observe_collectives``).

@@ -87,10 +87,11 @@ def _add_time_to_loss(row: Row, reference: Row | None) -> None:
     ``LOSS_WINDOW`` steps, first reaches ``allreduce``'s final one (the same average)."""
     if reference is None or not reference.ok or not reference.losses:
         return
-    target = smoothed([x[1] for x in reference.losses])[-1]
+    window = min(LOSS_WINDOW, len(reference.losses))  # the same average on both sides
+    target = smoothed([x[1] for x in reference.losses], window)[-1]
     if target is None:
         return
-    at = first_reaching(smoothed([x[1] for x in row.losses]), target)
+    at = first_reaching(smoothed([x[1] for x in row.losses], window), target)
     if at is not None:
         row.steps_to_allreduce_loss = at + 1
         row.time_to_allreduce_loss_s = row.losses[at][2]

@@ -57,10 +57,12 @@ class _Training:
     after_step: Callable[[], Any]
     step_s: list[float] = field(default_factory=list)
     losses: list[list[float]] = field(default_factory=list)
+    heldout_loss: float = float("nan")
     started: float = field(default_factory=time.perf_counter)
 
     def step(self, step: int, timed: bool) -> None:
-        """One optimizer step on this step's batch; recorded, and timed if ``timed``."""
+        """One optimizer step on this step's batch; recorded, and timed if ``timed``. After
+        step ``heldout_at`` (counted from 1), the held-out loss, outside any timing."""
         batch = self.task.train_batch(self.rank, step)
         if self.spec.lockstep:
             dist.barrier()  # untimed: every rank starts the step together
@@ -74,6 +76,8 @@ class _Training:
         if timed:
             self.step_s.append(end - start)
         self.losses.append([step, float(loss.detach()), end - self.started])
+        if step + 1 == self.spec.heldout_at:
+            self.heldout_loss = self.task.heldout_loss(self.task.model)
 
 
 def _build(spec: RunSpec, rank: int) -> _Training:
@@ -121,13 +125,11 @@ def train_rank(rank: int, world_size: int, spec: RunSpec) -> RankResult:
             run.step(step, timed=True)
         dist.barrier()  # the last bytes have arrived before the counters are read
     phases["trained"] = time.time()
-    heldout = run.task.heldout_loss(run.task.model)
-    phases["evaluated"] = time.time()
     return RankResult(
         rank=rank,
         step_s=run.step_s,
         losses=run.losses,
-        heldout_loss=heldout,
+        heldout_loss=run.heldout_loss,
         peak_memory_bytes=max(0, _peak_rss_bytes() - rss_before),
         payload_calls=dict(sent.calls),
         payload_bytes=dict(sent.bytes),
