@@ -217,3 +217,18 @@ def test_hooks_other_than_the_references_train_longer():
     assert args.parse([]).reach_steps == 100 and args.parse(["--steps", "10"]).reach_steps == 25
     with pytest.raises(SystemExit):
         args.parse(["--steps", "10", "--reach-steps", "9"])
+
+
+def test_plot_draws_the_prediction_and_the_measured_links(tmp_path):
+    pytest.importorskip("matplotlib")
+    from commhooks.bench.plot import write_plot
+
+    rows = _loopback_rows()
+    rows += [
+        _row("allreduce", 150.0, MB, _falling(3.0, 0.1), bandwidth=10**8),
+        _row("fp16", 110.0, MB // 2, _falling(3.0, 0.1), bandwidth=10**8),
+    ]
+    answer = _answer(rows, _plan("--bandwidth", "100mbit"))
+    path = tmp_path / "bench.png"
+    write_plot(str(path), rows, answer, "title")
+    assert path.read_bytes()[:4] == b"\x89PNG" and path.stat().st_size > 20_000

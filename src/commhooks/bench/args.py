@@ -32,6 +32,8 @@ class Plan:
         predict_bps: the rate given with ``--link``/``--predict``, if any.
         predict_world: the world size predictions are for (``--world-size``).
         ranks: the local ranks started for every hook.
+        steps, reach_steps: the steps of allreduce and the measuring hooks, and of the others
+            (which may take longer to reach allreduce's loss).
     """
 
     hooks: list[str]
