@@ -96,10 +96,12 @@ class _Progress:
         self.task = self.bar.add_task("starting rank processes", total=total)
 
     def starting(self, what: str) -> None:
+        """Show what runs now."""
         if self.bar is not None:
             self.bar.update(self.task, description=what)
 
     def finished(self, line: str) -> None:
+        """Count a run done and print its line."""
         self.done += 1
         if self.bar is None:
             print(f"[{self.done}/{self.total}] {line}", flush=True)
