@@ -142,9 +142,10 @@ def test_noise_is_flagged_with_what_to_do():
         "reasons": [],
         "suggestion": None,
     }
-    lines = report.results_lines([quiet, busy, floor], "title", wide=False)
-    assert any(line.startswith("noisy fp16 @ loopback") for line in lines)
-    assert any("--repeat 3" in line for line in lines)
+    compact = "\n".join(report.results_lines([quiet, busy, floor], "title", wide=False))
+    assert "noisy: 2 of 3 rows" in compact and "--repeat 3" in compact
+    wide = report.results_lines([quiet, busy, floor], "title", wide=True)
+    assert any(line.startswith("noisy fp16 @ loopback: step times spread") for line in wide)
 
 
 def test_report_fits_80_columns_and_wide_shows_every_column():

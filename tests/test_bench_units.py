@@ -214,7 +214,7 @@ def test_failed_row_and_plain_text_fallbacks(monkeypatch, capsys, tmp_path):
     assert bad.ok is False and bad.step_ms_median is None and bad.error
     for name in ("rich", "rich.console", "rich.table", "matplotlib", "matplotlib.pyplot"):
         monkeypatch.setitem(__import__("sys").modules, name, None)
-    report.print_report([ok, bad], {}, "title", wide=False, steps=3)
+    report.print_report([ok, bad], {}, {}, "title", wide=False, reach_steps=3)
     out = capsys.readouterr().out
     assert "allreduce" in out and "FAILED torch_bf16 @ loopback: TypeError: no" in out
     # Without matplotlib, --plot is refused before anything runs.

@@ -8,7 +8,6 @@ import datetime
 import os
 import platform
 import sys
-import textwrap
 import time
 from contextlib import ExitStack
 from typing import Any
@@ -55,8 +54,9 @@ def run(plan: Plan, argv: list[str]) -> dict[str, Any]:
     rows = _rows(plan, _measure(plan))
     comparisons = summary.analyse(rows, plan.sweep)
     answer = predict.predict(rows, plan)
-    report.print_report(rows, answer, _title(plan), plan.wide, plan.reach_steps)
-    _print_sweep(comparisons)
+    report.print_report(
+        rows, comparisons, answer, _title(plan), wide=plan.wide, reach_steps=plan.reach_steps
+    )
     document = _document(plan, argv, rows, comparisons, answer, time.time() - started)
     _write_outputs(plan, document, rows, answer)
     print(f"total time: {time.time() - started:.0f}s")
@@ -242,21 +242,6 @@ def _setting_notes(plan: Plan) -> list[str]:
     if not plan.offload:
         lines.append("no segmentation offload: every packet is cut and reassembled in software")
     return lines
-
-
-def _print_sweep(comparisons: dict[str, Any]) -> None:
-    for hook, info in comparisons.get("sweep", {}).items():
-        measured = ", ".join(
-            f"{format_rate(int(bw))}: {s:.2f}x"
-            for bw, s in info["speedup_vs_allreduce"].items()
-            if s is not None
-        )
-        be = info["break_even_bandwidth"]
-        be_text = f"break-even {format_rate(be)}; " if be else ""
-        line = f"measured {hook}: " + "; ".join(
-            x for x in (measured, be_text + info["verdict"]) if x
-        )
-        print("\n".join(textwrap.wrap(line, report.WIDTH, subsequent_indent="  ")))
 
 
 def _document(

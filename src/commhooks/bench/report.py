@@ -14,10 +14,18 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from commhooks.bench.rows import Row
-from commhooks.bench.summary import LOSS_WINDOW, NOISE_SUGGESTION, by_network
+from commhooks.bench.summary import LOSS_WINDOW, NOISE_SUGGESTION, SPREAD_LIMIT, by_network
 from commhooks.bench.units import format_bytes, format_rate
 
-__all__ = ["WIDTH", "answer_lines", "print_report", "table_lines", "write_json"]
+__all__ = [
+    "WIDTH",
+    "answer_lines",
+    "print_report",
+    "results_lines",
+    "sweep_lines",
+    "table_lines",
+    "write_json",
+]
 
 WIDTH = 80
 Column = tuple[str, Callable[[Row], str]]
@@ -159,21 +167,32 @@ def _footnotes(rows: list[Row]) -> list[str]:
             f"{LOSS_WINDOW} steps, first reached allreduce's final one; - never."
         )
     noisy = [r for r in rows if r.ok and r.noise.get("noisy")]
-    for r in noisy:
-        out.append(f"noisy {r.hook} @ {format_rate(r.bandwidth)}: {'; '.join(r.noise['reasons'])}")
     if noisy:
-        out.append(f"noisy figures: {NOISE_SUGGESTION}.")
+        out.append(
+            f"noisy: {len(noisy)} of {len(rows)} rows spread over {SPREAD_LIMIT:.0%} around "
+            f"their median (±) or step faster than noop (their reasons: --wide, or the JSON's "
+            f"'noise'); {NOISE_SUGGESTION}."
+        )
     for r in rows:
         if not r.ok:
             out.append(f"FAILED {r.hook} @ {format_rate(r.bandwidth)}: {r.error}")
     return [wrapped for line in out for wrapped in textwrap.wrap(line, WIDTH)]
 
 
+def _reasons(rows: list[Row]) -> list[str]:
+    """Why each noisy row is noisy."""
+    return [
+        f"noisy {r.hook} @ {format_rate(r.bandwidth)}: {'; '.join(r.noise['reasons'])}"
+        for r in rows
+        if r.ok and r.noise.get("noisy")
+    ]
+
+
 def results_lines(rows: list[Row], title: str, wide: bool) -> list[str]:
     """The results tables (one per network, or one wide table) with their footnotes."""
     out = textwrap.wrap(title, WIDTH)
     if wide:
-        return out + table_lines(rows, WIDE_COLUMNS) + _footnotes(rows)
+        return out + table_lines(rows, WIDE_COLUMNS) + _footnotes(rows) + _reasons(rows)
     for bandwidth, table in by_network(rows).items():
         columns = LOOPBACK_COLUMNS if bandwidth is None else LINK_COLUMNS
         where = "loopback" if bandwidth is None else f"a {format_rate(bandwidth)} link"
@@ -228,6 +247,16 @@ def answer_lines(rows: list[Row], answer: dict[str, Any], steps: int) -> list[st
     out += _ladder_tables(predicted, rates) + [""]
     out.append("Which hook on which link (predicted time to reach allreduce's loss):")
     out += ["  " + rec["text"] for rec in answer["recommendations"]]
+    noisy = [r for r in predicted if r.noise.get("noisy")]
+    if noisy:
+        out += textwrap.wrap(
+            f"Caution: {len(noisy)} of the {len(predicted)} loopback rows every prediction "
+            "comes from are noisy (see above); rerun with --repeat 3 --lockstep on a quiet "
+            "machine before trusting these figures.",
+            WIDTH,
+            initial_indent="  ",
+            subsequent_indent="  ",
+        )
     unreached = answer.get("not_reaching_allreduce_loss")
     if unreached:
         out += textwrap.wrap(
@@ -240,13 +269,38 @@ def answer_lines(rows: list[Row], answer: dict[str, Any], steps: int) -> list[st
     return out
 
 
+def sweep_lines(sweep: dict[str, Any]) -> list[str]:
+    """Per hook, its measured speedup over allreduce on each link and the fitted break-even."""
+    out = []
+    for hook, info in sweep.items():
+        measured = ", ".join(
+            f"{format_rate(int(bw))}: {s:.2f}x"
+            for bw, s in info["speedup_vs_allreduce"].items()
+            if s is not None
+        )
+        be = info["break_even_bandwidth"]
+        verdict = (f"break-even {format_rate(be)}; " if be else "") + info["verdict"]
+        line = f"measured {hook}: " + "; ".join(x for x in (measured, verdict) if x)
+        out += textwrap.wrap(line, WIDTH, subsequent_indent="  ")
+    return out
+
+
 def print_report(
-    rows: list[Row], answer: dict[str, Any], title: str, wide: bool, steps: int
+    rows: list[Row],
+    comparisons: dict[str, Any],
+    answer: dict[str, Any],
+    title: str,
+    *,
+    wide: bool,
+    reach_steps: int,
 ) -> None:
-    """Print the results tables, then the answer."""
+    """Print the results tables (every column if ``wide``), a sweep's measured speedups, then
+    the answer, last; ``reach_steps``: how long the hooks had to reach allreduce's loss."""
     print("\n".join(results_lines(rows, title, wide)))
+    if "sweep" in comparisons:
+        print("\n".join(["", *sweep_lines(comparisons["sweep"])]))
     print()
-    print("\n".join(answer_lines(rows, answer, steps)))
+    print("\n".join(answer_lines(rows, answer, reach_steps)))
 
 
 def write_json(path: str, document: dict[str, Any]) -> None:
