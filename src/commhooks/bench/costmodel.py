@@ -24,15 +24,21 @@ waits ``2 (p - 1)`` latencies. An all-gather in which each rank contributes ``n`
 half a ring, ``(p - 1) n``; a pipelined broadcast sends ``n`` bytes per rank; reduce-scatter
 and all-to-all send ``(p - 1) / p`` of their input. ``TCP_WIRE_FACTOR`` turns payload into
 bytes on an Ethernet wire: a 1500-byte MTU carries 1448 payload bytes in a 1514-byte frame.
+``TCP_RING_WIRE_FACTOR``, the links' default, adds the acknowledgements: in a ring every rank
+also receives as much as it sends, and acknowledges every second segment it receives with a
+66-byte frame on its own link (measured on the bench's links: 1.070 bytes per payload byte).
 
 The model assumes that communication does not overlap computation (DDP can overlap them: the
 prediction is then an upper bound) and that the links, not a shared switch, are the limit.
 """
 
+import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 __all__ = [
+    "TCP_RING_WIRE_FACTOR",
     "TCP_WIRE_FACTOR",
     "Collectives",
     "Link",
@@ -48,6 +54,7 @@ __all__ = [
 _ALL_GATHERS = ("all_gather", "all_gather_into_tensor", "all_gather_single")
 
 TCP_WIRE_FACTOR = 1514 / 1448  # Ethernet + IPv4 + TCP (timestamps) headers per full segment
+TCP_RING_WIRE_FACTOR = (1514 + 66 / 2) / 1448  # and half an acknowledgement per segment
 
 
 @dataclass(frozen=True)
@@ -64,7 +71,7 @@ class Link:
 
     bandwidth_bps: float
     latency_s: float = 0.0
-    wire_factor: float = TCP_WIRE_FACTOR
+    wire_factor: float = TCP_RING_WIRE_FACTOR
 
 
 @dataclass(frozen=True)
@@ -145,19 +152,26 @@ def backend_s_per_byte(allreduce: LoopbackStep, noop: LoopbackStep) -> float:
     return max(0.0, allreduce.step_s - noop.step_s) / sent
 
 
+def predicted_step_s(m: LoopbackStep, world_size: int, link: Link, s_per_byte: float) -> float:
+    """Seconds per step of the hook measured as ``m``, on ``world_size`` ranks over ``link``:
+    its computation, the backend's work for the bytes sent there, and the link's time."""
+    compute = max(0.0, m.step_s - s_per_byte * wire_bytes(m.collectives, m.world_size))
+    return predict_step_s(
+        compute,
+        m.collectives,
+        world_size,
+        link.bandwidth_bps,
+        link.latency_s,
+        overhead_s=s_per_byte * wire_bytes(m.collectives, world_size),
+        wire_factor=link.wire_factor,
+    )
+
+
 def _split(m: LoopbackStep, world_size: int, link: Link, s_per_byte: float) -> tuple[float, float]:
     """``(a, b)`` such that the step takes ``a + b / B`` seconds on links of ``B`` bit/s."""
-    measured = wire_bytes(m.collectives, m.world_size)
-    compute = max(0.0, m.step_s - s_per_byte * measured)
-    sent = wire_bytes(m.collectives, world_size)
-    rounds = _rounds(m.collectives, world_size) if world_size > 1 else 0.0
-    return compute + s_per_byte * sent + rounds * link.latency_s, 8 * sent * link.wire_factor
-
-
-def predicted_step_s(m: LoopbackStep, world_size: int, link: Link, s_per_byte: float) -> float:
-    """Seconds per step of the hook measured as ``m``, on ``world_size`` ranks over ``link``."""
-    fixed, bits = _split(m, world_size, link, s_per_byte)
-    return fixed + bits / link.bandwidth_bps
+    endless = dataclasses.replace(link, bandwidth_bps=math.inf)
+    bits = 8 * wire_bytes(m.collectives, world_size, link.wire_factor)
+    return predicted_step_s(m, world_size, endless, s_per_byte), bits
 
 
 def break_even_bps(

@@ -22,7 +22,8 @@ __all__ = ["Model", "predict"]
 
 MODEL_TEXT = (
     "t = loopback step - k * bytes sent there + k * bytes sent at world size p "
-    "+ 8 * bytes * 1514/1448 / bandwidth + rounds * latency; per allreduce of n bytes a rank "
+    "+ 8 * bytes * (1514 + 66/2)/1448 / bandwidth + rounds * latency (headers and TCP "
+    "acknowledgements on an Ethernet link); per allreduce of n bytes a rank "
     "sends 2(p-1)/p * n in 2(p-1) rounds; k: the backend's CPU seconds per byte, from "
     "(allreduce - noop) / bytes on loopback"
 )
