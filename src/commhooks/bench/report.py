@@ -38,7 +38,7 @@ def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
 
 
 def _ms(value: float | None) -> str:
-    """Milliseconds in at most 5 characters: 3 significant digits, no exponent."""
+    """Milliseconds without an exponent: whole from 100 up, 3 significant digits below."""
     if value is None or not math.isfinite(value):
         return "-"
     if value >= 100:
