@@ -311,7 +311,11 @@ def _counting(
 
 def _observed(kind: str, handed: Any, direct: bool = False) -> None:
     """Report a collective of ``kind`` handing over ``handed`` (a tensor or a list of them);
-    ``direct``: called straight on torch.distributed, for the observers that asked for those."""
+    ``direct``: called straight on torch.distributed, for the observers that asked for those.
+
+    Every function of this module that issues a collective calls it first, with the kind a
+    cost model prices (``all_reduce``, ``all_gather_into_tensor``, ``all_to_all_single``...).
+    """
     if not _counters:
         return
     tensors = handed if isinstance(handed, (list, tuple)) else [handed]
