@@ -5,8 +5,9 @@ there is nothing to communicate, so this measures what each hook costs the devic
 host around the collectives); ``torchrun --nproc_per_node N examples/gpu_step_time.py`` runs
 N. An MLP of ``--layers`` square layers of ``--width`` trains on fixed random data; every hook
 runs ``--rounds`` times in turn, with a fresh DDP model each time, and its timed steps are
-pooled. A step is timed from a synchronised device to a synchronised device. ``--device cpu``
-runs the same on gloo (to try the script without a GPU)::
+pooled. A step is timed from a synchronised device to a synchronised device. Without a GPU it
+runs on the CPU over gloo, with a model, batch and budget sized for a CPU (seconds, not
+minutes), so the same command tries the script anywhere::
 
     python examples/gpu_step_time.py --bucket-cap-mb 25,4096 --json gpu.json
 """
@@ -120,26 +121,36 @@ def run_hook(
     return times, peak_memory(device, start=False) - base
 
 
+def progress(done: int, total: int, text: str) -> None:
+    if dist.get_rank() == 0:
+        print(f"[{done}/{total}] {text}", flush=True)
+
+
 def measure(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     results: dict[str, Any] = {}
+    total, done = len(args.bucket_cap_mb) * args.rounds * len(args.hooks), 0
     for cap in args.bucket_cap_mb:
         pooled: dict[str, list[float]] = {name: [] for name in args.hooks}
         peaks: dict[str, int] = {}
         errors: dict[str, str] = {}
         for _ in range(args.rounds):
             for name in args.hooks:
+                done += 1
                 if name in errors:
                     continue
                 try:
                     times, peak = run_hook(name, cap, args, device)
                 except Exception as exc:  # PyTorch's batched hook fails; a row says so
                     errors[name] = f"{type(exc).__name__}: {exc}"[:200]
+                    progress(done, total, f"cap {cap:g} MB {name}: failed")
                     continue
                 # A step lasts as long as its slowest rank.
                 everyone = [None] * dist.get_world_size()
                 dist.all_gather_object(everyone, times)
                 pooled[name] += [max(per_step) for per_step in zip(*everyone)]
                 peaks[name] = max(peaks.get(name, 0), peak)
+                ms = statistics.median(pooled[name]) * 1e3
+                progress(done, total, f"cap {cap:g} MB {name}: {ms:.2f} ms/step so far")
         for name in args.hooks:
             if name in errors:
                 results[f"{cap:g}/{name}"] = {"error": errors[name]}
@@ -171,20 +182,41 @@ def report(results: dict[str, Any]) -> None:
         )
 
 
+# Sizes that take seconds per hook on the device found: a GPU's (256 MiB of gradients), or a
+# CPU's, where the GPU's would run for many minutes.
+DEFAULTS = {
+    "cuda": {"width": 4096, "layers": 4, "batch": 512, "steps": 30, "warmup": 8, "rounds": 3},
+    "cpu": {"width": 256, "layers": 2, "batch": 32, "steps": 10, "warmup": 3, "rounds": 1},
+}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    found = "cuda" if torch.cuda.is_available() else "cpu"
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    parser.add_argument("--width", type=int, default=4096)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default=found,
+        help=f"default: {found}, what this machine has; the sizes below default to its own",
+    )
+    for name, kind, what in (
+        ("--width", int, "the MLP's width"),
+        ("--layers", int, "the MLP's square layers"),
+        ("--batch", int, "the batch per rank"),
+        ("--steps", int, "timed steps per run"),
+        ("--warmup", int, "untimed steps before them"),
+        ("--rounds", int, "runs of every hook in turn"),
+    ):
+        sizes = ", ".join(f"{d} {DEFAULTS[d][name[2:]]}" for d in DEFAULTS)
+        parser.add_argument(name, type=kind, default=None, help=f"{what} (default: {sizes})")
     parser.add_argument("--rank", type=int, default=4, help="PowerSGD's approximation rank")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--bucket-cap-mb", default="25,4096", help="comma-separated DDP caps")
     parser.add_argument("--hooks", default=",".join(HOOKS), help=f"any of {', '.join(HOOKS)}")
     parser.add_argument("--json", help="write the figures to this file")
     args = parser.parse_args(argv)
+    for name, value in DEFAULTS[args.device].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     args.bucket_cap_mb = [float(c) for c in args.bucket_cap_mb.split(",")]
     args.hooks = [h.strip() for h in args.hooks.split(",")]
     unknown = sorted(set(args.hooks) - set(HOOKS))

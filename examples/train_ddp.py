@@ -7,6 +7,9 @@ Several machines (run on each, with its own --node_rank):
     torchrun --nnodes 2 --node_rank 0 --nproc_per_node 2 \
         --rdzv_backend c10d --rdzv_endpoint HOST:29500 examples/train_ddp.py --hook fp16
 Hook options go as JSON, e.g. --options '{"matrix_approximation_rank": 2}'.
+
+PowerSGD keeps PyTorch's default start_powerSGD_iter=1000: it allreduces plainly, compressing
+nothing, for the first 1000 steps; --options '{"start_powerSGD_iter": 10}' starts sooner.
 """
 
 import argparse
@@ -18,22 +21,47 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commhooks
-from commhooks.config import hook_names, wrapper_names
+from commhooks.config import hook_names, hook_spec, wrapper_names
+
+# Options a hook requires, given here so that every --hook runs as it is: post-local SGD
+# switches from global to local averaging at this step.
+EXAMPLE_DEFAULTS = {"start_localSGD_iter": 10}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hook", choices=hook_names(), default="fp16")
+    parser.add_argument(
+        "--hook",
+        choices=hook_names(),
+        default="fp16",
+        help="the hook (default fp16). power_sgd keeps PyTorch's default "
+        "start_powerSGD_iter=1000 and so compresses nothing for the first 1000 steps: pass "
+        "--options '{\"start_powerSGD_iter\": 10}' to compress from step 10. post_local_sgd "
+        "switches to local averaging at step 10 unless --options says otherwise",
+    )
     parser.add_argument("--wrapper", choices=wrapper_names(), default="no")
-    parser.add_argument("--options", type=json.loads, default={}, help="hook options as JSON")
+    parser.add_argument(
+        "--options",
+        type=json.loads,
+        default={},
+        help="hook options as JSON, e.g. '{\"matrix_approximation_rank\": 2}'",
+    )
     parser.add_argument("--steps", type=int, default=50)
     return parser
+
+
+def hook_options(hook: str, given: dict) -> dict:
+    """``given``, with this example's value for each option ``hook`` requires and lacks."""
+    required = hook_spec(hook).required
+    return {**{k: v for k, v in EXAMPLE_DEFAULTS.items() if k in required}, **given}
 
 
 def train(args: argparse.Namespace, rank: int) -> None:
     torch.manual_seed(0)
     model = DDP(nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 1)))
-    state = commhooks.register(model, args.hook, args.wrapper, **args.options)
+    state = commhooks.register(
+        model, args.hook, args.wrapper, **hook_options(args.hook, args.options)
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
 
     gen = torch.Generator().manual_seed(rank)

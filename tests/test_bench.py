@@ -1,6 +1,8 @@
 """``commhooks bench`` end to end on a tiny budget: the default command, the JSON schema, a
 PyTorch baseline that fails becoming a row, and the command-line entry points."""
 
+import contextlib
+import io
 import json
 import math
 import os
@@ -25,12 +27,21 @@ SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 
 
 
 @pytest.fixture(scope="module")
-def default_run(tmp_path_factory):
-    """The no-argument command with only a tiny budget added (every default hook that exists)."""
+def default_output(tmp_path_factory):
+    """The no-argument command with only a tiny budget added (every default hook that exists):
+    its JSON document and what it printed."""
     path = tmp_path_factory.mktemp("bench") / "out.json"
-    assert cli.main(["--steps", "5", "--warmup", "2", "--json", str(path)]) == 0
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        argv = ["--steps", "5", "--warmup", "2", "--reach-steps", "5", "--json", str(path)]
+        assert cli.main(argv) == 0
     with open(path) as f:
-        return json.load(f)
+        return json.load(f), printed.getvalue()
+
+
+@pytest.fixture(scope="module")
+def default_run(default_output):
+    return default_output[0]
 
 
 def test_default_command_runs_every_registered_default_hook(default_run, capsys):
@@ -76,6 +87,43 @@ def test_bytes_follow_the_hooks_compression(default_run):
     assert a[0] == pytest.approx(a[1], abs=1e-6) and n[0] != pytest.approx(n[1], abs=1e-6)
 
 
+def test_default_run_ends_with_the_answer(default_output):
+    document, printed = default_output
+    ladder = {str(b) for b in (10**8, 10**9, 10**10, 25 * 10**9)}
+    for row in document["results"]:
+        assert set(row["predicted"]) == ladder, row["hook"]
+        for at in row["predicted"].values():
+            assert at["step_ms"] > 0 and at["speedup_vs_allreduce"] > 0
+        assert "break_even_bps" in row and isinstance(row["noise"]["noisy"], bool)
+        reached = row["steps_to_allreduce_loss"]
+        assert (reached is None) == (row["time_to_allreduce_loss_s"] is None)
+    rows = {r["hook"]: r for r in document["results"]}
+    assert rows["allreduce"]["break_even_bps"] == 0  # never faster than itself
+    assert 1 <= rows["allreduce"]["steps_to_allreduce_loss"] <= 5
+    recommendations = document["answer"]["recommendations"]
+    assert [r["bandwidth"] for r in recommendations] == sorted(int(b) for b in ladder)
+    # The last screen: the tables and the answer, in 80 columns, ending with which hook to use.
+    screen = printed[printed.index("measured on loopback:") :].splitlines()
+    assert max(len(line) for line in screen) <= 80, max(screen, key=len)
+    assert "Which hook on which link" in printed
+    for recommendation in recommendations:
+        assert recommendation["text"] in printed
+
+
+def test_command_line_conventions(capsys):
+    from commhooks.__main__ import main
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == "commhooks 0.1.0"
+    assert main(["--help"]) == 0
+    assert "bench" in capsys.readouterr().out
+    assert main(["benhc"]) == 2
+    assert "valid commands: bench" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "--hooks", "powersgd"])
+    assert "powersgd (Did you mean 'power_sgd'?)" in capsys.readouterr().err
+
+
 def test_failing_torch_baseline_is_a_row_not_an_abort(tmp_path, capsys):
     path = tmp_path / "t.json"
     argv = ["--hooks", "allreduce,torch_bf16", "--steps", "4", "--warmup", "1", "--json", str(path)]
@@ -91,6 +139,7 @@ def test_failing_torch_baseline_is_a_row_not_an_abort(tmp_path, capsys):
 def test_repeated_rounds_in_lockstep_pool_every_timed_step(tmp_path, capsys):
     path = tmp_path / "r.json"
     argv = ["--hooks", "noop,power_sgd_single_round", "--steps", "4", "--warmup", "1"]
+    argv += ["--reach-steps", "4"]
     assert cli.main([*argv, "--repeat", "2", "--lockstep", "--json", str(path)]) == 0
     doc = json.loads(path.read_text())
     assert doc["settings"]["repeat"] == 2 and doc["settings"]["lockstep"] is True
@@ -126,7 +175,8 @@ def test_bandwidth_without_root_says_so(monkeypatch):
 def test_floors_send_what_single_round_powersgd_sends(tmp_path):
     path = tmp_path / "f.json"
     hooks = "noop,floor_sync,floor_wire,floor_memory,power_sgd_single_round"
-    argv = ["--hooks", hooks, "--steps", "7", "--warmup", "4", "--json", str(path)]
+    argv = ["--hooks", hooks, "--steps", "7", "--warmup", "4", "--reach-steps", "7"]
+    argv += ["--json", str(path)]
     assert cli.main(argv) == 0
     rows = {r["hook"]: r for r in json.loads(path.read_text())["results"]}
     assert all(r["ok"] for r in rows.values()), [r.get("error") for r in rows.values()]
@@ -140,3 +190,15 @@ def test_floors_send_what_single_round_powersgd_sends(tmp_path):
         assert rows[name]["heldout_loss_per_rank"] == rows["noop"]["heldout_loss_per_rank"]
     # The last one overwrites it with its fixed low-rank product.
     assert rows["floor_memory"]["heldout_loss_per_rank"] != rows["noop"]["heldout_loss_per_rank"]
+
+
+def test_longer_runs_compare_held_out_loss_after_the_same_steps(tmp_path):
+    path = tmp_path / "reach.json"
+    argv = ["--hooks", "allreduce,no", "--steps", "4", "--warmup", "1", "--reach-steps", "6"]
+    assert cli.main([*argv, "--json", str(path)]) == 0
+    rows = {r["hook"]: r for r in json.loads(path.read_text())["results"]}
+    # DDP's own allreduce trains bit for bit as the allreduce hook, two steps longer; the
+    # held-out loss is taken after step 4 in both.
+    assert len(rows["allreduce"]["losses"]) == 4 and len(rows["no"]["losses"]) == 6
+    assert rows["no"]["heldout_loss_per_rank"] == rows["allreduce"]["heldout_loss_per_rank"]
+    assert rows["no"]["steps_to_allreduce_loss"] <= 4

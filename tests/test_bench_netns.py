@@ -89,7 +89,7 @@ def test_tbf_link_limits_throughput_and_everything_is_removed():
     assert not any(n in ns for n in net.namespaces) and net.bridge not in links
 
 
-COUNTS = "from commhooks.bench.worker import _limiter_counts; print(*_limiter_counts())"
+COUNTS = "from commhooks.bench.netns import _limiter_counts; print(*_limiter_counts())"
 
 
 def _gso_max_size(net: Network) -> int:
@@ -200,9 +200,12 @@ def test_sweep_over_rate_limited_links_counts_real_bytes(tmp_path):
     hooks = ("noop", "allreduce", "fp16")
     assert doc["settings"]["hooks"] == list(hooks)
     assert any("allreduce" in note for note in doc["settings"]["notes"])
-    assert set(rows) == {(h, b) for h in hooks for b in (2 * 10**8, 10**9)}
-    for (hook, _), row in rows.items():
+    # every hook runs on loopback too: the predictions come from there
+    assert set(rows) == {(h, b) for h in hooks for b in (None, 2 * 10**8, 10**9)}
+    for (hook, bandwidth), row in rows.items():
         assert row["ok"], row.get("error")
+        if bandwidth is None:
+            continue
         assert row["bytes_source"].startswith("interface counters")
         assert "prediction" in row and row["prediction"]["step_ms"] > 0
         if hook != "noop":
@@ -224,3 +227,26 @@ def test_sweep_over_rate_limited_links_counts_real_bytes(tmp_path):
     assert set(pred["hooks"]) == set(hooks)
     left = {n for n in set(_names()[0].split()) - before if n.startswith("commhooks-")}
     assert not left, f"namespaces left behind: {left}"
+
+
+@pytest.mark.timeout(150)
+def test_prediction_from_loopback_holds_on_a_100mbit_link(tmp_path):
+    """Each hook's mean step on the link within 15% of what its loopback run predicted."""
+    import json
+
+    from commhooks.bench import cli
+
+    path = tmp_path / "link.json"
+    argv = ["--hooks", "allreduce,fp16", "--task", "synthetic", "--params", "2M"]
+    argv += ["--bandwidth", "100mbit", "--steps", "10", "--warmup", "3", "--reach-steps", "10"]
+    argv += ["--json", str(path)]
+    assert cli.main(argv) == 0
+    rows = json.loads(path.read_text())["results"]
+    checked = [r for r in rows if r["bandwidth"] == 10**8]
+    assert {r["hook"] for r in checked} == {"allreduce", "fp16"}
+    for row in checked:
+        assert row["ok"], row["error"]
+        prediction = row["prediction"]
+        assert prediction["from"] == "loopback"
+        assert abs(prediction["error"]) <= 0.15, (row["hook"], prediction)
+    assert all(r["prediction"] is None for r in rows if r["bandwidth"] is None)

@@ -1,9 +1,13 @@
 """The bench's pure parts: rate/duration parsing, flag validation, the ring cost model and the
 break-even computation, on hand-computed cases."""
 
+import dataclasses
+
 import pytest
 
 from commhooks.bench import args, costmodel, hookset, summary
+from commhooks.bench.records import RankResult, RunOutcome
+from commhooks.bench.rows import Row, make_row, pool_runs
 from commhooks.bench.units import format_rate, parse_duration, parse_rate
 
 
@@ -68,7 +72,7 @@ def test_bad_flags_say_what_is_accepted(capsys):
     assert "at least one step" in _parse_error(capsys, ["--steps", "4", "--warmup", "4"])
     assert "at least 1" in _parse_error(capsys, ["--steps", "0"])
     assert "at least 2" in _parse_error(capsys, ["--world-size", "1"])
-    assert "--predict" in _parse_error(capsys, ["--world-size", "64"])
+    assert "--predict" in _parse_error(capsys, ["--ranks", "64"])
     assert "needs --bandwidth" in _parse_error(capsys, ["--latency", "5ms"])
     assert ".png" in _parse_error(capsys, ["--plot", "out.jpg"])
     assert "between 1 and 100" in _parse_error(capsys, ["--repeat", "0"])
@@ -143,85 +147,127 @@ def test_break_even_bandwidth_by_hand():
     bws = [5e7, 1e8, 1e9]
     hook = [(b, 0.2 + 1e6 / b) for b in bws]
     ref = [(b, 0.1 + 8e6 / b) for b in bws]
-    bw, verdict = summary.break_even_bps(hook, ref)
+    bw, verdict = summary.fitted_break_even_bps(hook, ref)
     assert bw == pytest.approx(7e7)
     assert "below" in verdict
-    bw, verdict = summary.break_even_bps([(b, 0.05 + 1e6 / b) for b in bws], ref)
+    bw, verdict = summary.fitted_break_even_bps([(b, 0.05 + 1e6 / b) for b in bws], ref)
     assert bw is None and "every bandwidth" in verdict
-    assert summary.break_even_bps(hook[:1], ref[:1])[0] is None
+    assert summary.fitted_break_even_bps(hook[:1], ref[:1])[0] is None
 
 
 def test_sweep_without_allreduce_says_what_to_add():
     rows = [
-        {"hook": h, "bandwidth": bw, "ok": True, "step_ms_median": ms}
+        Row(hook=h, bandwidth=bw, ok=True, step_ms_median=ms)
         for h, bw, ms in [("noop", 10**8, 70.0), ("noop", 10**9, 69.0), ("fp16", 10**8, 90.0)]
     ]
-    rows.append({"hook": "fp16", "bandwidth": 10**9, "ok": True, "step_ms_median": 80.0})
-    by_bw: dict = {}
-    for r in rows:
-        by_bw.setdefault(r["bandwidth"], {})[r["hook"]] = r
-    sweep = summary._sweep(rows, by_bw)
+    rows.append(Row(hook="fp16", bandwidth=10**9, ok=True, step_ms_median=80.0))
+    sweep = summary._sweep(rows)
     for hook in ("noop", "fp16"):
         assert sweep[hook]["break_even_bandwidth"] is None
         assert "add allreduce to --hooks" in sweep[hook]["verdict"]
 
 
 def _fake_run(step_s, wire=None):
-    rank = {
-        "ok": True,
-        "step_s": step_s,
-        "timed_steps": len(step_s),
-        "losses": [[i, 3.0 - i * 0.1, 0.1 * (i + 1)] for i in range(len(step_s))],
-        "heldout_loss": 2.5,
-        "peak_memory_bytes": 1000,
-        "payload_calls": {"all_reduce": 2 * len(step_s)},
-        "payload_bytes": {"all_reduce": 1_000_000 * len(step_s)},
-        "gradient_bytes": 4_000_000,
-        "wire": wire,
-    }
-    return {"ok": True, "ranks": [rank, dict(rank)]}
+    rank = RankResult(
+        rank=0,
+        step_s=step_s,
+        losses=[[i, 3.0 - i * 0.1, 0.1 * (i + 1)] for i in range(len(step_s))],
+        heldout_loss=2.5,
+        peak_memory_bytes=1000,
+        payload_calls={"all_reduce": 2 * len(step_s)},
+        payload_bytes={"all_reduce": 1_000_000 * len(step_s)},
+        gradient_bytes=4_000_000,
+        wire=wire,
+    )
+    return RunOutcome(ok=True, ranks=[rank, dataclasses.replace(rank, rank=1)])
 
 
 def test_make_row_figures_by_hand():
-    row = summary.make_row("fp16", None, _fake_run([0.1, 0.3, 0.2, 0.4]), {})
-    assert row["step_ms_median"] == pytest.approx(250.0)
-    assert row["step_ms_p25"] == pytest.approx(175.0) and row["step_ms_p75"] == pytest.approx(325.0)
-    assert row["bytes_per_step"] == pytest.approx(1_000_000)  # two ranks: 2(p-1)/p = 1
-    assert row["compression_ratio"] == pytest.approx(4.0)
-    assert "payload" in row["bytes_source"]
+    row = make_row("fp16", None, _fake_run([0.1, 0.3, 0.2, 0.4]), {})
+    assert row.step_ms_median == pytest.approx(250.0)
+    assert row.step_ms_p25 == pytest.approx(175.0) and row.step_ms_p75 == pytest.approx(325.0)
+    assert row.bytes_per_step == pytest.approx(1_000_000)  # two ranks: 2(p-1)/p = 1
+    assert row.compression_ratio == pytest.approx(4.0)
+    assert "payload" in row.bytes_source
     # 4 steps: 4.2 MB and 3000 packets on the wire -> payload 4.2e6 - 3000 * 66 per 4 steps
     wire = {"tx_bytes": 4_200_000, "tx_packets": 3000, "rx_bytes": 0, "rx_packets": 0}
-    row = summary.make_row("fp16", 10**8, _fake_run([0.1, 0.3, 0.2, 0.4], wire), {})
-    assert row["bytes_per_step"] == pytest.approx(1_050_000)
-    assert row["wire_vs_analytic"] == pytest.approx((4_200_000 - 3000 * 66) / 4 / 1_000_000)
+    row = make_row("fp16", 10**8, _fake_run([0.1, 0.3, 0.2, 0.4], wire), {})
+    assert row.bytes_per_step == pytest.approx(1_050_000)
+    assert row.wire_vs_analytic == pytest.approx((4_200_000 - 3000 * 66) / 4 / 1_000_000)
 
 
 def test_repeated_runs_pool_their_steps_and_counters():
     wire = {"tx_bytes": 4_200_000, "tx_packets": 3000, "rx_bytes": 10, "rx_packets": 1}
     first, second = _fake_run([0.1, 0.3], wire), _fake_run([0.2, 0.4], wire)
-    second["ranks"][1]["peak_memory_bytes"] = 5000
-    pooled = summary.pool_runs([first, second])
-    row = summary.make_row("fp16", 10**8, pooled, {})
-    assert row["repeats"] == 2 and row["timed_steps"] == 4
-    assert row["step_ms_median"] == pytest.approx(250.0)  # as one run of [0.1, 0.3, 0.2, 0.4]
-    assert row["bytes_per_step"] == pytest.approx(2 * 4_200_000 / 4)
-    assert row["peak_memory_bytes"] == 5000
-    failed = {"ok": False, "error": "boom", "ranks": []}
-    assert summary.pool_runs([first, failed]) is failed  # one failed round fails the hook
-    assert summary.pool_runs([first]) is first
+    second.ranks[1].peak_memory_bytes = 5000
+    pooled = pool_runs([first, second])
+    row = make_row("fp16", 10**8, pooled, {})
+    assert row.repeats == 2 and row.timed_steps == 4
+    assert row.step_ms_median == pytest.approx(250.0)  # as one run of [0.1, 0.3, 0.2, 0.4]
+    assert row.bytes_per_step == pytest.approx(2 * 4_200_000 / 4)
+    assert row.peak_memory_bytes == 5000
+    failed = RunOutcome(ok=False, error="boom")
+    assert pool_runs([first, failed]) is failed  # one failed round fails the hook
+    assert pool_runs([first]) is first
     assert args.parse(["--repeat", "3"]).repeat == 3 and args.parse([]).repeat == 1
 
 
 def test_failed_row_and_plain_text_fallbacks(monkeypatch, capsys, tmp_path):
     from commhooks.bench import report
 
-    ok = summary.make_row("allreduce", None, _fake_run([0.1, 0.2, 0.3]), {})
-    bad = summary.make_row("torch_bf16", None, {"ok": False, "error": "TypeError: no"}, {})
-    assert bad["ok"] is False and bad["step_ms_median"] is None and bad["error"]
+    ok = make_row("allreduce", None, _fake_run([0.1, 0.2, 0.3]), {})
+    bad = make_row("torch_bf16", None, RunOutcome(ok=False, error="TypeError: no"), {})
+    assert bad.ok is False and bad.step_ms_median is None and bad.error
     for name in ("rich", "rich.console", "rich.table", "matplotlib", "matplotlib.pyplot"):
         monkeypatch.setitem(__import__("sys").modules, name, None)
-    report.print_table([ok, bad], "title")
+    report.print_report([ok, bad], {}, {}, "title", wide=False, reach_steps=3)
     out = capsys.readouterr().out
     assert "allreduce" in out and "FAILED torch_bf16 @ loopback: TypeError: no" in out
-    note = report.write_plot(str(tmp_path / "p.png"), [ok, bad], None)
+    # Without matplotlib, --plot is refused before anything runs.
+    note = _parse_error(capsys, ["--plot", str(tmp_path / "p.png")])
     assert "matplotlib is not installed" in note and not (tmp_path / "p.png").exists()
+
+
+# -- the prediction from loopback, by hand -------------------------------------------------------
+def _step(step_s, payload, world=2, calls=1):
+    collectives = costmodel.Collectives({"all_reduce": calls}, {"all_reduce": payload})
+    return costmodel.LoopbackStep(step_s, collectives, world)
+
+
+def test_prediction_from_loopback_by_hand():
+    allreduce, noop = _step(0.060, 1_000_000), _step(0.040, 0)
+    # k: 20 ms more than noop for the 1 MB each of two ranks sends -> 20 ns per byte
+    k = costmodel.backend_s_per_byte(allreduce, noop)
+    assert k == pytest.approx(2e-8)
+    bare = costmodel.Link(100e6, 0.0, wire_factor=1.0)
+    # Two ranks, as measured: the loopback step plus 8 Mbit at 100 Mbit/s = 80 ms.
+    assert costmodel.predicted_step_s(allreduce, 2, bare, k) == pytest.approx(0.060 + 0.080)
+    # Four ranks: each sends 2 * 3/4 * 1 MB = 1.5 MB; compute 60 - 20 = 40 ms, the backend's
+    # work 1.5 MB * 20 ns = 30 ms, the link 12 Mbit / 100 Mbit/s = 120 ms, latency 6 rounds.
+    link = costmodel.Link(100e6, 0.001, wire_factor=1.0)
+    expected = 0.040 + 0.030 + 0.120 + 6 * 0.001
+    assert costmodel.predicted_step_s(allreduce, 4, link, k) == pytest.approx(expected)
+    # A link's default wire factor adds the headers of full Ethernet frames, and half an
+    # acknowledgement per segment (in a ring, each rank receives what it sends).
+    headers = costmodel.predicted_step_s(allreduce, 2, costmodel.Link(100e6), k)
+    assert headers == pytest.approx(0.060 + 0.080 * (1514 + 33) / 1448)
+    # No allreduce excess (a noisy loopback run): no per-byte work, never negative.
+    assert costmodel.backend_s_per_byte(noop, allreduce) == 0.0
+
+
+def test_break_even_by_hand():
+    link = costmodel.Link(1.0, 0.0, wire_factor=1.0)
+    allreduce = _step(0.060, 1_000_000)
+    # fp16: 5 ms more compute, half the bits: 0.065 + 4e6 / B = 0.060 + 8e6 / B at 800 Mbit/s.
+    fp16 = _step(0.065, 500_000)
+    assert costmodel.break_even_bps(fp16, allreduce, 2, link, 0.0) == pytest.approx(8e8)
+    # The backend's per-byte work k is in the loopback steps already: at the world size
+    # measured it changes nothing.
+    assert costmodel.break_even_bps(fp16, allreduce, 2, link, 1e-8) == pytest.approx(8e8)
+    assert costmodel.break_even_bps(_step(0.050, 500_000), allreduce, 2, link, 0.0) is None
+    assert costmodel.break_even_bps(_step(0.070, 1_000_000), allreduce, 2, link, 0.0) == 0.0
+    assert costmodel.break_even_bps(_step(0.070, 2_000_000), allreduce, 2, link, 0.0) == 0.0
+    # At four ranks the allreduce sends 1.5 MB and fp16 0.75 MB: 6e6 bits apart -> 1.2 Gbit/s.
+    assert costmodel.break_even_bps(fp16, allreduce, 4, link, 0.0) == pytest.approx(1.2e9)
+    # With k = 10 ns/B: allreduce 50 + 15 ms, fp16 60 + 7.5 ms -> 6e6 / 2.5 ms = 2.4 Gbit/s.
+    assert costmodel.break_even_bps(fp16, allreduce, 4, link, 1e-8) == pytest.approx(2.4e9)

@@ -113,12 +113,13 @@ def test_holding_follow_ups_until_the_last_bucket_changes_no_result():
 
 
 def _sums(rank, world_size):
-    from commhooks.bench.worker import PayloadCounter
+    with comm.observe_collectives(torch_calls=True) as counter:
+        out = _sum_each_shape(rank)
+    return out, counter.calls, counter.bytes
 
+
+def _sum_each_shape(rank):
     group = dist.group.WORLD
-    counter = PayloadCounter()
-    counter.install(dist)
-    counter.active = True
     gen = torch.Generator().manual_seed(rank)
     out = {}
     for name, shape, dtype in (
@@ -135,7 +136,7 @@ def _sums(rank, world_size):
         dist.all_reduce(reference)
         result = comm.allreduce(t, group).wait()
         out[name] = (result is t, torch.equal(t, reference), comm._sums_by_exchange(t, group))
-    return out, counter.calls, counter.bytes
+    return out
 
 
 def test_allreduce_sums_like_dist_all_reduce_on_any_world_size():
@@ -154,13 +155,9 @@ def test_allreduce_sums_like_dist_all_reduce_on_any_world_size():
 
 
 def _filled_sums(rank, world_size):
-    from commhooks.bench.worker import PayloadCounter
-
     group = dist.group.WORLD
-    counter = PayloadCounter()
-    counter.install(dist)
     issuer = comm.issuer_for(group)
-    out = {}
+    out, calls_all, sent_all = {}, [], []
     for name, numel, dtype in (
         ("half", comm._EXCHANGE_BYTES + 1, torch.float16),  # odd: the halves differ by one
         ("bfloat16", comm._EXCHANGE_BYTES // 2 + 2, torch.bfloat16),
@@ -177,12 +174,18 @@ def _filled_sums(rank, world_size):
             calls.append(part.numel())
             part.copy_(values[start : start + part.numel()]).div_(world_size)
 
-        counter.active = True
-        result = comm.allreduce_filled(tensor, group, issuer, fill).wait()
-        counter.active = False
+        with comm.observe_collectives(torch_calls=True) as counter:
+            result = comm.allreduce_filled(tensor, group, issuer, fill).wait()
+            calls_all.append(dict(counter.calls))
+            sent_all.append(dict(counter.bytes))
         halves = comm._sums_by_halves(tensor, group)
         out[name] = (result is tensor, torch.equal(tensor, reference), halves, sum(calls), numel)
-    return out, dict(counter.calls), dict(counter.bytes), issuer.pending
+    calls, sent = {}, {}
+    for one, nbytes in zip(calls_all, sent_all, strict=True):
+        for kind in one:
+            calls[kind] = calls.get(kind, 0) + one[kind]
+            sent[kind] = sent.get(kind, 0) + nbytes[kind]
+    return out, calls, sent, issuer.pending
 
 
 def test_filled_sums_trade_halves_on_two_gloo_ranks_with_the_same_bits():
@@ -204,3 +207,35 @@ def test_filled_sums_trade_halves_on_two_gloo_ranks_with_the_same_bits():
                     (comm._EXCHANGE_BYTES // 2, torch.float32),
                 )
             )
+
+
+def _observed(rank, world_size):
+    group, t = dist.group.WORLD, torch.ones(10)  # 40 bytes
+    plain = dist.all_reduce
+    with comm.observe_collectives() as ours:
+        comm.allreduce(t.clone(), group).wait()
+        dist.all_reduce(t.clone())  # not through comm: seen only with torch_calls
+        with comm.observe_collectives(torch_calls=True) as everything:
+            wrapped = dist.all_reduce is not plain
+            comm.allreduce(t.clone(), group).wait()  # an exchange inside: counted once
+            dist.all_gather_into_tensor(torch.empty(20), t)  # what this rank hands over
+            # follow-ups are issued from the backend's threads: counted there too
+            thread = threading.Thread(target=lambda: comm.allreduce(t.clone(), group).wait())
+            thread.start()
+            thread.join()
+    return {
+        "ours": (ours.calls, ours.bytes),
+        "everything": (everything.calls, everything.bytes),
+        "wrapped": wrapped,
+        "restored": dist.all_reduce is plain,
+    }
+
+
+def test_observers_count_what_each_collective_hands_over():
+    for out in run_on_ranks(_observed, 2):
+        assert out["ours"] == ({"all_reduce": 3}, {"all_reduce": 120})
+        assert out["everything"] == (
+            {"all_reduce": 2, "all_gather_into_tensor": 1},
+            {"all_reduce": 80, "all_gather_into_tensor": 40},
+        )
+        assert out["wrapped"] and out["restored"]

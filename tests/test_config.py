@@ -2,6 +2,7 @@
 
 import enum
 import json
+import os
 
 import pytest
 import torch
@@ -267,7 +268,8 @@ def test_register_every_hook_and_wrapper_trains_and_returns_the_state():
         r1 = results[1][hook, wrapper]
         assert r0["finite"] and r0["moved"], (hook, wrapper)
         if config.hook_spec(hook).make_state is None:
-            assert r0["state_type"] == "NoneType"
+            assert r0["state_type"] == "StatelessState"
+            assert r0["state_dict"] == {"kind": "stateless", "version": 1}
         else:
             assert r0["hook_state"], f"{hook} returned {r0['state_type']}, not its HookState"
             assert r0["state_dict"]["kind"]
@@ -300,11 +302,12 @@ def _late_failures(rank, world_size):
         messages["group"] = str(exc)
     # 'no' keeps DDP's own allreduce and registers nothing.
     plain = make_ddp(make_mlp())
-    messages["no"] = repr(register(plain, "no"))
+    messages["no"] = type(register(plain, "no")).__name__
     messages["no_hooks"] = len(getattr(plain, "_comm_hooks", []))
     # Without a process_group, the hook communicates on the DDP model's own group.
     group = dist.new_group([0, 1])
-    messages["own_group"] = register(make_ddp(make_mlp(), process_group=group), "fp16") is group
+    own = register(make_ddp(make_mlp(), process_group=group), "fp16")
+    messages["own_group"] = own.process_group is group
     messages["same_from_config"] = _from_config(rank)
     return messages
 
@@ -332,9 +335,42 @@ def test_choices_that_would_fail_later_are_caught_at_registration():
             m["not_ddp"].startswith("TypeError")
             and "DistributedDataParallel(model)" in m["not_ddp"]
         )
-        assert m["no"] == "None" and m["no_hooks"] == 0
+        assert m["no"] == "StatelessState" and m["no_hooks"] == 0
         assert m["own_group"] and m["same_from_config"]
     # A hook group other than the DDP model's is refused on every rank, before anything is sent.
     refused = results[0]["group"]
     assert "holds global ranks [0], but the DDP model synchronises ranks [0, 1]" in refused
     assert "not a member" in results[1]["group"]
+
+
+def _checkpoint_what_register_returns(rank, world_size, directory):
+    out = {}
+    for hook in hook_names():
+        ddp = make_ddp(make_mlp())
+        state = register(ddp, hook, **fast_options(hook))
+        train(ddp, batches(rank, STEPS))
+        path = os.path.join(directory, f"{hook}-{rank}.pt")
+        commhooks.checkpoint.save(path, hook=state)
+        fresh = register(make_ddp(make_mlp()), hook, **fast_options(hook))
+        commhooks.checkpoint.load(path, hook=fresh)
+        entry = commhooks.checkpoint.read(path)["hook"]
+        out[hook] = (type(state).__name__, entry["kind"], entry["version"], len(entry))
+    # A stateless hook's entry is no other hook's state.
+    power = register(make_ddp(make_mlp()), "power_sgd")
+    try:
+        commhooks.checkpoint.load(os.path.join(directory, f"fp16-{rank}.pt"), hook=power)
+        out["mismatch"] = "loaded"
+    except commhooks.checkpoint.CheckpointError as exc:
+        out["mismatch"] = str(exc)
+    return out
+
+
+def test_checkpoint_saves_whatever_register_returned(tmp_path):
+    for out in run_on_ranks(_checkpoint_what_register_returns, 2, str(tmp_path)):
+        assert "'stateless' state" in out.pop("mismatch")
+        for hook, (state_type, kind, version, keys) in out.items():
+            if config.hook_spec(hook).make_state is None:
+                # an empty, versioned entry; 'no' registers nothing and saves the same
+                assert (state_type, kind, version, keys) == ("StatelessState", "stateless", 1, 2)
+            else:
+                assert state_type != "StatelessState" and kind != "stateless", hook

@@ -72,6 +72,32 @@ def test_torchrun_example(tmp_path):
     assert "hook allreduce/bf16" in out
 
 
+def test_train_ddp_runs_post_local_sgd_with_its_defaults(tmp_path):
+    out = run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(EXAMPLES / "train_ddp.py"), "--hook", "post_local_sgd", "--steps", "12"],
+        tmp_path,
+    )  # fmt: skip
+    assert "hook post_local_sgd/no" in out and "state PostLocalSGDState" in out
+    spec = importlib.util.spec_from_file_location("train_ddp", EXAMPLES / "train_ddp.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert "start_powerSGD_iter=1000" in module.build_parser().format_help().replace("\n", " ")
+
+
+def test_readme_quick_start_runs_with_torchrun(tmp_path):
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Quick start") :]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert len(code.strip().splitlines()) <= 10
+    (tmp_path / "train.py").write_text(code)
+    run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(tmp_path / "train.py")],
+        tmp_path,
+    )  # fmt: skip
+
+
 def test_accelerate_example_saves_and_restores_hook_state(tmp_path):
     pytest.importorskip("accelerate")
     hook, options = stateful_choice()

@@ -12,13 +12,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_utils import batches, make_ddp, make_mlp, train
+from ddp_utils import batches, flat_params, make_ddp, make_mlp, train
 
 import commhooks
 from commhooks import allreduce_hook, config, register
 from commhooks.config import CommHookType, hook_names, hook_spec
 from commhooks.integrations.checkpoint import DistributedCheckpointState, PerRankState
-from commhooks.state import HookState, StateDictError
+from commhooks.state import HookState, StateDictError, StatelessState
 from commhooks.testing import RankError, run_on_ranks
 
 FAST_OPTIONS = {"start_powerSGD_iter": 2, "start_localSGD_iter": 2}
@@ -209,9 +209,9 @@ def _accelerate(rank, world_size, directory):
         train(model, batches(rank, 2, seed=9))
     accelerator.load_state(directory)
     out = {name: same(saved[name], s.state_dict()) for name, s in states.items()}
-    out["stateless_not_registered"] = stateless is None and len(accelerator._custom_objects) == len(
-        states
-    )
+    out["stateless_not_registered"] = isinstance(stateless, StatelessState) and len(
+        accelerator._custom_objects
+    ) == len(states)
     out["registered_on_ddp"] = len(find_ddp(plain)._comm_hooks) == 1
     for name, call in {
         "unprepared": lambda: register_hook(accelerator, make_mlp(), "fp16"),
@@ -237,6 +237,92 @@ def test_accelerate_save_state_and_load_state(tmp_path):
     # Accelerate writes custom objects from rank 0 only; the file holds both ranks' state.
     tally = torch.load(os.path.join(directory, "custom_checkpoint_0.pkl"), weights_only=True)
     assert [e["error"][0].item() for e in tally["ranks"]] == [0.0, 10.0]
+
+
+# -- Accelerate's own way: DistributedDataParallelKwargs(comm_hook=...) ------------------------
+def _accelerate_kwargs_handler(rank, world_size, directory):
+    from accelerate import Accelerator
+    from accelerate.utils import DDPCommunicationHookType
+
+    from commhooks.integrations.accelerate import (
+        DistributedDataParallelKwargs,
+        find_ddp,
+        hook_state,
+    )
+
+    # Written for Accelerate's handler; only the import of DistributedDataParallelKwargs changed.
+    kwargs = DistributedDataParallelKwargs(
+        comm_hook=DDPCommunicationHookType.POWER_SGD,
+        comm_wrapper=DDPCommunicationHookType.FP16,
+        comm_state_option={"start_powerSGD_iter": 2, "matrix_approximation_rank": 1},
+        bucket_cap_mb=1,
+    )
+    accelerator = Accelerator(cpu=True, kwargs_handlers=[kwargs])
+    model, optimizer = accelerator.prepare(make_mlp(), torch.optim.SGD(make_mlp().parameters()))
+    state = hook_state(model)
+    accelerator.register_for_checkpointing(PerRankState(state))
+    train(model, batches(rank, STEPS))
+    saved = state.state_dict()
+    accelerator.save_state(directory)
+    train(model, batches(rank, 2, seed=9))
+    accelerator.load_state(directory)
+    ddp = find_ddp(model)
+    return {
+        "handler": accelerator.ddp_handler is kwargs,
+        "state": type(state).__name__,
+        "compressed": state.iter == STEPS and state.compression_stats()[0] > 1,
+        "bucket_cap": ddp.bucket_bytes_cap == 1024 * 1024,
+        "params": flat_params(model),
+        "restored": same(saved, state.state_dict()),
+        "plain_model": hook_state(make_mlp()) is None,
+    }
+
+
+def test_accelerate_kwargs_handler_registers_our_hook_and_state(tmp_path):
+    pytest.importorskip("accelerate")
+    results = run_on_ranks(_accelerate_kwargs_handler, 2, str(tmp_path / "ckpt"), env=ENV)
+    params = [out.pop("params") for out in results]
+    for out in results:
+        assert out == {
+            "handler": True,
+            "state": "PowerSGDState",
+            "compressed": True,
+            "bucket_cap": True,
+            "restored": True,
+            "plain_model": True,
+        }
+    # PowerSGD keeps the replicas identical, through the fp16 wrapper too.
+    assert torch.equal(params[0], params[1])
+
+
+def test_accelerate_kwargs_handler_is_accelerates_own_and_validates():
+    accelerate = pytest.importorskip("accelerate")
+    from commhooks.integrations.accelerate import DistributedDataParallelKwargs
+
+    handler = DistributedDataParallelKwargs(
+        comm_hook="post_local_sgd",
+        comm_state_option={"start_localSGD_iter": 10},
+        bucket_cap_mb=5,
+        find_unused_parameters=True,
+    )
+    # Accelerate finds its handlers by exact class; DDP gets only DDP's arguments.
+    assert type(handler) is accelerate.utils.DistributedDataParallelKwargs
+    assert handler.to_kwargs() == {"bucket_cap_mb": 5, "find_unused_parameters": True}
+    assert handler.comm_hook == "post_local_sgd"
+    assert handler.comm_state_option == {"start_localSGD_iter": 10}
+    for kwargs, error, match in (
+        ({"comm_hook": "powersgd"}, ValueError, "Did you mean 'power_sgd'"),
+        ({"comm_hook": "fp16", "comm_wrapper": "bf61"}, ValueError, "unknown wrapper 'bf61'"),
+        (
+            {"comm_hook": "fp16", "comm_state_option": {"matrix_approximation_rank": 2}},
+            ValueError,
+            "does not apply to hook 'fp16'",
+        ),
+        ({"comm_hook": "post_local_sgd"}, ValueError, "needs the option"),
+        ({"bucket_cap": 5}, TypeError, "bucket_cap_mb"),
+    ):
+        with pytest.raises(error, match=match):
+            DistributedDataParallelKwargs(**kwargs)
 
 
 class SingleProcessAccelerator:

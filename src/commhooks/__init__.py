@@ -39,7 +39,7 @@ from commhooks.hooks.powersgd import (
 from commhooks.hooks.quantization import quantization_perchannel_hook, quantization_pertensor_hook
 from commhooks.hooks.quantized import QuantizationState, quantized_hook
 from commhooks.optim import PostLocalSGDOptimizer
-from commhooks.state import HookState, StateDictError
+from commhooks.state import HookState, StateDictError, StatelessState
 
 __version__ = "0.1.0"
 
@@ -47,6 +47,7 @@ __all__ = [
     "CommHooksWarning",
     "HookState",
     "StateDictError",
+    "StatelessState",
     "checkpoint",
     "HierarchicalAveragerOptions",
     "fsdp",

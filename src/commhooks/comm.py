@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "CollectiveCounter",
     "OrderedIssuer",
     "all_gather_into",
     "all_gather_objects",
@@ -44,6 +45,7 @@ __all__ = [
     "is_world",
     "issuer_for",
     "new_groups",
+    "observe_collectives",
     "resolve_group",
     "unheld_follow_ups",
     "world_size",
@@ -273,6 +275,152 @@ def _first(fut: "Future[list[torch.Tensor]]") -> torch.Tensor:
     return fut.value()[0]
 
 
+# -- observing what is sent --------------------------------------------------------------------
+
+
+class CollectiveCounter:
+    """Calls and bytes handed to each kind of collective while an observer was open.
+
+    The bytes are what this rank hands over (a collective's input), not what crosses the wire:
+    how many bytes that puts on each link depends on the algorithm and the world size, which
+    is a cost model's business (``commhooks.bench.costmodel``).
+    """
+
+    def __init__(self, torch_calls: bool = False) -> None:
+        self.torch_calls = torch_calls  # also counts calls made straight to torch.distributed
+        self.calls: dict[str, int] = {}
+        self.bytes: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def record(self, kind: str, nbytes: int) -> None:
+        """Count one collective of ``kind`` handing over ``nbytes``. Safe from any thread."""
+        with self._lock:
+            self.calls[kind] = self.calls.get(kind, 0) + 1
+            self.bytes[kind] = self.bytes.get(kind, 0) + nbytes
+
+
+# torch.distributed's collectives that ``observe_collectives(torch_calls=True)`` counts: the
+# argument (position, name) holding what this rank hands over; the gathers and scatters take
+# their output first.
+_TORCH_COLLECTIVES: dict[str, tuple[int, str]] = {
+    "all_reduce": (0, "tensor"),
+    "broadcast": (0, "tensor"),
+    "all_gather": (1, "tensor"),
+    "all_gather_into_tensor": (1, "input_tensor"),
+    "all_gather_single": (1, "input_tensor"),
+    "reduce_scatter_tensor": (1, "input"),
+    "all_to_all_single": (1, "input"),
+}
+_counters: list[CollectiveCounter] = []
+_torch_originals: dict[str, Callable[..., Any]] = {}
+_torch_watchers = 0
+_observers_lock = threading.Lock()
+_local = threading.local()  # ``issuing``: this thread is inside one of this module's calls
+
+
+@contextlib.contextmanager
+def observe_collectives(*, torch_calls: bool = False) -> Iterator[CollectiveCounter]:
+    """Count the collectives this process issues while inside, per kind: calls and bytes.
+
+    Every collective of the package's hooks is issued here and counted as the collective it
+    stands for: the exchange that sums a small tensor on two ranks counts as the allreduce it
+    replaces, so that a cost model prices it as the same hook issues it at other world sizes.
+    Counting covers every thread (follow-up collectives are issued from the backend's).
+
+    Args:
+        torch_calls: also count calls made straight to ``torch.distributed`` (PyTorch's own
+            hooks, a user's hook). Its collective functions are wrapped, process-wide, while
+            such an observer is open, so that calls through the module attribute are seen;
+            calls this module makes are not counted twice. DDP's own allreduce (no hook),
+            issued from C++, is never seen.
+
+    Yields:
+        the counter, complete once the block is left.
+    """
+    counter = CollectiveCounter(torch_calls)
+    with _observers_lock:
+        _counters.append(counter)
+        if torch_calls:
+            _watch_torch(+1)
+    try:
+        yield counter
+    finally:
+        with _observers_lock:
+            _counters.remove(counter)
+            if torch_calls:
+                _watch_torch(-1)
+
+
+def _watch_torch(change: int) -> None:
+    """Wrap torch.distributed's collectives for the first watcher, restore them after the last."""
+    global _torch_watchers
+    _torch_watchers += change
+    if _torch_watchers == 1 and change > 0:
+        for name, where in _TORCH_COLLECTIVES.items():
+            original = getattr(dist, name, None)
+            if original is not None:
+                _torch_originals[name] = original
+                setattr(dist, name, _counting(name, where, original))
+    elif _torch_watchers == 0:
+        for name, original in _torch_originals.items():
+            setattr(dist, name, original)
+        _torch_originals.clear()
+
+
+def _counting(
+    name: str, where: tuple[int, str], original: Callable[..., Any]
+) -> Callable[..., Any]:
+    position, keyword = where
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        if not getattr(_local, "issuing", False):
+            given = args[position] if len(args) > position else kwargs.get(keyword)
+            _observed(name, given, direct=True)
+        return original(*args, **kwargs)
+
+    counted.__wrapped__ = original  # type: ignore[attr-defined]
+    return counted
+
+
+@contextlib.contextmanager
+def _issuing(kind: str, handed: Any) -> Iterator[None]:
+    """Report a collective of ``kind`` handing over ``handed``, then issue it inside the block.
+
+    Calls to torch.distributed inside the block are not reported again: they are (or carry out)
+    the collective reported here.
+    """
+    _observed(kind, handed)
+    with _unreported():
+        yield
+
+
+@contextlib.contextmanager
+def _unreported() -> Iterator[None]:
+    """Calls to torch.distributed inside are part of a collective reported already."""
+    before = getattr(_local, "issuing", False)
+    _local.issuing = True
+    try:
+        yield
+    finally:
+        _local.issuing = before
+
+
+def _observed(kind: str, handed: Any, direct: bool = False) -> None:
+    """Report a collective of ``kind`` handing over ``handed`` (a tensor or a list of them);
+    ``direct``: called straight on torch.distributed, for the observers that asked for those.
+
+    Every function of this module that issues a collective calls it first, with the kind a
+    cost model prices (``all_reduce``, ``all_gather_into_tensor``, ``all_to_all_single``...).
+    """
+    if not _counters:
+        return
+    tensors = handed if isinstance(handed, (list, tuple)) else [handed]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    for counter in list(_counters):
+        if counter.torch_calls or not direct:
+            counter.record(kind, nbytes)
+
+
 # Up to this size, two gloo ranks sum a tensor faster by exchanging it whole (one all-gather and
 # a local add) than with gloo's allreduce, whose rounds each wait on the other rank. At two
 # ranks both send the same bytes, and the sums are the same bits (addition commutes).
@@ -287,9 +435,10 @@ def allreduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.T
     in the slow tail; PowerSGD's factors are such tensors. A sparse tensor goes to gloo's
     sparse allreduce; the future then holds the sum it returns.
     """
-    if _sums_by_exchange(tensor, group):
-        return _exchange_and_add(tensor, group)
-    work = dist.all_reduce(tensor, group=group, async_op=True)
+    with _issuing("all_reduce", tensor):  # an exchange is counted as what it stands for
+        if _sums_by_exchange(tensor, group):
+            return _exchange_and_add(tensor, group)
+        work = dist.all_reduce(tensor, group=group, async_op=True)
     return _future_of(work).then(_first)
 
 
@@ -331,7 +480,8 @@ def all_to_all(
 
     Both are ``world_size x ...`` and contiguous. The future resolves to ``out``.
     """
-    work = dist.all_to_all_single(out, tensor, group=group, async_op=True)
+    with _issuing("all_to_all_single", tensor):
+        work = dist.all_to_all_single(out, tensor, group=group, async_op=True)
     return _future_of(work).then(lambda fut: _checked(fut, out))
 
 
@@ -342,7 +492,8 @@ def all_gather_into(
 
     The future resolves to ``out``.
     """
-    work = _all_gather_single()(out, tensor, group=group, async_op=True)
+    with _issuing("all_gather_into_tensor", tensor):
+        work = _all_gather_single()(out, tensor, group=group, async_op=True)
     return _future_of(work).then(lambda fut: _checked(fut, out))
 
 
@@ -377,7 +528,8 @@ def allreduce_filled(
     reserved now.
     """
     if _sums_by_halves(tensor, group):
-        return _exchange_halves(tensor, group, issuer, fill)
+        with _issuing("all_reduce", tensor):  # counted as the allreduce it stands for
+            return _exchange_halves(tensor, group, issuer, fill)
     fill(tensor, 0)
     return allreduce(tensor, group)
 
@@ -444,7 +596,8 @@ def _trade_sums(
         fill(values, own + offset)
         received.add_(values)
     sizes = _to_peer(theirs, first), _to_peer(mine, first)
-    work = dist.all_to_all_single(theirs, mine, *sizes, group, async_op=True)
+    with _unreported():  # a follow-up's thread: the allreduce was counted when it began
+        work = dist.all_to_all_single(theirs, mine, *sizes, group, async_op=True)
     return _future_of(work).then(lambda fut: _checked(fut, tensor))
 
 

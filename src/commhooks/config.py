@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from commhooks import comm
 from commhooks.options import Options, suggest
+from commhooks.state import StatelessState
 
 __all__ = [
     "CommHookType",
@@ -441,8 +442,9 @@ def register(
         **options: the hook's state options, e.g. ``matrix_approximation_rank=2``.
 
     Returns:
-        the state object registered with the hook (keep it to checkpoint it), the process
-        group for stateless hooks, or ``None`` when ``hook`` is ``"no"``.
+        the state object registered with the hook (keep it to checkpoint it); for hooks that
+        keep no state (and ``"no"``, which registers nothing), a ``StatelessState`` holding the
+        process group, whose state dict is an empty, versioned entry.
 
     Raises:
         ValueError: unknown hook, wrapper or option; an option the hook does not take; a wrapper
@@ -471,10 +473,13 @@ def register_from_config(
         config = HookConfig.from_dict(config)
     kind, wrap = CommHookType(config.hook), CommHookType(config.wrapper)
     if kind is CommHookType.NO:
-        return None
+        return StatelessState(process_group)
     group = _check_target(ddp_model, kind, wrap, process_group)
     spec = _specs()[kind]
-    state = spec.make_state(group, dict(config.options)) if spec.make_state else group
+    # Stateless hooks get a state too, so that whatever register returned can be checkpointed.
+    state = (
+        spec.make_state(group, dict(config.options)) if spec.make_state else StatelessState(group)
+    )
     fn = spec.hook
     if fn is None:  # only hook 'no', returned above
         raise ValueError(f"hook '{kind}' registers no hook.")

@@ -21,7 +21,14 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-__all__ = ["HookState", "StateDictError", "check_count", "check_optimizer_state", "check_tensor"]
+__all__ = [
+    "HookState",
+    "StateDictError",
+    "StatelessState",
+    "check_count",
+    "check_optimizer_state",
+    "check_tensor",
+]
 
 
 class StateDictError(ValueError):
@@ -279,3 +286,23 @@ class HookState:
 
     def _load(self, state_dict: Mapping[str, Any]) -> None:
         raise NotImplementedError
+
+
+class StatelessState(HookState):
+    """The state of a hook that keeps none: only the process group it communicates on.
+
+    :func:`commhooks.register` returns one for every hook without a state of its own
+    (``allreduce``, ``fp16``, ``bf16``, ``noop``, and ``no``), so that whatever it returned can
+    be checkpointed: its state dict is an empty entry with a kind and a version, and loading a
+    dict saved by another kind of state raises ``StateDictError``. The stateless hooks accept
+    it as their state, as they accept the process group itself.
+    """
+
+    kind: ClassVar[str] = "stateless"
+    version: ClassVar[int] = 1
+
+    def _save(self) -> dict[str, Any]:
+        return {}
+
+    def _load(self, state_dict: Mapping[str, Any]) -> None:
+        """Nothing to restore: the header was checked."""

@@ -1,6 +1,7 @@
 """Run a function on several local ranks (gloo) and get each rank's result back.
 
-Used by the package's own test suite, and handy for testing a custom hook::
+Used by the package's own test suite and by ``commhooks bench``, and handy for testing a
+custom hook::
 
     def check(rank: int, world_size: int) -> float:
         ...  # build a DDP model, train, return something picklable
@@ -10,27 +11,58 @@ Used by the package's own test suite, and handy for testing a custom hook::
 
 Ranks are started from a fork server that has already imported torch, so each costs a fork,
 not an interpreter start. They rendezvous through a file store in a private directory (no port
-to race for). A rank that raises has its traceback re-raised here; one that dies has the tail
-of its output shown; one that hangs is killed after ``timeout`` seconds.
+to race for), so the only traffic between them is their own. A rank that raises has its
+traceback re-raised here; one that dies has the tail of its output shown; one that hangs is
+killed after ``timeout`` seconds. Whatever happens, every rank is gone when the call returns.
 """
 
 import datetime
 import io
 import multiprocessing
 import os
+import queue as queues
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.context import ForkServerContext, ForkServerProcess
 from typing import Any
 
-__all__ = ["RankError", "run_on_ranks"]
+__all__ = ["RankError", "describe", "run_on_ranks", "start_fork_server"]
 
-_PRELOAD = ["torch", "torch.distributed", "torch.nn", "torch.nn.parallel"]
+# Imported once by the fork server, so that no rank pays for them: DDP imports torch._dynamo
+# when it is built, which alone takes seconds on a small machine. Not commhooks: each rank
+# imports it from the parent's sys.path (a checkout, a virtual environment...).
+_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.nn", "torch.nn.parallel"]
+_LAST_WORDS_S = 0.5  # how long a message already in flight may take to arrive
 
 
 class RankError(RuntimeError):
-    """A rank raised, died, or did not finish in time."""
+    """A rank raised, died, or did not finish in time.
+
+    Attributes:
+        rank: the rank that failed first.
+        summary: one line saying what went wrong (the exception and its message).
+    """
+
+    def __init__(self, rank: int, summary: str, details: str) -> None:
+        super().__init__(f"{summary}\n{details}" if details else summary)
+        self.rank = rank
+        self.summary = summary
+
+
+def _context() -> ForkServerContext:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def start_fork_server() -> None:
+    """Start the fork server now (it imports torch: seconds), not inside the first run timed."""
+    proc = _context().Process(target=os.getpid)  # returns once the server has forked it
+    proc.start()
+    proc.join()
 
 
 def run_on_ranks(
@@ -41,39 +73,51 @@ def run_on_ranks(
     backend: str = "gloo",
     pg_timeout: float = 60.0,
     env: dict[str, str] | None = None,
+    prepare: Callable[[int], None] | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Call ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` processes.
 
     Each process has an initialised default process group, one intra-op thread, and the
     torchrun variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``) set;
-    ``env`` adds or overrides variables. ``fn`` must be importable (defined at module level)
-    and return something picklable (tensors are fine).
+    ``env`` adds or overrides variables. ``fn`` and ``prepare`` must be importable (defined at
+    module level, or partials of such functions) and ``fn`` must return something picklable
+    (tensors are fine).
+
+    Args:
+        prepare: called as ``prepare(rank)`` in each rank before its process group is set up,
+            for what must precede any connection (entering a network namespace, say).
 
     Returns:
         the return values, indexed by rank.
 
     Raises:
-        RankError: with the failing rank's traceback or output.
+        RankError: with the failing rank's traceback or output; the other ranks are killed.
     """
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
+    ctx = _context()
     with tempfile.TemporaryDirectory(prefix="commhooks-ranks-") as tmp:
-        queue = ctx.Queue()
+        results: Any = ctx.Queue()
         logs = [os.path.join(tmp, f"rank{r}.log") for r in range(world_size)]
-        spec = (os.path.join(tmp, "store"), backend, pg_timeout, dict(env or {}))
+        setup = _Setup(
+            os.path.join(tmp, "store"),
+            backend,
+            pg_timeout,
+            dict(env or {}),
+            prepare,
+            fn,
+            args,
+            kwargs,
+        )
         procs = [
             ctx.Process(
-                target=_rank_main,
-                args=(rank, world_size, spec, fn, args, kwargs, queue, logs[rank]),
-                daemon=True,
+                target=_rank_main, args=(rank, world_size, setup, results, logs[rank]), daemon=True
             )
             for rank in range(world_size)
         ]
         for proc in procs:
             proc.start()
         try:
-            return _collect(procs, queue, logs, timeout)
+            return _collect(procs, results, logs, timeout)
         finally:
             for proc in procs:
                 if proc.is_alive():
@@ -81,38 +125,59 @@ def run_on_ranks(
                 proc.join(5)
 
 
-def _collect(procs: list[Any], queue: Any, logs: list[str], timeout: float) -> list[Any]:
+@dataclass(frozen=True)
+class _Setup:
+    """What every rank is to do: where to meet and how, what to do first, what to call."""
+
+    store: str
+    backend: str
+    pg_timeout: float
+    env: dict[str, str]
+    prepare: Callable[[int], None] | None
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+def _collect(
+    procs: list[ForkServerProcess], results: Any, logs: list[str], timeout: float
+) -> list[Any]:
     import torch
 
-    results: dict[int, Any] = {}
+    done: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
-    while len(results) < len(procs):
+    while len(done) < len(procs):
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            missing = sorted(set(range(len(procs))) - set(results))
+            missing = sorted(set(range(len(procs))) - set(done))
             raise RankError(
-                f"ranks {missing} did not finish within {timeout:.0f}s.\n" + _tails(logs, missing)
+                missing[0],
+                f"ranks {missing} did not finish within {timeout:.0f}s",
+                _tails(logs, missing),
             )
         try:
-            status, rank, payload = queue.get(timeout=min(remaining, 0.5))
-        except Exception:
-            dead = [
-                r
-                for r, p in enumerate(procs)
-                if r not in results and not p.is_alive() and p.exitcode != 0
-            ]
-            if dead:
-                time.sleep(0.5)  # let a message already in flight arrive
-                if queue.empty():
-                    raise RankError(
-                        f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}.\n"
-                        + _tails(logs, dead)
-                    ) from None
+            status, rank, summary, payload = results.get(timeout=min(remaining, 0.5))
+        except queues.Empty:
+            _raise_if_dead(procs, done, results, logs)
             continue
         if status == "error":
-            raise RankError(f"rank {rank} raised:\n{payload}")
-        results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
-    return [results[r] for r in range(len(procs))]
+            raise RankError(rank, summary, f"rank {rank} raised:\n{payload}")
+        done[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+    return [done[r] for r in range(len(procs))]
+
+
+def _raise_if_dead(
+    procs: list[ForkServerProcess], done: dict[int, Any], results: Any, logs: list[str]
+) -> None:
+    dead = [
+        r for r, p in enumerate(procs) if r not in done and not p.is_alive() and p.exitcode != 0
+    ]
+    if not dead:
+        return
+    time.sleep(_LAST_WORDS_S)
+    if results.empty():
+        code = procs[dead[0]].exitcode
+        raise RankError(dead[0], f"rank {dead[0]} died with exit code {code}", _tails(logs, dead))
 
 
 def _tails(logs: list[str], ranks: list[int], chars: int = 3000) -> str:
@@ -127,17 +192,20 @@ def _tails(logs: list[str], ranks: list[int], chars: int = 3000) -> str:
     return "\n".join(parts)
 
 
-def _rank_main(
-    rank: int,
-    world_size: int,
-    spec: tuple[str, str, float, dict[str, str]],
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    queue: Any,
-    log: str,
-) -> None:
-    store, backend, pg_timeout, env = spec
+def describe(exc: BaseException) -> str:
+    """One line: the exception's type and message, or where it was raised if it has none."""
+    text = str(exc).strip().splitlines()
+    if text:
+        return f"{type(exc).__name__}: {text[0]}"[:500]
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return type(exc).__name__
+    last = frames[-1]
+    where = f"{os.path.basename(last.filename)}:{last.lineno}"
+    return f"{type(exc).__name__} (raised in {last.name}, {where})"
+
+
+def _rank_main(rank: int, world_size: int, setup: _Setup, results: Any, log: str) -> None:
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -150,29 +218,40 @@ def _rank_main(
             "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
         }
     )
-    os.environ.update(env)
+    os.environ.update(setup.env)
+    try:
+        result = _run(rank, world_size, setup)
+    except BaseException as exc:
+        _send(results, ("error", rank, describe(exc), traceback.format_exc()))
+        os._exit(1)  # skip teardown: the other ranks may be stuck in a collective
+    _send(results, ("ok", rank, "", result))
+    import torch.distributed as dist
 
+    dist.destroy_process_group()
+
+
+def _send(results: Any, message: tuple[str, int, str, Any]) -> None:
+    """Put ``message`` and wait until it has left this process."""
+    results.put(message)
+    results.close()
+    results.join_thread()
+
+
+def _run(rank: int, world_size: int, setup: _Setup) -> bytes:
+    """Prepare, join the process group, call the function; its result, serialised."""
+    if setup.prepare is not None:
+        setup.prepare(rank)
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    try:
-        dist.init_process_group(
-            backend,
-            init_method=f"file://{store}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=pg_timeout),
-        )
-        result = fn(rank, world_size, *args, **kwargs)
-        buf = io.BytesIO()
-        torch.save(result, buf)
-        queue.put(("ok", rank, buf.getvalue()))
-    except BaseException:
-        queue.put(("error", rank, traceback.format_exc()))
-        queue.close()
-        queue.join_thread()
-        os._exit(1)  # skip teardown: the other ranks may be stuck in a collective
-    queue.close()
-    queue.join_thread()
-    dist.destroy_process_group()
+    dist.init_process_group(
+        setup.backend,
+        init_method=f"file://{setup.store}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=setup.pg_timeout),
+    )
+    buf = io.BytesIO()
+    torch.save(setup.fn(rank, world_size, *setup.args, **setup.kwargs), buf)
+    return buf.getvalue()

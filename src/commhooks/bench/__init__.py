@@ -1,8 +1,11 @@
-"""``commhooks bench``: what each hook buys on a given network, measured.
+"""``commhooks bench``: what each hook buys on a given network, measured and predicted.
 
 Imported only by the command line (``commhooks bench``, ``python -m commhooks bench``), so
-``import commhooks`` stays light. Modules: ``args`` (flags), ``tasks`` (what is trained),
-``hookset`` (which hooks, with which settings), ``worker`` (one rank's loop), ``launcher``
-(fresh rank processes per hook), ``netns`` (rate-limited private network), ``costmodel``
-(ring-allreduce prediction), ``summary`` (rows and comparisons), ``report`` (table, JSON, PNG).
+``import commhooks`` stays light. A run reads top to bottom through its modules: ``args``
+(flags, the plan), ``tasks`` (what is trained), ``hookset`` (which hooks, with which
+settings), ``launcher`` (fresh rank processes per hook, through ``commhooks.testing``) and
+``worker`` (one rank's loop), exchanging ``records`` (a run's specification, a rank's result);
+``netns`` (rate-limited private links); ``rows`` (one row per hook and network), ``summary``
+(ratios, time to accuracy, noise), ``costmodel`` and ``predict`` (step times on other links
+and world sizes, from the loopback run), ``report`` (tables, answer, JSON) and ``plot`` (PNG).
 """

@@ -1,21 +1,40 @@
 """The ``commhooks bench`` command line: flags, their validation, and the resolved plan."""
 
 import argparse
+import importlib.util
 import os
 from dataclasses import dataclass, field
 
 from commhooks.bench import hookset
 from commhooks.bench.tasks import TASKS, parse_params
 from commhooks.bench.units import RATE_FORM, parse_duration, parse_rate
+from commhooks.options import suggest
 
-__all__ = ["Plan", "build_parser", "parse"]
+__all__ = ["DEFAULT_LADDER", "Plan", "build_parser", "parse"]
 
 MAX_LOCAL_RANKS = 16
+# A hook that loses a little per step (PowerSGD) reaches allreduce's final loss some steps
+# later; within this many times allreduce's steps, the time it takes is worth knowing.
+REACH_FACTOR = 2.5
+DEFAULT_LADDER = "100mbit,1gbit,10gbit,25gbit"
+PLOT_INSTALL = "pip install matplotlib (or pip install -e '.[bench]')"
 
 
 @dataclass
 class Plan:
-    """Everything a bench run needs, validated."""
+    """Everything a bench run needs, validated.
+
+    Attributes:
+        bandwidths: the rate-limited links to measure on, in bit/s; ``[None]``: none (every
+            hook always runs on loopback, which the predictions start from).
+        links: the ladder of link rates to predict step times for, ascending.
+        recommend_bps: the rates to recommend a hook for (``--link``, or the ladder).
+        predict_bps: the rate given with ``--link``/``--predict``, if any.
+        predict_world: the world size predictions are for (``--world-size``).
+        ranks: the local ranks started for every hook.
+        steps, reach_steps: the steps of allreduce and the measuring hooks, and of the others
+            (which may take longer to reach allreduce's loss).
+    """
 
     hooks: list[str]
     skipped: list[str]
@@ -24,6 +43,7 @@ class Plan:
     ranks: int
     steps: int
     warmup: int
+    reach_steps: int
     task: str
     params: int
     lr: float
@@ -32,22 +52,48 @@ class Plan:
     timeout_s: float
     json_path: str | None
     plot_path: str | None
+    links: list[int] = field(default_factory=list)
+    recommend_bps: list[int] = field(default_factory=list)
     predict_bps: int | None = None
-    predict_world: int | None = None
+    predict_world: int = 2
     sweep: bool = False
     repeat: int = 1
     lockstep: bool = False
     offload: bool = True
     fsdp: bool = False
+    wide: bool = False
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def networks(self) -> list[int | None]:
+        """Every network run: loopback first, then each link measured."""
+        return [None, *(b for b in self.bandwidths if b is not None)]
+
+
+def _version() -> str:
+    import commhooks
+
+    return f"commhooks {commhooks.__version__}"
 
 
 def build_parser(prog: str = "commhooks bench") -> argparse.ArgumentParser:
+    """The bench's flags (``commhooks bench --help``)."""
     p = argparse.ArgumentParser(
         prog=prog,
-        description="Train a small model on local ranks with each hook and compare step time, "
-        "bytes on the wire, memory and held-out loss, optionally over a rate-limited network.",
+        description="Train a small model on local ranks with each hook, measure step time, "
+        "bytes, memory and held-out loss, and predict from that which hook pays on which "
+        "network link; optionally measure on rate-limited links too.",
     )
+    p.add_argument("--version", action="version", version=_version())
+    _hook_flags(p)
+    _network_flags(p)
+    _prediction_flags(p)
+    _budget_flags(p)
+    _output_flags(p)
+    return p
+
+
+def _hook_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--hooks",
         help="comma-separated hook names (default: "
@@ -59,29 +105,6 @@ def build_parser(prog: str = "commhooks bench") -> argparse.ArgumentParser:
         action="store_true",
         help="add PyTorch's own hooks (torch_fp16, torch_power_sgd, ...) as baselines",
     )
-    p.add_argument("--steps", type=int, default=40, help="training steps per hook (default 40)")
-    p.add_argument(
-        "--warmup",
-        type=int,
-        default=None,
-        help="first steps left out of the timing (default: 5, or half of --steps if fewer)",
-    )
-    p.add_argument(
-        "--world-size",
-        type=int,
-        default=None,
-        help="ranks to start (default 2); with --predict: the world size to predict for",
-    )
-    p.add_argument(
-        "--ranks",
-        type=int,
-        default=None,
-        help="ranks to start when --world-size names the predicted world (default 2)",
-    )
-    p.add_argument("--bandwidth", help=f"rate limit of every rank's link ({RATE_FORM}); needs root")
-    p.add_argument("--latency", help="one-way delay between ranks, e.g. 5ms (needs netem)")
-    p.add_argument("--sweep", help="comma-separated rates, e.g. 50mbit,100mbit,1gbit; needs root")
-    p.add_argument("--predict", help="rate to predict step times at, e.g. 10gbit")
     p.add_argument(
         "--task",
         choices=TASKS,
@@ -96,6 +119,73 @@ def build_parser(prog: str = "commhooks bench") -> argparse.ArgumentParser:
         type=float,
         default=25.0,
         help="DDP bucket size for our hooks (default 25, DDP's)",
+    )
+
+
+def _network_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--bandwidth",
+        help=f"also measure on a link of this rate ({RATE_FORM}), to check the prediction; "
+        "needs root",
+    )
+    p.add_argument(
+        "--sweep", help="also measure on links of each rate, e.g. 50mbit,1gbit; needs root"
+    )
+    p.add_argument("--latency", help="one-way delay between ranks on the links, e.g. 5ms (netem)")
+    p.add_argument(
+        "--no-offload",
+        dest="offload",
+        action="store_false",
+        help="segment every packet in software, as a NIC without segmentation offload does "
+        "(default: offload on, as on real NICs; the rate limit and byte counts are the same)",
+    )
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard the model with FSDP2 (each rank a machine, a shard group of one) and run "
+        "the hooks through commhooks.fsdp.register, across the ranks",
+    )
+    p.add_argument("--ranks", type=int, default=None, help="local ranks to start (default 2)")
+
+
+def _prediction_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--links",
+        help=f"link rates to predict each hook's step time for (default {DEFAULT_LADDER})",
+    )
+    p.add_argument(
+        "--link",
+        help="your link's rate: recommend a hook for it (default: for every rate of --links)",
+    )
+    p.add_argument("--predict", help="the same as --link")
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="the number of ranks to predict for (default: the ranks run, --ranks)",
+    )
+
+
+def _budget_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=40,
+        help="training steps of allreduce, the reference, and of the measuring hooks; every "
+        "hook's held-out loss is taken after this many (default 40)",
+    )
+    p.add_argument(
+        "--reach-steps",
+        type=int,
+        default=None,
+        help="steps the other hooks may take to reach allreduce's final training loss, the "
+        f"time to accuracy (default {REACH_FACTOR:g} x --steps)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="first steps left out of the timing (default: 5, or half of --steps if fewer)",
     )
     p.add_argument(
         "--repeat",
@@ -112,51 +202,76 @@ def build_parser(prog: str = "commhooks bench") -> argparse.ArgumentParser:
         "ranks on one machine share its memory bandwidth, and a hook that never communicates "
         "lets them drift apart and share it better than any hook that does",
     )
-    p.add_argument(
-        "--no-offload",
-        dest="offload",
-        action="store_false",
-        help="segment every packet in software, as a NIC without segmentation offload does "
-        "(default: offload on, as on real NICs; the rate limit and byte counts are the same)",
-    )
-    p.add_argument(
-        "--fsdp",
-        action="store_true",
-        help="shard the model with FSDP2 (each rank a machine, a shard group of one) and run "
-        "the hooks through commhooks.fsdp.register, across the ranks",
-    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per hook run")
+
+
+def _output_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--wide", action="store_true", help="show every column of the results table")
     p.add_argument("--json", dest="json_path", metavar="PATH", help="write every figure as JSON")
-    p.add_argument("--plot", dest="plot_path", metavar="PATH", help="write a PNG (matplotlib)")
-    return p
-
-
-def _fail(parser: argparse.ArgumentParser, message: str) -> None:
-    parser.error(message)  # exits with status 2 and the usage line
+    p.add_argument(
+        "--plot",
+        dest="plot_path",
+        metavar="PATH",
+        help="write a PNG: speedup over allreduce against link rate, held-out loss (matplotlib)",
+    )
 
 
 def parse(argv: list[str] | None = None) -> Plan:
-    """Parse and validate ``argv``; exit with a clear message on any bad flag."""
+    """Parse and validate ``argv``; exit with status 2 and a clear message on any bad flag."""
     parser = build_parser()
     a = parser.parse_args(argv)
     try:
-        return _plan(a, parser)
+        return _plan(a)
     except ValueError as exc:
-        _fail(parser, str(exc))
-        raise  # unreachable
+        parser.error(str(exc))  # exits with status 2 and the usage line
 
 
-def _rates(text: str, flag: str) -> list[int]:
-    items = [t for t in (s.strip() for s in text.split(",")) if t]
-    if not items:
-        raise ValueError(f"{flag} needs at least one rate: use {RATE_FORM}.")
-    return [parse_rate(t) for t in items]
+def _plan(a: argparse.Namespace) -> Plan:
+    hooks, skipped = _hooks(a)
+    bandwidths, latency = _links_measured(a)
+    links, recommend, predict_bps = _ladder(a)
+    ranks, world = _world(a)
+    steps, warmup = _budget(a)
+    _check_outputs(a)
+    asked = any(x is not None for x in (a.links, a.link, a.predict, a.world_size))
+    notes = _fsdp_notes(a) + _add_references(
+        hooks, sweep=bool(a.sweep), predict=asked, other_world=world != ranks
+    )
+    return Plan(
+        hooks=hooks,
+        skipped=skipped,
+        bandwidths=bandwidths,
+        latency_s=latency,
+        ranks=ranks,
+        steps=steps,
+        warmup=warmup,
+        reach_steps=_reach_steps(a, steps),
+        task=a.task,
+        params=parse_params(a.params),
+        lr=_lr(a),
+        seed=a.seed,
+        bucket_cap_mb=a.bucket_cap_mb,
+        timeout_s=a.timeout,
+        json_path=a.json_path,
+        plot_path=a.plot_path,
+        links=links,
+        recommend_bps=recommend,
+        predict_bps=predict_bps,
+        predict_world=world,
+        sweep=bool(a.sweep),
+        repeat=a.repeat,
+        lockstep=a.lockstep,
+        offload=a.offload,
+        fsdp=a.fsdp,
+        wide=a.wide,
+        notes=notes,
+    )
 
 
-def _plan(a: argparse.Namespace, parser: argparse.ArgumentParser) -> Plan:
+def _hooks(a: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """The hooks to run, and the default ones this build lacks."""
     available = hookset.available_hooks()
     valid = available + list(hookset.TORCH_HOOKS) + list(hookset.FLOOR_HOOKS)
-    skipped: list[str] = []
     if a.hooks is None:
         requested = list(hookset.DEFAULT_HOOKS)
         hooks = [h for h in requested if h in available]
@@ -168,29 +283,71 @@ def _plan(a: argparse.Namespace, parser: argparse.ArgumentParser) -> Plan:
             raise ValueError(f"--hooks is empty; valid hooks: {', '.join(valid)}.")
         unknown = [h for h in requested if h not in valid]
         if unknown:
+            named = [
+                h + (f" ({hint.strip()})" if (hint := suggest(h, valid)) else "") for h in unknown
+            ]
             raise ValueError(
-                f"unknown hook(s) {', '.join(unknown)}; valid hooks: {', '.join(valid)}."
+                f"unknown hook(s) {', '.join(named)}; valid hooks: {', '.join(valid)}."
             )
-        hooks = requested
-    fsdp_notes: list[str] = []
+        hooks, skipped = list(requested), []
     if a.fsdp:
-        hooks, fsdp_notes = _for_fsdp(hooks, explicit=a.hooks is not None)
         if a.compare_torch:
             raise ValueError("--compare-torch runs PyTorch's DDP hooks, which FSDP2 has none of.")
+        hooks = _for_fsdp(hooks, explicit=a.hooks is not None)
     if a.compare_torch:
         hooks += hookset.torch_counterparts(requested)
     if not hooks:
         raise ValueError(f"no hook to run; valid hooks: {', '.join(valid)}.")
+    return hooks, skipped
 
+
+def _for_fsdp(hooks: list[str], explicit: bool) -> list[str]:
+    """The hooks to run under ``--fsdp``: those ``commhooks.fsdp.register`` takes.
+
+    Hooks of the default list that it does not take are left out (:func:`_fsdp_notes` says
+    so); hooks asked for by name are refused, naming the ones it takes.
+    """
+    from commhooks import fsdp
+
+    valid = fsdp.hook_names()
+    refused = [h for h in hooks if h not in valid]
+    if refused and explicit:
+        raise ValueError(
+            f"--fsdp runs hooks through commhooks.fsdp.register, which does not take "
+            f"{', '.join(refused)}; hooks for FSDP2: {', '.join(valid)}."
+        )
+    return [h for h in hooks if h in valid]
+
+
+def _fsdp_notes(a: argparse.Namespace) -> list[str]:
+    """Why hooks of the default list are missing from an ``--fsdp`` run."""
+    from commhooks import fsdp
+
+    if not a.fsdp or a.hooks is not None:
+        return []
+    valid = fsdp.hook_names()
+    left_out = [h for h in hookset.DEFAULT_HOOKS if h not in valid]
+    return [f"hook '{h}' does not apply to FSDP2 gradient shards; skipped" for h in left_out]
+
+
+def _rates(text: str, flag: str) -> list[int]:
+    items = [t for t in (s.strip() for s in text.split(",")) if t]
+    if not items:
+        raise ValueError(f"{flag} needs at least one rate: use {RATE_FORM}.")
+    return [parse_rate(t) for t in items]
+
+
+def _links_measured(a: argparse.Namespace) -> tuple[list[int | None], float]:
+    """The rate-limited links to measure on (``[None]``: none), and their latency."""
     if a.bandwidth and a.sweep:
         raise ValueError("give --bandwidth or --sweep, not both (a sweep lists every rate).")
     bandwidths: list[int | None] = [None]
     if a.bandwidth:
-        bandwidths = [*_rates(a.bandwidth, "--bandwidth")]
+        bandwidths = list(_rates(a.bandwidth, "--bandwidth"))
         if len(bandwidths) > 1:
             raise ValueError("--bandwidth takes one rate; use --sweep for several.")
     if a.sweep:
-        bandwidths = [*sorted(set(_rates(a.sweep, "--sweep")))]
+        bandwidths = list(sorted(set(_rates(a.sweep, "--sweep"))))
     latency = parse_duration(a.latency) if a.latency else 0.0
     if latency and bandwidths == [None]:
         raise ValueError("--latency needs --bandwidth or --sweep (loopback has no link to delay).")
@@ -200,29 +357,37 @@ def _plan(a: argparse.Namespace, parser: argparse.ArgumentParser) -> Plan:
         )
     if latency > 1.0:
         raise ValueError("--latency above 1s is not a network worth benchmarking; use e.g. 5ms.")
+    return bandwidths, latency
 
-    predict_bps = parse_rate(a.predict) if a.predict else None
-    notes = fsdp_notes + _add_references(
-        hooks, sweep=bool(a.sweep), predict=predict_bps is not None
-    )
+
+def _ladder(a: argparse.Namespace) -> tuple[list[int], list[int], int | None]:
+    """The rates to predict for, the rates to recommend for, and the user's own link."""
+    if a.link and a.predict:
+        raise ValueError("give --link or --predict (its older name), not both.")
+    links = _rates(a.links if a.links is not None else DEFAULT_LADDER, "--links")
+    given = a.link or a.predict
+    own = parse_rate(given) if given else None
+    ladder = sorted(set(links) | ({own} if own else set()))
+    return ladder, [own] if own else ladder, own
+
+
+def _world(a: argparse.Namespace) -> tuple[int, int]:
+    """The ranks to start, and the world size to predict for."""
     for flag, value in (("--world-size", a.world_size), ("--ranks", a.ranks)):
         if value is not None and value < 2:
             raise ValueError(f"{flag} must be at least 2 (a single rank communicates nothing).")
-    if predict_bps is not None:
-        predict_world = a.world_size or a.ranks or 2
-        ranks = a.ranks or 2
-    else:
-        if a.ranks is not None and a.world_size is not None and a.ranks != a.world_size:
-            raise ValueError(
-                "--ranks and --world-size differ; without --predict they are the same."
-            )
-        predict_world = None
-        ranks = a.ranks or a.world_size or 2
+    ranks = a.ranks or 2
     if ranks > MAX_LOCAL_RANKS:
         raise ValueError(
             f"{ranks} ranks on one machine would measure the CPU, not the network; start at most "
-            f"{MAX_LOCAL_RANKS} and model larger worlds with --predict RATE --world-size N."
+            f"{MAX_LOCAL_RANKS} and predict larger worlds with --world-size N (and --link or "
+            "--predict RATE for your link)."
         )
+    return ranks, a.world_size or ranks
+
+
+def _budget(a: argparse.Namespace) -> tuple[int, int]:
+    """Steps and untimed steps per hook; also checks the other numbers of the run."""
     if a.steps < 1:
         raise ValueError("--steps must be at least 1.")
     warmup = min(5, a.steps // 2) if a.warmup is None else a.warmup
@@ -237,70 +402,49 @@ def _plan(a: argparse.Namespace, parser: argparse.ArgumentParser) -> Plan:
         raise ValueError("--timeout must be positive.")
     if not 1 <= a.repeat <= 100:
         raise ValueError("--repeat must be between 1 and 100.")
-    lr = a.lr if a.lr is not None else (3e-3 if a.task == "stdlib-lm" else 1e-3)
+    return a.steps, warmup
+
+
+def _reach_steps(a: argparse.Namespace, steps: int) -> int:
+    reach: int = round(REACH_FACTOR * steps) if a.reach_steps is None else a.reach_steps
+    if reach < steps:
+        raise ValueError(
+            f"--reach-steps {reach} is below --steps {steps}: the hooks compared with "
+            "allreduce train at least as long as it does."
+        )
+    return reach
+
+
+def _lr(a: argparse.Namespace) -> float:
+    lr: float = a.lr if a.lr is not None else (3e-3 if a.task == "stdlib-lm" else 1e-3)
     if lr <= 0:
         raise ValueError("--lr must be positive.")
+    return lr
+
+
+def _check_outputs(a: argparse.Namespace) -> None:
     for flag, path in (("--json", a.json_path), ("--plot", a.plot_path)):
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             raise ValueError(f"{flag} {path!r}: its directory does not exist.")
     if a.plot_path and not a.plot_path.lower().endswith(".png"):
         raise ValueError(f"--plot {a.plot_path!r}: give a .png path.")
-    return Plan(
-        hooks=hooks,
-        skipped=skipped,
-        bandwidths=bandwidths,
-        latency_s=latency,
-        ranks=ranks,
-        steps=a.steps,
-        warmup=warmup,
-        task=a.task,
-        params=parse_params(a.params),
-        lr=lr,
-        seed=a.seed,
-        bucket_cap_mb=a.bucket_cap_mb,
-        timeout_s=a.timeout,
-        json_path=a.json_path,
-        plot_path=a.plot_path,
-        predict_bps=predict_bps,
-        predict_world=predict_world,
-        sweep=bool(a.sweep),
-        repeat=a.repeat,
-        lockstep=a.lockstep,
-        offload=a.offload,
-        fsdp=a.fsdp,
-        notes=notes,
-    )
-
-
-def _for_fsdp(hooks: list[str], explicit: bool) -> tuple[list[str], list[str]]:
-    """The hooks to run under ``--fsdp`` (those ``commhooks.fsdp.register`` takes), and notes.
-
-    Hooks of the default list that it does not take are skipped with a note; hooks asked for by
-    name are refused, naming the ones it takes.
-    """
-    from commhooks import fsdp
-
-    valid = fsdp.hook_names()
-    refused = [h for h in hooks if h not in valid]
-    if refused and explicit:
+    if a.plot_path and importlib.util.find_spec("matplotlib") is None:
         raise ValueError(
-            f"--fsdp runs hooks through commhooks.fsdp.register, which does not take "
-            f"{', '.join(refused)}; hooks for FSDP2: {', '.join(valid)}."
+            f"--plot draws with matplotlib, and matplotlib is not installed: {PLOT_INSTALL}."
         )
-    notes = [f"hook '{h}' does not apply to FSDP2 gradient shards; skipped" for h in refused]
-    return [h for h in hooks if h in valid], notes
 
 
-def _add_references(hooks: list[str], sweep: bool, predict: bool) -> list[str]:
-    """Add, in place, the hooks a sweep or a prediction is computed against; say why.
+def _add_references(hooks: list[str], sweep: bool, predict: bool, other_world: bool) -> list[str]:
+    """Add, in place, the hooks a sweep or an asked-for prediction is computed against.
 
-    A sweep reports each hook's speedup over ``allreduce``, and a prediction builds on the
-    ``noop`` compute floor: without them the figures asked for could not be given.
+    A sweep and a prediction report each hook's speedup over ``allreduce``; a prediction for
+    another world size needs ``noop`` too, to tell the backend's per-byte work from the rest.
+    Returns one note per hook added, saying why.
     """
     notes = []
     for needed, wanted, why in (
-        ("noop", predict, "--predict builds on its compute floor"),
-        ("allreduce", sweep, "--sweep reports each hook's speedup over it"),
+        ("noop", predict and other_world, "predictions for another world size need it"),
+        ("allreduce", sweep or predict, "speedups are over it"),
     ):
         if wanted and needed not in hooks:
             hooks.insert(0 if needed == "noop" else min(1, len(hooks)), needed)

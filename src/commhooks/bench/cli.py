@@ -1,17 +1,23 @@
-"""``commhooks bench``: run every selected hook on fresh ranks, per network, and report."""
+"""``commhooks bench``: run every selected hook on fresh ranks, per network, and report.
+
+A run reads as its steps: say what will run, measure every hook on every network, turn the
+ranks' figures into rows, compare them, predict, print, save.
+"""
 
 import datetime
 import os
 import platform
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack
 from typing import Any
 
-from commhooks.bench import hookset, report, summary
+from commhooks.bench import hookset, predict, report, summary
 from commhooks.bench.args import Plan, parse
-from commhooks.bench.launcher import run_hook, start_server
-from commhooks.bench.netns import Network, NetworkError, check_can_create
+from commhooks.bench.launcher import run_hook, start_fork_server
+from commhooks.bench.netns import Network, NetworkError
+from commhooks.bench.records import RunOutcome, RunSpec
+from commhooks.bench.rows import Row, make_row, pool_runs
 from commhooks.bench.units import format_rate
 
 __all__ = ["main", "run"]
@@ -20,6 +26,7 @@ TORCH_SINGLE_BUCKET_NOTE = (
     "PyTorch's PowerSGD hooks run with a single DDP bucket (bucket_cap_mb={mb:g}): with several "
     "buckets they abort on gloo (follow-up collectives issued in a different order on each rank)."
 )
+Runs = dict[tuple[str, int | None], list[RunOutcome]]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,117 +43,177 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _progress() -> Any:
-    try:
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-    except ImportError:
-        return None
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(),
-        transient=False,
-    )
-
-
-def _spec(plan: Plan, hook: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    options = hookset.settings_for(hook)
-    single = hook in hookset.SINGLE_BUCKET_HOOKS
-    bucket = hookset.SINGLE_BUCKET_MB if single else plan.bucket_cap_mb
-    spec = {
-        "world_size": plan.ranks,
-        "task": plan.task,
-        "params": plan.params,
-        "seed": plan.seed,
-        "steps": plan.steps,
-        "warmup": plan.warmup,
-        "hook": hook,
-        "options": options,
-        "bucket_cap_mb": bucket,
-        "lr": plan.lr,
-        "lockstep": plan.lockstep,
-        "fsdp": plan.fsdp,
-    }
-    context = {"options": options, "bucket_cap_mb": bucket, "latency_s": plan.latency_s or None}
-    if hook in ("post_local_sgd", "torch_post_local_sgd"):
-        context["averager_period"] = hookset.AVERAGER_PERIOD
-    if single:
-        context["note"] = "single bucket so that PyTorch's PowerSGD completes on gloo"
-    return spec, context
-
-
 def run(plan: Plan, argv: list[str]) -> dict[str, Any]:
-    """Run ``plan``; print the table; write JSON/PNG when asked. Returns the JSON document."""
+    """Run ``plan``; print the tables and the answer; write JSON/PNG when asked.
+
+    Returns:
+        the JSON document.
+    """
+    _print_notes(plan)
+    started = time.time()
+    rows = _rows(plan, _measure(plan))
+    comparisons = summary.analyse(rows, plan.sweep)
+    answer = predict.predict(rows, plan)
+    report.print_report(
+        rows, comparisons, answer, _title(plan), wide=plan.wide, reach_steps=plan.reach_steps
+    )
+    document = _document(plan, argv, rows, comparisons, answer, time.time() - started)
+    _write_outputs(plan, document, rows, answer)
+    print(f"total time: {time.time() - started:.0f}s")
+    return document
+
+
+def _print_notes(plan: Plan) -> None:
+    """What the run adds, skips or fixes, before it starts."""
     for name in plan.skipped:
         print(f"note: hook '{name}' is not registered in this build of commhooks; skipped.")
     for line in plan.notes:
         print(f"note: {line}")
-    if any(bw is not None for bw in plan.bandwidths):
-        check_can_create(plan.latency_s)
+    if plan.bandwidths != [None]:
+        print("note: every hook also runs on loopback: the predictions are made from there.")
     if any(h in hookset.SINGLE_BUCKET_HOOKS for h in plan.hooks):
         print("note: " + TORCH_SINGLE_BUCKET_NOTE.format(mb=hookset.SINGLE_BUCKET_MB))
     for line in _setting_notes(plan):
         print(f"settings: {line}")
-    started = time.time()
-    rows: list[dict[str, Any]] = []
-    total = len(plan.hooks) * len(plan.bandwidths) * plan.repeat
-    done = 0
-    progress = _progress()
-    with progress or nullcontext():
-        task = progress.add_task("starting rank processes", total=total) if progress else None
-        start_server()
-        for bw in plan.bandwidths:
-            net = None
-            if bw is not None:
-                net = Network(plan.ranks, bw, plan.latency_s, offload=plan.offload)
-            specs = {hook: _spec(plan, hook) for hook in plan.hooks}
-            runs: dict[str, list[dict[str, Any]]] = {hook: [] for hook in plan.hooks}
-            with net or nullcontext():
-                # Rounds of every hook in turn: a drift of the machine's speed during the run
-                # then shows in every hook's figures instead of in the last hooks' alone.
-                for round_ in range(plan.repeat):
-                    for hook in plan.hooks:
-                        where = format_rate(bw)
-                        if plan.repeat > 1:
-                            where += f", round {round_ + 1}/{plan.repeat}"
-                        if progress:
-                            progress.update(task, description=f"{hook} @ {where}")
-                        t0 = time.time()
-                        result = run_hook(specs[hook][0], net, timeout=plan.timeout_s)
-                        runs[hook].append(result)
-                        done += 1
-                        status = "ok" if result["ok"] else f"FAILED: {result['error'][:120]}"
-                        line = f"{hook} @ {where}: {time.time() - t0:.1f}s {status}"
-                        if progress:
-                            progress.console.print(line)
-                            progress.advance(task)
-                        else:
-                            print(f"[{done}/{total}] {line}", flush=True)
+
+
+class _Progress:
+    """A progress bar (rich, when installed) or a line per run."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done = total, 0
+        self.bar: Any = None
+        try:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+        except ImportError:
+            return
+        self.bar = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+        )
+        self.task = self.bar.add_task("starting rank processes", total=total)
+
+    def starting(self, what: str) -> None:
+        """Show what runs now."""
+        if self.bar is not None:
+            self.bar.update(self.task, description=what)
+
+    def finished(self, line: str) -> None:
+        """Count a run done and print its line."""
+        self.done += 1
+        if self.bar is None:
+            print(f"[{self.done}/{self.total}] {line}", flush=True)
+            return
+        self.bar.console.print(line)
+        self.bar.advance(self.task)
+
+    def __enter__(self) -> "_Progress":
+        if self.bar is not None:
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def _open_networks(plan: Plan, stack: ExitStack) -> dict[int | None, Network | None]:
+    """Every network of the run, the links created now and removed when ``stack`` closes."""
+    networks: dict[int | None, Network | None] = {None: None}
+    for bandwidth in plan.bandwidths:
+        if bandwidth is None:
+            continue
+        net = Network(plan.ranks, bandwidth, plan.latency_s, offload=plan.offload)
+        networks[bandwidth] = stack.enter_context(net)
+    return networks
+
+
+def _measure(plan: Plan) -> Runs:
+    """Every hook on every network, ``plan.repeat`` times.
+
+    Each hook runs on every network in turn before the next hook, and all of them in rounds:
+    a drift of the machine's speed then shows in every figure alike, and a hook's loopback
+    run, which its prediction comes from, is next in time to the link runs it is checked
+    against.
+    """
+    runs: Runs = {(h, bw): [] for bw in plan.networks for h in plan.hooks}
+    with ExitStack() as stack, _Progress(len(runs) * plan.repeat) as progress:
+        networks = _open_networks(plan, stack)
+        start_fork_server()
+        for round_ in range(plan.repeat):
             for hook in plan.hooks:
-                pooled = summary.pool_runs(runs[hook])
-                rows.append(summary.make_row(hook, bw, pooled, specs[hook][1]))
-    comparisons = summary.analyse(rows, plan)
-    title = (
-        f"commhooks bench: {plan.task}, {plan.ranks} ranks, {plan.steps} steps "
-        f"({plan.warmup} untimed)" + (f", {plan.repeat} rounds" if plan.repeat > 1 else "")
+                for bw, net in networks.items():
+                    where = format_rate(bw)
+                    if plan.repeat > 1:
+                        where += f", round {round_ + 1}/{plan.repeat}"
+                    progress.starting(f"{hook} @ {where}")
+                    t0 = time.time()
+                    outcome = run_hook(_spec(plan, hook, net), plan.ranks, net, plan.timeout_s)
+                    runs[hook, bw].append(outcome)
+                    status = "ok" if outcome.ok else f"FAILED: {(outcome.error or '')[:120]}"
+                    progress.finished(f"{hook} @ {where}: {time.time() - t0:.1f}s {status}")
+    return runs
+
+
+def _bucket_cap_mb(plan: Plan, hook: str) -> float:
+    single = hook in hookset.SINGLE_BUCKET_HOOKS
+    return hookset.SINGLE_BUCKET_MB if single else plan.bucket_cap_mb
+
+
+def _steps(plan: Plan, hook: str) -> int:
+    """allreduce's steps for the references, more for the hooks that may reach its loss later."""
+    reaching = hookset.recommendable(hook) and hook != "allreduce"
+    return plan.reach_steps if reaching else plan.steps
+
+
+def _spec(plan: Plan, hook: str, net: Network | None) -> RunSpec:
+    return RunSpec(
+        hook=hook,
+        options=hookset.settings_for(hook),
+        task=plan.task,
+        params=plan.params,
+        seed=plan.seed,
+        steps=_steps(plan, hook),
+        warmup=plan.warmup,
+        heldout_at=plan.steps,
+        lr=plan.lr,
+        bucket_cap_mb=_bucket_cap_mb(plan, hook),
+        lockstep=plan.lockstep,
+        host_ends=net.host_ends if net is not None else None,
+        fsdp=plan.fsdp,
     )
-    report.print_table(rows, title)
-    _print_comparisons(comparisons, plan)
-    document = {
-        "environment": _environment(plan, argv, time.time() - started),
-        "settings": _settings(plan),
-        "results": rows,
-        **comparisons,
+
+
+def _context(plan: Plan, hook: str) -> dict[str, Any]:
+    """The settings a row records beside its figures."""
+    context: dict[str, Any] = {
+        "options": hookset.settings_for(hook),
+        "bucket_cap_mb": _bucket_cap_mb(plan, hook),
+        "latency_s": plan.latency_s or None,
     }
-    if plan.json_path:
-        report.write_json(plan.json_path, document)
-        print(f"wrote {plan.json_path}")
-    if plan.plot_path:
-        note = report.write_plot(plan.plot_path, rows, comparisons.get("sweep"))
-        print(f"note: {note}" if note else f"wrote {plan.plot_path}")
-    print(f"total time: {time.time() - started:.0f}s")
-    return document
+    if hook in ("post_local_sgd", "torch_post_local_sgd"):
+        context["averager_period"] = hookset.AVERAGER_PERIOD
+    if hook in hookset.SINGLE_BUCKET_HOOKS:
+        context["note"] = "single bucket so that PyTorch's PowerSGD completes on gloo"
+    return context
+
+
+def _rows(plan: Plan, runs: Runs) -> list[Row]:
+    return [
+        make_row(hook, bw, pool_runs(runs[hook, bw]), _context(plan, hook))
+        for bw in plan.networks
+        for hook in plan.hooks
+    ]
+
+
+def _title(plan: Plan) -> str:
+    rounds = f", {plan.repeat} rounds" if plan.repeat > 1 else ""
+    return (
+        f"commhooks bench: {plan.task}, {plan.ranks} ranks, {plan.steps} steps "
+        f"({plan.warmup} untimed){rounds}"
+    )
 
 
 def _setting_notes(plan: Plan) -> list[str]:
@@ -169,7 +236,11 @@ def _setting_notes(plan: Plan) -> list[str]:
             "FSDP2: the model sharded per layer with fully_shard over a shard group of one rank "
             "(each rank a machine), the hook averaging the shards across ranks"
         )
-    lines.append(f"{plan.steps} steps per hook, the first {plan.warmup} not timed")
+    lines.append(
+        f"{plan.steps} steps for allreduce and the measuring hooks, {plan.reach_steps} for the "
+        f"others (to see when they reach allreduce's loss); the first {plan.warmup} not timed; "
+        f"held-out loss after {plan.steps}"
+    )
     if plan.repeat > 1:
         lines.append(f"{plan.repeat} rounds of every hook in turn, each hook's timed steps pooled")
     if plan.lockstep:
@@ -179,29 +250,39 @@ def _setting_notes(plan: Plan) -> list[str]:
     return lines
 
 
-def _print_comparisons(comparisons: dict[str, Any], plan: Plan) -> None:
-    for hook, info in comparisons.get("sweep", {}).items():
-        sp = ", ".join(
-            f"{format_rate(int(bw))}: {s:.2f}x"
-            for bw, s in info["speedup_vs_allreduce"].items()
-            if s is not None and bw != "None"
-        )
-        be = info["break_even_bandwidth"]
-        be_text = f"break-even {format_rate(be)}; " if be else ""
-        print(f"sweep {hook}: " + "; ".join(x for x in (sp, be_text + info["verdict"]) if x))
-    pred = comparisons.get("prediction")
-    if pred:
-        print(
-            f"prediction at {format_rate(pred['bandwidth'])}, {pred['world_size']} ranks "
-            f"(ring allreduce model, measured at {format_rate(pred['measured_at'])}):"
-        )
-        for hook, p in pred["hooks"].items():
-            sp = p["speedup_vs_allreduce"]
-            print(
-                f"  {hook}: {p['step_ms']:.1f} ms/step" + (f", {sp:.2f}x allreduce" if sp else "")
-            )
-    if comparisons.get("prediction_note"):
-        print(f"note: {comparisons['prediction_note']}")
+def _document(
+    plan: Plan,
+    argv: list[str],
+    rows: list[Row],
+    comparisons: dict[str, Any],
+    answer: dict[str, Any],
+    elapsed: float,
+) -> dict[str, Any]:
+    answer = dict(answer)
+    at_link = answer.pop("prediction", None)
+    document = {
+        "environment": _environment(plan, argv, elapsed),
+        "settings": _settings(plan),
+        "results": [row.to_dict() for row in rows],
+        "answer": answer,
+        **comparisons,
+    }
+    if at_link is not None:
+        document["prediction"] = at_link
+    return document
+
+
+def _write_outputs(
+    plan: Plan, document: dict[str, Any], rows: list[Row], answer: dict[str, Any]
+) -> None:
+    if plan.json_path:
+        report.write_json(plan.json_path, document)
+        print(f"wrote {plan.json_path}")
+    if plan.plot_path:
+        from commhooks.bench.plot import write_plot  # imports matplotlib
+
+        write_plot(plan.plot_path, rows, answer, _title(plan))
+        print(f"wrote {plan.plot_path}")
 
 
 def _settings(plan: Plan) -> dict[str, Any]:
@@ -210,6 +291,7 @@ def _settings(plan: Plan) -> dict[str, Any]:
         "skipped_hooks": plan.skipped,
         "notes": plan.notes,
         "steps": plan.steps,
+        "reach_steps": plan.reach_steps,
         "warmup_steps": plan.warmup,
         "repeat": plan.repeat,
         "lockstep": plan.lockstep,
@@ -219,6 +301,9 @@ def _settings(plan: Plan) -> dict[str, Any]:
         "lr": plan.lr,
         "seed": plan.seed,
         "bucket_cap_mb": plan.bucket_cap_mb,
+        "links": plan.links,
+        "link": plan.predict_bps,
+        "predicted_world_size": plan.predict_world,
         "powerSGD": hookset.POWERSGD_SETTINGS,
         "post_local_sgd": {**hookset.LOCALSGD_SETTINGS, "averager_period": hookset.AVERAGER_PERIOD},
         "torch_reference": TORCH_SINGLE_BUCKET_NOTE.format(mb=hookset.SINGLE_BUCKET_MB),
@@ -226,6 +311,8 @@ def _settings(plan: Plan) -> dict[str, Any]:
         "and quartiles of the slowest rank's timed steps",
         "peak_memory": "ru_maxrss at the end minus the resident set before the task was built; "
         "max over ranks",
+        "noise": f"a row is noisy when the median absolute deviation of its step times exceeds "
+        f"{summary.SPREAD_LIMIT:.0%} of their median, or it is faster than noop",
     }
 
 
@@ -234,6 +321,7 @@ def _environment(plan: Plan, argv: list[str], elapsed: float) -> dict[str, Any]:
 
     import commhooks
 
+    links = [b for b in plan.bandwidths if b is not None]
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "argv": ["commhooks", "bench", *argv],
@@ -244,13 +332,13 @@ def _environment(plan: Plan, argv: list[str], elapsed: float) -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "world_size": plan.ranks,
         "backend": "gloo",
-        # The link rate in bit/s (null on loopback); a sweep lists each rate it ran.
-        "bandwidth": plan.bandwidths[0] if len(plan.bandwidths) == 1 else plan.bandwidths,
-        "bandwidths": plan.bandwidths,
+        # The link rate in bit/s (null: loopback only); a sweep lists each rate it ran.
+        "bandwidth": (links[0] if len(links) == 1 else links) if links else None,
+        "bandwidths": plan.networks,
         "latency_s": plan.latency_s or None,
         "network": "loopback"
-        if plan.bandwidths == [None]
-        else "one network namespace per rank, veth to a bridge, tc tbf on both ends of each link"
-        + ("" if plan.offload else ", no segmentation offload"),
+        if not links
+        else "loopback, and one network namespace per rank, veth to a bridge, tc tbf on both "
+        "ends of each link" + ("" if plan.offload else ", no segmentation offload"),
         "elapsed_s": elapsed,
     }

@@ -6,17 +6,21 @@ Our hooks are attached through :func:`commhooks.register`, so every hook registe
 register or run them is reported as a result rather than raised.
 """
 
-from collections.abc import Iterable
+import importlib
+from collections.abc import Callable, Iterable
 from typing import Any
 
 __all__ = [
     "DEFAULT_HOOKS",
     "HOOK_SETTINGS",
     "FLOOR_HOOKS",
+    "MEASURING_HOOKS",
     "TORCH_HOOKS",
     "SINGLE_BUCKET_MB",
     "attach",
     "available_hooks",
+    "calls_torch_directly",
+    "recommendable",
     "torch_counterparts",
 ]
 
@@ -33,11 +37,14 @@ DEFAULT_HOOKS = (
 )
 
 # Short warm-ups so that a budget of a few dozen steps is mostly spent in the regime measured.
-POWERSGD_SETTINGS = {"matrix_approximation_rank": 2, "start_powerSGD_iter": 3}
+POWERSGD_SETTINGS: dict[str, Any] = {"matrix_approximation_rank": 2, "start_powerSGD_iter": 3}
 # Each local rank stands for a machine of its own: after the warm-up no gradient allreduce at
 # all (the default subgroup, one per machine, would be the whole world here), only the
 # periodic parameter averaging.
-LOCALSGD_SETTINGS = {"start_localSGD_iter": 3, "post_local_gradient_allreduce": False}
+LOCALSGD_SETTINGS: dict[str, Any] = {
+    "start_localSGD_iter": 3,
+    "post_local_gradient_allreduce": False,
+}
 AVERAGER_PERIOD = 4
 
 HOOK_SETTINGS: dict[str, dict[str, Any]] = {
@@ -67,6 +74,8 @@ TORCH_HOOKS = (
 FLOOR_HOOKS = ("floor_sync", "floor_wire", "floor_memory")
 for _name in FLOOR_HOOKS:
     HOOK_SETTINGS[_name] = POWERSGD_SETTINGS
+# Hooks that measure rather than train: never a recommendation.
+MEASURING_HOOKS = ("noop", "torch_noop", *FLOOR_HOOKS)
 # PyTorch's PowerSGD issues follow-up collectives from future callbacks and aborts on gloo when
 # a model has several buckets; one bucket holding every gradient lets the baseline complete.
 SINGLE_BUCKET_MB = 4096.0
@@ -90,7 +99,22 @@ def available_hooks() -> list[str]:
     """Names of our hooks registered in this build, and ``no``: DDP's own allreduce, no hook."""
     from commhooks import config
 
-    return [str(k.value if hasattr(k, "value") else k) for k in config._specs()]
+    return config.hook_names()
+
+
+def calls_torch_directly(name: str) -> bool:
+    """Whether hook ``name`` issues collectives through ``torch.distributed`` itself (PyTorch's
+    hooks), rather than through ``commhooks.comm``, where they are counted anyway."""
+    return name.startswith("torch_")
+
+
+def recommendable(name: str) -> bool:
+    """Whether hook ``name`` is one to train with: not a measuring instrument, not a baseline.
+
+    These are the hooks the bench recommends from, and the ones that train past ``--steps``,
+    up to ``--reach-steps``, to show when they reach ``allreduce``'s loss.
+    """
+    return name not in MEASURING_HOOKS and not calls_torch_directly(name)
 
 
 def torch_counterparts(names: Iterable[str]) -> list[str]:
@@ -114,7 +138,7 @@ def settings_for(name: str, available: Iterable[str] | None = None) -> dict[str,
     return {k: v for k, v in wanted.items() if k in accepted}
 
 
-def attach(ddp: Any, name: str, options: dict[str, Any]) -> Any:
+def attach(ddp: Any, name: str, options: dict[str, Any]) -> Callable[[], Any]:
     """Register hook ``name`` on ``ddp``; return a callable run after each optimizer step.
 
     The callable is the model averager for post-local SGD (when the build has one), a no-op
@@ -123,9 +147,7 @@ def attach(ddp: Any, name: str, options: dict[str, Any]) -> Any:
     if name.startswith("torch_"):
         return _attach_torch(ddp, name, options)
     if name in FLOOR_HOOKS:
-        from commhooks_baselines.floors import attach_floor
-
-        attach_floor(ddp, name, options)
+        _baselines("commhooks_baselines.floors").attach_floor(ddp, name, options)
         return lambda: None
     import commhooks
 
@@ -137,8 +159,15 @@ def attach(ddp: Any, name: str, options: dict[str, Any]) -> Any:
     return lambda: None
 
 
-def _attach_torch(ddp: Any, name: str, options: dict[str, Any]) -> Any:
-    # PyTorch's own hooks live in a package of their own, outside the library's source.
-    from commhooks_baselines import attach_torch
+def _attach_torch(ddp: Any, name: str, options: dict[str, Any]) -> Callable[[], Any]:
+    attach_torch = _baselines("commhooks_baselines").attach_torch
+    after_step: Callable[[], Any] = attach_torch(
+        ddp, name, options, averager_period=AVERAGER_PERIOD
+    )
+    return after_step
 
-    return attach_torch(ddp, name, options, averager_period=AVERAGER_PERIOD)
+
+def _baselines(module: str) -> Any:
+    """The baselines package, beside the library's source (it imports PyTorch's own hooks,
+    which the library never does); loaded only when a baseline or floor is asked for."""
+    return importlib.import_module(module)

@@ -29,14 +29,18 @@ handler and the SIGINT/SIGTERM handlers installed while the network exists all c
 
 import atexit
 import contextlib
+import ctypes
+import json
 import os
 import secrets
 import shutil
 import signal
 import subprocess
+from collections.abc import Callable
 from types import FrameType
+from typing import Any
 
-__all__ = ["Network", "NetworkError", "check_can_create"]
+__all__ = ["Network", "NetworkError", "check_can_create", "enter_namespace", "link_counters"]
 
 IFACE = "bench0"  # the rank's interface name inside its own namespace
 _PREFIX = "commhooks-"
@@ -114,7 +118,7 @@ class Network:
         # What this run made, so that cleaning up never touches a name someone else holds.
         self._made_namespaces: list[str] = []
         self._made_links: list[str] = []
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -232,8 +236,8 @@ class Network:
         """The prefix that runs a command inside rank ``rank``'s namespace."""
         return ["ip", "netns", "exec", self.namespaces[rank]]
 
-    def env(self, rank: int) -> dict[str, str]:
-        """Environment that binds gloo to the rank's namespace interface."""
+    def env(self) -> dict[str, str]:
+        """Environment that binds gloo to each rank's interface in its namespace."""
         return {"GLOO_SOCKET_IFNAME": IFACE, "MASTER_ADDR": self.addresses[0]}
 
     def leftovers(self) -> list[str]:
@@ -245,3 +249,68 @@ class Network:
             n for n in [*self.host_ends, self.bridge] if f" {n}:" in links or f" {n}@" in links
         ]
         return found
+
+
+# -- inside a rank ----------------------------------------------------------------------------
+
+
+def enter_namespace(namespaces: list[str], rank: int) -> None:
+    """Move this process into rank ``rank``'s network namespace, before it opens any socket.
+
+    Called in a freshly forked, single-threaded rank process (``setns`` refuses a process
+    with several threads).
+    """
+    clone_newnet = 0x40000000
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{namespaces[rank]}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, clone_newnet) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into network namespace {namespaces[rank]}")
+    finally:
+        os.close(fd)
+
+
+def link_counters(host_end: str | None) -> dict[str, int] | None:
+    """The rank's sent and received bytes and wire-sized packets so far; ``None`` on loopback.
+
+    Sent traffic is read from the rate limiter on the rank's own link, which counts every
+    segment that goes on the wire with its headers, whether or not TCP handed it over as one
+    offloaded packet. Received traffic is what the host end of the link delivered to the rank
+    (its transmit counters). Without ``tc`` statistics both come from the host end. Call it
+    from inside the rank's namespace.
+    """
+    if not host_end:
+        return None
+    base = f"/sys/class/net/{host_end}/statistics/"
+
+    def host_end_count(name: str) -> int:
+        with open(f"{base}{name}") as f:
+            return int(f.read())
+
+    sent = _limiter_counts()
+    if sent is None:  # what the host end received is what the rank sent
+        sent = (host_end_count("rx_bytes"), host_end_count("rx_packets"))
+    return {
+        "tx_bytes": sent[0],
+        "tx_packets": sent[1],
+        "rx_bytes": host_end_count("tx_bytes"),
+        "rx_packets": host_end_count("tx_packets"),
+    }
+
+
+def _limiter_counts() -> tuple[int, int] | None:
+    """Bytes and packets through the root qdisc of this namespace's link, if ``tc`` says."""
+    try:
+        done = subprocess.run(
+            ["tc", "-s", "-j", "qdisc", "show", "dev", IFACE],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        qdiscs = json.loads(done.stdout) if done.returncode == 0 else []
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return None
+    for q in qdiscs:
+        if q.get("root") and "bytes" in q and "packets" in q:
+            return int(q["bytes"]), int(q["packets"])
+    return None

@@ -1,138 +1,311 @@
-"""Show and save the results: terminal table (rich when installed), JSON, PNG (matplotlib)."""
+"""Show and save the results: the tables and the answer in 80 columns, and the JSON.
+
+The default table is compact, one per network, so that it fits an 80-column terminal: what a
+reader compares at a glance. ``--wide`` prints every figure in one table. The answer follows:
+each hook's predicted step time on the ladder of links, where it pays, and which hook to use
+on which link.
+"""
 
 import json
 import math
 import os
+import textwrap
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from commhooks.bench.rows import Row
+from commhooks.bench.summary import LOSS_WINDOW, NOISE_SUGGESTION, SPREAD_LIMIT, by_network
 from commhooks.bench.units import format_bytes, format_rate
 
-__all__ = ["print_table", "write_json", "write_plot"]
+__all__ = [
+    "WIDTH",
+    "answer_lines",
+    "print_report",
+    "results_lines",
+    "sweep_lines",
+    "table_lines",
+    "write_json",
+]
+
+WIDTH = 80
+Column = tuple[str, Callable[[Row], str]]
 
 
-def _fmt(value: Any, spec: str, suffix: str = "") -> str:
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    if value is None or not math.isfinite(value):
         return "-"
     return f"{value:{spec}}{suffix}"
 
 
-def table_rows(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
-    head = [
-        "hook",
-        "network",
-        "ms/step",
-        "± IQR/2",
-        "x allreduce",
-        "x noop",
-        "bytes/step/rank",
-        "compression",
-        "held-out loss",
-        "peak mem",
-        "status",
+def _ms(value: float | None) -> str:
+    """Milliseconds without an exponent: whole from 100 up, 3 significant digits below."""
+    if value is None or not math.isfinite(value):
+        return "-"
+    if value >= 100:
+        return f"{value:.0f}"
+    return f"{value:.1f}" if value >= 10 else f"{value:.2f}"
+
+
+def _spread(r: Row) -> str:
+    spread = r.noise.get("relative_spread")
+    return _fmt(100 * spread, ".0f", "%") if spread is not None else "-"
+
+
+def _reached(r: Row) -> str:
+    if r.steps_to_allreduce_loss is None:
+        return "-"
+    return f"{r.steps_to_allreduce_loss} @{r.time_to_allreduce_loss_s:.1f}s"
+
+
+def _note(r: Row) -> str:
+    if not r.ok:
+        return "FAILED"
+    return "noisy" if r.noise.get("noisy") else "ok"
+
+
+def _error(r: Row) -> str:
+    return _fmt(100 * r.prediction["error"], "+.0f", "%") if r.prediction else "-"
+
+
+def _predicted(r: Row) -> str:
+    return _ms(r.prediction["step_ms"]) if r.prediction else "-"
+
+
+def _sent(r: Row) -> str:
+    return format_bytes(r.bytes_per_step) + ("" if r.wire else "*")
+
+
+_HOOK: Column = ("hook", lambda r: r.hook)
+_STEP: Column = ("ms/step", lambda r: _ms(r.step_ms_median))
+_SPREAD: Column = ("±", _spread)
+_SENT: Column = ("sent/step", _sent)
+_NOTE: Column = ("note", _note)
+LOOPBACK_COLUMNS: list[Column] = [
+    _HOOK,
+    _STEP,
+    _SPREAD,
+    _SENT,
+    ("held-out", lambda r: _fmt(r.heldout_loss, ".3f")),
+    ("reached", _reached),
+    _NOTE,
+]
+LINK_COLUMNS: list[Column] = [
+    _HOOK,
+    _STEP,
+    _SPREAD,
+    ("predicted", _predicted),
+    ("error", _error),
+    ("x allreduce", lambda r: _fmt(r.time_vs_allreduce, ".2f")),
+    _SENT,
+    _NOTE,
+]
+WIDE_COLUMNS: list[Column] = [
+    _HOOK,
+    ("network", lambda r: format_rate(r.bandwidth)),
+    _STEP,
+    ("±IQR/2", lambda r: _fmt(_half_iqr(r), ".1f")),
+    ("mean", lambda r: _ms(r.step_ms_mean)),
+    ("x allreduce", lambda r: _fmt(r.time_vs_allreduce, ".2f")),
+    ("x noop", lambda r: _fmt(r.time_vs_noop, ".2f")),
+    ("bytes/step/rank", _sent),
+    ("compression", lambda r: _fmt(r.compression_ratio, ".1f", "x")),
+    ("held-out loss", lambda r: _fmt(r.heldout_loss, ".3f")),
+    ("vs allreduce", lambda r: _fmt(r.heldout_loss_vs_allreduce, "+.3f")),
+    ("reached", _reached),
+    ("peak mem", lambda r: format_bytes(r.peak_memory_bytes)),
+    ("predicted", _predicted),
+    ("error", _error),
+    _NOTE,
+]
+
+
+def _half_iqr(r: Row) -> float | None:
+    if r.step_ms_p75 is None or r.step_ms_p25 is None:
+        return None
+    return (r.step_ms_p75 - r.step_ms_p25) / 2
+
+
+def _cells(r: Row, columns: list[Column]) -> list[str]:
+    if r.ok:
+        return [cell(r) for _, cell in columns]
+    # A failed run has a name, a network and an error, nothing else.
+    return [
+        r.hook if name == "hook" else _note(r) if name == "note" else "-" for name, _ in columns
     ]
-    body = []
-    for r in rows:
-        if not r["ok"]:
-            body.append([r["hook"], format_rate(r["bandwidth"])] + ["-"] * 8 + ["FAILED"])
-            continue
-        spread = (r["step_ms_p75"] - r["step_ms_p25"]) / 2
-        body.append(
-            [
-                r["hook"],
-                format_rate(r["bandwidth"]),
-                _fmt(r["step_ms_median"], ".1f"),
-                _fmt(spread, ".1f"),
-                _fmt(r.get("time_vs_allreduce"), ".2f"),
-                _fmt(r.get("time_vs_noop"), ".2f"),
-                format_bytes(r["bytes_per_step"]) + ("" if r.get("wire") else "*"),
-                _fmt(r.get("compression_ratio"), ".1f", "x"),
-                _fmt(r["heldout_loss"], ".3f"),
-                format_bytes(r["peak_memory_bytes"]),
-                "ok",
-            ]
+
+
+def _layout(lines: Sequence[Sequence[str]], gap: int = 2) -> list[str]:
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    out = []
+    for line in lines:
+        cells = [c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))]
+        out.append((" " * gap).join(cells).rstrip())
+    return out
+
+
+def _fitted(lines: Sequence[Sequence[str]]) -> list[str]:
+    """Laid out with two spaces between columns, or one where two would exceed WIDTH."""
+    text = _layout(lines)
+    return text if max(len(line) for line in text) <= WIDTH else _layout(lines, gap=1)
+
+
+def table_lines(rows: list[Row], columns: list[Column]) -> list[str]:
+    """The rows as text columns, within WIDTH where the columns allow it."""
+    return _fitted([[name for name, _ in columns]] + [_cells(r, columns) for r in rows])
+
+
+def _footnotes(rows: list[Row]) -> list[str]:
+    out = []
+    if any(r.ok and not r.wire for r in rows):
+        out.append(
+            "* bytes from the payload handed to each collective and the ring-allreduce model; "
+            "links (--bandwidth) read real counters."
         )
-    return head, body
-
-
-def print_table(rows: list[dict], title: str, console: Any = None) -> None:
-    """Print the comparison table, then one line per failed hook with its error."""
-    head, body = table_rows(rows)
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
-        print(title)
-        for line in [head, *body]:
-            print("  ".join(str(x).rjust(w) for x, w in zip(line, widths)))
-    else:
-        table = Table(title=title)
-        for i, h in enumerate(head):
-            table.add_column(h, justify="left" if i < 2 else "right")
-        for line in body:
-            table.add_row(*line)
-        console = console or Console()
-        if not console.is_terminal:  # a log or pipe: do not squeeze the table into 80 columns
-            console = Console(width=170)
-        console.print(table)
-    if any(r["ok"] and not r.get("wire") for r in rows):
-        print(
-            "* bytes from the payload counted in the ranks and the ring-allreduce model "
-            "(loopback has no private interface to count); --bandwidth reads real counters."
+    if any(r.steps_to_allreduce_loss is not None for r in rows):
+        out.append(
+            f"reached: the step (and seconds) at which the training loss, averaged over "
+            f"{LOSS_WINDOW} steps, first reached allreduce's final one; - never."
+        )
+    noisy = [r for r in rows if r.ok and r.noise.get("noisy")]
+    if noisy:
+        out.append(
+            f"noisy: {len(noisy)} of {len(rows)} rows spread over {SPREAD_LIMIT:.0%} around "
+            f"their median (±) or step faster than noop (their reasons: --wide, or the JSON's "
+            f"'noise'); {NOISE_SUGGESTION}."
         )
     for r in rows:
-        if not r["ok"]:
-            print(f"FAILED {r['hook']} @ {format_rate(r['bandwidth'])}: {r['error']}")
+        if not r.ok:
+            out.append(f"FAILED {r.hook} @ {format_rate(r.bandwidth)}: {r.error}")
+    return [wrapped for line in out for wrapped in textwrap.wrap(line, WIDTH)]
 
 
-def write_json(path: str, document: dict) -> None:
+def _reasons(rows: list[Row]) -> list[str]:
+    """Why each noisy row is noisy."""
+    return [
+        f"noisy {r.hook} @ {format_rate(r.bandwidth)}: {'; '.join(r.noise['reasons'])}"
+        for r in rows
+        if r.ok and r.noise.get("noisy")
+    ]
+
+
+def results_lines(rows: list[Row], title: str, wide: bool) -> list[str]:
+    """The results tables (one per network, or one wide table) with their footnotes."""
+    out = textwrap.wrap(title, WIDTH)
+    if wide:
+        return out + table_lines(rows, WIDE_COLUMNS) + _footnotes(rows) + _reasons(rows)
+    for bandwidth, table in by_network(rows).items():
+        columns = LOOPBACK_COLUMNS if bandwidth is None else LINK_COLUMNS
+        where = "loopback" if bandwidth is None else f"a {format_rate(bandwidth)} link"
+        out += ["", f"measured on {where}:"] + table_lines(list(table.values()), columns)
+    return out + [""] + _footnotes(rows)
+
+
+def _pays_below(r: Row) -> str:
+    if r.hook == "allreduce" or not r.predicted:
+        return "-"
+    if r.break_even_bps is None:
+        return "always"
+    return format_rate(r.break_even_bps) if r.break_even_bps > 0 else "never"
+
+
+def _ladder_cell(r: Row, rate: str) -> str:
+    p = r.predicted.get(rate, {})
+    return f"{_ms(p.get('step_ms')):>4} {_fmt(p.get('speedup_vs_allreduce'), '.2f', 'x'):>5}"
+
+
+def _ladder_table(rows: list[Row], rates: list[str]) -> list[str]:
+    head = ["hook", *(format_rate(int(b)) for b in rates), "pays below"]
+    body = [[r.hook, *(_ladder_cell(r, b) for b in rates), _pays_below(r)] for r in rows]
+    return _fitted([head, *body])
+
+
+def _ladder_tables(rows: list[Row], rates: list[str]) -> list[str]:
+    """The ladder as one table, or as several in turn where one would exceed WIDTH."""
+    for per_table in range(len(rates), 0, -1):
+        tables = [
+            _ladder_table(rows, rates[i : i + per_table]) for i in range(0, len(rates), per_table)
+        ]
+        lines = [line for table in tables for line in table]
+        if per_table == 1 or max(len(line) for line in lines) <= WIDTH:
+            return lines
+    return []
+
+
+def answer_lines(rows: list[Row], answer: dict[str, Any], steps: int) -> list[str]:
+    """The prediction for the ladder of links, then which hook to use on which link."""
+    if "recommendations" not in answer:
+        return [answer.get("prediction_note", "")]
+    predicted = [r for r in rows if r.bandwidth is None and r.predicted]
+    rates = list(predicted[0].predicted) if predicted else []
+    world = answer["world_size"]
+    out = textwrap.wrap(
+        f"Predicted for {world} ranks from the loopback run: ms per step and speedup over "
+        "allreduce on each link; 'pays below': the link rate under which a hook steps faster "
+        "than allreduce.",
+        WIDTH,
+    )
+    out += _ladder_tables(predicted, rates) + [""]
+    out.append("Which hook on which link (predicted time to reach allreduce's loss):")
+    out += ["  " + rec["text"] for rec in answer["recommendations"]]
+    noisy = [r for r in predicted if r.noise.get("noisy")]
+    if noisy:
+        out += textwrap.wrap(
+            f"Caution: {len(noisy)} of the {len(predicted)} loopback rows every prediction "
+            "comes from are noisy (see above); rerun with --repeat 3 --lockstep on a quiet "
+            "machine before trusting these figures.",
+            WIDTH,
+            initial_indent="  ",
+            subsequent_indent="  ",
+        )
+    unreached = answer.get("not_reaching_allreduce_loss")
+    if unreached:
+        out += textwrap.wrap(
+            f"Did not reach allreduce's loss within {steps} steps, so never recommended: "
+            f"{', '.join(unreached)}; more --steps may change the answer.",
+            WIDTH,
+            initial_indent="  ",
+            subsequent_indent="  ",
+        )
+    return out
+
+
+def sweep_lines(sweep: dict[str, Any]) -> list[str]:
+    """Per hook, its measured speedup over allreduce on each link and the fitted break-even."""
+    out = []
+    for hook, info in sweep.items():
+        measured = ", ".join(
+            f"{format_rate(int(bw))}: {s:.2f}x"
+            for bw, s in info["speedup_vs_allreduce"].items()
+            if s is not None
+        )
+        be = info["break_even_bandwidth"]
+        verdict = (f"break-even {format_rate(be)}; " if be else "") + info["verdict"]
+        line = f"measured {hook}: " + "; ".join(x for x in (measured, verdict) if x)
+        out += textwrap.wrap(line, WIDTH, subsequent_indent="  ")
+    return out
+
+
+def print_report(
+    rows: list[Row],
+    comparisons: dict[str, Any],
+    answer: dict[str, Any],
+    title: str,
+    *,
+    wide: bool,
+    reach_steps: int,
+) -> None:
+    """Print the results tables (every column if ``wide``), a sweep's measured speedups, then
+    the answer, last; ``reach_steps``: how long the hooks had to reach allreduce's loss."""
+    print("\n".join(results_lines(rows, title, wide)))
+    if "sweep" in comparisons:
+        print("\n".join(["", *sweep_lines(comparisons["sweep"])]))
+    print()
+    print("\n".join(answer_lines(rows, answer, reach_steps)))
+
+
+def write_json(path: str, document: dict[str, Any]) -> None:
     """Write ``document`` atomically (a crash never leaves half a file)."""
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump(document, f, indent=1, default=str)
     os.replace(tmp, path)
-
-
-def write_plot(path: str, rows: list[dict], sweep: dict | None) -> str | None:
-    """Loss against steps and against wall-clock, one line per hook (and network); with a
-    sweep, speedup over allreduce against bandwidth. Returns a note when it cannot plot."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: no plot (pip install matplotlib, or '.[bench]')."
-    good = [r for r in rows if r["ok"]]
-    panels = 3 if sweep else 2
-    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5))
-    several = len({r["bandwidth"] for r in good}) > 1
-    for r in good:
-        label = r["hook"] + (f" @ {format_rate(r['bandwidth'])}" if several else "")
-        steps = [x[0] for x in r["losses"]]
-        axes[0].plot(steps, [x[1] for x in r["losses"]], label=label)
-        axes[1].plot([x[2] for x in r["losses"]], [x[1] for x in r["losses"]], label=label)
-    axes[0].set(xlabel="step", ylabel="training loss (mean over ranks)", title="loss vs steps")
-    axes[1].set(xlabel="seconds", ylabel="training loss", title="loss vs wall-clock")
-    axes[0].legend(fontsize=7)
-    if sweep:
-        for hook, info in sweep.items():
-            pts = sorted(
-                (float(bw), s)
-                for bw, s in info["speedup_vs_allreduce"].items()
-                if s is not None and bw != "None"
-            )
-            if pts:
-                axes[2].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=hook)
-        axes[2].set_xscale("log")
-        axes[2].axhline(1.0, color="grey", lw=0.8)
-        axes[2].set(
-            xlabel="bandwidth (bit/s)",
-            ylabel="speedup over allreduce",
-            title="speedup vs bandwidth",
-        )
-        axes[2].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return None

@@ -17,6 +17,7 @@ import re
 import sysconfig
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,7 +36,7 @@ class Task:
 
     name: str
     model: nn.Module
-    describe: dict
+    describe: dict[str, Any]
     train_batch: Callable[[int, int], Batch]  # (rank, step) -> batch, a pure function
     heldout_batches: list[Batch]
 
@@ -76,7 +77,7 @@ def make_task(name: str, seed: int = 0, params: int = 6_000_000, batch_size: int
 # -- the default task: a character-level transformer on the standard library -------------------
 
 
-def stdlib_corpus(limit: int = _CORPUS_BYTES) -> tuple[bytes, bytes, dict]:
+def stdlib_corpus(limit: int = _CORPUS_BYTES) -> tuple[bytes, bytes, dict[str, Any]]:
     """Training and held-out text from the standard library's ``.py`` files.
 
     Files are taken in sorted order of their relative path (test suites and third-party
@@ -89,7 +90,9 @@ def stdlib_corpus(limit: int = _CORPUS_BYTES) -> tuple[bytes, bytes, dict]:
         dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "test", "tests"))
         paths += [os.path.join(dirpath, f) for f in filenames if f.endswith(".py")]
     paths.sort(key=lambda p: os.path.relpath(p, root))
-    train, heldout, digest, used = [], [], hashlib.sha256(), 0
+    train: list[bytes] = []
+    heldout: list[bytes] = []
+    digest, used = hashlib.sha256(), 0
     for path in paths:
         if used >= limit:
             break
@@ -113,7 +116,9 @@ def stdlib_corpus(limit: int = _CORPUS_BYTES) -> tuple[bytes, bytes, dict]:
 class CharTransformer(nn.Module):
     """A small pre-norm causal transformer over bytes (vocabulary 256)."""
 
-    def __init__(self, context: int, width: int = 128, layers: int = 2, heads: int = 4):
+    mask: torch.Tensor  # a buffer: moves with the model, not a parameter
+
+    def __init__(self, context: int, width: int = 128, layers: int = 2, heads: int = 4) -> None:
         super().__init__()
         self.embed = nn.Embedding(256, width)
         self.position = nn.Parameter(torch.zeros(context, width))
@@ -130,10 +135,11 @@ class CharTransformer(nn.Module):
         n = tokens.shape[1]
         x = self.embed(tokens) + self.position[:n]
         x = self.blocks(x, mask=self.mask[:n, :n], is_causal=True)
-        return self.head(self.norm(x))
+        out: torch.Tensor = self.head(self.norm(x))
+        return out
 
 
-def _windows(data: torch.Tensor, context: int, count: int, gen: torch.Generator):
+def _windows(data: torch.Tensor, context: int, count: int, gen: torch.Generator) -> Batch:
     starts = torch.randint(0, data.numel() - context - 1, (count,), generator=gen)
     idx = starts[:, None] + torch.arange(context + 1)
     rows = data[idx].long()
@@ -147,7 +153,7 @@ def _stdlib_lm(seed: int, batch_size: int, context: int = 64) -> Task:
     torch.manual_seed(seed)
     model = CharTransformer(context)
 
-    def train_batch(rank: int, step: int):
+    def train_batch(rank: int, step: int) -> Batch:
         gen = torch.Generator().manual_seed(seed * 1_000_003 + rank * 10_007 + step)
         return _windows(train, context, batch_size, gen)
 
@@ -170,7 +176,7 @@ def _stdlib_lm(seed: int, batch_size: int, context: int = 64) -> Task:
 class _Teacher:
     """Targets are classes of a fixed random linear map, so the loss can actually fall."""
 
-    def __init__(self, seed: int, dim: int, classes: int):
+    def __init__(self, seed: int, dim: int, classes: int) -> None:
         gen = torch.Generator().manual_seed(seed + 777)
         self.weight = torch.randn(dim, classes, generator=gen) / math.sqrt(dim)
 
@@ -190,11 +196,11 @@ def _synthetic(seed: int, params: int, batch_size: int, dim: int = 256, depth: i
     model = nn.Sequential(*layers)
     teacher = _Teacher(seed, dim, dim)
 
-    def batch(gen: torch.Generator, n: int):
+    def batch(gen: torch.Generator, n: int) -> Batch:
         x = torch.randn(n, dim, generator=gen)
         return x, teacher(x)
 
-    def train_batch(rank: int, step: int):
+    def train_batch(rank: int, step: int) -> Batch:
         return batch(
             torch.Generator().manual_seed(seed * 1_000_003 + rank * 10_007 + step), batch_size
         )

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from commhooks import comm, handshake
+from commhooks.state import StatelessState
 
 if TYPE_CHECKING:  # torch.distributed does not re-export it to type checkers
     from torch._C._distributed_c10d import GradBucket as GradBucket
@@ -17,12 +18,15 @@ SPARSE_HOOKS = "allreduce_hook, post_localSGD_hook or noop_hook"
 
 
 def group_state(state: Any, owner: str) -> dist.ProcessGroup:
-    """Resolve the ``state`` of a stateless hook: a process group or ``None``.
+    """Resolve the ``state`` of a stateless hook: a process group, ``None``, or the
+    :class:`~commhooks.state.StatelessState` that ``commhooks.register`` gives it.
 
     Raises:
-        TypeError: ``state`` is a hook state object or anything else that is not a group.
+        TypeError: ``state`` is another hook's state object or anything else that is not a group.
         ValueError: this rank is not in the group.
     """
+    if isinstance(state, StatelessState):
+        state = state.process_group
     if state is not None and not isinstance(state, (dist.ProcessGroup, int)):
         raise TypeError(
             f"{owner} expects a ProcessGroup or None as its state, got {type(state).__name__}. "

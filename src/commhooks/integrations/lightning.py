@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from commhooks.config import CommHookType, HookConfig, register_from_config
 from commhooks.integrations.checkpoint import PerRankState
+from commhooks.state import StatelessState
 
 try:
     from lightning.pytorch.strategies import DDPStrategy
@@ -101,6 +102,8 @@ class CommHookDDPStrategy(DDPStrategy):
 
     def _per_rank(self) -> PerRankState | None:
         state = self.hook_state
+        if isinstance(state, StatelessState):  # nothing to keep: checkpoints stay as they were
+            return None
         if not (hasattr(state, "state_dict") and hasattr(state, "load_state_dict")):
             return None
         return PerRankState(state, self._hook_group)

@@ -1,0 +1,138 @@
+"""What crosses the process boundary of a bench run: what a rank is to do, what it measured.
+
+The launcher hands each rank a :class:`RunSpec` and gets a :class:`RankResult` back from each;
+both are plain dataclasses of numbers, strings, lists and dicts, so they pickle between
+processes and round-trip through JSON (``to_dict``/``from_dict``) for the report and for
+anyone reading a saved run.
+"""
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, TypeVar, cast
+
+__all__ = ["RankResult", "Record", "RunOutcome", "RunSpec"]
+
+RecordT = TypeVar("RecordT", bound="Record")
+
+
+class Record:
+    """Base of a dataclass of JSON values: ``from_dict(r.to_dict()) == r``."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, as JSON values."""
+        out: dict[str, Any] = dataclasses.asdict(cast(Any, self))  # subclasses are dataclasses
+        return out
+
+    @classmethod
+    def from_dict(cls: type[RecordT], data: Mapping[str, Any]) -> RecordT:
+        """Build from :meth:`to_dict`'s output; unknown keys are refused, missing ones defaulted.
+
+        Raises:
+            ValueError: a key that is not a field, or a required field that is missing.
+        """
+        names = {f.name for f in dataclasses.fields(cast(Any, cls))}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"{cls.__name__}: unknown field(s) {', '.join(unknown)}.")
+        try:
+            return cls(**dict(data))
+        except TypeError as exc:  # a required field is missing
+            raise ValueError(f"{cls.__name__}: {exc}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec(Record):
+    """One hook's run, the same on every rank.
+
+    Attributes:
+        hook: the hook's bench name (``power_sgd``, ``torch_fp16``, ``floor_wire``...).
+        options: the options its state is built with.
+        task, params, seed: what is trained (see ``bench.tasks``).
+        steps, warmup: steps run, and how many of the first are left out of the timing.
+        heldout_at: the held-out loss is taken after this many steps (the same for every
+            hook, whatever its ``steps``), so that it compares hooks at equal training.
+        lr: AdamW's learning rate.
+        bucket_cap_mb: DDP's bucket size.
+        lockstep: start every step on all ranks together (an untimed barrier).
+        host_ends: per rank, the host end of its link when it runs in a network namespace,
+            whose counters give the bytes really sent; ``None`` on loopback.
+        fsdp: shard the model with FSDP2 and run the hook through ``commhooks.fsdp``.
+    """
+
+    hook: str
+    options: dict[str, Any]
+    task: str
+    params: int
+    seed: int
+    steps: int
+    warmup: int
+    heldout_at: int
+    lr: float
+    bucket_cap_mb: float
+    lockstep: bool = False
+    host_ends: list[str] | None = None
+    fsdp: bool = False
+
+
+@dataclasses.dataclass
+class RankResult(Record):
+    """What one rank measured.
+
+    Attributes:
+        rank: the rank.
+        step_s: wall-clock seconds of each timed step (zero_grad, forward, backward with the
+            hook's communication, optimizer step, model averaging).
+        losses: per step, ``[step, training loss, seconds from the first step's start to this
+            step's end]``.
+        heldout_loss: the held-out loss of this rank's model after ``heldout_at`` steps.
+        peak_memory_bytes: peak resident set minus the resident set before the task was built.
+        payload_calls, payload_bytes: per collective kind, over the timed steps: calls, and
+            bytes handed over (``commhooks.comm.observe_collectives``).
+        wire: the link's counters over the timed steps (``tx_bytes``, ``tx_packets``,
+            ``rx_bytes``, ``rx_packets``); ``None`` on loopback.
+        gradient_bytes: the size of the model's gradients.
+        task: the task's description.
+        phases: wall-clock times at which the rank reached each phase.
+    """
+
+    rank: int
+    step_s: list[float]
+    losses: list[list[float]]
+    heldout_loss: float
+    peak_memory_bytes: int
+    payload_calls: dict[str, int]
+    payload_bytes: dict[str, int]
+    wire: dict[str, int] | None
+    gradient_bytes: int
+    task: dict[str, Any] = dataclasses.field(default_factory=dict)
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    @property
+    def timed_steps(self) -> int:
+        """How many steps were timed."""
+        return len(self.step_s)
+
+
+@dataclasses.dataclass
+class RunOutcome(Record):
+    """One hook's run on every rank, as the launcher got it back.
+
+    Attributes:
+        ok: every rank finished.
+        ranks: each rank's result (empty when the run failed).
+        error: one line saying what failed first.
+        log: the failing rank's traceback or the tail of its output.
+        repeats: how many runs were pooled into this one (``--repeat``).
+    """
+
+    ok: bool
+    ranks: list[RankResult] = dataclasses.field(default_factory=list)
+    error: str | None = None
+    log: str = ""
+    repeats: int = 1
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "RunOutcome":
+        """Build from :meth:`to_dict`'s output, ranks included."""
+        ranks = [RankResult.from_dict(r) for r in data.get("ranks", [])]
+        return super().from_dict({**data, "ranks": ranks})
