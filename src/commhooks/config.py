@@ -201,13 +201,14 @@ def _powersgd_specs() -> dict[CommHookType, HookSpec]:
 def _quantized_specs() -> dict[CommHookType, HookSpec]:
     from commhooks.hooks.quantized import QuantizationOptions, QuantizationState, quantized_hook
 
-    def spec(bits: int, other: CommHookType) -> HookSpec:
-        def make(group: dist.ProcessGroup | None, options: dict[str, Any]) -> QuantizationState:
-            return QuantizationState(group, bits=bits, **options)
+    def make(group: dist.ProcessGroup | None, options: Mapping[str, Any]) -> QuantizationState:
+        return QuantizationState(group, **options)
 
+    def spec(bits: int, other: CommHookType) -> HookSpec:
         note = f"hook 'int{bits}' sends {bits} bits per element; use hook '{other}' instead."
-        names = frozenset(QuantizationOptions.names()) - {"bits"}
-        return HookSpec(quantized_hook, make, names, notes={"bits": note})
+        return HookSpec.of(
+            quantized_hook, QuantizationOptions, make, fixed={"bits": bits}, notes={"bits": note}
+        )
 
     return {
         CommHookType.INT8: spec(8, CommHookType.INT4),

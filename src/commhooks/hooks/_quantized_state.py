@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from commhooks import comm, handshake, quantize
 from commhooks._warnings import warn_once
+from commhooks.hooks._bucket import GradBucket
 from commhooks.memory import ErrorFeedback, Key
 from commhooks.numbering import ParameterNumbering
 from commhooks.options import Options, flag, integer, one_of, option
@@ -323,7 +324,7 @@ class QuantizationState(HookState):
 
     def layout(
         self,
-        bucket: dist.GradBucket,  # type: ignore[name-defined]  # not in torch's stubs
+        bucket: GradBucket,
         group: dist.ProcessGroup,
     ) -> BucketLayout:
         """The layout of ``bucket``, made once per set of parameters.

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from commhooks import comm, quantize
-from commhooks.hooks._bucket import float_buffer, group_state
+from commhooks.hooks._bucket import GradBucket, float_buffer, group_state
 from commhooks.options import integer
 
 __all__ = ["quantization_perchannel_hook", "quantization_pertensor_hook"]
@@ -32,7 +32,7 @@ _QPARAM_BYTES = 8  # a float32 scale and a float32 zero point per channel
 
 def quantization_pertensor_hook(
     process_group: dist.ProcessGroup,
-    bucket: dist.GradBucket,  # type: ignore[name-defined]  # not in torch's stubs
+    bucket: GradBucket,
 ) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket as uint8 codes with one scale and zero point per rank.
 
@@ -48,7 +48,7 @@ def quantization_pertensor_hook(
 
 def quantization_perchannel_hook(
     process_group: dist.ProcessGroup,
-    bucket: dist.GradBucket,  # type: ignore[name-defined]  # not in torch's stubs
+    bucket: GradBucket,
     bucket_size: int = 512,
 ) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket as uint8 codes with a scale and zero point per ``bucket_size`` run.

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from commhooks import comm, quantize
 from commhooks._warnings import warn_once
-from commhooks.hooks._bucket import float_buffer
+from commhooks.hooks._bucket import GradBucket, float_buffer
 from commhooks.hooks._quantized_state import (
     HOOK,
     QuantizationOptions,
@@ -41,7 +41,7 @@ _OWN_ROW, _AVERAGE = 0, 1  # the two quantizations, each with its own random num
 
 def quantized_hook(
     state: QuantizationState,
-    bucket: dist.GradBucket,  # type: ignore[name-defined]  # not in torch's stubs
+    bucket: GradBucket,
 ) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket with 8- or 4-bit blocks on the wire, remembering what was dropped.
 
