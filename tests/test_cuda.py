@@ -65,7 +65,8 @@ def _grads(ddp: nn.Module, data: list, lr: float = 0.05) -> torch.Tensor:
     for x, y in data:
         opt.zero_grad(set_to_none=True)
         nn.functional.mse_loss(ddp(x), y).backward()
-        rows.append(torch.cat([p.grad.reshape(-1) for p in ddp.parameters()]).cpu())
+        grads = [getattr(p.grad, "to_local", lambda g=p.grad: g)() for p in ddp.parameters()]
+        rows.append(torch.cat([g.reshape(-1) for g in grads]).cpu())  # FSDP2: this rank's shard
         opt.step()
     return torch.stack(rows)
 
@@ -407,3 +408,63 @@ def test_post_local_sgd_and_averaging_on_cuda_tensors():
     for index, (pa, pb) in enumerate(zip(a, b)):
         averaged = index < 3 or (index - 3) % 2 == 0
         assert torch.equal(pa, pb) == averaged, index
+
+
+def _quantized_on_cuda(rank: int, world_size: int) -> dict:
+    device = _device(rank)
+    data = _data(rank, device)
+    plain = _grads(_ddp(device)[0], data)
+    out = {"device": str(device)}
+    for name in ("int8", "int4"):
+        ddp, state = _ddp(device, register=name)
+        grads = _grads(ddp, data)
+        out[name] = (_relative(grads, plain), _params(ddp), bool(torch.isfinite(grads).all()))
+        # The state travels through a CPU checkpoint and loads back on the device.
+        buffer = io.BytesIO()
+        torch.save(state.state_dict(), buffer)
+        buffer.seek(0)
+        state.load_state_dict(torch.load(buffer, weights_only=True))
+    return out
+
+
+@pytest.mark.parametrize("backend", [*NCCL_BACKENDS, "gloo"])
+def test_quantized_hooks_on_cuda_tensors(backend):
+    world = 2 if backend == "gloo" else _nccl_world()
+    results = run_on_ranks(_quantized_on_cuda, world, backend=backend)
+    for name, bound in (("int8", 0.05), ("int4", 0.5)):
+        for r in results:
+            assert r["device"].startswith("cuda")
+            error, params, finite = r[name]
+            assert finite, name
+            assert error < bound, (name, error)  # the quantized average tracks allreduce's
+            assert torch.equal(params, results[0][name][1]), name  # replicas identical
+
+
+def _fsdp_on_cuda(rank: int, world_size: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    device = _device(rank)
+    mesh = init_device_mesh("cuda", (world_size, 1), mesh_dim_names=("replicate", "shard"))
+    out = {}
+    for hook, options in (
+        ("allreduce", {}),
+        ("fp16", {}),
+        ("power_sgd", {"start_powerSGD_iter": 0, "matrix_approximation_rank": 1}),
+        ("int8", {}),
+    ):
+        model = make_mlp().to(device)
+        for layer in model:
+            if any(True for _ in layer.parameters()):
+                fully_shard(layer, mesh=mesh["shard"])
+        fully_shard(model, mesh=mesh["shard"])
+        commhooks.fsdp.register(model, hook, mesh=mesh, **options)
+        grads = _grads(model, _data(rank, device, steps=3))
+        out[hook] = bool(torch.isfinite(grads).all()) and bool(grads.abs().sum() > 0)
+    return out
+
+
+def test_fsdp2_hooks_on_nccl():
+    world = _nccl_world()
+    for r in run_on_ranks(_fsdp_on_cuda, world, backend="nccl"):
+        assert all(r.values()), r
