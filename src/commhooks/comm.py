@@ -230,12 +230,19 @@ def unheld_follow_ups() -> Iterator[None]:
     all-reduce hook must hand its shard back averaged): a follow-up held until a later bucket
     would then never run.
     """
-    before = getattr(_calling, "unheld", False)
-    _calling.unheld = True
+    with _flag_set(_calling, "unheld"):
+        yield
+
+
+@contextlib.contextmanager
+def _flag_set(holder: threading.local, name: str) -> Iterator[None]:
+    """Set the thread-local flag ``name`` of ``holder`` within the block (blocks nest)."""
+    before = getattr(holder, name, False)
+    setattr(holder, name, True)
     try:
         yield
     finally:
-        _calling.unheld = before
+        setattr(holder, name, before)
 
 
 def holds_follow_ups(devices: list[torch.device]) -> bool:
@@ -397,12 +404,8 @@ def _issuing(kind: str, handed: Any) -> Iterator[None]:
 @contextlib.contextmanager
 def _unreported() -> Iterator[None]:
     """Calls to torch.distributed inside are part of a collective reported already."""
-    before = getattr(_local, "issuing", False)
-    _local.issuing = True
-    try:
+    with _flag_set(_local, "issuing"):
         yield
-    finally:
-        _local.issuing = before
 
 
 def _observed(kind: str, handed: Any, direct: bool = False) -> None:
