@@ -156,10 +156,10 @@ def test_allreduce_sums_like_dist_all_reduce_on_any_world_size():
 
 def _filled_sums(rank, world_size):
     group = dist.group.WORLD
-    issuer = comm.issuer_for(group)
     out, calls_all, sent_all = {}, [], []
     for name, numel, dtype in (
-        ("half", comm._EXCHANGE_BYTES + 1, torch.float16),  # odd: the halves differ by one
+        ("half", comm._EXCHANGE_BYTES + 2, torch.float16),
+        ("odd", comm._EXCHANGE_BYTES + 1, torch.float16),
         ("bfloat16", comm._EXCHANGE_BYTES // 2 + 2, torch.bfloat16),
         ("small", 100, torch.float16),
         ("float32", comm._EXCHANGE_BYTES // 2, torch.float32),
@@ -175,32 +175,30 @@ def _filled_sums(rank, world_size):
             part.copy_(values[start : start + part.numel()]).div_(world_size)
 
         with comm.observe_collectives(torch_calls=True) as counter:
-            result = comm.allreduce_filled(tensor, group, issuer, fill).wait()
+            result = comm.allreduce_filled(tensor, group, fill).wait()
             calls_all.append(dict(counter.calls))
             sent_all.append(dict(counter.bytes))
-        halves = comm._sums_by_halves(tensor, group)
-        out[name] = (result is tensor, torch.equal(tensor, reference), halves, sum(calls), numel)
+        out[name] = (result is tensor, torch.equal(tensor, reference), sum(calls), numel)
     calls, sent = {}, {}
     for one, nbytes in zip(calls_all, sent_all, strict=True):
         for kind in one:
             calls[kind] = calls.get(kind, 0) + one[kind]
             sent[kind] = sent.get(kind, 0) + nbytes[kind]
-    return out, calls, sent, issuer.pending
+    return out, calls, sent
 
 
-def test_filled_sums_trade_halves_on_two_gloo_ranks_with_the_same_bits():
+def test_filled_sums_equal_gloos_allreduce_bit_for_bit():
     for world_size in (2, 3):
-        for out, calls, sent, pending in run_on_ranks(_filled_sums, world_size):
-            for name, (same, equal, halves, filled, numel) in out.items():
+        for out, calls, sent in run_on_ranks(_filled_sums, world_size):
+            for name, (same, equal, filled, numel) in out.items():
                 assert same and equal, name
-                assert halves == (world_size == 2 and name in ("half", "bfloat16")), name
                 assert filled == numel, name  # every element written once
-            assert pending == 0
             # Counted as the allreduce each one stands for, whichever path summed it.
-            assert calls == {"all_reduce": 4}
+            assert calls == {"all_reduce": 5}
             assert sent["all_reduce"] == sum(
                 numel * torch.tensor([], dtype=d).element_size()
                 for numel, d in (
+                    (comm._EXCHANGE_BYTES + 2, torch.float16),
                     (comm._EXCHANGE_BYTES + 1, torch.float16),
                     (comm._EXCHANGE_BYTES // 2 + 2, torch.bfloat16),
                     (100, torch.float16),

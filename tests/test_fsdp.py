@@ -158,7 +158,7 @@ def full_rank(mesh, batches) -> tuple:
         model, "power_sgd", mesh=mesh, start_powerSGD_iter=0, matrix_approximation_rank=64
     )
     # Below 1 only here, so that full-rank factors (larger than the matrix) are really used.
-    state.min_compression_rate = 0.5
+    object.__setattr__(state.settings, "min_compression_rate", 0.5)  # below 1 only here
     train(model, batches)
     return full(model), len(state.q_memory_dict), fsdp_run(mesh, "allreduce", batches)[0]
 

@@ -106,12 +106,10 @@ def test_each_bucket_costs_at_most_one_full_size_temporary():
 @contextlib.contextmanager
 def _as_on_an_accelerator():
     """CPU tensors take an accelerator's paths: follow-ups (which read the checks) held until
-    the last bucket, no check read back in the wrappers, and gloo's sum without trading halves
-    (only CPU tensors trade halves)."""
+    the last bucket, and no check read back in the wrappers."""
     with (
         mock.patch.object(comm, "holds_follow_ups", lambda devices: True),
         mock.patch.object(_half, "reads_back_checks", lambda tensor: False),
-        mock.patch.object(comm, "_sums_by_halves", lambda tensor, group: False),
     ):
         yield
 
@@ -205,7 +203,7 @@ HOOKS = {
 
 
 def _train_until_the_peer_dies(rank, hook_name, bucket_cap_mb):
-    # 1.3 MB of gradients: one bucket trades halves when it may hold them all.
+    # 1.3 MB of gradients: one bucket when it may hold them all.
     ddp = make_ddp(make_mlp(widths=(32, 512, 512, 8)), HOOKS[hook_name], None, bucket_cap_mb)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     started = time.monotonic()

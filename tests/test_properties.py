@@ -368,7 +368,13 @@ def _cast_hooks() -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             out = hook(None, bucket).wait()
-        assert out.shape == x.shape and out.dtype == x.dtype
+        assert out.shape == x.shape
+        if name.endswith("w"):  # as PyTorch's wrappers: the low-precision copy; DDP casts back
+            low = torch.float16 if name == "fp16w" else torch.bfloat16
+            assert out.dtype == low, name
+            out = out.to(x.dtype)
+        else:
+            assert out.dtype == x.dtype
         assert torch.isfinite(out).all(), f"{name}: finite gradients gave a non-finite result"
         limit = torch.finfo(torch.float16).max
         if name == "fp16":  # world size 1: the cast value, or the gradient itself if it overflows

@@ -39,7 +39,7 @@ OUTER_CASES = {
     "snapshot-expanded": (_outer_sd(snapshot={"w": HUGE}), "dense, contiguous"),
     "snapshot-transposed": (_outer_sd(snapshot={"w": torch.ones(3, 2).t()}), "contiguous"),
     "snapshot-int": (_outer_sd(snapshot={"w": torch.ones(2, 3, dtype=torch.int64)}), "floating"),
-    "snapshot-not-tensor": (_outer_sd(snapshot={"w": [1.0]}), "must be a tensor"),
+    "snapshot-not-tensor": (_outer_sd(snapshot={"w": [1.0]}), "must be a (floating-point )?tensor"),
     "snapshot-none": (_outer_sd(snapshot=None), "'snapshot' is missing or malformed"),
     "snapshot-empty": (_outer_sd(snapshot={}), "a tensor per parameter"),
     "momentum-nan": (_momentum(torch.full((2, 3), float("nan"))), "momentum_buffer"),

@@ -458,6 +458,15 @@ def _sums_by_exchange(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
     )
 
 
+def _two_gloo_ranks_on_cpu(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
+    return (
+        group.size() == 2
+        and tensor.device.type == "cpu"
+        and tensor.layout == torch.strided
+        and "gloo" in str(dist.get_backend(group))
+    )
+
+
 def _exchange_and_add(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.Tensor]":
     # The choice above must not depend on anything that may differ between ranks, such as a
     # tensor's strides: one that is not contiguous is sent from a copy.
@@ -517,96 +526,22 @@ Fill = Callable[[torch.Tensor, int], None]
 
 
 def allreduce_filled(
-    tensor: torch.Tensor, group: dist.ProcessGroup, issuer: "OrderedIssuer", fill: Fill
+    tensor: torch.Tensor, group: dist.ProcessGroup, fill: Fill
 ) -> "Future[torch.Tensor]":
     """Sum across ``group`` the values that ``fill`` writes into ``tensor``, a 1-D tensor.
 
     ``fill(out, start)`` writes this rank's values of the elements ``start`` to
-    ``start + out.numel()`` into ``out``; it is called on this thread, and may be called again
-    later on a follow-up's thread. The future resolves to ``tensor``, summed in place.
+    ``start + out.numel()`` into ``out``. The future resolves to ``tensor``, summed in place.
 
-    Usually ``fill`` writes all of ``tensor`` at once, and :func:`allreduce` sums it. On two
-    gloo ranks a float16 or bfloat16 tensor is summed by trading halves instead (see
-    ``_HALVES_DTYPES``): one collective now, and one in a follow-up slot of ``issuer``,
-    reserved now.
+    Today ``fill`` writes all of ``tensor`` at once and :func:`allreduce` sums it; the form
+    leaves room for a sum that writes its values piece by piece. One was tried: on two gloo
+    ranks, trading halves of a float16 tensor and adding them with torch's vectorised kernels
+    (gloo adds half-precision elements in scalar code). It was faster on loopback, but on a
+    100 Mbit/s link its two exchanges took 1.3-1.9x as long as gloo's allreduce of the same
+    bytes, and slow links are where these hooks are used.
     """
-    if _sums_by_halves(tensor, group):
-        with _issuing("all_reduce", tensor):  # counted as the allreduce it stands for
-            return _exchange_halves(tensor, group, issuer, fill)
     fill(tensor, 0)
     return allreduce(tensor, group)
-
-
-# gloo adds float16 and bfloat16 one element at a time in scalar code: its allreduce of a
-# half-precision tensor takes longer than that of the same values in float32. Two ranks sum one
-# faster by trading halves: each sends the half the other owns, adds its own values to the half
-# it receives with torch's vectorised kernels, and they trade the sums. Each sends the bytes of
-# a ring allreduce, and every element is one addition, so the sums are the same bits (addition
-# commutes). The half received first lands where this rank's own values of it would be; those
-# are written later, a chunk at a time, so the tensor is the only buffer.
-_HALVES_DTYPES = (torch.float16, torch.bfloat16)
-_HALVES_CHUNK = 1 << 18  # elements of this rank's own values written at a time while adding
-
-
-def _sums_by_halves(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
-    return (
-        tensor.dtype in _HALVES_DTYPES
-        and tensor.dim() == 1
-        and tensor.is_contiguous()
-        and tensor.numel() * tensor.element_size() > _EXCHANGE_BYTES
-        and _two_gloo_ranks_on_cpu(tensor, group)
-    )
-
-
-def _two_gloo_ranks_on_cpu(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
-    return (
-        group.size() == 2
-        and tensor.device.type == "cpu"
-        and tensor.layout == torch.strided
-        and "gloo" in str(dist.get_backend(group))
-    )
-
-
-def _exchange_halves(
-    tensor: torch.Tensor, group: dist.ProcessGroup, issuer: "OrderedIssuer", fill: Fill
-) -> "Future[torch.Tensor]":
-    # Group rank 0 owns the first ``cut`` elements, rank 1 the rest.
-    cut = tensor.numel() // 2
-    first = dist.get_rank(group) == 0
-    mine, theirs = (tensor[:cut], tensor[cut:]) if first else (tensor[cut:], tensor[:cut])
-    own = 0 if first else cut  # where ``mine`` starts
-    fill(theirs, cut if first else 0)
-    sizes = _to_peer(mine, first), _to_peer(theirs, first)
-    work = dist.all_to_all_single(mine, theirs, *sizes, group, async_op=True)
-    parts = (tensor, mine, own, theirs, fill, first)
-    return issuer.then(_future_of(work), lambda _: _trade_sums(*parts, issuer.group))
-
-
-def _trade_sums(
-    tensor: torch.Tensor,
-    mine: torch.Tensor,
-    own: int,
-    theirs: torch.Tensor,
-    fill: Fill,
-    first: bool,
-    group: dist.ProcessGroup | None,
-) -> "Future[torch.Tensor]":
-    """The second half of :func:`_exchange_halves`, a follow-up: add, then trade the sums."""
-    room = mine.new_empty(min(mine.numel(), _HALVES_CHUNK))
-    for offset in range(0, mine.numel(), _HALVES_CHUNK):
-        received = mine[offset : offset + _HALVES_CHUNK]
-        values = room[: received.numel()]
-        fill(values, own + offset)
-        received.add_(values)
-    sizes = _to_peer(theirs, first), _to_peer(mine, first)
-    with _unreported():  # a follow-up's thread: the allreduce was counted when it began
-        work = dist.all_to_all_single(theirs, mine, *sizes, group, async_op=True)
-    return _future_of(work).then(lambda fut: _checked(fut, tensor))
-
-
-def _to_peer(part: torch.Tensor, first: bool) -> list[int]:
-    """Split sizes of an all-to-all between two ranks that moves all of ``part`` to the peer."""
-    return [0, part.numel()] if first else [part.numel(), 0]
 
 
 def average(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.Tensor]":

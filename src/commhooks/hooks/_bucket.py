@@ -14,7 +14,7 @@ else:
     GradBucket = dist.GradBucket  # the very class DDP expects a hook's annotation to name
 
 # What a hook that cannot take sparse gradients tells the user to use instead.
-SPARSE_HOOKS = "allreduce_hook, post_localSGD_hook or noop_hook"
+SPARSE_HOOKS = "commhooks.allreduce_hook, commhooks.post_localSGD_hook or commhooks.noop_hook"
 
 
 def group_state(state: Any, owner: str) -> dist.ProcessGroup:
@@ -65,8 +65,9 @@ def float_buffer(bucket: GradBucket, owner: str) -> torch.Tensor:
     buffer = gradient_buffer(bucket, owner)
     if buffer.layout != torch.strided:
         raise TypeError(
-            f"{owner} cannot compress a sparse gradient ({buffer.layout}, shape "
-            f"{tuple(buffer.shape)}, from a module such as nn.Embedding(..., sparse=True)). "
+            f"{owner} cannot compress a sparse gradient (bucket {bucket.index()}, "
+            f"{buffer.layout}, shape {tuple(buffer.shape)}, from a module such as "
+            "nn.Embedding(..., sparse=True)). "
             f"Register {SPARSE_HOOKS} for a model with sparse gradients, or make that module "
             "dense (sparse=False)."
         )

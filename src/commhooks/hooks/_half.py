@@ -62,7 +62,7 @@ def average_in(
 
     repair = _Repair(buffer, world, issuer.group, owner)
     devices, hold = comm.follow_up_options(buffer, last_bucket)
-    sums = comm.allreduce_filled(torch.empty_like(buffer, dtype=dtype), group, issuer, cast_down)
+    sums = comm.allreduce_filled(torch.empty_like(buffer, dtype=dtype), group, cast_down)
     again = issuer.then(sums, repair.resend_overflowed, devices, hold)
     done = issuer.then(again, repair.resend_bucket, devices, hold)
     # ``done`` is completed by hand. A future derived from it with ``then`` fails as a real

@@ -333,16 +333,10 @@ class QuantizationState(HookState):
             ValueError: the bucket's gradients do not tile its buffer.
         """
         numbers = self._numbering.numbers(bucket.parameters())
-        sizes = tuple(g.numel() for g in bucket.gradients())
+        sizes = _piece_sizes(bucket.gradients(), bucket.buffer())
         found = self._layouts.get((numbers, sizes))
         if found is not None:
             return found
-        if sum(sizes) != bucket.buffer().numel():
-            raise ValueError(
-                f"{OWNER}: the bucket's gradients hold {sum(sizes)} elements but its buffer "
-                f"{bucket.buffer().numel()}; a bucket handed to the hook must be laid out as "
-                "DDP's: gradients() are consecutive views that fill buffer()."
-            )
         world, rank = comm.world_size(group), comm.group_rank(group)
         length = self.settings.format.row_length(sum(sizes), world)
         made = BucketLayout.build(numbers, sizes, length, rank)
@@ -496,3 +490,32 @@ def _place(group: dist.ProcessGroup | None) -> tuple[int, int]:
 # Pickles and reprs name the public module, whichever module defines the class.
 QuantizationState.__module__ = "commhooks.hooks.quantized"
 QuantizationOptions.__module__ = "commhooks.hooks.quantized"
+
+
+def _piece_sizes(gradients: list[torch.Tensor], buffer: torch.Tensor) -> tuple[int, ...]:
+    """How many elements of ``buffer`` belong to each parameter's gradient.
+
+    In DDP's buckets the gradients tile the buffer. An FSDP2 shard (``commhooks.fsdp``) pads
+    each parameter's rows: there each piece runs from its gradient's first element to the next
+    gradient's (the padding, zeros, travels with the parameter it follows).
+
+    Raises:
+        ValueError: the gradients are not consecutive views that cover ``buffer``.
+    """
+    sizes = tuple(g.numel() for g in gradients)
+    if sum(sizes) == buffer.numel():
+        return sizes
+    base = buffer.storage_offset()
+    starts = [int(g.storage_offset() - base) for g in gradients]
+    shared = all(
+        g.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr() for g in gradients
+    )
+    ends = [*starts[1:], int(buffer.numel())]
+    pieces = tuple(end - start for start, end in zip(starts, ends))
+    if not shared or (starts and starts[0] != 0) or any(p < n for p, n in zip(pieces, sizes)):
+        raise ValueError(
+            f"{OWNER}: the bucket's gradients hold {sum(sizes)} elements but its buffer "
+            f"{buffer.numel()}; a bucket handed to the hook must be laid out as DDP's: "
+            "gradients() are consecutive views into buffer(), in order, that cover it."
+        )
+    return pieces

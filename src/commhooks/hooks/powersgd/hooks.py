@@ -156,14 +156,7 @@ def _begin(
             f"{hook} needs a commhooks.PowerSGDState as its state, got {type(state).__name__}. "
             f"Register it as ddp_model.register_comm_hook(PowerSGDState(None, ...), {hook})."
         )
-    buffer = float_buffer(bucket, hook)
-    if buffer.layout != torch.strided:
-        raise TypeError(
-            f"{hook} cannot compress bucket {bucket.index()}: it holds a sparse gradient "
-            f"(layout {buffer.layout}), such as nn.Embedding(..., sparse=True) makes. Register "
-            "commhooks.allreduce_hook for this model, or make the layer's gradients dense "
-            "(sparse=False)."
-        )
+    buffer = float_buffer(bucket, hook)  # refuses a sparse gradient, naming the hooks to use
     return state, buffer, state.prepare(hook)
 
 
