@@ -431,7 +431,8 @@ def _quantized_on_cuda(rank: int, world_size: int) -> dict:
 def test_quantized_hooks_on_cuda_tensors(backend):
     world = 2 if backend == "gloo" else _nccl_world()
     results = run_on_ranks(_quantized_on_cuda, world, backend=backend)
-    for name, bound in (("int8", 0.05), ("int4", 0.5)):
+    # On the CPU the same run gives 0.05 and 0.6; a sum not divided by the world size gives 1.
+    for name, bound in (("int8", 0.1), ("int4", 0.9)):
         for r in results:
             assert r["device"].startswith("cuda")
             error, params, finite = r[name]
