@@ -466,6 +466,10 @@ def _fsdp_on_cuda(rank: int, world_size: int) -> dict:
 
 
 def test_fsdp2_hooks_on_nccl():
+    from torch.distributed.fsdp import FSDPModule
+
+    if not hasattr(FSDPModule, "set_reduce_scatter_unused_params"):
+        pytest.skip("commhooks.fsdp needs a PyTorch whose FSDPModule has this method (2.13)")
     world = _nccl_world()
     for r in run_on_ranks(_fsdp_on_cuda, world, backend="nccl"):
         assert all(r.values()), r
