@@ -98,8 +98,9 @@ class _Repair:
     def resend_overflowed(self, sums: torch.Tensor) -> "Future[Any]":
         """Cast a finite sum back; otherwise send its non-finite elements again, divided first."""
         if all_finite(sums):
-            self.buffer.copy_(sums)
-            return comm.completed(None)
+            # Completed with the buffer, not None: the future then records the copy's stream,
+            # which the next step (on another callback stream, with gloo) waits for.
+            return comm.completed(self.buffer.copy_(sums))
         self.sums = sums
         self.where = torch.isfinite(sums).logical_not_().nonzero().view(-1)
         part = self.buffer[self.where]
