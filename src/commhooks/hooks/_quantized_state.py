@@ -512,7 +512,7 @@ def _piece_sizes(gradients: list[torch.Tensor], buffer: torch.Tensor) -> tuple[i
     )
     ends = [*starts[1:], int(buffer.numel())]
     pieces = tuple(end - start for start, end in zip(starts, ends))
-    if not shared or (starts and starts[0] != 0) or any(p < n for p, n in zip(pieces, sizes)):
+    if not shared or not starts or starts[0] != 0 or any(p < n for p, n in zip(pieces, sizes)):
         raise ValueError(
             f"{OWNER}: the bucket's gradients hold {sum(sizes)} elements but its buffer "
             f"{buffer.numel()}; a bucket handed to the hook must be laid out as DDP's: "
