@@ -49,8 +49,7 @@ def fp16_compress_hook(
 
     The arithmetic is PyTorch's (cast, then divide by the world size), so results match its
     ``fp16_compress_hook`` bit for bit wherever PyTorch's stay finite, at the same cost plus one
-    pass that reads the sum's minimum and maximum (on two gloo ranks, at less: the sum trades
-    halves, see :func:`commhooks.comm.allreduce`). Where PyTorch's would not stay finite:
+    pass that reads the sum's minimum and maximum. Where PyTorch's would not stay finite:
 
     * a rank's value too large for float16 (|x| > 65504) but finite: PyTorch sends ``inf``.
       Here the elements whose sum is not finite are sent again, divided by the world size
