@@ -154,31 +154,19 @@ def test_allreduce_sums_like_dist_all_reduce_on_any_world_size():
             assert sent["all_reduce"] == 2 * (40 * 3 * 4 + 17 * 2 + 35 * 4 + large)
 
 
-def _filled_sums(rank, world_size):
+def _sums_of_each_dtype(rank, world_size):
     group = dist.group.WORLD
     out, calls_all, sent_all = {}, [], []
-    for name, numel, dtype in (
-        ("half", comm._EXCHANGE_BYTES + 2, torch.float16),
-        ("odd", comm._EXCHANGE_BYTES + 1, torch.float16),
-        ("bfloat16", comm._EXCHANGE_BYTES // 2 + 2, torch.bfloat16),
-        ("small", 100, torch.float16),
-        ("float32", comm._EXCHANGE_BYTES // 2, torch.float32),
-    ):
+    for name, numel, dtype in SIZES:
         values = torch.randn(numel, generator=torch.Generator().manual_seed(rank)) * 100
         reference = values.to(dtype, copy=True).div_(world_size)
         dist.all_reduce(reference)
-        tensor = torch.empty(numel, dtype=dtype)
-        calls = []
-
-        def fill(part, start, values=values, calls=calls):
-            calls.append(part.numel())
-            part.copy_(values[start : start + part.numel()]).div_(world_size)
-
+        tensor = values.to(dtype, copy=True).div_(world_size)
         with comm.observe_collectives(torch_calls=True) as counter:
-            result = comm.allreduce_filled(tensor, group, fill).wait()
+            result = comm.allreduce(tensor, group).wait()
             calls_all.append(dict(counter.calls))
             sent_all.append(dict(counter.bytes))
-        out[name] = (result is tensor, torch.equal(tensor, reference), sum(calls), numel)
+        out[name] = (result is tensor, torch.equal(tensor, reference))
     calls, sent = {}, {}
     for one, nbytes in zip(calls_all, sent_all, strict=True):
         for kind in one:
@@ -187,23 +175,24 @@ def _filled_sums(rank, world_size):
     return out, calls, sent
 
 
-def test_filled_sums_equal_gloos_allreduce_bit_for_bit():
+SIZES = (
+    ("half", comm._EXCHANGE_BYTES + 2, torch.float16),
+    ("odd", comm._EXCHANGE_BYTES + 1, torch.float16),
+    ("bfloat16", comm._EXCHANGE_BYTES // 2 + 2, torch.bfloat16),
+    ("small", 100, torch.float16),
+    ("float32", comm._EXCHANGE_BYTES // 2, torch.float32),
+)
+
+
+def test_sums_of_each_dtype_equal_gloos_allreduce_bit_for_bit():
     for world_size in (2, 3):
-        for out, calls, sent in run_on_ranks(_filled_sums, world_size):
-            for name, (same, equal, filled, numel) in out.items():
+        for out, calls, sent in run_on_ranks(_sums_of_each_dtype, world_size):
+            for name, (same, equal) in out.items():
                 assert same and equal, name
-                assert filled == numel, name  # every element written once
             # Counted as the allreduce each one stands for, whichever path summed it.
-            assert calls == {"all_reduce": 5}
+            assert calls == {"all_reduce": len(SIZES)}
             assert sent["all_reduce"] == sum(
-                numel * torch.tensor([], dtype=d).element_size()
-                for numel, d in (
-                    (comm._EXCHANGE_BYTES + 2, torch.float16),
-                    (comm._EXCHANGE_BYTES + 1, torch.float16),
-                    (comm._EXCHANGE_BYTES // 2 + 2, torch.bfloat16),
-                    (100, torch.float16),
-                    (comm._EXCHANGE_BYTES // 2, torch.float32),
-                )
+                numel * torch.tensor([], dtype=d).element_size() for _, numel, d in SIZES
             )
 
 

@@ -25,7 +25,6 @@ __all__ = [
     "all_gather_objects",
     "all_to_all",
     "allreduce",
-    "allreduce_filled",
     "average",
     "backend_for_device",
     "check_same_on_all_ranks",
@@ -520,28 +519,6 @@ def _all_gather_single() -> Callable[..., Any]:
 def _checked(fut: "Future[Any]", out: torch.Tensor) -> torch.Tensor:
     fut.value()  # raises here if the collective failed
     return out
-
-
-Fill = Callable[[torch.Tensor, int], None]
-
-
-def allreduce_filled(
-    tensor: torch.Tensor, group: dist.ProcessGroup, fill: Fill
-) -> "Future[torch.Tensor]":
-    """Sum across ``group`` the values that ``fill`` writes into ``tensor``, a 1-D tensor.
-
-    ``fill(out, start)`` writes this rank's values of the elements ``start`` to
-    ``start + out.numel()`` into ``out``. The future resolves to ``tensor``, summed in place.
-
-    Today ``fill`` writes all of ``tensor`` at once and :func:`allreduce` sums it; the form
-    leaves room for a sum that writes its values piece by piece. One was tried: on two gloo
-    ranks, trading halves of a float16 tensor and adding them with torch's vectorised kernels
-    (gloo adds half-precision elements in scalar code). It was faster on loopback, but on a
-    100 Mbit/s link its two exchanges took 1.3-1.9x as long as gloo's allreduce of the same
-    bytes, and slow links are where these hooks are used.
-    """
-    fill(tensor, 0)
-    return allreduce(tensor, group)
 
 
 def average(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.Tensor]":
