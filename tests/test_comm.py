@@ -226,3 +226,49 @@ def test_observers_count_what_each_collective_hands_over():
             {"all_reduce": 80, "all_gather_into_tensor": 40},
         )
         assert out["wrapped"] and out["restored"]
+
+
+# Rows long enough that gloo on CPU sends them in pieces (over two of ``_PIECE_BYTES``), with
+# a length that leaves the last piece short; and a row short enough to go whole.
+_LONG = 3 * comm._PIECE_BYTES + 1000
+_SHORT = 1000
+
+
+def _exchanges(rank, world_size):
+    group = dist.group.WORLD
+    out = {}
+    for length in (_LONG, _SHORT):
+        # Every byte says who sent it, to whom, and where it was in the row.
+        place = torch.arange(length, dtype=torch.int64) % 251
+        rows = torch.stack([(place + 7 * rank + 3 * dest) % 256 for dest in range(world_size)])
+        sent = rows.to(torch.uint8)
+        received = torch.empty_like(sent)
+        with comm.observe_collectives(torch_calls=True) as seen:
+            assert comm.all_to_all(received, sent, group).wait() is received
+        mine = sent[rank].clone()
+        gathered = torch.empty(world_size, length, dtype=torch.uint8)
+        assert comm.all_gather_into(gathered, mine, group).wait() is gathered
+        expected_in = torch.stack(
+            [((place + 7 * src + 3 * rank) % 256).to(torch.uint8) for src in range(world_size)]
+        )
+        expected_gather = torch.stack(
+            [((place + 7 * src + 3 * src) % 256).to(torch.uint8) for src in range(world_size)]
+        )
+        out[length] = (
+            torch.equal(received, expected_in),
+            torch.equal(gathered, expected_gather),
+            seen.calls,
+            seen.bytes,
+            len(comm._pieces(sent, group)),
+        )
+    return out
+
+
+def test_long_rows_go_in_pieces_and_land_where_one_collective_puts_them():
+    for out in run_on_ranks(_exchanges, 3):
+        for length, (exchanged, gathered, calls, sent, pieces) in out.items():
+            assert exchanged and gathered, length
+            # Reported as the one all-to-all it stands for, with every byte handed over.
+            assert calls == {"all_to_all_single": 1}
+            assert sent == {"all_to_all_single": 3 * length}
+            assert pieces == (4 if length == _LONG else 1)
