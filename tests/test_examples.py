@@ -91,11 +91,17 @@ def test_readme_quick_start_runs_with_torchrun(tmp_path):
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     assert len(code.strip().splitlines()) <= 10
     (tmp_path / "train.py").write_text(code)
-    run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         str(tmp_path / "train.py")],
-        tmp_path,
-    )  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(tmp_path / "train.py")]  # fmt: skip
+    try:
+        run(cmd, tmp_path)
+    except AssertionError as exc:
+        # torch's gloo teardown sometimes aborts a process at exit, after the script is done
+        # ("terminate called without an active exception"; seen with PyTorch's own PowerSGD
+        # hook too, more often with destroy_process_group): one more run must pass cleanly.
+        if "terminate called without an active exception" not in str(exc):
+            raise
+        run(cmd, tmp_path)
 
 
 def test_accelerate_example_saves_and_restores_hook_state(tmp_path):

@@ -500,8 +500,10 @@ def test_lazy_memory_matches_an_error_memory_and_survives_a_bad_step():
         assert per_rank["kept_lazily"] == 2  # both matrices
         # Products pile up to rank 3, then are subtracted in the pass of the next step.
         assert [r[0] for r in per_rank["pending_ranks"]] == [1, 2, 3, 1, 2, 3, 1, 2, 3]
+        # The same sums in another order: float32 rounding, whose size depends on the CPU's
+        # kernels (a difference of 2.6e-6 on an output of 0.13 was seen on one machine).
         for a, b in zip(per_rank["outputs"]["looked"], per_rank["outputs"]["unlooked"]):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         looked, unlooked = per_rank["errors"]
         assert looked.keys() == unlooked.keys()
         for k in looked:  # the same sums in another order: rounding of values of order 1
