@@ -19,6 +19,8 @@ from typing import Any, TypeVar, cast
 import torch
 import torch.distributed as dist
 
+from commhooks import callbacks
+
 __all__ = [
     "CollectiveCounter",
     "OrderedIssuer",
@@ -442,7 +444,7 @@ def allreduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.T
         if _sums_by_exchange(tensor, group):
             return _exchange_and_add(tensor, group)
         work = dist.all_reduce(tensor, group=group, async_op=True)
-    return _future_of(work).then(_first)
+    return callbacks.then(_future_of(work), _first)
 
 
 def _future_of(work: Any) -> "Future[list[torch.Tensor]]":
@@ -485,7 +487,7 @@ def _exchange_and_add(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future
             tensor.copy_(flat.view_as(tensor))
         return tensor
 
-    return _future_of(work).then(add)
+    return callbacks.then(_future_of(work), add)
 
 
 # gloo carries one large message per pair of ranks at about half the link's rate while both
@@ -510,7 +512,7 @@ def all_to_all(
         pieces = _pieces(rows, group)
         if len(pieces) == 1:
             work = dist.all_to_all_single(out, tensor, group=group, async_op=True)
-            return _future_of(work).then(lambda fut: _checked(fut, out))
+            return callbacks.then(_future_of(work), lambda fut: _checked(fut, out))
         parts = [rows[:, piece].contiguous() for piece in pieces]
         landed = [torch.empty_like(part) for part in parts]
         works = [
@@ -534,7 +536,7 @@ def all_gather_into(
         pieces = _pieces(flat, group)
         if len(pieces) == 1:
             work = gather(out.view(world, -1), flat, group=group, async_op=True)
-            return _future_of(work).then(lambda fut: _checked(fut, out))
+            return callbacks.then(_future_of(work), lambda fut: _checked(fut, out))
         landed = [flat.new_empty(world, piece.stop - piece.start) for piece in pieces]
         works = [
             gather(got, flat[:, piece], group=group, async_op=True)
@@ -562,7 +564,7 @@ def _joined(works: list[Any], finish: Callable[[], torch.Tensor]) -> "Future[tor
             part.value()  # raises here if a piece failed
         return finish()
 
-    return torch.futures.collect_all([_future_of(work) for work in works]).then(after)
+    return callbacks.then(torch.futures.collect_all([_future_of(work) for work in works]), after)
 
 
 def _place(
@@ -769,7 +771,7 @@ class OrderedIssuer:
                 return
             self.start(slot, lambda: _launch_into(lambda: step(fut.wait()), out))
 
-        after.add_done_callback(on_done)
+        callbacks.when_done(after, on_done)
         if not hold:
             with self._lock:
                 self._drain()
@@ -788,7 +790,7 @@ def _launch_into(issue: Callable[[], "Future[T]"], out: "Future[Any]") -> None:
     except BaseException as exc:
         _fail(out, exc)
         return
-    inner.add_done_callback(lambda fut: _forward(fut, out))
+    callbacks.when_done(inner, lambda fut: _forward(fut, out))
 
 
 def _forward(src: "Future[T]", dst: "Future[Any]") -> None:

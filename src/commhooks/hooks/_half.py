@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from commhooks import comm
+from commhooks import callbacks, comm
 from commhooks._warnings import warn_once
 
 __all__ = ["all_finite", "average_in", "reads_back_checks", "saturating_cast"]
@@ -67,7 +67,7 @@ def average_in(
     # ``done`` is completed by hand. A future derived from it with ``then`` fails as a real
     # error when a collective failed, which DDP reports with the backend's message; the hand-made
     # one would hold the exception as a value, which DDP then fails to read as a tensor.
-    return done.then(_value)
+    return callbacks.then(done, _value)
 
 
 def _value(fut: "Future[torch.Tensor]") -> torch.Tensor:
@@ -117,7 +117,7 @@ class _Repair:
             return comm.completed(self.buffer.copy_(sums))
         owner, dtype = self.owner, sums.dtype
         resent = comm.average(self.buffer, self._group())
-        return resent.then(lambda fut: _warn_if_overflowed(fut.value(), owner, dtype))
+        return callbacks.then(resent, lambda fut: _warn_if_overflowed(fut.value(), owner, dtype))
 
 
 def divide_overflowed_first(buffer: torch.Tensor, low: torch.Tensor, world: int) -> torch.Tensor:

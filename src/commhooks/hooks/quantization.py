@@ -21,7 +21,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from commhooks import comm, quantize
+from commhooks import callbacks, comm, quantize
 from commhooks.hooks._bucket import GradBucket, float_buffer, group_state
 from commhooks.options import integer
 
@@ -82,7 +82,7 @@ def _affine_average(
     packet[0, codes_bytes:].view(torch.float32).copy_(qparams.view(-1))
     gathered = packet.new_empty(group.size(), packet.shape[1])
     done = comm.all_gather_into(gathered, packet, group)
-    return done.then(lambda fut: _decode_average(fut.value(), buffer, rows, channel))
+    return callbacks.then(done, lambda fut: _decode_average(fut.value(), buffer, rows, channel))
 
 
 def _aligned(nbytes: int) -> int:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from commhooks import comm, quantize
+from commhooks import callbacks, comm, quantize
 from commhooks._warnings import warn_once
 from commhooks.hooks._bucket import GradBucket, float_buffer
 from commhooks.hooks._quantized_state import (
@@ -190,7 +190,7 @@ def _decode_or_resend(
     assert group is not None, "the issuer has its follow-up group"
     fmt, length = state.settings.format, work.layout.length
     if not quantize.scales_finite(work.gathered, fmt, length):
-        return comm.average(buffer, group).then(lambda fut: _warn_if_finite(fut.value()))
+        return callbacks.then(comm.average(buffer, group), lambda fut: _warn_if_finite(fut.value()))
     _decode(work, fmt, buffer)
     state.commit(work)
     return comm.completed(buffer)

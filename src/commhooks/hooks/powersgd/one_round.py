@@ -12,7 +12,7 @@ Hook modules must not use ``from __future__ import annotations``: DDP rejects st
 
 import torch
 
-from commhooks import comm, lowrank
+from commhooks import callbacks, comm, lowrank
 
 from . import stages
 from .stages import Batch, BucketStep, Matrix
@@ -47,7 +47,7 @@ def one_round(step: BucketStep) -> "Future[torch.Tensor]":
             _absorb(step, batch)
     averaged = comm.average(send, step.group)
     checked = step.follow_up(averaged, lambda result: _unless_finite(step, result))
-    return checked.then(lambda done: _approximate(step, done, unc))
+    return callbacks.then(checked, lambda done: _approximate(step, done, unc))
 
 
 def _absorb(step: BucketStep, b: Batch) -> None:
@@ -68,7 +68,7 @@ def _unless_finite(step: BucketStep, averaged: torch.Tensor) -> "Future[torch.Te
     """
     if lowrank.is_finite(averaged):
         return comm.completed(averaged)
-    return stages.fall_back(step).then(_nothing)
+    return callbacks.then(stages.fall_back(step), _nothing)
 
 
 def _nothing(sent: "Future[torch.Tensor]") -> None:

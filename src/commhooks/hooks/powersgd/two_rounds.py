@@ -11,7 +11,7 @@ Hook modules must not use ``from __future__ import annotations``: DDP rejects st
 import torch
 import torch.distributed as dist
 
-from commhooks import comm, lowrank
+from commhooks import callbacks, comm, lowrank
 
 from . import stages
 from .stages import BucketStep
@@ -71,7 +71,7 @@ def _second_round(
         # Q = Mᵀ P overwrites the starting Q, in the buffer that is sent next.
         lowrank.right_factor_into(b.stack, b.sent, b.known)
     q_sum = comm.allreduce(q, step.state.issuer.group)
-    return q_sum.then(lambda done: _approximate(step, done, q, starts))
+    return callbacks.then(q_sum, lambda done: _approximate(step, done, q, starts))
 
 
 def _approximate(
@@ -97,4 +97,4 @@ def _approximate(
 def _sum_then_mean(packed: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.Tensor]":
     # PyTorch's order (sum, then divide) rather than DDP's, for the same numerics as its hook.
     world = group.size()
-    return comm.allreduce(packed, group).then(lambda fut: fut.value().div_(world))
+    return callbacks.then(comm.allreduce(packed, group), lambda fut: fut.value().div_(world))

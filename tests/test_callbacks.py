@@ -1,0 +1,117 @@
+"""Callbacks on futures: torch's semantics, tracked until released, and a clean exit."""
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from commhooks import callbacks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Each rank completes a collective while this thread holds the GIL (a switch interval of 100 s:
+# the worker thread cannot take it), so the callback is still pending when the script ends.
+# Without the wait at exit, the worker thread is ended inside the callback and the process
+# aborts (with `then`, on every run seen; with `when_done`, in about half of them).
+RANK_SCRIPT = """
+import os, sys
+import torch, torch.distributed as dist
+from commhooks import callbacks
+dist.init_process_group("gloo")
+sys.setswitchinterval(100.0)
+tensor = torch.ones(1 << 16)
+parent = dist.all_reduce(tensor, async_op=True).get_future()
+if os.environ["HOW"] == "then":
+    child = callbacks.then(parent, lambda f: f.value()[0].sum().item())
+else:
+    callbacks.when_done(parent, lambda f: f.value()[0].sum().item())
+while not parent.done():
+    pass
+print("ending with callbacks held:", callbacks.held(), flush=True)
+"""
+
+
+def test_then_passes_values_and_errors_on_like_torch():
+    fut: torch.futures.Future[int] = torch.futures.Future()
+    doubled = callbacks.then(fut, lambda f: f.value() * 2)
+    fut.set_result(21)
+    assert doubled.wait() == 42
+
+    failing: torch.futures.Future[int] = torch.futures.Future()
+    ours = callbacks.then(failing, lambda f: f.value() + 1)
+    torchs = failing.then(lambda f: f.value() + 1)  # the oracle
+    failing.set_exception(ValueError("peer gone"))
+    raised = []
+    for after in (ours, torchs):
+        with pytest.raises(Exception, match="peer gone") as info:
+            after.wait()
+        raised.append(info.type)
+    assert raised[0] is raised[1]
+
+
+def test_when_done_runs_once_and_callbacks_are_released_after_running():
+    before = callbacks.held()
+    fut: torch.futures.Future[str] = torch.futures.Future()
+    seen: list[str] = []
+    callbacks.when_done(fut, lambda f: seen.append(f.value()))
+    callbacks.then(fut, lambda f: None)
+    assert callbacks.held() == before + 2
+    fut.set_result("done")
+    assert seen == ["done"]
+    assert callbacks.held() == before
+
+
+def test_a_callback_on_a_completed_future_runs_at_once_and_is_not_held():
+    before = callbacks.held()
+    fut: torch.futures.Future[int] = torch.futures.Future()
+    fut.set_result(3)
+    assert callbacks.then(fut, lambda f: f.value() + 1).wait() == 4
+    assert callbacks.held() == before
+
+
+def test_the_package_hands_futures_its_callbacks_only_through_this_module():
+    offenders = []
+    for path in (ROOT / "src" / "commhooks").rglob("*.py"):
+        if path.name == "callbacks.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            receiver = ast.unparse(node.func.value)
+            if node.func.attr == "add_done_callback" or (
+                node.func.attr == "then" and not receiver.endswith(("callbacks", "issuer"))
+            ):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {receiver}")
+    assert not offenders, offenders
+
+
+@pytest.mark.parametrize("how", ["then", "when_done"])
+def test_a_script_ending_while_a_worker_thread_holds_a_callback_exits_cleanly(tmp_path, how):
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    path = os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+               WORLD_SIZE="2", HOW=how, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
+               PYTHONPATH=path)  # fmt: skip
+    ranks = [
+        subprocess.Popen([sys.executable, str(script)], env=dict(env, RANK=str(rank)),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for rank in range(2)
+    ]  # fmt: skip
+    outputs = [rank.communicate(timeout=90)[0] for rank in ranks]
+    for rank, output in zip(ranks, outputs, strict=True):
+        assert rank.returncode == 0, output[-3000:]
+        assert "ending with callbacks held: 1" in output, output[-3000:]
+        assert "terminate called" not in output
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
