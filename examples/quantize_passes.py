@@ -4,7 +4,8 @@ The floor is one pass that reads and writes the whole float32 bucket (``out.copy
 elementwise ``torch.add`` of two buckets is shown too). Each pass of
 :mod:`commhooks.quantize` runs over the same bucket, as the hook runs it (one row per rank,
 error kept), in one process, one thread by default; the measurements alternate round by round,
-so that other load on the machine falls on all of them alike, and each reports its median::
+so that other load on the machine falls on all of them alike, and each reports its median.
+With ``--device cuda`` the same passes run on the GPU, each timed to its end on the device::
 
     python examples/quantize_passes.py --numel 6000000 --rounds 50 --ranks 2
 """
@@ -19,9 +20,12 @@ import torch
 from commhooks import quantize
 
 
-def _timed(fn: Callable[[], object]) -> float:
+def _timed(fn: Callable[[], object], device: torch.device) -> float:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
     start = time.perf_counter()
     fn()
+    sync()
     return time.perf_counter() - start
 
 
@@ -31,12 +35,14 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2, help="rows the bucket is cut into")
     parser.add_argument("--block", type=int, default=256, help="elements per scale")
     parser.add_argument("--rounds", type=int, default=50)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda for the GPU")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
 
-    x = torch.randn(args.numel)
-    other, out = torch.randn(args.numel), torch.empty(args.numel)
+    x = torch.randn(args.numel, device=device)
+    other, out = torch.randn_like(x), torch.empty_like(x)
     passes: dict[str, Callable[[], object]] = {
         "floor: copy (read + write once)": lambda: out.copy_(x),
         "torch.add (read 2, write 1)": lambda: torch.add(x, other, out=out),
@@ -44,10 +50,12 @@ def main() -> None:
     for bits in (8, 4):
         fmt = quantize.BlockFormat(bits, args.block)
         length = fmt.row_length(args.numel, args.ranks)
-        rows = torch.zeros(args.ranks, length)
+        rows = torch.zeros(args.ranks, length, device=device)
         rows.view(-1)[: args.numel].copy_(x)
         levels = torch.empty_like(rows)
-        packets = torch.empty(args.ranks, fmt.packet_bytes(length), dtype=torch.uint8)
+        packets = torch.empty(
+            args.ranks, fmt.packet_bytes(length), dtype=torch.uint8, device=device
+        )
         decoded = torch.empty_like(rows)
 
         def encode(rows=rows, packets=packets, fmt=fmt, levels=levels) -> None:
@@ -60,9 +68,9 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in passes}
     for _ in range(args.rounds):
         for name, fn in passes.items():
-            times[name].append(_timed(fn))
+            times[name].append(_timed(fn, device))
     floor = statistics.median(times["floor: copy (read + write once)"])
-    print(f"{args.numel} float32 elements, {args.ranks} rows, blocks of {args.block}:")
+    print(f"{args.numel} float32 elements on {device}, {args.ranks} rows, blocks of {args.block}:")
     for name, measured in times.items():
         median = statistics.median(measured)
         print(f"  {name:34s} {median * 1e3:8.2f} ms  {median / floor:5.2f}x floor")
