@@ -1,8 +1,10 @@
 """Small models, data and training loops shared by the multi-rank tests.
 
-Everything here runs inside a rank started by ``commhooks.testing.run_on_ranks``.
+Everything here runs inside a rank started by ``commhooks.testing.run_on_ranks``, except
+:func:`free_port`, for tests that start rank processes of their own.
 """
 
+import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -12,6 +14,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 IN, OUT = 32, 8
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def make_mlp(seed: int = 0, widths: Sequence[int] = (IN, 64, 64, 32, OUT)) -> nn.Sequential:

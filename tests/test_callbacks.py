@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ddp_utils import free_port
 
 from commhooks import callbacks
 
@@ -94,7 +95,7 @@ def test_a_script_ending_while_a_worker_thread_holds_a_callback_exits_cleanly(tm
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
     path = os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                WORLD_SIZE="2", HOW=how, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
                PYTHONPATH=path)  # fmt: skip
     ranks = [
@@ -107,11 +108,3 @@ def test_a_script_ending_while_a_worker_thread_holds_a_callback_exits_cleanly(tm
         assert rank.returncode == 0, output[-3000:]
         assert "ending with callbacks held: 1" in output, output[-3000:]
         assert "terminate called" not in output
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

@@ -4,13 +4,13 @@ import importlib.util
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from ddp_utils import free_port
 
 import commhooks
 from commhooks.config import hook_names, hook_spec, wrapper_names
@@ -25,12 +25,6 @@ def env() -> dict[str, str]:
     out["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), out.get("PYTHONPATH", "")])
     out.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(cmd: list[str], cwd: Path, extra: dict[str, str] | None = None) -> str:
@@ -91,11 +85,13 @@ def test_readme_quick_start_runs_with_torchrun(tmp_path):
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     assert len(code.strip().splitlines()) <= 10
     (tmp_path / "train.py").write_text(code)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(tmp_path / "train.py")]  # fmt: skip
     # Ends right after its last step: commhooks.callbacks keeps torch's gloo teardown from
     # aborting the process then (see test_callbacks.py).
-    out = run(cmd, tmp_path)
+    out = run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(tmp_path / "train.py")],
+        tmp_path,
+    )  # fmt: skip
     assert "terminate called" not in out
 
 
