@@ -101,6 +101,50 @@ def test_each_bucket_costs_at_most_one_full_size_temporary():
 
 
 # ----------------------------------------------------------------------------------------------
+# The finiteness check: a sum first, the minimum and maximum only when the sum is not finite
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_all_finite_finds_every_non_finite_element_and_nothing_else(dtype):
+    top = torch.finfo(dtype).max
+    assert _half.all_finite(torch.zeros(0, dtype=dtype))
+    assert _half.all_finite(torch.tensor([1.0, -2.0, 0.5], dtype=dtype))
+    # Finite elements whose total is beyond the dtype's range: the sum overflows, the check
+    # must not.
+    assert not torch.isfinite(torch.full((8,), top, dtype=dtype).sum())
+    assert _half.all_finite(torch.full((8,), top, dtype=dtype))
+    assert _half.all_finite(torch.tensor([top, top, -top], dtype=dtype))
+    for bad in (float("inf"), -float("inf"), float("nan")):
+        for where in (0, 5, 999):
+            x = torch.full((1000,), 0.5, dtype=dtype)
+            x[where] = bad
+            assert not _half.all_finite(x), (bad, where)
+    both = torch.tensor([float("inf"), -float("inf"), 1.0], dtype=dtype)  # a sum of NaN
+    assert not _half.all_finite(both)
+
+
+def _large_finite_bucket(rank, world_size):
+    # Every element and every average fits float16, but the bucket's total does not: the hook
+    # must take PyTorch's path, bit for bit, without re-sending or warning. (The first call
+    # sets up the group's follow-up issuer and checks the ranks agree: not counted.)
+    values = torch.full((4096,), 3e4 if rank == 0 else 2e4)
+    commhooks.fp16_compress_hook(None, FakeBucket([torch.ones(8)])).wait()
+    with warnings.catch_warnings(record=True) as caught, comm.observe_collectives() as sent:
+        warnings.simplefilter("always")
+        ours = commhooks.fp16_compress_hook(None, FakeBucket([values])).wait()
+    theirs = torch_default.fp16_compress_hook(dist.group.WORLD, FakeBucket([values])).wait()
+    return ours, theirs, [str(w.message) for w in caught], dict(sent.calls)
+
+
+@pytest.mark.timeout(60)
+def test_a_bucket_whose_total_overflows_is_still_averaged_as_pytorch_does():
+    for ours, theirs, caught, calls in run_on_ranks(_large_finite_bucket, 2):
+        assert calls == {"all_reduce": 1}, calls  # nothing sent again
+        assert torch.equal(ours, theirs)
+        torch.testing.assert_close(ours, torch.full_like(ours, 25000.0), rtol=1e-3, atol=0)
+        assert caught == []
+
+
+# ----------------------------------------------------------------------------------------------
 # The accelerator's logic, forced on CPU tensors
 # ----------------------------------------------------------------------------------------------
 @contextlib.contextmanager
