@@ -192,7 +192,7 @@ def test_floors_send_what_single_round_powersgd_sends(tmp_path):
     assert rows["floor_memory"]["heldout_loss_per_rank"] != rows["noop"]["heldout_loss_per_rank"]
 
 
-def test_longer_runs_compare_held_out_loss_after_the_same_steps(tmp_path):
+def test_longer_runs_compare_held_out_loss_and_timings_over_the_same_steps(tmp_path):
     path = tmp_path / "reach.json"
     argv = ["--hooks", "allreduce,no", "--steps", "4", "--warmup", "1", "--reach-steps", "6"]
     assert cli.main([*argv, "--json", str(path)]) == 0
@@ -202,3 +202,9 @@ def test_longer_runs_compare_held_out_loss_after_the_same_steps(tmp_path):
     assert len(rows["allreduce"]["losses"]) == 4 and len(rows["no"]["losses"]) == 6
     assert rows["no"]["heldout_loss_per_rank"] == rows["allreduce"]["heldout_loss_per_rank"]
     assert rows["no"]["steps_to_allreduce_loss"] <= 4
+    # Step times, bytes and memory come from the same steps (2 to 4) in both rows: the longer
+    # run's steps 5 and 6 are not timed, and their allreduces are not counted.
+    for row in rows.values():
+        assert row["timed_steps"] == 3 and len(row["step_ms"][0]) == 3
+    gradient = rows["allreduce"]["gradient_bytes"]
+    assert rows["allreduce"]["payload_bytes_per_step"]["all_reduce"] == gradient

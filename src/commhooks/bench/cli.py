@@ -178,6 +178,7 @@ def _spec(plan: Plan, hook: str, net: Network | None) -> RunSpec:
         steps=_steps(plan, hook),
         warmup=plan.warmup,
         heldout_at=plan.steps,
+        measured_steps=plan.steps,
         lr=plan.lr,
         bucket_cap_mb=_bucket_cap_mb(plan, hook),
         lockstep=plan.lockstep,
@@ -238,8 +239,8 @@ def _setting_notes(plan: Plan) -> list[str]:
         )
     lines.append(
         f"{plan.steps} steps for allreduce and the measuring hooks, {plan.reach_steps} for the "
-        f"others (to see when they reach allreduce's loss); the first {plan.warmup} not timed; "
-        f"held-out loss after {plan.steps}"
+        f"others (to see when they reach allreduce's loss); step times, bytes and memory from "
+        f"step {plan.warmup + 1} to {plan.steps} for every hook, held-out loss after {plan.steps}"
     )
     if plan.repeat > 1:
         lines.append(f"{plan.repeat} rounds of every hook in turn, each hook's timed steps pooled")

@@ -49,6 +49,10 @@ class RunSpec(Record):
         options: the options its state is built with.
         task, params, seed: what is trained (see ``bench.tasks``).
         steps, warmup: steps run, and how many of the first are left out of the timing.
+        measured_steps: timing, bytes and peak memory are measured up to this step (counted
+            from 1) and no further, the same for every hook, so that rows compare like with
+            like; a hook that trains longer (to show when it reaches ``allreduce``'s loss) only
+            records the losses of its later steps. ``None``: up to ``steps``.
         heldout_at: the held-out loss is taken after this many steps (the same for every
             hook, whatever its ``steps``), so that it compares hooks at equal training.
         lr: AdamW's learning rate.
@@ -72,6 +76,12 @@ class RunSpec(Record):
     lockstep: bool = False
     host_ends: list[str] | None = None
     fsdp: bool = False
+    measured_steps: int | None = None
+
+    @property
+    def measured_end(self) -> int:
+        """The step (counted from 0) at which measuring stops."""
+        return self.steps if self.measured_steps is None else min(self.steps, self.measured_steps)
 
 
 @dataclasses.dataclass

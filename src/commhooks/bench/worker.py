@@ -4,15 +4,17 @@ The launcher starts it through :func:`commhooks.testing.run_on_ranks`, which has
 process group (inside the rank's network namespace when there is one); a hook that crashes or
 hangs takes down only its own ranks. Figures recorded (see :class:`RankResult`):
 
-* step times: wall-clock of each whole optimizer step, after ``warmup`` untimed steps;
+* step times: wall-clock of each whole optimizer step, after ``warmup`` untimed steps, up to
+  ``measured_steps``, the same for every hook (a hook that trains longer only records the
+  losses of its later steps; the payload, wire and memory figures below leave them out too);
 * losses: the training loss of every step with its time since the first step began;
 * payload: calls and bytes handed to each kind of collective during the timed steps, from
   :func:`commhooks.comm.observe_collectives` (PyTorch's own hooks call ``torch.distributed``
   directly: for them, its calls are counted too);
 * wire: the counters of the rank's link around the timed steps, in a network namespace;
-* peak memory: the peak resident set size (``ru_maxrss``) minus the resident set just before
-  the task is built, i.e. what the model, optimizer, data, hook state and communication
-  buffers added at their peak;
+* peak memory: the peak resident set size (``ru_maxrss``) at the end of the measured steps
+  minus the resident set just before the task is built, i.e. what the model, optimizer, data,
+  hook state and communication buffers added at their peak;
 * held-out loss of this rank's model after the last step.
 """
 
@@ -127,16 +129,19 @@ def train_rank(rank: int, world_size: int, spec: RunSpec) -> RankResult:
         comm.observe_collectives(torch_calls=torch_calls) as sent,
         _LinkTraffic(host_end) as link,
     ):
-        for step in range(spec.warmup, spec.steps):
+        for step in range(spec.warmup, spec.measured_end):
             run.step(step, timed=True)
         dist.barrier()  # the last bytes have arrived before the counters are read
+    peak_memory = max(0, _peak_rss_bytes() - rss_before)
+    for step in range(spec.measured_end, spec.steps):
+        run.step(step, timed=False)  # only its loss (when it reaches allreduce's) is kept
     phases["trained"] = time.time()
     return RankResult(
         rank=rank,
         step_s=run.step_s,
         losses=run.losses,
         heldout_loss=run.heldout_loss,
-        peak_memory_bytes=max(0, _peak_rss_bytes() - rss_before),
+        peak_memory_bytes=peak_memory,
         payload_calls=dict(sent.calls),
         payload_bytes=dict(sent.bytes),
         wire=link.delta,
