@@ -310,8 +310,8 @@ def _settings(plan: Plan) -> dict[str, Any]:
         "torch_reference": TORCH_SINGLE_BUCKET_NOTE.format(mb=hookset.SINGLE_BUCKET_MB),
         "step_time": "wall-clock of zero_grad+forward+backward+optimizer step+averaging; median "
         "and quartiles of the slowest rank's timed steps",
-        "peak_memory": "ru_maxrss at the end minus the resident set before the task was built; "
-        "max over ranks",
+        "peak_memory": "ru_maxrss at the end of the measured steps minus the resident set "
+        "before the task was built; max over ranks",
         "noise": f"a row is noisy when the median absolute deviation of its step times exceeds "
         f"{summary.SPREAD_LIMIT:.0%} of their median, or it is faster than noop",
     }

@@ -15,7 +15,7 @@ hangs takes down only its own ranks. Figures recorded (see :class:`RankResult`):
 * peak memory: the peak resident set size (``ru_maxrss``) at the end of the measured steps
   minus the resident set just before the task is built, i.e. what the model, optimizer, data,
   hook state and communication buffers added at their peak;
-* held-out loss of this rank's model after the last step.
+* held-out loss of this rank's model after ``heldout_at`` steps.
 """
 
 import os
