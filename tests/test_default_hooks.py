@@ -222,6 +222,34 @@ def test_fp16_non_finite_gradient_passes_through_like_allreduce(bad):
         assert not any("re-sent" in m for m in messages)
 
 
+def _three_ranks(rank, world_size):
+    out = {"pytorch": _against_pytorch(rank, world_size)}
+    # Each rank's 65504 / 3 rounds up in float16 (21840), and three of those sum past the
+    # range although every value, and the average, fits: only a check of the sum sees it.
+    out["rounded past"] = _overflow(rank, world_size, [[65504.0, 1.0]] * 3)
+    out["cast overflow"] = _overflow(rank, world_size, [[9e4, 1.0], [0.0, 2.0], [0.0, 3.0]])
+    out["nan"] = _overflow(rank, world_size, [[float("nan"), 1.0], [1.0, 2.0], [1.0, 3.0]])
+    return out
+
+
+def test_fp16_on_three_ranks_keeps_every_promise():
+    # Three ranks take the path that reads the summed bucket (on one or two, a flag decides).
+    for out in run_on_ranks(_three_ranks, 3):
+        ours, theirs, reference, warned = out["pytorch"]
+        fine = torch.isfinite(theirs)
+        assert torch.equal(ours[fine], theirs[fine]) and warned == 0
+        assert torch.equal(ours[~fine], reference[~fine]) and torch.isfinite(ours).all()
+        value, messages = out["rounded past"]
+        third = torch.tensor([65504.0, 1.0]) * (1.0 / 3)  # plain allreduce's arithmetic
+        assert torch.equal(value, third + third + third)  # PyTorch's hook gives inf
+        assert len(messages) == 1 and "re-sent in torch.float32" in messages[0]
+        value, messages = out["cast overflow"]  # 9e4 overflows float16; 3e4 does not
+        torch.testing.assert_close(value, torch.tensor([3e4, 2.0]), rtol=1e-3, atol=0)
+        assert messages == []
+        value, messages = out["nan"]
+        assert value[0].isnan() and value[1] == 2.0 and messages == []
+
+
 def _fp16_wrapper_clips(rank, world_size):
     hook = commhooks.fp16_compress_wrapper(commhooks.allreduce_hook)
     with warnings.catch_warnings(record=True) as caught:
