@@ -2,10 +2,10 @@
 
 The common path is PyTorch's own, pass for pass: cast the bucket down, divide by the world
 size, sum across ranks, cast the sum back into the bucket. Whether every summed element stayed
-finite is learnt on the way: on one or two ranks from a flag element that each rank sets in
-the division's own pass (:func:`_cast_down`), on more from one more pass that adds the summed
-elements up (:func:`all_finite`). Nothing else is allocated, copied or sent unless one did not,
-which takes one of:
+finite is learnt on the way: on CPU with one or two ranks from a flag element that each rank
+sets in the division's own pass (:func:`_cast_down`), otherwise from one more pass that adds
+the summed elements up (:func:`all_finite`). Nothing else is allocated, copied or sent unless
+one did not, which takes one of:
 
 * A rank's value beyond the reduced range (float16's is +-65504) whose average fits: its cast
   gave ``inf``. The elements where the sum is not finite are sent again, each rank dividing
@@ -19,12 +19,11 @@ same branch and issues the same collectives. Both decisions are follow-ups (they
 first), issued through the group's :class:`commhooks.comm.OrderedIssuer` in slots reserved when
 the hook is called.
 
-Per element on an accelerator: the cast, the division (with the check, on two ranks), the
-collective, the finiteness reduction (on more than two) and the copy back, all queued on the
-stream. The host reads the flag or the reduction only in the follow-ups, which an accelerator
-holds until the step's last bucket (:func:`commhooks.comm.holds_follow_ups`): the host waits for
-the device once a step, not once a bucket. Until then each bucket keeps its reduced-precision
-sum, which the decision needs.
+Per element on an accelerator: the cast, the division, the collective, the finiteness
+reduction and the copy back, all queued on the stream. The host reads the reduction only in the
+follow-ups, which an accelerator holds until the step's last bucket
+(:func:`commhooks.comm.holds_follow_ups`): the host waits for the device once a step, not once a
+bucket. Until then each bucket keeps its reduced-precision sum, which the decision needs.
 
 Hook modules must not use ``from __future__ import annotations``: DDP rejects string annotations.
 """
@@ -77,44 +76,41 @@ def _value(fut: "Future[torch.Tensor]") -> torch.Tensor:
     return fut.value()
 
 
-# What is summed is the bucket, a flag, then zeros up to a multiple of this many elements:
-# gloo adds half precision slower when its chunks do not start aligned (an odd length cost
-# about 5% more time per allreduce of 6M elements on two CPU ranks).
+# On CPU what is summed is the bucket, a flag, then zeros up to a multiple of this many
+# elements: gloo adds half precision slower when its chunks do not start aligned (an odd length
+# cost about 5% more time per allreduce of 6M elements on two CPU ranks).
 _SENT_MULTIPLE = 64
-# Where PyTorch's unscaling kernel (its gradient scaler's) is known to exist; elsewhere the
-# summed bucket is read, as on more than two ranks.
-_UNSCALING_DEVICES = ("cpu", "cuda")
 
 
 def _cast_down(buffer: torch.Tensor, dtype: torch.dtype, world: int) -> tuple[torch.Tensor, bool]:
-    """What a rank sends: ``buffer`` cast to ``dtype`` and divided by ``world``, then a flag.
+    """What a rank sends: ``buffer`` cast to ``dtype`` and divided by ``world`` (on CPU, then a
+    flag); and whether that flag decides if the summed bucket is finite.
 
     The flag, the element after the bucket, is 1 where this rank's reduced-precision values
     are not all finite and 0 otherwise, so that after the sum it counts the ranks holding inf
     or NaN. On one or two ranks that count decides whether the summed bucket is finite, with
     no pass over it: one rank adds nothing, and on two each value, halved, is at most half the
     dtype's largest, so their one rounded addition stays finite. The check rides on the
-    division (PyTorch's unscaling kernel: one pass that multiplies by ``1 / world``, exact for
-    a power of two, so the same bits as PyTorch's ``div_``). With more ranks, partial sums are
-    rounded one after another and may overflow although every value is finite: the flag is
-    left 0 and the summed bucket is read instead (:func:`all_finite`), as it is on a device
-    other than a CPU or a CUDA GPU.
-
-    Returns:
-        ``(low, flagged)``: the tensor to sum, the bucket's elements first, and whether its
-        flag decides.
+    division (PyTorch's unscaling kernel, its gradient scaler's: one pass that multiplies by
+    ``1 / world``, exact for a power of two, so the same bits as PyTorch's ``div_``). With more
+    ranks, partial sums are rounded one after another and may overflow although every value
+    is finite: the flag is left 0 and the summed bucket is read instead (:func:`all_finite`).
+    So it is on an accelerator, where that reading is one fast kernel and the flag would cost
+    more launches than it saves (and CUDA's unscaling kernel has no bfloat16).
     """
+    if buffer.device.type != "cpu":
+        return buffer.to(dtype, copy=True).div_(world), False
     numel = buffer.numel()
     sent = -(-(numel + 1) // _SENT_MULTIPLE) * _SENT_MULTIPLE
-    low = torch.empty(sent, dtype=dtype, device=buffer.device)
+    low = torch.empty(sent, dtype=dtype)
     values, rest = low[:numel], low[numel:]
     values.copy_(buffer.reshape(-1))
     rest.zero_()
-    if world > 2 or buffer.device.type not in _UNSCALING_DEVICES:
+    if world > 2:
         values.div_(world)
         return low, False
-    found = torch.zeros(1, dtype=torch.float32, device=buffer.device)
-    scale = torch.full((1,), 1.0 / world, dtype=torch.float32, device=buffer.device)
+    found = torch.zeros(1, dtype=torch.float32)
+    scale = torch.full((1,), 1.0 / world, dtype=torch.float32)
     torch._amp_foreach_non_finite_check_and_unscale_([values], found, scale)
     rest[:1].copy_(found)
     return low, True
