@@ -167,3 +167,22 @@ def test_fsdp_example_offers_every_hook_for_fsdp():
     spec.loader.exec_module(module)
     actions = {a.dest: a for a in module.build_parser()._actions}
     assert list(actions["hook"].choices) == commhooks.fsdp.hook_names()
+
+
+def test_fsdp_step_cost_times_each_hook_under_ddp_and_fsdp(tmp_path):
+    out = run(
+        [sys.executable, str(EXAMPLES / "fsdp_step_cost.py"), "--hooks", "power_sgd",
+         "--params", "200000", "--steps", "8"],
+        tmp_path,
+    )  # fmt: skip
+    rows = {}
+    for line in out.splitlines():
+        fields = line.split()
+        if fields and fields[0] in ("noop", "power_sgd"):
+            rows[fields[0]] = [float(f) for f in fields[1:]]
+    assert set(rows) == {"noop", "power_sgd"}, out
+    for ddp, fsdp, ratio, best in rows.values():
+        assert ddp > 0 and fsdp > 0 and ratio > 0 and best > 0
+    # Without communication the best FSDP2 can do is what it does.
+    assert rows["noop"][2] == rows["noop"][3], out
+    assert re.search(r"FSDP2 adds -?\d+\.\d ms to a step", out), out

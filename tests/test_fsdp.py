@@ -5,6 +5,7 @@ size), and 2 ranks as 2 x 1. Each grid runs once, in one set of processes, and r
 tests below check, so that the processes and their connections are paid for once per grid.
 """
 
+import datetime
 import os
 import signal
 
@@ -212,7 +213,29 @@ def grid_of_two(rank: int, world_size: int, folder: str) -> dict:
     out["non_finite"] = non_finite(mesh, rank)
     out["late_module"] = late_module(mesh)
     out["partial_sync"] = partial_sync(mesh)
+    out["read_at_once"] = read_at_once(mesh, rank)
     return out
+
+
+def read_at_once(mesh, rank: int) -> tuple:
+    """Where FSDP2 reads the shard as soon as the hook returns, the hook waits for its result:
+    two synchronising backward passes without zeroing (the second adds into the first), and a
+    post-accumulate-grad hook (an optimizer in the backward pass) that records the gradient."""
+    batches = data(rank, steps=2)
+    model = shard(make_net(), mesh["shard"])
+    commhooks.fsdp.register(model, "allreduce", mesh=mesh)
+    seen = []
+    model[0].weight.register_post_accumulate_grad_hook(
+        lambda p: seen.append(p.grad.to_local().clone())
+    )
+    ddp = DDP(make_net(), find_unused_parameters=True)
+    for x, y in batches:
+        nn.functional.mse_loss(model(x), y).backward()
+        nn.functional.mse_loss(ddp(x), y).backward()
+        seen.append(ddp.module[0].weight.grad.clone())
+    ours = torch.cat([p.grad.to_local().reshape(-1) for p in trained(model)])
+    theirs = [p.grad if p.grad is not None else torch.zeros_like(p) for p in trained(ddp)]
+    return seen, ours, torch.cat([g.reshape(-1) for g in theirs])
 
 
 def non_finite(mesh, rank: int) -> dict:
@@ -493,6 +516,64 @@ def test_partial_gradient_sync_is_refused_with_the_fix(two):
     for r in two:
         assert "twice before" in r["partial_sync"], r["partial_sync"]
         assert "set_requires_gradient_sync" in r["partial_sync"]
+
+
+def test_where_fsdp_reads_the_shard_at_once_the_hook_has_averaged_it(two):
+    for r in two:
+        seen, ours, ddp = r["read_at_once"]
+        # Per pass: what the post-accumulate-grad hook saw, then DDP's gradient so far.
+        assert len(seen) == 4
+        assert relative(seen[0], seen[1]) <= 1e-5
+        assert relative(seen[2], seen[3]) <= 1e-5
+        assert relative(ours, ddp) <= 1e-5
+
+
+def gated_backward(rank: int, world_size: int, store_path: str) -> dict:
+    """Rank 1 starts its second backward pass only once rank 0 has reached its first layer's
+    gradient in its own: rank 0 gets there only if each hook call returned without waiting for
+    rank 1's collectives. The results must not depend on that timing."""
+    store = dist.FileStore(store_path, world_size)
+    store.set_timeout(datetime.timedelta(seconds=30))
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    out = {}
+    for hook, gated in (("allreduce", True), ("power_sgd", True), ("power_sgd", False)):
+        model = shard(make_net(), mesh["shard"])
+        commhooks.fsdp.register(model, hook, mesh=mesh, **(FAST if hook != "allreduce" else {}))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step, (x, y) in enumerate(data(rank, steps=2)):
+            if step == 1 and gated:  # the first pass also sets up groups and compares options
+                gate(model, rank, store, key=f"{hook}: rank 0 reached the first layer")
+            opt.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        out[(hook, gated)] = full(model)
+    ddp = DDP(make_net(), find_unused_parameters=True)
+    train(ddp, data(rank, steps=2))
+    out["ddp"] = full(ddp.module)
+    return out
+
+
+def gate(model: nn.Module, rank: int, store, key: str) -> None:
+    """On rank 0, set ``key`` when the backward pass reaches the first layer's output; on rank
+    1, wait for it before the backward pass goes past the last layer's output."""
+
+    def on_output(_module, _inputs, output: torch.Tensor) -> None:
+        if rank == 0:
+            output.register_hook(lambda _grad: store.set(key, "1"))
+        else:
+            output.register_hook(lambda _grad: store.wait([key]))
+
+    layer = model[0] if rank == 0 else model[len(model) - 1]
+    layer.register_forward_hook(on_output)
+
+
+@pytest.mark.timeout(150)
+def test_each_module_communicates_while_the_backward_pass_goes_on(tmp_path):
+    results = run_on_ranks(gated_backward, 2, str(tmp_path / "store"), pg_timeout=20, timeout=120)
+    for r in results:
+        assert relative(r[("allreduce", True)], r["ddp"]) <= 1e-5
+        assert torch.equal(r[("power_sgd", True)], r[("power_sgd", False)])
+        assert torch.equal(r[("power_sgd", True)], results[0][("power_sgd", True)])
 
 
 def test_follow_ups_are_never_held_while_the_caller_waits():

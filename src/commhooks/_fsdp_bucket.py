@@ -1,11 +1,12 @@
 """Running the package's DDP hooks on the gradient shards of FSDP2 modules.
 
 FSDP2 calls an all-reduce hook (``FSDPModule.set_all_reduce_hook``) with each module's flat
-gradient shard, right after the reduce-scatter within the machine, and reads the shard back as
-soon as the hook returns. :class:`ShardHook` is that hook: it hands the shard to a DDP hook as a
-:class:`ShardBucket`, an object with the methods of ``torch.distributed.GradBucket`` that the
-package's hooks use, waits for the hook's result and leaves it in the shard. The DDP hooks and
-their states are reused unchanged.
+gradient shard, right after the reduce-scatter within the machine. :class:`ShardHook` is that
+hook: it hands the shard to a DDP hook as a :class:`ShardBucket`, an object with the methods of
+``torch.distributed.GradBucket`` that the package's hooks use, and leaves the hook's result in
+the shard, either before it returns or, where FSDP2 only makes the gradients views of the
+shard, at the end of the backward pass (``_fsdp_pending``). The DDP hooks and their states are
+reused unchanged.
 
 Hook-facing modules must not use ``from __future__ import annotations``.
 """
@@ -17,7 +18,8 @@ import torch
 from torch import nn
 
 from commhooks import comm
-from commhooks._fsdp_layout import ShardSlot, managed_shards
+from commhooks._fsdp_layout import ShardSlot, managed_shards, shard_becomes_gradients
+from commhooks._fsdp_pending import PendingShards, place
 
 __all__ = ["ShardBucket", "ShardHook", "StepTracker"]
 
@@ -133,9 +135,14 @@ class ShardHook:
     """The hook given to ``FSDPModule.set_all_reduce_hook``: a DDP hook applied to the shard.
 
     FSDP2 calls it on the thread running the backward pass (on a GPU, inside FSDP2's all-reduce
-    stream), once per module and synchronising backward pass. It waits for the DDP hook's
-    future, since FSDP2 uses the shard as soon as the call returns: the collectives of one
-    module's shard do not overlap the backward computation of the next.
+    stream), once per module and synchronising backward pass. On CPU, where FSDP2 makes the
+    gradients views of the shard and reads none of it, the call returns once the DDP hook has
+    issued its collectives, and ``pending`` finishes them at the end of the backward pass, so
+    that one module's communication overlaps the next modules' backward computation, as DDP's
+    buckets do. Otherwise (a cast, an accumulation, a post-accumulate-grad hook, a GPU) it
+    waits for the result, which FSDP2 uses as soon as the call returns. On a GPU FSDP2 orders
+    its own work after the hook's with an event recorded when the call returns, which work
+    finished later would escape.
 
     Args:
         module: the FSDP module.
@@ -143,6 +150,7 @@ class ShardHook:
         hook: a DDP communication hook, ``hook(state, bucket) -> Future[Tensor]``.
         state: the hook's state (a process group for the stateless hooks).
         steps: shared by every module of the model.
+        pending: shared by every module of the model.
     """
 
     def __init__(
@@ -152,26 +160,24 @@ class ShardHook:
         hook: Callable[[Any, Any], "torch.futures.Future[torch.Tensor]"],
         state: Any,
         steps: StepTracker,
+        pending: PendingShards,
     ) -> None:
         self.module = module
         self.index = index
         self.hook = hook
         self.state = state
         self.steps = steps
+        self.pending = pending
 
     def __call__(self, shard: torch.Tensor) -> None:
         slots = reduced_shards(self.module)
         _check_fits(shard, slots, self.module)
+        later = shard.device.type == "cpu" and shard_becomes_gradients(self.module, shard, slots)
         bucket = ShardBucket(self.index, shard, slots, self.steps.arrive(self.index))
         with comm.unheld_follow_ups():
-            averaged = self.hook(self.state, bucket).wait()
-        if averaged is not shard:
-            if averaged.numel() != shard.numel():
-                raise RuntimeError(
-                    f"commhooks.fsdp: the hook returned {averaged.numel()} elements for a shard "
-                    f"of {shard.numel()}; a hook must return a tensor of its bucket's size."
-                )
-            shard.copy_(averaged.view_as(shard))
+            averaging = self.hook(self.state, bucket)
+            if not (later and self.pending.add(shard, averaging)):
+                place(shard, averaging.wait())
 
 
 def reduced_shards(module: nn.Module) -> list[ShardSlot]:

@@ -14,6 +14,11 @@ against torch 2.13 (``torch/distributed/fsdp/_fully_shard``):
   shard). Each parameter occupies its padded size in the output, its shard first, then padding.
 * Only parameters with a gradient are in the output; with ``set_reduce_scatter_unused_params
   (True)`` that is every parameter that requires one.
+* After the hook returns, ``foreach_reduce`` divides the shard in place only for float16 or
+  when the group's ``force_sum_reduction_for_comms`` is set, casts it (a copy) only when its
+  dtype is not the parameters', adds it into gradients that exist already, and calls the
+  parameters' ``_post_accumulate_grad_hooks``; otherwise each parameter's new gradient is a
+  view of the shard, read by nobody before the optimizer (see :func:`shard_becomes_gradients`).
 
 Anything else raises :class:`FSDPLayoutError` naming this module, rather than misreading a shard.
 """
@@ -24,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["FSDPLayoutError", "ShardSlot", "managed_shards"]
+__all__ = ["FSDPLayoutError", "ShardSlot", "managed_shards", "shard_becomes_gradients"]
 
 CHECKED_WITH = "2.13"
 
@@ -83,3 +88,31 @@ def _slot(fsdp_param: Any) -> ShardSlot:
             f"torch ({torch.__version__}) differs."
         )
     return ShardSlot(param, shape, span)
+
+
+def shard_becomes_gradients(module: nn.Module, shard: torch.Tensor, slots: list[ShardSlot]) -> bool:
+    """Whether FSDP2 will make the parameters' gradients views of ``shard`` and read none of it.
+
+    Then the hook may finish averaging ``shard`` later, before the optimizer reads the
+    gradients. False whenever FSDP2 would divide, cast or add the shard, or hand the gradient
+    to a post-accumulate-grad hook (an optimizer in the backward pass) as soon as the hook
+    returns, and whenever its internals are not the ones described above.
+    """
+    if shard.dtype not in (torch.float32, torch.bfloat16):  # float16 is divided after the hook
+        return False
+    try:
+        (group,) = module._get_fsdp_state()._fsdp_param_groups  # type: ignore[operator]
+        if group.force_sum_reduction_for_comms:
+            return False
+    except (AttributeError, ValueError):
+        return False
+    return all(_untouched(slot.param, shard) for slot in slots)
+
+
+def _untouched(param: nn.Parameter, shard: torch.Tensor) -> bool:
+    return (
+        param.grad is None
+        and param.dtype == shard.dtype
+        and param.device == shard.device
+        and not getattr(param, "_post_accumulate_grad_hooks", None)
+    )

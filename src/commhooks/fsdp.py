@@ -24,6 +24,7 @@ from torch import nn
 
 from commhooks import comm
 from commhooks._fsdp_bucket import ShardHook, StepTracker, reduced_shards
+from commhooks._fsdp_pending import PendingShards
 from commhooks.config import CommHookType, HookConfig, hook_spec, parse_name
 from commhooks.config import hook_names as _all_hook_names
 
@@ -234,9 +235,10 @@ def _ranks_of(mesh: Any) -> tuple[int, ...]:
 
 
 def _install(named: list[tuple[str, nn.Module]], hook: Any, state: Any) -> None:
-    steps = StepTracker([name for name, _ in named])
+    steps, pending = StepTracker([name for name, _ in named]), PendingShards()
     for index, (_, m) in enumerate(named):
         steps.watch(m, index)
         m.set_reduce_scatter_unused_params(True, recurse=False)  # type: ignore[operator]
-        m.set_all_reduce_hook(ShardHook(m, index, hook, state, steps))  # type: ignore[operator]
+        shard_hook = ShardHook(m, index, hook, state, steps, pending)
+        m.set_all_reduce_hook(shard_hook)  # type: ignore[operator]
         _hooked.add(m)

@@ -35,7 +35,7 @@ from commhooks.bench.netns import link_counters
 from commhooks.bench.records import RankResult, RunSpec
 from commhooks.bench.tasks import Task, make_task
 
-__all__ = ["train_rank"]
+__all__ = ["Training", "build", "train_rank"]
 
 
 def _rss_bytes() -> int:
@@ -48,7 +48,7 @@ def _peak_rss_bytes() -> int:
 
 
 @dataclass
-class _Training:
+class Training:
     """A rank's model, optimizer and hook, and what its steps recorded so far."""
 
     spec: RunSpec
@@ -82,7 +82,8 @@ class _Training:
             self.heldout_loss = self.task.heldout_loss(self.task.model)
 
 
-def _build(spec: RunSpec, rank: int) -> _Training:
+def build(spec: RunSpec, rank: int) -> Training:
+    """The model, optimizer and hook of ``spec`` on this rank (a process group is set up)."""
     task = make_task(spec.task, seed=spec.seed, params=spec.params)
     model: torch.nn.Module = task.model
     if spec.fsdp:
@@ -93,7 +94,7 @@ def _build(spec: RunSpec, rank: int) -> _Training:
         model = DistributedDataParallel(task.model, bucket_cap_mb=spec.bucket_cap_mb)
         after_step = hookset.attach(model, spec.hook, spec.options)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr)
-    return _Training(spec, rank, task, model, optimizer, after_step)
+    return Training(spec, rank, task, model, optimizer, after_step)
 
 
 class _LinkTraffic:
@@ -118,7 +119,7 @@ def train_rank(rank: int, world_size: int, spec: RunSpec) -> RankResult:
     """Train with ``spec.hook`` on this rank (a process group is set up) and measure it."""
     phases = {"start": time.time()}
     rss_before = _rss_bytes()
-    run = _build(spec, rank)
+    run = build(spec, rank)
     phases["model"] = time.time()
     for step in range(spec.warmup):
         run.step(step, timed=False)
