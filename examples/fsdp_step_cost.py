@@ -23,6 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 
+import commhooks
 from commhooks.bench import hookset, worker
 from commhooks.bench.records import RunSpec
 from commhooks.testing import run_on_ranks
@@ -63,6 +64,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="steps of each trainer")
     args = parser.parse_args()
     hooks = ["noop"] + [h for h in args.hooks.split(",") if h and h != "noop"]
+    unknown = [h for h in hooks if h not in commhooks.fsdp.hook_names()]
+    if unknown:
+        valid = ", ".join(commhooks.fsdp.hook_names())
+        parser.error(f"--hooks: not hooks for FSDP2: {', '.join(unknown)}; choose from {valid}.")
     if args.steps <= WARMUP:
         parser.error(f"--steps must be above the {WARMUP} warm-up steps.")
     by_rank = run_on_ranks(

@@ -186,3 +186,13 @@ def test_fsdp_step_cost_times_each_hook_under_ddp_and_fsdp(tmp_path):
     # Without communication the best FSDP2 can do is what it does.
     assert rows["noop"][2] == rows["noop"][3], out
     assert re.search(r"FSDP2 adds -?\d+\.\d ms to a step", out), out
+
+
+def test_fsdp_step_cost_refuses_a_hook_it_cannot_run(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "fsdp_step_cost.py"), "--hooks", "power_sdg"],
+        cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "not hooks for FSDP2: power_sdg; choose from" in proc.stderr
+    assert "power_sgd" in proc.stderr.split("choose from")[1]
