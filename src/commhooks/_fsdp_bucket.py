@@ -135,13 +135,14 @@ class ShardHook:
     """The hook given to ``FSDPModule.set_all_reduce_hook``: a DDP hook applied to the shard.
 
     FSDP2 calls it on the thread running the backward pass (on a GPU, inside FSDP2's all-reduce
-    stream), once per module and synchronising backward pass. On CPU, where FSDP2 makes the
-    gradients views of the shard and reads none of it, the call returns once the DDP hook has
-    issued its collectives, and ``pending`` finishes them at the end of the backward pass, so
-    that one module's communication overlaps the next modules' backward computation, as DDP's
-    buckets do. Otherwise (a cast, an accumulation, a post-accumulate-grad hook, a GPU) it
-    waits for the result, which FSDP2 uses as soon as the call returns. On a GPU FSDP2 orders
-    its own work after the hook's with an event recorded when the call returns, which work
+    stream), once per module and synchronising backward pass. On CPU, given ``pending`` (one
+    rank per machine), where FSDP2 makes the gradients views of the shard and reads none of
+    it, the call returns once the DDP hook has issued its collectives, and ``pending``
+    finishes them at the end of the backward pass, so that one module's communication
+    overlaps the next modules' backward computation, as DDP's buckets do. Otherwise (a cast,
+    an accumulation, a post-accumulate-grad hook, a GPU, several ranks per machine) it waits
+    for the result, which FSDP2 uses as soon as the call returns. On a GPU FSDP2 orders its
+    own work after the hook's with an event recorded when the call returns, which work
     finished later would escape.
 
     Args:
@@ -150,7 +151,7 @@ class ShardHook:
         hook: a DDP communication hook, ``hook(state, bucket) -> Future[Tensor]``.
         state: the hook's state (a process group for the stateless hooks).
         steps: shared by every module of the model.
-        pending: shared by every module of the model.
+        pending: shared by every module of the model; ``None``: always wait.
     """
 
     def __init__(
@@ -160,7 +161,7 @@ class ShardHook:
         hook: Callable[[Any, Any], "torch.futures.Future[torch.Tensor]"],
         state: Any,
         steps: StepTracker,
-        pending: PendingShards,
+        pending: PendingShards | None,
     ) -> None:
         self.module = module
         self.index = index
@@ -172,11 +173,13 @@ class ShardHook:
     def __call__(self, shard: torch.Tensor) -> None:
         slots = reduced_shards(self.module)
         _check_fits(shard, slots, self.module)
-        later = shard.device.type == "cpu" and shard_becomes_gradients(self.module, shard, slots)
+        pending = self.pending if shard.device.type == "cpu" else None
+        if pending is not None and not shard_becomes_gradients(self.module, shard, slots):
+            pending = None
         bucket = ShardBucket(self.index, shard, slots, self.steps.arrive(self.index))
         with comm.unheld_follow_ups():
             averaging = self.hook(self.state, bucket)
-            if not (later and self.pending.add(shard, averaging)):
+            if pending is None or not pending.add(shard, averaging):
                 place(shard, averaging.wait())
 
 

@@ -94,7 +94,7 @@ def register(
     spec = hook_spec(kind)
     state = spec.make_state(replicate, dict(config.options)) if spec.make_state else replicate
     comm.check_same_on_grid({"hook": str(kind), **config.options}, [shard, replicate], owner=_OWNER)
-    _install(named, spec.hook, state)
+    _install(named, spec.hook, state, overlap=shard.size() == 1)
     return state
 
 
@@ -234,8 +234,16 @@ def _ranks_of(mesh: Any) -> tuple[int, ...]:
     return tuple(int(r) for r in mesh.mesh.flatten().tolist())
 
 
-def _install(named: list[tuple[str, nn.Module]], hook: Any, state: Any) -> None:
-    steps, pending = StepTracker([name for name, _ in named]), PendingShards()
+def _install(named: list[tuple[str, nn.Module]], hook: Any, state: Any, overlap: bool) -> None:
+    """Put a ``ShardHook`` on every module. With ``overlap``, results may land at the end of
+    the backward pass (see ``ShardHook``): only with one rank per machine, where FSDP2's
+    reduce-scatter is a local copy and the hook's collectives are the only ones in flight, on
+    one group, as under DDP. With several, FSDP2's reduce-scatter of the next module would run
+    on gloo while the hook's collectives are still in flight on another group: one run of the
+    2 x 2 tests saw a rank segfault in gloo's loop thread that way, which could not be
+    reproduced; until it is understood, the hook waits there."""
+    steps = StepTracker([name for name, _ in named])
+    pending = PendingShards() if overlap else None
     for index, (_, m) in enumerate(named):
         steps.watch(m, index)
         m.set_reduce_scatter_unused_params(True, recurse=False)  # type: ignore[operator]
