@@ -18,10 +18,6 @@ under DDP: DDP's step over DDP's step plus what FSDP2 adds to ``noop``'s (no com
 
 import argparse
 import statistics
-import time
-
-import torch
-import torch.distributed as dist
 
 import commhooks
 from commhooks.bench import hookset, worker
@@ -40,21 +36,13 @@ def _interleaved(
             spec = RunSpec(
                 hook=hook, options=hookset.settings_for(hook), task="synthetic", params=params,
                 seed=0, steps=steps, warmup=WARMUP, heldout_at=steps, lr=1e-3, bucket_cap_mb=25,
-                fsdp=fsdp,
+                lockstep=True, fsdp=fsdp,
             )  # fmt: skip
             trainers[f"{hook}/{'fsdp' if fsdp else 'ddp'}"] = worker.build(spec, rank)
-    times: dict[str, list[float]] = {name: [] for name in trainers}
     for step in range(steps):
-        for name, run in trainers.items():
-            batch = run.task.train_batch(rank, step)
-            dist.barrier()  # untimed: both ranks start each step together
-            start = time.perf_counter()
-            run.optimizer.zero_grad(set_to_none=True)
-            torch.autograd.backward(run.task.loss(batch, run.model))
-            run.optimizer.step()
-            if step >= WARMUP:
-                times[name].append(time.perf_counter() - start)
-    return times
+        for run in trainers.values():
+            run.step(step, timed=step >= WARMUP)  # both ranks start each step together
+    return {name: run.step_s for name, run in trainers.items()}
 
 
 def main() -> None:
