@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from commhooks import quantize
+from commhooks import _kernels, quantize
 
 
 def _timed(fn: Callable[[], object], device: torch.device) -> float:
@@ -27,6 +27,18 @@ def _timed(fn: Callable[[], object], device: torch.device) -> float:
     fn()
     sync()
     return time.perf_counter() - start
+
+
+def _in_form(fn: Callable[[], None], fused: bool) -> Callable[[], None]:
+    """``fn`` as it runs by default, or with the fused CPU kernels turned off."""
+    if fused:
+        return fn
+
+    def eager() -> None:
+        with _kernels.disabled():
+            fn()
+
+    return eager
 
 
 def main() -> None:
@@ -41,6 +53,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
 
+    fused = device.type == "cpu" and _kernels.available()
+    # Each pass as the hook runs it; on a CPU with the fused kernels, their eager form beside.
+    forms = [("", True), (", eager", False)] if fused else [("", True)]
     x = torch.randn(args.numel, device=device)
     other, out = torch.randn_like(x), torch.empty_like(x)
     passes: dict[str, Callable[[], object]] = {
@@ -61,19 +76,25 @@ def main() -> None:
         def encode(rows=rows, packets=packets, fmt=fmt, levels=levels) -> None:
             quantize.quantize_(rows, packets, fmt, levels)
 
-        passes[f"int{bits} quantize (error kept)"] = encode
-        passes[f"int{bits} dequantize"] = lambda p=packets, f=fmt, d=decoded: quantize.dequantize_(
-            p, f, d
-        )
+        def decode(packets=packets, fmt=fmt, decoded=decoded) -> None:
+            quantize.dequantize_(packets, fmt, decoded)
+
+        for form, as_is in forms:
+            passes[f"int{bits} quantize (error kept){form}"] = _in_form(encode, as_is)
+            passes[f"int{bits} dequantize{form}"] = _in_form(decode, as_is)
     times: dict[str, list[float]] = {name: [] for name in passes}
     for _ in range(args.rounds):
         for name, fn in passes.items():
             times[name].append(_timed(fn, device))
     floor = statistics.median(times["floor: copy (read + write once)"])
-    print(f"{args.numel} float32 elements on {device}, {args.ranks} rows, blocks of {args.block}:")
+    kernels = "fused kernels" if fused else "PyTorch's eager operations"
+    print(
+        f"{args.numel} float32 elements on {device}, {args.ranks} rows, "
+        f"blocks of {args.block}, {kernels}:"
+    )
     for name, measured in times.items():
         median = statistics.median(measured)
-        print(f"  {name:34s} {median * 1e3:8.2f} ms  {median / floor:5.2f}x floor")
+        print(f"  {name:41s} {median * 1e3:8.2f} ms  {median / floor:5.2f}x floor")
 
 
 if __name__ == "__main__":

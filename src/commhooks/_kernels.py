@@ -1,0 +1,233 @@
+"""The fused CPU kernels of :mod:`commhooks.quantize`: built on first use, loaded with ctypes.
+
+PyTorch has no single operation that quantizes a block with its own scale and keeps the error,
+so its eager form reads and writes the bucket six times (4-5x the cost of copying it once).
+``_blockquant.c`` does it in one read and one write, with PyTorch's arithmetic, so that both
+forms give the same bits (``tests/test_kernels.py`` holds them to it). It is plain C with no
+PyTorch headers: the system's C compiler builds it in well under a second, once per machine
+and source, into a cache directory; every later process loads the built file.
+
+Where there is no compiler, the build fails, the tensors are not the plain CPU float32 layout
+the kernels read, or ``COMMHOOKS_NATIVE=0`` is set, callers get ``False`` and run the eager
+form. The choice never changes a result, only its speed.
+
+Environment:
+    COMMHOOKS_NATIVE: ``0`` to never build or load the kernels.
+    COMMHOOKS_CACHE_DIR: where built kernels are kept (default ``$XDG_CACHE_HOME/commhooks``,
+        else ``~/.cache/commhooks``).
+    CC: the C compiler (default ``cc``, else ``gcc``, else ``clang``).
+"""
+
+import contextlib
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Iterator
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+__all__ = ["available", "dequantize_rows", "disabled", "quantize_rows"]
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = "_blockquant.c"
+# -ffp-contract=off: no fused multiply-add but the ones written (PyTorch's bits); no
+# -ffast-math, which would reorder sums. -march=native: the build is keyed by this CPU's flags.
+_FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared")
+_TUNINGS = (("-march=native",), ())  # the first that builds is kept
+_BUILD_SECONDS = 120
+# One thread per this many elements at least: below it, starting a thread costs more than it
+# saves.
+_ELEMENTS_PER_THREAD = 1 << 18
+
+_lock = threading.Lock()
+_state: dict[str, ctypes.CDLL | None] = {}
+_off = [0]  # how many disabled() blocks are active, in any thread
+
+_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+def available() -> bool:
+    """Whether the fused kernels are built and loaded (building them on the first call)."""
+    return _library() is not None
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Run the eager PyTorch form in the whole process while the block is active: in every
+    thread, since a hook's later phases run on the backend's threads (for comparisons)."""
+    with _lock:
+        _off[0] += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _off[0] -= 1
+
+
+def quantize_rows(
+    x: torch.Tensor, packets: torch.Tensor, bits: int, block: int, keep: bool
+) -> bool:
+    """Quantize the rows of ``x`` into ``packets`` as ``quantize.quantize_`` with nearest
+    rounding does; ``False`` (nothing done) where the kernels cannot take these tensors."""
+    rows, length = x.shape
+    if not (_rows_fit(x, rows, length, block) and _packets_fit(packets, rows, length, bits, block)):
+        return False
+    library = _library()
+    if library is None:
+        return False
+    library.commhooks_quantize(
+        x.data_ptr(), x.stride(0), rows, length, block, bits,
+        packets.data_ptr(), packets.stride(0), int(keep), _threads(x.numel()),
+    )  # fmt: skip
+    return True
+
+
+def dequantize_rows(
+    packets: torch.Tensor, bits: int, block: int, out: torch.Tensor, *, add_rows: bool = False
+) -> bool:
+    """Decode ``packets`` into the rows of ``out`` (or their sum in order into its one row,
+    with ``add_rows``) as ``quantize.dequantize_`` does; ``False`` where the kernels cannot."""
+    rows, length = packets.shape[0], out.shape[-1]
+    out_rows = 1 if add_rows else rows
+    if out.dim() != 2 or out.shape[0] != out_rows or not _rows_fit(out, out_rows, length, block):
+        return False
+    if not _packets_fit(packets, rows, length, bits, block):
+        return False
+    library = _library()
+    if library is None:
+        return False
+    library.commhooks_dequantize(
+        packets.data_ptr(), packets.stride(0), rows, length, block, bits,
+        out.data_ptr(), out.stride(0), int(add_rows), _threads(rows * length),
+    )  # fmt: skip
+    return True
+
+
+def _rows_fit(x: torch.Tensor, rows: int, length: int, block: int) -> bool:
+    """Float32 rows on the CPU, each contiguous and 4-byte aligned, of whole even blocks."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and x.dim() == 2
+        and tuple(x.shape) == (rows, length)
+        and (x.stride(1) == 1 or length <= 1)
+        and x.stride(0) >= length
+        and x.data_ptr() % 4 == 0
+        and block % 2 == 0
+        and length % block == 0
+        and not x.requires_grad
+    )
+
+
+def _packets_fit(packets: torch.Tensor, rows: int, length: int, bits: int, block: int) -> bool:
+    """uint8 packets on the CPU, one contiguous row per row, whose scales are 4-byte aligned."""
+    size = length * bits // 8 + 4 * (length // block)
+    return (
+        packets.device.type == "cpu"
+        and packets.dtype == torch.uint8
+        and packets.dim() == 2
+        and tuple(packets.shape) == (rows, size)
+        and (packets.stride(1) == 1 or size <= 1)
+        and packets.stride(0) >= size
+        and packets.stride(0) % 4 == 0
+        and packets.data_ptr() % 4 == 0
+        and bits in (4, 8)
+    )
+
+
+def _threads(elements: int) -> int:
+    return max(1, min(torch.get_num_threads(), elements // _ELEMENTS_PER_THREAD))
+
+
+def _library() -> ctypes.CDLL | None:
+    with _lock:
+        if _off[0]:
+            return None
+        if "library" not in _state:
+            _state["library"] = _load()
+        return _state["library"]
+
+
+def _load() -> ctypes.CDLL | None:
+    if os.environ.get("COMMHOOKS_NATIVE", "1").strip() == "0":
+        logger.info("COMMHOOKS_NATIVE=0: quantization runs PyTorch's eager operations")
+        return None
+    try:
+        library = ctypes.CDLL(str(_built()))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+        logger.info("quantization runs PyTorch's eager operations (%s)", error)
+        return None
+    library.commhooks_quantize.argtypes = [_P, _I64, _I64, _I64, _I64, _INT, _P, _I64, _INT, _INT]
+    library.commhooks_dequantize.argtypes = [_P, _I64, _I64, _I64, _I64, _INT, _P, _I64, _INT, _INT]
+    library.commhooks_quantize.restype = library.commhooks_dequantize.restype = None
+    return library
+
+
+def _built() -> Path:
+    """The path of the built kernels for this source, compiler and CPU, building them if new."""
+    compiler = _compiler()
+    source = resources.files("commhooks").joinpath(_SOURCE).read_bytes()
+    key = hashlib.sha256(
+        b"\0".join([source, compiler.encode(), " ".join(_FLAGS).encode(), _machine().encode()])
+    ).hexdigest()[:20]
+    directory = _cache_dir()
+    target = directory / f"blockquant-{key}.so"
+    if target.exists():
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory) as scratch:
+        written = Path(scratch) / _SOURCE
+        written.write_bytes(source)
+        built = Path(scratch) / "built.so"
+        _compile(compiler, written, built)
+        os.replace(built, target)  # atomic: a rank building beside this one finds either file
+    logger.info("built the fused quantization kernels into %s", target)
+    return target
+
+
+def _compile(compiler: str, source: Path, out: Path) -> None:
+    errors = []
+    for tuning in _TUNINGS:
+        command = [compiler, *_FLAGS, *tuning, "-pthread", str(source), "-o", str(out), "-lm"]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=_BUILD_SECONDS)
+        if done.returncode == 0:
+            return
+        errors.append(done.stderr.strip().splitlines()[-1:] or ["failed"])
+    raise RuntimeError(f"{compiler} could not build {_SOURCE}: {errors[-1][0]}")
+
+
+def _compiler() -> str:
+    named = os.environ.get("CC")
+    for candidate in [named] if named else ["cc", "gcc", "clang"]:
+        found = shutil.which(candidate)
+        if found:
+            return found
+    raise RuntimeError("no C compiler (cc, gcc or clang) on PATH; set CC to one")
+
+
+def _machine() -> str:
+    """What a build compiled for this CPU depends on: architecture and instruction sets."""
+    flags = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = line
+                break
+    return f"{platform.system()} {platform.machine()} {flags}"
+
+
+def _cache_dir() -> Path:
+    named = os.environ.get("COMMHOOKS_CACHE_DIR")
+    if named:
+        return Path(named)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "commhooks"

@@ -1,0 +1,217 @@
+"""The fused C kernels of block quantization: built on first use, the same bits as PyTorch's
+eager operations, and never needed (every fallback computes the same result)."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from commhooks import QuantizationState, _kernels, quantize, quantized_hook
+from commhooks.quantize import BlockFormat
+from commhooks.testing import run_on_ranks
+
+HAS_COMPILER = any(shutil.which(name) for name in ("cc", "gcc", "clang"))
+needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler on this machine")
+
+
+def _hostile(rows: int, length: int, seed: int) -> torch.Tensor:
+    """Rows whose blocks span 1e-40 to 1e30, with a block of zeros and one of subnormals."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, length, generator=gen)
+    x *= torch.logspace(-40, 30, rows * length)[torch.randperm(rows * length, generator=gen)].view(
+        rows, length
+    )
+    x.view(-1)[:8] = 0.0
+    x.view(-1)[8:16] = 1e-44
+    x.view(-1)[16:24] = -torch.finfo(torch.float32).max
+    return x
+
+
+def _both(fn):
+    """``fn()`` with the fused kernels, and again with PyTorch's eager operations."""
+    fused = fn()
+    with _kernels.disabled():
+        eager = fn()
+    return fused, eager
+
+
+def _encode(x, fmt, keep_error=True):
+    left = x.clone()
+    packets = torch.full((x.shape[0], fmt.packet_bytes(x.shape[1])), 7, dtype=torch.uint8)
+    quantize.quantize_(left, packets, fmt, torch.empty_like(x), keep_error=keep_error)
+    return packets, left
+
+
+@needs_compiler
+def test_the_kernels_build_on_first_use_and_are_loaded_from_the_cache_after(tmp_path):
+    cache = tmp_path / "cache"
+    script = (
+        "import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
+        "from commhooks import _kernels; print('available', _kernels.available())"
+    )
+    env = {**os.environ, "COMMHOOKS_CACHE_DIR": str(cache)}
+    env.pop("COMMHOOKS_NATIVE", None)
+    first = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert "available True" in first.stdout and "built the fused" in first.stdout, first
+    built = list(cache.glob("blockquant-*.so"))
+    assert len(built) == 1 and not list(cache.glob("tmp*"))  # no scratch left behind
+    again = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert "available True" in again.stdout and "built" not in again.stdout, again
+
+
+@needs_compiler
+def test_ranks_building_at_once_all_load_one_build(tmp_path):
+    cache = tmp_path / "cache"
+    env = {**os.environ, "COMMHOOKS_CACHE_DIR": str(cache)}
+    script = "from commhooks import _kernels; assert _kernels.available()"
+    started = [subprocess.Popen([sys.executable, "-c", script], env=env) for _ in range(4)]
+    assert [p.wait(timeout=120) for p in started] == [0, 0, 0, 0]
+    assert len(list(cache.glob("blockquant-*.so"))) == 1
+
+
+@pytest.mark.parametrize(
+    "env",
+    [{"COMMHOOKS_NATIVE": "0"}, {"CC": "/bin/false"}, {"CC": "no-such-compiler"}],
+    ids=["turned-off", "compiler-fails", "no-compiler"],
+)
+def test_without_the_kernels_quantization_still_works_and_says_why(tmp_path, env):
+    script = (
+        "import logging, sys, torch; logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
+        "from commhooks import _kernels, quantize\n"
+        "fmt = quantize.BlockFormat(8, 8); x = torch.arange(16.0).view(1, 16)\n"
+        "p = torch.empty(1, fmt.packet_bytes(16), dtype=torch.uint8)\n"
+        "quantize.quantize_(x, p, fmt, torch.empty_like(x))\n"
+        "print('available', _kernels.available(), 'scales', fmt.split(p, 16)[1].tolist())"
+    )
+    full = {**os.environ, "COMMHOOKS_CACHE_DIR": str(tmp_path / "empty"), **env}
+    done = subprocess.run([sys.executable, "-c", script], env=full, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "available False" in done.stdout
+    assert "eager operations" in done.stdout  # the log says what runs instead, and why
+    assert "scales [[0.05511811" in done.stdout  # 7 / 127 and 15 / 127: it still quantized
+    assert not list((tmp_path / "empty").glob("*.so"))
+
+
+@needs_compiler
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("block", [8, 64, 256, 1040])
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("keep_error", [True, False])
+def test_quantizing_gives_pytorchs_bits(bits, block, rows, keep_error):
+    assert _kernels.available()
+    fmt = BlockFormat(bits, block)
+    length = fmt.row_length(rows * (3 * block + 5), rows)
+    x = _hostile(rows, length, seed=bits + block + rows)
+    (fused_packets, fused_left), (eager_packets, eager_left) = _both(
+        lambda: _encode(x, fmt, keep_error)
+    )
+    assert torch.equal(fused_packets, eager_packets)
+    assert torch.equal(fused_left, eager_left)  # the error kept, bit for bit
+    assert keep_error or torch.equal(fused_left, x)
+
+
+@needs_compiler
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+def test_decoding_and_summing_give_pytorchs_bits(bits, rows):
+    fmt = BlockFormat(bits, 64)
+    length = fmt.row_length(rows * 1000, rows)
+    packets, _ = _encode(_hostile(rows, length, seed=rows), fmt)
+    decoded = _both(lambda: quantize.dequantize_(packets, fmt, torch.empty(rows, length)))
+    assert torch.equal(*decoded)
+    scratch = torch.empty(rows, length)
+    summed = _both(lambda: quantize.dequantize_sum(packets, fmt, scratch, torch.empty(length)))
+    assert torch.equal(*summed)
+    assert summed[0].abs().max() > 0
+
+
+@needs_compiler
+@pytest.mark.parametrize("bits", [8, 4])
+def test_several_threads_give_the_same_bits(bits):
+    fmt = BlockFormat(bits, 256)
+    length = fmt.row_length(3_000_000, 2)
+    x = _hostile(2, length, seed=5)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)  # more threads than this machine's cores: slices still line up
+    try:
+        (fused_packets, fused_left), (eager_packets, eager_left) = _both(lambda: _encode(x, fmt))
+        decoded = _both(lambda: quantize.dequantize_(fused_packets, fmt, torch.empty_like(x)))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(fused_packets, eager_packets) and torch.equal(fused_left, eager_left)
+    assert torch.equal(*decoded)
+
+
+@needs_compiler
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_non_finite_block_gets_a_non_finite_scale_and_spares_the_others(bits):
+    fmt = BlockFormat(bits, 16)
+    x = torch.randn(2, 64)
+    x[0, 3], x[1, 40] = float("inf"), float("nan")
+    (fused, fused_left), (eager, eager_left) = _both(lambda: _encode(x, fmt))
+    scales = fmt.split(fused, 64)[1]
+    assert scales[0, 0].isinf() and scales[1, 2].isnan()
+    assert not quantize.scales_finite(fused, fmt, 64)
+    finite = scales.isfinite()
+    assert int(finite.sum()) == 6
+    assert torch.equal(scales[finite], fmt.split(eager, 64)[1][finite])
+    blocks = finite.repeat_interleave(16, dim=1)
+    assert torch.equal(fused_left[blocks], eager_left[blocks])
+
+
+def test_layouts_the_kernels_cannot_read_take_the_eager_form():
+    fmt = BlockFormat(8, 8)
+    x = torch.randn(2, 32)
+    packets = torch.empty(2, fmt.packet_bytes(32), dtype=torch.uint8)
+    assert not _kernels.quantize_rows(x.t().contiguous().t(), packets, 8, 8, True)  # strided
+    assert not _kernels.quantize_rows(x.double(), packets, 8, 8, True)
+    assert not _kernels.quantize_rows(x, packets[:, :-4], 8, 8, True)  # packets too short
+    assert not _kernels.quantize_rows(x[:, :30], packets, 8, 8, True)  # not whole blocks
+    assert not _kernels.dequantize_rows(packets, 8, 8, torch.empty(2, 32, dtype=torch.float16))
+    # ...and the public functions still give the same result through the eager form
+    strided = torch.empty(32, 2).t()
+    strided.copy_(x)
+    packets_strided, left_strided = _encode(strided, fmt)
+    with _kernels.disabled():
+        packets_eager, left_eager = _encode(x, fmt)
+    assert torch.equal(packets_strided, packets_eager) and torch.equal(left_strided, left_eager)
+
+
+def _step_on_ranks(rank: int, world_size: int, eager_ranks: tuple[int, ...]) -> tuple:
+    """Three quantized steps of a bucket of odd length; some ranks without the kernels."""
+    if rank in eager_ranks:
+        os.environ["COMMHOOKS_NATIVE"] = "0"  # read when the kernels are first wanted
+    from ddp_utils import FakeBucket
+
+    averages, states = [], []
+    for bits in (8, 4):
+        state = QuantizationState(None, bits=bits, block_size=64)
+        for step in range(3):
+            gen = torch.Generator().manual_seed(100 * rank + step)
+            bucket = FakeBucket([torch.randn(5003, generator=gen) * (1 + rank)])
+            averages.append(quantized_hook(state, bucket).wait().clone())
+        states.append(state.state_dict())
+    return averages, states, _kernels.available()
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@needs_compiler
+def test_ranks_with_and_without_the_kernels_stay_in_sync_bitwise():
+    mixed = run_on_ranks(_step_on_ranks, 3, (1,))
+    fused = run_on_ranks(_step_on_ranks, 3, ())
+    assert [m[2] for m in mixed] == [True, False, True]
+    for rank in range(3):
+        assert _same(mixed[rank][:2], fused[rank][:2])  # averages and memories, bit for bit
+        assert _same(mixed[rank][0], mixed[0][0])  # the same average on every rank
