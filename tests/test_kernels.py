@@ -115,6 +115,29 @@ def test_quantizing_gives_pytorchs_bits(bits, block, rows, keep_error):
 
 @needs_compiler
 @pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("added", [0, 1, 63, 64, 1000, 3 * 448])
+def test_adding_the_error_in_the_same_pass_gives_pytorchs_bits(bits, added):
+    fmt = BlockFormat(bits, 64)
+    x = _hostile(3, 448, seed=added)
+    # halved, so that their sum stays finite where both hold -max
+    first, second = (_hostile(1, added, seed=seed).view(-1) / 2 for seed in (1, 2))
+
+    def encode():
+        left = x.clone()
+        packets = torch.empty(3, fmt.packet_bytes(448), dtype=torch.uint8)
+        quantize.quantize_(left, packets, fmt, torch.empty_like(x), add=(first, second))
+        return packets, left
+
+    (fused, fused_left), (eager, eager_left) = _both(encode)
+    assert torch.equal(fused, eager) and torch.equal(fused_left, eager_left)
+    expected = x.clone()
+    expected.view(-1)[:added] = first + second
+    assert torch.equal(fused, _encode(expected, fmt)[0])  # the sum, then quantized
+    assert not _kernels.quantize_rows(x.clone(), fused, bits, 64, True, (first, second.double()))
+
+
+@needs_compiler
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
 def test_decoding_and_summing_give_pytorchs_bits(bits, rows):
     fmt = BlockFormat(bits, 64)

@@ -12,7 +12,8 @@
  *   level = rint(x * per_unit)        (mul, round_: to nearest, ties to even)
  *   error = fma(-level, scale, x)     (addcmul_ with value -1, fused on vector CPUs)
  *   decoded = code * scale            (8 bits) or fma(nibble, scale, -8 * scale) (4 bits)
- * and a sum of decoded rows adds them in row order, as torch.sum over the rows does.
+ * and a sum of decoded rows adds them in row order, as torch.sum over the rows does. An
+ * addition asked for before quantizing (the remembered error) is one rounding, as torch.add.
  * The absolute maximum compares the bit patterns of |x| as integers: the same maximum for
  * finite values, and a pattern above infinity's (NaN) or equal to it when the block holds NaN
  * or inf, so that such a block gets a non-finite scale, as with PyTorch's amax.
@@ -35,6 +36,8 @@ typedef struct {
     float *x;              /* quantize: rows x length, float32; dequantize: the output */
     int64_t x_stride;      /* elements from one row of x to the next */
     uint8_t *packets;      /* rows x stride bytes: codes, then float32 scales */
+    const float *first, *second; /* quantize: x's first `added` elements (row-major, rows */
+    int64_t added;               /* contiguous) become first + second before quantizing */
 } Job;
 
 typedef struct {
@@ -98,6 +101,15 @@ static void quantize_block4(float *restrict x, int64_t n, float qmax, uint8_t *r
     }
 }
 
+/* x[i] = first[i] + second[i] for the elements of a block still within the sum. */
+static void add_into(float *restrict x, const float *restrict first,
+                     const float *restrict second, int64_t start, int64_t n, int64_t added)
+{
+    int64_t count = added - start < n ? added - start : n;
+    for (int64_t i = 0; i < count; i++)
+        x[i] = first[start + i] + second[start + i];
+}
+
 static void quantize_slice(const Slice *slice)
 {
     const Job *job = slice->job;
@@ -109,6 +121,9 @@ static void quantize_slice(const Slice *slice)
         float *scales = (float *)(codes + payload);
         for (int64_t b = slice->first; b < slice->last; b++) {
             float *x = row + b * job->block;
+            int64_t start = r * job->length + b * job->block;
+            if (start < job->added)
+                add_into(x, job->first, job->second, start, job->block, job->added);
             if (job->bits == 8)
                 quantize_block8(x, job->block, qmax, (int8_t *)codes + b * job->block,
                                 scales + b, job->keep_error);
@@ -207,9 +222,12 @@ static void run(const Job *job, int threads, void *(*work)(void *))
 }
 
 void commhooks_quantize(float *x, int64_t x_stride, int64_t rows, int64_t length, int64_t block,
-                        int bits, uint8_t *packets, int64_t stride, int keep_error, int threads)
+                        int bits, uint8_t *packets, int64_t stride, int keep_error,
+                        const float *first, const float *second, int64_t added, int threads)
 {
-    Job job = {rows, length, block, stride, bits, keep_error, 0, x, x_stride, packets};
+    Job job = {.rows = rows, .length = length, .block = block, .stride = stride, .bits = bits,
+               .keep_error = keep_error, .x = x, .x_stride = x_stride, .packets = packets,
+               .first = first, .second = second, .added = added};
     run(&job, threads, run_quantize);
 }
 
@@ -217,6 +235,7 @@ void commhooks_dequantize(uint8_t *packets, int64_t stride, int64_t rows, int64_
                           int64_t block, int bits, float *out, int64_t out_stride, int sum,
                           int threads)
 {
-    Job job = {rows, length, block, stride, bits, 0, sum, out, out_stride, packets};
+    Job job = {.rows = rows, .length = length, .block = block, .stride = stride, .bits = bits,
+               .sum = sum, .x = out, .x_stride = out_stride, .packets = packets};
     run(&job, threads, run_dequantize);
 }

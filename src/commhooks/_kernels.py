@@ -74,19 +74,29 @@ def disabled() -> Iterator[None]:
 
 
 def quantize_rows(
-    x: torch.Tensor, packets: torch.Tensor, bits: int, block: int, keep: bool
+    x: torch.Tensor,
+    packets: torch.Tensor,
+    bits: int,
+    block: int,
+    keep: bool,
+    add: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> bool:
     """Quantize the rows of ``x`` into ``packets`` as ``quantize.quantize_`` with nearest
-    rounding does; ``False`` (nothing done) where the kernels cannot take these tensors."""
+    rounding does (``add`` included); ``False`` (nothing done) where the kernels cannot take
+    these tensors."""
     rows, length = x.shape
     if not (_rows_fit(x, rows, length, block) and _packets_fit(packets, rows, length, bits, block)):
+        return False
+    first, second, added = (None, None, 0) if add is None else (add[0], add[1], add[0].numel())
+    if add is not None and not _addends_fit(x, add[0], add[1]):
         return False
     library = _library()
     if library is None:
         return False
     library.commhooks_quantize(
         x.data_ptr(), x.stride(0), rows, length, block, bits,
-        packets.data_ptr(), packets.stride(0), int(keep), _threads(x.numel()),
+        packets.data_ptr(), packets.stride(0), int(keep),
+        _pointer(first), _pointer(second), added, _threads(x.numel()),
     )  # fmt: skip
     return True
 
@@ -144,6 +154,26 @@ def _packets_fit(packets: torch.Tensor, rows: int, length: int, bits: int, block
     )
 
 
+def _addends_fit(x: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> bool:
+    """Two contiguous CPU float32 tensors of one length, at most ``x``'s, ``x`` contiguous."""
+    return (
+        x.is_contiguous()
+        and all(
+            t.device.type == "cpu"
+            and t.dtype == torch.float32
+            and t.is_contiguous()
+            and not t.requires_grad
+            and t.numel() == first.numel()
+            for t in (first, second)
+        )
+        and first.numel() <= x.numel()
+    )
+
+
+def _pointer(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
 def _threads(elements: int) -> int:
     return max(1, min(torch.get_num_threads(), elements // _ELEMENTS_PER_THREAD))
 
@@ -166,7 +196,10 @@ def _load() -> ctypes.CDLL | None:
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         logger.info("quantization runs PyTorch's eager operations (%s)", error)
         return None
-    library.commhooks_quantize.argtypes = [_P, _I64, _I64, _I64, _I64, _INT, _P, _I64, _INT, _INT]
+    library.commhooks_quantize.argtypes = [
+        *(_P, _I64, _I64, _I64, _I64, _INT, _P, _I64, _INT),
+        *(_P, _P, _I64, _INT),
+    ]
     library.commhooks_dequantize.argtypes = [_P, _I64, _I64, _I64, _I64, _INT, _P, _I64, _INT, _INT]
     library.commhooks_quantize.restype = library.commhooks_dequantize.restype = None
     return library

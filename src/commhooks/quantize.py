@@ -101,6 +101,7 @@ def quantize_(
     rounding: str = NEAREST,
     generator: torch.Generator | None = None,
     keep_error: bool = True,
+    add: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Quantize the rows of ``x`` into ``packets``; leave in ``x`` what quantization dropped.
 
@@ -119,9 +120,15 @@ def quantize_(
         rounding: :data:`NEAREST` or :data:`STOCHASTIC`.
         generator: the random numbers of stochastic rounding (on ``x``'s device).
         keep_error: overwrite ``x`` with the error.
+        add: two float32 tensors of ``n`` elements whose sum first replaces the first ``n``
+            elements of ``x`` (contiguous, row after row): the remembered error added to the
+            gradient, in the same pass as the quantization where the fused kernels run.
     """
-    if rounding == NEAREST and _kernels.quantize_rows(x, packets, fmt.bits, fmt.block, keep_error):
+    nearest = rounding == NEAREST
+    if nearest and _kernels.quantize_rows(x, packets, fmt.bits, fmt.block, keep_error, add):
         return
+    if add is not None:
+        torch.add(add[0], add[1], out=x.view(-1)[: add[0].numel()])
     rows, length = x.shape
     blocks = x.view(rows, length // fmt.block, fmt.block)
     payload, scales = fmt.split(packets, length)

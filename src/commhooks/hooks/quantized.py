@@ -77,9 +77,9 @@ def quantized_hook(
         return comm.completed(buffer)
     world, rank = comm.world_size(group), comm.group_rank(group)
     work = state.workspace(bucket.index(), state.layout(bucket, group), world, buffer.device)
-    _compensate(state, work, buffer)
+    addition = _compensate(state, work, buffer)
     first = state.generator(buffer.device, rank, _OWN_ROW)
-    _quantize(state, work.rows, work.send, work.levels, first)
+    _quantize(state, work.rows, work.send, work.levels, first, addition)
     exchanged = comm.all_to_all(work.received, work.send, group)
     issuer = state.issuer
     assert issuer is not None, "prepare() made the issuer"
@@ -103,8 +103,11 @@ def _check_state(state: Any) -> QuantizationState:
     return state
 
 
-def _compensate(state: QuantizationState, work: Workspace, buffer: torch.Tensor) -> None:
-    """Fill ``work.rows`` with the gradient plus each parameter's remembered error.
+def _compensate(
+    state: QuantizationState, work: Workspace, buffer: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Fill ``work.rows`` with the gradient plus each parameter's remembered error, or return
+    the two tensors whose sum its start must become, for the quantizing pass to add.
 
     Out of place: the bucket keeps the plain gradient, which a re-send needs.
     """
@@ -119,7 +122,7 @@ def _compensate(state: QuantizationState, work: Workspace, buffer: torch.Tensor)
         flat[:n].copy_(buffer)
     elif layout.in_order and _left_in_place(found, work, places):
         # The usual step: the last step's errors are still where it left them, in order.
-        torch.add(buffer, work.spare.view(-1)[:n], out=flat[:n])
+        return buffer, work.spare.view(-1)[:n]
     else:
         for residual, (_, offset, size, source) in zip(found, places):
             row, grad = flat[offset : offset + size], buffer[source : source + size]
@@ -127,6 +130,7 @@ def _compensate(state: QuantizationState, work: Workspace, buffer: torch.Tensor)
                 row.copy_(grad)
             else:
                 torch.add(grad, residual, out=row)
+    return None
 
 
 def _left_in_place(
@@ -147,6 +151,7 @@ def _quantize(
     packets: torch.Tensor,
     levels: torch.Tensor,
     generator: torch.Generator | None,
+    addition: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     settings = state.settings
     quantize.quantize_(
@@ -157,6 +162,7 @@ def _quantize(
         rounding=settings.rounding,
         generator=generator,
         keep_error=settings.error_feedback,
+        add=addition,
     )
 
 
