@@ -153,6 +153,22 @@ def test_decoding_and_summing_give_pytorchs_bits(bits, rows):
 
 @needs_compiler
 @pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("columns", [0, 1, 63, 64, 65, 191])
+def test_the_first_elements_of_rows_decode_to_pytorchs_bits(bits, columns):
+    fmt = BlockFormat(bits, 64)
+    packets, _ = _encode(_hostile(2, 192, seed=columns), fmt)
+    whole = quantize.dequantize_(packets, fmt, torch.empty(2, 192))
+    for scratch in (None, torch.empty(2, 192)):
+        part = _both(
+            lambda s=scratch: quantize.dequantize_(
+                packets, fmt, torch.full((2, columns), 5.0), length=192, scratch=s
+            )
+        )
+        assert torch.equal(part[0], whole[:, :columns]) and torch.equal(part[1], part[0])
+
+
+@needs_compiler
+@pytest.mark.parametrize("bits", [8, 4])
 def test_several_threads_give_the_same_bits(bits):
     fmt = BlockFormat(bits, 256)
     length = fmt.row_length(3_000_000, 2)

@@ -32,6 +32,7 @@
 
 typedef struct {
     int64_t rows, length, block, stride; /* stride: bytes from one packet to the next */
+    int64_t columns;       /* elements of each row handled: length, or fewer when decoding */
     int bits, keep_error, sum;
     float *x;              /* quantize: rows x length, float32; dequantize: the output */
     int64_t x_stride;      /* elements from one row of x to the next */
@@ -152,7 +153,7 @@ static void decode_block(const uint8_t *restrict codes, float step, int64_t n, i
     for (int64_t start = 0; start < n; start += CHUNK) {
         int64_t size = n - start < CHUNK ? n - start : CHUNK;
         const uint8_t *restrict packed = codes + start / 2;
-        for (int64_t j = 0; j < size / 2; j++) {
+        for (int64_t j = 0; j < (size + 1) / 2; j++) { /* an odd size ends mid-byte */
             nibbles[2 * j] = packed[j] & 15;
             nibbles[2 * j + 1] = packed[j] >> 4;
         }
@@ -174,9 +175,12 @@ static void dequantize_slice(const Slice *slice)
         const uint8_t *codes = job->packets + r * job->stride;
         const float *scales = (const float *)(codes + payload);
         float *row = job->x + (job->sum ? 0 : r * job->x_stride);
-        for (int64_t b = slice->first; b < slice->last; b++)
-            decode_block(codes + b * job->block * job->bits / 8, scales[b], job->block,
-                         job->bits, row + b * job->block, job->sum && r > 0);
+        for (int64_t b = slice->first; b < slice->last; b++) {
+            int64_t start = b * job->block;
+            int64_t n = job->columns - start < job->block ? job->columns - start : job->block;
+            decode_block(codes + start * job->bits / 8, scales[b], n, job->bits, row + start,
+                         job->sum && r > 0);
+        }
     }
 }
 
@@ -195,7 +199,7 @@ static void *run_dequantize(void *slice)
 /* Cut a row's blocks into `threads` slices; run all but the first on new threads. */
 static void run(const Job *job, int threads, void *(*work)(void *))
 {
-    int64_t blocks = job->length / job->block;
+    int64_t blocks = (job->columns + job->block - 1) / job->block;
     if (threads > MAX_THREADS)
         threads = MAX_THREADS;
     if (threads > blocks)
@@ -226,16 +230,17 @@ void commhooks_quantize(float *x, int64_t x_stride, int64_t rows, int64_t length
                         const float *first, const float *second, int64_t added, int threads)
 {
     Job job = {.rows = rows, .length = length, .block = block, .stride = stride, .bits = bits,
-               .keep_error = keep_error, .x = x, .x_stride = x_stride, .packets = packets,
+               .columns = length, .keep_error = keep_error, .x = x, .x_stride = x_stride,
+               .packets = packets,
                .first = first, .second = second, .added = added};
     run(&job, threads, run_quantize);
 }
 
 void commhooks_dequantize(uint8_t *packets, int64_t stride, int64_t rows, int64_t length,
-                          int64_t block, int bits, float *out, int64_t out_stride, int sum,
-                          int threads)
+                          int64_t columns, int64_t block, int bits, float *out, int64_t out_stride,
+                          int sum, int threads)
 {
     Job job = {.rows = rows, .length = length, .block = block, .stride = stride, .bits = bits,
-               .sum = sum, .x = out, .x_stride = out_stride, .packets = packets};
+               .columns = columns, .sum = sum, .x = out, .x_stride = out_stride, .packets = packets};
     run(&job, threads, run_dequantize);
 }

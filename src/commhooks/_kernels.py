@@ -85,7 +85,7 @@ def quantize_rows(
     rounding does (``add`` included); ``False`` (nothing done) where the kernels cannot take
     these tensors."""
     rows, length = x.shape
-    if not (_rows_fit(x, rows, length, block) and _packets_fit(packets, rows, length, bits, block)):
+    if not (_rows_fit(x, rows, length) and _packets_fit(packets, rows, length, bits, block)):
         return False
     first, second, added = (None, None, 0) if add is None else (add[0], add[1], add[0].numel())
     if add is not None and not _addends_fit(x, add[0], add[1]):
@@ -102,28 +102,37 @@ def quantize_rows(
 
 
 def dequantize_rows(
-    packets: torch.Tensor, bits: int, block: int, out: torch.Tensor, *, add_rows: bool = False
+    packets: torch.Tensor,
+    bits: int,
+    block: int,
+    out: torch.Tensor,
+    *,
+    length: int | None = None,
+    add_rows: bool = False,
 ) -> bool:
-    """Decode ``packets`` into the rows of ``out`` (or their sum in order into its one row,
-    with ``add_rows``) as ``quantize.dequantize_`` does; ``False`` where the kernels cannot."""
-    rows, length = packets.shape[0], out.shape[-1]
+    """Decode ``packets`` (rows of ``length`` elements, by default ``out``'s) into the rows of
+    ``out`` as ``quantize.dequantize_`` does, or their sum in row order into its one row with
+    ``add_rows``; ``out`` may hold fewer columns than ``length``: the rows' first elements.
+    ``False`` (nothing done) where the kernels cannot take these tensors."""
+    rows, columns = packets.shape[0], out.shape[-1]
+    length = columns if length is None else length
     out_rows = 1 if add_rows else rows
-    if out.dim() != 2 or out.shape[0] != out_rows or not _rows_fit(out, out_rows, length, block):
+    if out.dim() != 2 or not 0 <= columns <= length:
         return False
-    if not _packets_fit(packets, rows, length, bits, block):
+    if not (_rows_fit(out, out_rows, columns) and _packets_fit(packets, rows, length, bits, block)):
         return False
     library = _library()
     if library is None:
         return False
     library.commhooks_dequantize(
-        packets.data_ptr(), packets.stride(0), rows, length, block, bits,
-        out.data_ptr(), out.stride(0), int(add_rows), _threads(rows * length),
+        packets.data_ptr(), packets.stride(0), rows, length, columns, block, bits,
+        out.data_ptr(), out.stride(0), int(add_rows), _threads(rows * columns),
     )  # fmt: skip
     return True
 
 
-def _rows_fit(x: torch.Tensor, rows: int, length: int, block: int) -> bool:
-    """Float32 rows on the CPU, each contiguous and 4-byte aligned, of whole even blocks."""
+def _rows_fit(x: torch.Tensor, rows: int, length: int) -> bool:
+    """``rows x length`` float32 on the CPU, each row contiguous, none overlapping another."""
     return (
         x.device.type == "cpu"
         and x.dtype == torch.float32
@@ -132,14 +141,13 @@ def _rows_fit(x: torch.Tensor, rows: int, length: int, block: int) -> bool:
         and (x.stride(1) == 1 or length <= 1)
         and x.stride(0) >= length
         and x.data_ptr() % 4 == 0
-        and block % 2 == 0
-        and length % block == 0
         and not x.requires_grad
     )
 
 
 def _packets_fit(packets: torch.Tensor, rows: int, length: int, bits: int, block: int) -> bool:
-    """uint8 packets on the CPU, one contiguous row per row, whose scales are 4-byte aligned."""
+    """uint8 packets on the CPU, one contiguous row per row of whole even blocks, whose scales
+    are 4-byte aligned."""
     size = length * bits // 8 + 4 * (length // block)
     return (
         packets.device.type == "cpu"
@@ -151,6 +159,8 @@ def _packets_fit(packets: torch.Tensor, rows: int, length: int, bits: int, block
         and packets.stride(0) % 4 == 0
         and packets.data_ptr() % 4 == 0
         and bits in (4, 8)
+        and block % 2 == 0
+        and length % block == 0
     )
 
 
@@ -200,7 +210,10 @@ def _load() -> ctypes.CDLL | None:
         *(_P, _I64, _I64, _I64, _I64, _INT, _P, _I64, _INT),
         *(_P, _P, _I64, _INT),
     ]
-    library.commhooks_dequantize.argtypes = [_P, _I64, _I64, _I64, _I64, _INT, _P, _I64, _INT, _INT]
+    library.commhooks_dequantize.argtypes = [
+        *(_P, _I64, _I64, _I64, _I64, _I64, _INT),
+        *(_P, _I64, _INT, _INT),
+    ]
     library.commhooks_quantize.restype = library.commhooks_dequantize.restype = None
     return library
 

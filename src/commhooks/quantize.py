@@ -178,14 +178,32 @@ def _codes(payload: torch.Tensor, fmt: BlockFormat, length: int) -> torch.Tensor
     return nibbles.view(rows, length)
 
 
-def dequantize_(packets: torch.Tensor, fmt: BlockFormat, out: torch.Tensor) -> torch.Tensor:
-    """Decode ``packets`` into ``out`` (``rows x length``, any floating dtype); returns ``out``.
+def dequantize_(
+    packets: torch.Tensor,
+    fmt: BlockFormat,
+    out: torch.Tensor,
+    *,
+    length: int | None = None,
+    scratch: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode ``packets`` into ``out`` (``rows x columns``, any floating dtype); returns ``out``.
 
     Deterministic: the same bytes give the same bits on every rank.
+
+    Args:
+        length: elements per row of ``packets`` (default ``columns``); when ``out`` holds
+            fewer, each of its rows gets the first ``columns`` elements of its packet's row
+            (the end of a bucket that fills part of a row).
+        scratch: float32 ``rows x length``, through which the eager form decodes such a row.
     """
-    if _kernels.dequantize_rows(packets, fmt.bits, fmt.block, out):
+    rows, columns = out.shape
+    length = columns if length is None else length
+    if _kernels.dequantize_rows(packets, fmt.bits, fmt.block, out, length=length):
         return out
-    rows, length = out.shape
+    if columns < length:
+        whole = torch.empty(rows, length, device=out.device) if scratch is None else scratch
+        out.copy_(dequantize_(packets, fmt, whole)[:, :columns])
+        return out
     payload, scales = fmt.split(packets, length)
     out.copy_(_codes(payload, fmt, length))
     blocks = out.view(rows, length // fmt.block, fmt.block)

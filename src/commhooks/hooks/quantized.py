@@ -211,10 +211,14 @@ def _decode(work: Workspace, fmt: quantize.BlockFormat, buffer: torch.Tensor) ->
     quantize.dequantize_(gathered[:whole], fmt, rows)
     if whole == gathered.shape[0]:
         return
-    decoded = quantize.dequantize_(gathered[whole:], fmt, work.levels[whole:]).view(-1)
-    if layout.in_order:
-        buffer[whole * layout.length :].copy_(decoded[: n - whole * layout.length])
+    if layout.in_order:  # the bucket ends in row `whole`: its first elements, decoded in place
+        end = buffer[whole * layout.length :].view(1, -1)
+        scratch = work.levels[whole : whole + 1]
+        quantize.dequantize_(
+            gathered[whole : whole + 1], fmt, end, length=layout.length, scratch=scratch
+        )
         return
+    decoded = quantize.dequantize_(gathered, fmt, work.levels).view(-1)
     for _, offset, size, source in layout.places():
         buffer[source : source + size].copy_(decoded[offset : offset + size])
 
