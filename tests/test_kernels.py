@@ -63,6 +63,19 @@ def test_the_kernels_build_on_first_use_and_are_loaded_from_the_cache_after(tmp_
 
 
 @needs_compiler
+def test_a_damaged_build_in_the_cache_is_built_again(tmp_path):
+    cache = tmp_path / "cache"
+    env = {**os.environ, "COMMHOOKS_CACHE_DIR": str(cache)}
+    script = "from commhooks import _kernels; print('available', _kernels.available())"
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, capture_output=True)
+    (built,) = cache.glob("blockquant-*.so")
+    built.write_bytes(built.read_bytes()[:100])  # truncated: the loader refuses it
+    again = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert "available True" in again.stdout, again
+    assert len(built.read_bytes()) > 1000
+
+
+@needs_compiler
 def test_ranks_building_at_once_all_load_one_build(tmp_path):
     cache = tmp_path / "cache"
     env = {**os.environ, "COMMHOOKS_CACHE_DIR": str(cache)}

@@ -202,7 +202,7 @@ def _load() -> ctypes.CDLL | None:
         logger.info("COMMHOOKS_NATIVE=0: quantization runs PyTorch's eager operations")
         return None
     try:
-        library = ctypes.CDLL(str(_built()))
+        library = _opened()
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         logger.info("quantization runs PyTorch's eager operations (%s)", error)
         return None
@@ -218,8 +218,19 @@ def _load() -> ctypes.CDLL | None:
     return library
 
 
-def _built() -> Path:
-    """The path of the built kernels for this source, compiler and CPU, building them if new."""
+def _opened() -> ctypes.CDLL:
+    """The built kernels, loaded; a cached file the loader refuses (a damaged disk, a copy
+    from another machine) is built again, once."""
+    try:
+        return ctypes.CDLL(str(_built()))
+    except OSError as error:
+        logger.info("building the fused quantization kernels again (%s)", error)
+        return ctypes.CDLL(str(_built(again=True)))
+
+
+def _built(again: bool = False) -> Path:
+    """The path of the built kernels for this source, compiler and CPU, building them if new
+    (or ``again``)."""
     compiler = _compiler()
     source = resources.files("commhooks").joinpath(_SOURCE).read_bytes()
     key = hashlib.sha256(
@@ -227,7 +238,7 @@ def _built() -> Path:
     ).hexdigest()[:20]
     directory = _cache_dir()
     target = directory / f"blockquant-{key}.so"
-    if target.exists():
+    if target.exists() and not again:
         return target
     directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=directory) as scratch:
