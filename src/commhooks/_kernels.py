@@ -87,16 +87,16 @@ def quantize_rows(
     rows, length = x.shape
     if not (_rows_fit(x, rows, length) and _packets_fit(packets, rows, length, bits, block)):
         return False
-    first, second, added = (None, None, 0) if add is None else (add[0], add[1], add[0].numel())
-    if add is not None and not _addends_fit(x, add[0], add[1]):
+    if add is not None and not _addends_fit(x, *add):
         return False
     library = _library()
     if library is None:
         return False
+    first, second = (None, None) if add is None else (add[0].data_ptr(), add[1].data_ptr())
     library.commhooks_quantize(
         x.data_ptr(), x.stride(0), rows, length, block, bits,
         packets.data_ptr(), packets.stride(0), int(keep),
-        _pointer(first), _pointer(second), added, _threads(x.numel()),
+        first, second, 0 if add is None else add[0].numel(), _threads(x.numel()),
     )  # fmt: skip
     return True
 
@@ -133,16 +133,7 @@ def dequantize_rows(
 
 def _rows_fit(x: torch.Tensor, rows: int, length: int) -> bool:
     """``rows x length`` float32 on the CPU, each row contiguous, none overlapping another."""
-    return (
-        x.device.type == "cpu"
-        and x.dtype == torch.float32
-        and x.dim() == 2
-        and tuple(x.shape) == (rows, length)
-        and (x.stride(1) == 1 or length <= 1)
-        and x.stride(0) >= length
-        and x.data_ptr() % 4 == 0
-        and not x.requires_grad
-    )
+    return _plain_rows(x, torch.float32, rows, length)
 
 
 def _packets_fit(packets: torch.Tensor, rows: int, length: int, bits: int, block: int) -> bool:
@@ -150,17 +141,26 @@ def _packets_fit(packets: torch.Tensor, rows: int, length: int, bits: int, block
     are 4-byte aligned."""
     size = length * bits // 8 + 4 * (length // block)
     return (
-        packets.device.type == "cpu"
-        and packets.dtype == torch.uint8
-        and packets.dim() == 2
-        and tuple(packets.shape) == (rows, size)
-        and (packets.stride(1) == 1 or size <= 1)
-        and packets.stride(0) >= size
-        and packets.stride(0) % 4 == 0
-        and packets.data_ptr() % 4 == 0
-        and bits in (4, 8)
+        bits in (4, 8)
         and block % 2 == 0
         and length % block == 0
+        and _plain_rows(packets, torch.uint8, rows, size)
+        and packets.stride(0) % 4 == 0
+    )
+
+
+def _plain_rows(t: torch.Tensor, dtype: torch.dtype, rows: int, length: int) -> bool:
+    """``rows x length`` of ``dtype`` on the CPU, 4-byte aligned, each row contiguous and none
+    overlapping another: what the kernels read through a pointer and a row stride."""
+    return (
+        t.device.type == "cpu"
+        and t.dtype == dtype
+        and t.dim() == 2
+        and tuple(t.shape) == (rows, length)
+        and (t.stride(1) == 1 or length <= 1)
+        and t.stride(0) >= length
+        and t.data_ptr() % 4 == 0
+        and not t.requires_grad
     )
 
 
@@ -178,10 +178,6 @@ def _addends_fit(x: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> 
         )
         and first.numel() <= x.numel()
     )
-
-
-def _pointer(tensor: torch.Tensor | None) -> int | None:
-    return None if tensor is None else tensor.data_ptr()
 
 
 def _threads(elements: int) -> int:
