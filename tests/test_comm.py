@@ -1,6 +1,8 @@
 """``comm``: the ordering guarantee of ``OrderedIssuer``, and sums over ranks."""
 
 import random
+import subprocess
+import sys
 import threading
 from unittest import mock
 
@@ -228,9 +230,8 @@ def test_observers_count_what_each_collective_hands_over():
         assert out["wrapped"] and out["restored"]
 
 
-# Rows long enough that gloo on CPU sends them in pieces (over two of ``_PIECE_BYTES``), with
-# a length that leaves the last piece short; and a row short enough to go whole.
-_LONG = 3 * comm._PIECE_BYTES + 1000
+# Rows of a few MB and of a few bytes, each sent as one message per pair of ranks on gloo.
+_LONG = 3 * (256 << 10) + 1000
 _SHORT = 1000
 
 
@@ -259,16 +260,91 @@ def _exchanges(rank, world_size):
             torch.equal(gathered, expected_gather),
             seen.calls,
             seen.bytes,
-            len(comm._pieces(sent, group)),
         )
     return out
 
 
-def test_long_rows_go_in_pieces_and_land_where_one_collective_puts_them():
+def test_rows_land_where_one_collective_puts_them():
     for out in run_on_ranks(_exchanges, 3):
-        for length, (exchanged, gathered, calls, sent, pieces) in out.items():
+        for length, (exchanged, gathered, calls, sent) in out.items():
             assert exchanged and gathered, length
             # Reported as the one all-to-all it stands for, with every byte handed over.
             assert calls == {"all_to_all_single": 1}
             assert sent == {"all_to_all_single": 3 * length}
-            assert pieces == (4 if length == _LONG else 1)
+
+
+def _posting_order(rank, world_size):
+    """Every torch.distributed call the exchanges make, in order, and whether they were right."""
+    group, posted = dist.group.WORLD, []
+    real = {name: getattr(dist, name) for name in ("isend", "irecv")}
+
+    def recording(name):
+        def call(tensor, peer, *args, **kwargs):
+            posted.append((name, peer))
+            return real[name](tensor, peer, *args, **kwargs)
+
+        return call
+
+    rows = torch.arange(world_size * 5, dtype=torch.float32).view(world_size, 5) + 100 * rank
+    received = torch.empty_like(rows)
+    gathered = torch.empty(world_size, 5)
+    with mock.patch.multiple(dist, isend=recording("isend"), irecv=recording("irecv")):
+        comm.all_to_all(received, rows, group).wait()
+        comm.all_gather_into(gathered, rows[rank], group).wait()
+        small = torch.full((3,), float(rank + 1))
+        comm.allreduce(small, group).wait()
+    return posted, received, gathered, small, comm._sums_by_exchange(small, group)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_every_receive_is_posted_before_any_send_of_an_exchange(world_size):
+    # gloo starts a send only once the peer's receive is posted, and says so in the same TCP
+    # stream as the data: a send posted first can hold the peer's whole message up behind it.
+    for rank, (posted, received, gathered, small, swapped) in enumerate(
+        run_on_ranks(_posting_order, world_size)
+    ):
+        peers = [r for r in range(world_size) if r != rank]
+        one_exchange = [("irecv", p) for p in peers] + [("isend", p) for p in peers]
+        exchanges = 3 if swapped else 2  # two ranks also sum small tensors by an exchange
+        assert posted == one_exchange * exchanges, (rank, posted)
+        assert swapped == (world_size == 2)
+        for src in range(world_size):
+            row = torch.arange(5, dtype=torch.float32) + 5 * rank + 100 * src
+            assert torch.equal(received[src], row)
+            assert torch.equal(gathered[src], torch.arange(5.0) + 5 * src + 100 * src)
+        assert torch.equal(small, torch.full((3,), float(sum(range(1, world_size + 1)))))
+
+
+_EXIT_SCRIPT = """
+import sys, torch, torch.distributed as dist
+from commhooks import comm
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=2)
+rows = torch.full((2, 1 << 16), float(rank))
+for _ in range(20):
+    comm.all_to_all(torch.empty_like(rows), rows, dist.group.WORLD)
+comm.allreduce(torch.ones(4), dist.group.WORLD).wait()
+print("done", flush=True)
+"""
+
+
+def test_a_process_that_exits_right_after_an_exchange_exits_cleanly(tmp_path):
+    # The exchanges complete on a thread of the package's own; one still inside torch when the
+    # interpreter shuts down would be ended where it stands, aborting the process (exit -6,
+    # "terminate called without an active exception") after training had finished.
+    script = tmp_path / "exit.py"
+    script.write_text(_EXIT_SCRIPT)
+    for attempt in range(5):
+        store = tmp_path / f"store{attempt}"
+        procs = [
+            subprocess.Popen(
+                [sys.executable, str(script), str(rank), str(store)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for rank in range(2)
+        ]
+        for proc in procs:
+            out, _ = proc.communicate(timeout=60)
+            assert proc.returncode == 0 and "done" in out and "terminate" not in out, out

@@ -76,7 +76,8 @@ def powersgd_first_compressed_step(rank, world_size, fault):
 
 def powersgd_second_round(rank, world_size, fault):
     """The victim goes as it issues PowerSGD's second round (on the follow-up group)."""
-    for name in ("all_reduce", "all_gather_into_tensor", "all_gather_single"):
+    # Two gloo ranks sum small tensors by exchanging them (see comm.allreduce): watch sends too.
+    for name in ("all_reduce", "all_gather_into_tensor", "all_gather_single", "isend"):
         if hasattr(dist, name):
             fault.strike_on_call(rank, dist, name, _on_follow_up_group)
     state = commhooks.PowerSGDState(None, start_powerSGD_iter=1)

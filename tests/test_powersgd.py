@@ -157,13 +157,14 @@ def test_many_buckets_never_mismatch_collectives(world_size):
 
 def _count_collectives(rank, world_size, single_round, monkeypatch_steps):
     calls = []
-    # Two gloo ranks sum small tensors with an all-gather (see comm.allreduce): count both.
-    names = ("all_reduce", "all_gather_single", "all_gather_into_tensor")
+    # Two gloo ranks sum small tensors by sending them to each other (see comm.allreduce):
+    # count both.
+    names = ("all_reduce", "all_gather_single", "all_gather_into_tensor", "isend")
     real = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
 
     def counting(name):
         def counted(first, *args, **kwargs):
-            calls.append((args[0] if name != "all_reduce" else first).numel())
+            calls.append((first if name in ("all_reduce", "isend") else args[0]).numel())
             return real[name](first, *args, **kwargs)
 
         return counted

@@ -8,9 +8,11 @@ threads in a different order on each rank. :class:`OrderedIssuer` fixes it by st
 collectives in the order their slots were reserved, whichever thread gets there first.
 """
 
+import atexit
 import contextlib
 import datetime
-import math
+import os
+import queue
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -426,23 +428,23 @@ def _observed(kind: str, handed: Any, direct: bool = False) -> None:
             counter.record(kind, nbytes)
 
 
-# Up to this size, two gloo ranks sum a tensor faster by exchanging it whole (one all-gather and
-# a local add) than with gloo's allreduce, whose rounds each wait on the other rank: PowerSGD's
-# factors return sooner, most of all in the slow tail. At two ranks both send the same bytes,
-# and the sums are the same bits (addition commutes). Larger tensors go to gloo's allreduce,
-# which keeps a slow link full where one whole message each way does not: on a 100 Mbit/s link
-# (medians of 9), 898 KiB of float16 took 78 ms by allreduce and 115 ms (78-139) exchanged,
-# 195 KiB 16.5 against 18.4 ms, 64 KiB 5.3 against 5.5 ms; on loopback 2.0 against 2.8 ms,
-# 0.9 against 0.8 and 0.6 against 0.7 ms.
-_EXCHANGE_BYTES = 64 << 10
+# Up to this size, two gloo ranks sum a tensor by sending it to each other whole (see
+# ``_swap``) and adding locally, instead of with gloo's allreduce: on loopback in less than half
+# the time, on a slow link in the same time. Medians of 21 (loopback) and 11 (links), float16:
+# loopback 64 KiB 0.8 against 2.0 ms, 898 KiB 1.6 against 4.4 ms, 4 MiB 5.0 against 9.9 ms;
+# 100 Mbit/s 898 KiB 77.7 against 77.5 ms, 4 MiB 361 against 373 ms; 1 Gbit/s 898 KiB 7.0
+# against 6.8 ms. At two ranks both send the same bytes, and the sums are the same bits
+# (addition commutes). The exchange holds a second copy of the tensor while it runs, which for
+# a large bucket is memory PyTorch's hooks do not spend: larger tensors go to gloo's allreduce.
+_EXCHANGE_BYTES = 1 << 20
 
 
 def allreduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.Tensor]":
     """Sum ``tensor`` in place across ``group``; the future resolves to ``tensor`` itself.
 
-    One collective either way: an allreduce, or for a small CPU tensor on two gloo ranks an
-    all-gather and a local add (see ``_EXCHANGE_BYTES``), which returns sooner, most of all
-    in the slow tail; PowerSGD's factors are such tensors. A sparse tensor goes to gloo's
+    One collective either way: an allreduce, or for a CPU tensor of up to 1 MiB on two gloo
+    ranks a swap of the two ranks' tensors and a local add (see ``_EXCHANGE_BYTES``), which
+    returns sooner; PowerSGD's factors are such tensors. A sparse tensor goes to gloo's
     sparse allreduce; the future then holds the sum it returns.
     """
     with _issuing("all_reduce", tensor):  # an exchange is counted as what it stands for
@@ -481,26 +483,18 @@ def _exchange_and_add(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future
     # The choice above must not depend on anything that may differ between ranks, such as a
     # tensor's strides: one that is not contiguous is sent from a copy.
     flat = tensor.reshape(-1) if tensor.is_contiguous() else tensor.flatten()
-    both = flat.new_empty(2 * flat.numel())
-    work = _all_gather_single()(both, flat, group=group, async_op=True)
+    other, me = torch.empty_like(flat), group.rank()
+    swapped = _swap([flat, flat], [other, other], group)
 
-    def add(fut: "Future[list[torch.Tensor]]") -> torch.Tensor:
-        fut.value()  # raises here if the all-gather failed
+    def add(fut: "Future[None]") -> torch.Tensor:
+        fut.value()  # raises here if the exchange failed
         # The same order on both ranks, so they hold the same bits.
-        torch.add(both[: flat.numel()], both[flat.numel() :], out=flat)
+        torch.add(*((flat, other) if me == 0 else (other, flat)), out=flat)
         if flat.data_ptr() != tensor.data_ptr():
             tensor.copy_(flat.view_as(tensor))
         return tensor
 
-    return callbacks.then(_future_of(work), add)
-
-
-# gloo carries one large message per pair of ranks at about half the link's rate while both
-# directions are busy; cut into pieces of about this size, several in flight, the same bytes
-# keep the link full. Measured between two ranks on a 100 Mbit/s link, 3 MB each way:
-# 370-500 ms as one all-to-all, 255-280 ms in pieces of 128-256 KiB, 267 ms over plain TCP
-# sockets. A row of up to two pieces goes whole.
-_PIECE_BYTES = 256 << 10
+    return callbacks.then(swapped, add)
 
 
 def all_to_all(
@@ -509,22 +503,18 @@ def all_to_all(
     """Send row ``i`` of ``tensor`` to rank ``i``; row ``j`` of ``out`` comes from rank ``j``.
 
     Both are ``world_size x ...`` and contiguous. The future resolves to ``out``. On gloo with
-    CPU tensors, long rows go in pieces of columns (see ``_PIECE_BYTES``).
+    CPU tensors the rows travel as point-to-point messages, every receive posted before any
+    send (see :func:`_swap`).
     """
-    world = group.size()
+    world, me = group.size(), group.rank()
     rows, received = tensor.view(world, -1), out.view(world, -1)
     with _issuing("all_to_all_single", tensor):
-        pieces = _pieces(rows, group)
-        if len(pieces) == 1:
+        if not _gloo_on_cpu(tensor, group):
             work = dist.all_to_all_single(out, tensor, group=group, async_op=True)
             return callbacks.then(_future_of(work), lambda fut: _checked(fut, out))
-        parts = [rows[:, piece].contiguous() for piece in pieces]
-        landed = [torch.empty_like(part) for part in parts]
-        works = [
-            dist.all_to_all_single(got, part, group=group, async_op=True)
-            for got, part in zip(landed, parts)
-        ]
-    return _joined(works, lambda: _place(received, pieces, landed, out))
+        swapped = _swap(list(rows), list(received), group)
+    received[me].copy_(rows[me])
+    return callbacks.then(swapped, lambda fut: _checked(fut, out))
 
 
 def all_gather_into(
@@ -532,53 +522,124 @@ def all_gather_into(
 ) -> "Future[torch.Tensor]":
     """Row ``j`` of ``out`` (``world_size x tensor.numel()``) becomes rank ``j``'s ``tensor``.
 
-    The future resolves to ``out``. On gloo with CPU tensors, a long ``tensor`` goes in pieces
-    (see ``_PIECE_BYTES``).
+    The future resolves to ``out``. On gloo with CPU tensors each rank sends its tensor to
+    every other rank directly, every receive posted first (see :func:`_swap`): the same bytes
+    leave each rank as in gloo's ring.
     """
-    world, flat = group.size(), tensor.reshape(1, -1)
-    gather = _all_gather_single()
+    world, me = group.size(), group.rank()
+    flat = tensor.reshape(-1)
     with _issuing("all_gather_into_tensor", tensor):
-        pieces = _pieces(flat, group)
-        if len(pieces) == 1:
-            work = gather(out.view(world, -1), flat, group=group, async_op=True)
+        if not _gloo_on_cpu(tensor, group):
+            work = _all_gather_single()(
+                out.view(world, -1), flat.view(1, -1), group=group, async_op=True
+            )
             return callbacks.then(_future_of(work), lambda fut: _checked(fut, out))
-        landed = [flat.new_empty(world, piece.stop - piece.start) for piece in pieces]
-        works = [
-            gather(got, flat[:, piece], group=group, async_op=True)
-            for got, piece in zip(landed, pieces)
-        ]
-    return _joined(works, lambda: _place(out.view(world, -1), pieces, landed, out))
+        swapped = _swap([flat] * world, list(out.view(world, -1)), group)
+    out.view(world, -1)[me].copy_(flat)
+    return callbacks.then(swapped, lambda fut: _checked(fut, out))
 
 
-def _pieces(rows: torch.Tensor, group: dist.ProcessGroup) -> list[slice]:
-    """The column ranges of ``rows`` to send as separate collectives (the same on every rank:
-    they depend on the shape and the backend only)."""
-    columns = rows.shape[1]
-    row_bytes = columns * rows.element_size()
-    if row_bytes <= 2 * _PIECE_BYTES or not _gloo_on_cpu(rows, group):
-        return [slice(0, columns)]
-    step = math.ceil(columns / math.ceil(row_bytes / _PIECE_BYTES))
-    return [slice(start, min(start + step, columns)) for start in range(0, columns, step)]
+# gloo's all-to-all and all-gather post each send before the matching receive, and a send
+# only starts once the peer has said that its receive is posted. That word travels in the
+# same TCP stream as the data, so a rank that arrives second queues its whole message ahead
+# of it: the first rank's message waits until the second's has crossed the link, and the two
+# directions take turns instead of sharing it. Two ranks exchanging 3 MB each way, 100 Mbit/s
+# link (257 ms of bytes): 499 ms by all_to_all_single, 258-274 ms with every receive posted
+# before any send; 1 Gbit/s: 51 against 26 ms. The tag keeps these messages apart from a
+# user's own point-to-point traffic on the group.
+_SWAP_TAG = 0x636868
 
 
-def _joined(works: list[Any], finish: Callable[[], torch.Tensor]) -> "Future[torch.Tensor]":
-    """A future of ``finish()``, run once every one of ``works`` has completed."""
+def _swap(
+    sends: Sequence[torch.Tensor], receives: Sequence[torch.Tensor], group: dist.ProcessGroup
+) -> "Future[None]":
+    """Send ``sends[j]`` to group rank ``j`` and fill ``receives[j]`` from it, for every other
+    rank ``j`` (both contiguous); every receive is posted before the first send.
 
-    def after(fut: "Future[list[Future[list[torch.Tensor]]]]") -> torch.Tensor:
-        for part in fut.value():
-            part.value()  # raises here if a piece failed
-        return finish()
+    Messages between two ranks pair up in the order they were posted, so callers issue swaps
+    on a group in the same order on every rank, as they do collectives.
+    """
+    me, ranks = group.rank(), global_ranks(group)
+    peers = [j for j in range(len(ranks)) if j != me]
+    works = [dist.irecv(receives[j], ranks[j], group=group, tag=_SWAP_TAG) for j in peers]
+    works += [dist.isend(sends[j], ranks[j], group=group, tag=_SWAP_TAG) for j in peers]
+    return _waiter(group).completion(works)
 
-    return callbacks.then(torch.futures.collect_all([_future_of(work) for work in works]), after)
+
+class _Waiter:
+    """Turns point-to-point works into a future, on a thread of its own.
+
+    gloo's send and receive works have no future, only a blocking ``wait()`` (which raises
+    after the group's timeout). One thread per group waits on them in the order they were
+    posted and completes each swap's future once the swap and those posted before it on the
+    group have finished; the future's callbacks then run on that thread, as a collective's run
+    on gloo's.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[list[Any], Future[None]] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="commhooks-swap", daemon=True)
+        self._thread.start()
+
+    def completion(self, works: list[Any]) -> "Future[None]":
+        """A future completed once every one of ``works`` has finished (or failed)."""
+        fut: Future[None] = new_future()
+        self._queue.put((works, fut))
+        return fut
+
+    def stop(self, wait_s: float = 0.0) -> None:
+        """Let the thread end once the works queued before have finished, at most ``wait_s``."""
+        self._queue.put(None)
+        if wait_s > 0 and self._thread is not threading.current_thread():
+            self._thread.join(wait_s)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            works, fut = item
+            del item
+            try:
+                for work in works:
+                    work.wait()
+            except BaseException as exc:  # handed to whoever waits on the future
+                del works
+                _fail(fut, exc)
+                continue
+            del works  # the tensors go before the callbacks run
+            fut.set_result(None)
 
 
-def _place(
-    rows: torch.Tensor, pieces: list[slice], landed: list[torch.Tensor], out: torch.Tensor
-) -> torch.Tensor:
-    """Copy each piece that arrived into its columns of ``rows`` (a view of ``out``)."""
-    for piece, got in zip(pieces, landed):
-        rows[:, piece].copy_(got)
-    return out
+_waiters: "weakref.WeakKeyDictionary[dist.ProcessGroup, _Waiter]" = weakref.WeakKeyDictionary()
+_waiters_lock = threading.Lock()
+
+
+def _waiter(group: dist.ProcessGroup) -> _Waiter:
+    with _waiters_lock:
+        found = _waiters.get(group)
+        if found is None:
+            found = _waiters[group] = _Waiter()
+            weakref.finalize(group, found.stop).atexit = False
+        return found
+
+
+@atexit.register
+def _stop_waiters() -> None:
+    """End the waiters' threads before the interpreter shuts down: a thread still inside
+    torch when it does is ended where it stands, which aborts the process."""
+    with _waiters_lock:
+        stopping = list(_waiters.values())
+        _waiters.clear()  # a swap after this gets a waiter of its own
+    for found in stopping:
+        found.stop(wait_s=2.0)
+
+
+def _forget_waiters() -> None:
+    """In a forked child the waiters' threads do not exist: start afresh."""
+    global _waiters_lock
+    _waiters.clear()
+    _waiters_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_waiters)
 
 
 def _all_gather_single() -> Callable[..., Any]:
