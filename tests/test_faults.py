@@ -84,6 +84,14 @@ def powersgd_second_round(rank, world_size, fault):
     _train(make_ddp(make_mlp(), commhooks.powerSGD_hook, state), rank)
 
 
+def int8_all_gather(rank, world_size, fault):
+    """The victim goes as it sends its averaged row to the others (int8's second phase, a
+    point-to-point exchange on the follow-up group)."""
+    fault.strike_on_call(rank, dist, "isend", _on_follow_up_group)
+    state = commhooks.QuantizationState(None, bits=8, warmup_steps=1)
+    _train(make_ddp(make_mlp(), commhooks.quantized_hook, state), rank)
+
+
 def post_local_sgd_local_phase(rank, world_size, fault):
     """The victim goes as the local phase begins (the per-machine groups are made then)."""
     state = commhooks.PostLocalSGDState(None, None, start_localSGD_iter=2)
@@ -135,6 +143,7 @@ POINTS = [
     (fp16_group_creation, 2),
     (powersgd_first_compressed_step, 2),
     (powersgd_second_round, 2),
+    (int8_all_gather, 2),
     (post_local_sgd_local_phase, 2),
     (hierarchical_averaging, 4),
     (hierarchical_group_creation, 4),

@@ -216,6 +216,11 @@ def _rank_main(rank: int, world_size: int, setup: _Setup, results: Any, log: str
             "LOCAL_RANK": str(rank),
             "LOCAL_WORLD_SIZE": str(world_size),
             "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+            # Every rank waits (on the store) until every process group is built: a rank that
+            # ran a function without collectives and left could otherwise close its
+            # connections while another was still setting them up ("Connection closed by
+            # peer" in connectFullMesh).
+            "TORCH_DIST_INIT_BARRIER": "1",
         }
     )
     os.environ.update(setup.env)
