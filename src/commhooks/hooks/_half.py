@@ -56,10 +56,11 @@ def average_in(
     which send something only for a bucket whose sum is not finite (see the module's note).
     ``buffer`` keeps its own values until the result is known, so that it can be sent again.
     """
-    # PyTorch's order (cast, then divide) keeps the results bitwise equal to its hooks'. The sum
-    # is gloo's even on two CPU ranks, although gloo adds half precision in scalar code: trading
-    # halves and adding them with torch's kernels was faster on loopback, but its two exchanges
-    # took 1.3-1.9x as long as one allreduce on a 100 Mbit/s link, where these hooks are used.
+    # PyTorch's order (cast, then divide) keeps the results bitwise equal to its hooks'. On two
+    # CPU ranks a bucket of up to 1 MiB is summed by swapping it and adding with torch's kernels
+    # (comm.allreduce); a larger one by gloo's allreduce, although gloo adds half precision in
+    # scalar code: a swap would hold a second copy of the bucket, the memory PyTorch's hook
+    # does not spend.
     low, flagged = _cast_down(buffer, dtype, group.size())
     repair = _Repair(buffer, group.size(), issuer.group, owner, flagged)
     devices, hold = comm.follow_up_options(buffer, last_bucket)
