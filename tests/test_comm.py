@@ -129,7 +129,9 @@ def _sum_each_shape(rank):
         ("half", (17,), torch.float16),
         ("strided", (7, 5), torch.float32),  # summed through a contiguous copy
         ("empty", (0,), torch.float32),
-        ("large", (comm._EXCHANGE_BYTES // 4 + 1,), torch.float32),
+        ("large", (comm._CHUNK_BYTES // 2 + 1,), torch.bfloat16),  # two chunks
+        ("large_float32", (comm._SMALL_BYTES // 4 + 1,), torch.float32),  # gloo's allreduce
+        ("integer", (1000,), torch.int64),  # gloo's allreduce
     ):
         t = torch.randn(shape, generator=gen).to(dtype)
         if name == "strided":
@@ -142,18 +144,18 @@ def _sum_each_shape(rank):
 
 
 def test_allreduce_sums_like_dist_all_reduce_on_any_world_size():
-    # Two gloo ranks exchange small tensors whole and add them; the result is the same bits
+    # Two gloo ranks exchange floating-point tensors and add them; the result is the same bits
     # as gloo's allreduce, and the bench counts it as the allreduce it stands for.
     for world_size in (2, 3):
         for out, calls, sent in run_on_ranks(_sums, world_size):
-            small = world_size == 2
-            for name in ("small", "half", "strided", "empty"):
-                assert out[name] == (True, True, small)
-            assert out["large"] == (True, True, False)
+            two = world_size == 2
+            for name in ("small", "half", "strided", "empty", "large"):
+                assert out[name] == (True, True, two)
+            assert out["large_float32"] == out["integer"] == (True, True, False)
             assert set(calls) == {"all_reduce"}  # the references, then the sums
-            assert calls["all_reduce"] == 10
-            large = (comm._EXCHANGE_BYTES // 4 + 1) * 4
-            assert sent["all_reduce"] == 2 * (40 * 3 * 4 + 17 * 2 + 35 * 4 + large)
+            assert calls["all_reduce"] == 14
+            large = (comm._CHUNK_BYTES // 2 + 1) * 2 + (comm._SMALL_BYTES // 4 + 1) * 4
+            assert sent["all_reduce"] == 2 * (40 * 3 * 4 + 17 * 2 + 35 * 4 + large + 8000)
 
 
 def _sums_of_each_dtype(rank, world_size):
@@ -177,12 +179,12 @@ def _sums_of_each_dtype(rank, world_size):
     return out, calls, sent
 
 
-SIZES = (
-    ("half", comm._EXCHANGE_BYTES + 2, torch.float16),
-    ("odd", comm._EXCHANGE_BYTES + 1, torch.float16),
-    ("bfloat16", comm._EXCHANGE_BYTES // 2 + 2, torch.bfloat16),
+SIZES = (  # half precision in chunks of comm._CHUNK_BYTES: 5, the last short, then 2, then 1
+    ("half", 2 * comm._CHUNK_BYTES + 1, torch.float16),
+    ("bfloat16", comm._CHUNK_BYTES // 2 + 2, torch.bfloat16),
     ("small", 100, torch.float16),
-    ("float32", comm._EXCHANGE_BYTES // 2, torch.float32),
+    ("float32", comm._SMALL_BYTES // 4, torch.float32),  # the largest float32 exchanged
+    ("float32_large", comm._SMALL_BYTES // 4 + 1, torch.float32),  # gloo's allreduce
 )
 
 
@@ -196,6 +198,28 @@ def test_sums_of_each_dtype_equal_gloos_allreduce_bit_for_bit():
             assert sent["all_reduce"] == sum(
                 numel * torch.tensor([], dtype=d).element_size() for _, numel, d in SIZES
             )
+
+
+def _sums_in_flight(rank, world_size):
+    # Sums issued one after another without waiting, as DDP issues its buckets: the later
+    # chunks of each are received while the next sums' messages are already on the way.
+    group, chunk = dist.group.WORLD, comm._CHUNK_BYTES // 2
+    lengths = (5 * chunk + 3, 7, 3 * chunk, chunk - 1, 4 * chunk + 1)
+    tensors = [
+        (torch.full((n,), float(i)) + torch.arange(n) % 97 * (rank + 1)).to(dtype)
+        for i, n in enumerate(lengths)
+        for dtype in (torch.float16, torch.bfloat16)
+    ]
+    references = [t.clone() for t in tensors]
+    for reference in references:
+        dist.all_reduce(reference)
+    futures = [comm.allreduce(t, group) for t in tensors]
+    return [torch.equal(f.wait(), r) for f, r in zip(futures, references, strict=True)]
+
+
+def test_sums_in_flight_together_each_get_their_own_chunks():
+    for out in run_on_ranks(_sums_in_flight, 2):
+        assert out == [True] * 10
 
 
 def _observed(rank, world_size):

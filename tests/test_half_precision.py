@@ -92,12 +92,15 @@ def _memory_per_bucket(rank, world_size):
 def test_each_bucket_costs_at_most_one_full_size_temporary():
     # PyTorch's fp16 hook writes one full-size float16 copy of the bucket, and gloo a buffer of
     # 2 MiB: an eighth of this bucket. A second full-size copy, a float32 one, or even a half
-    # one on top of that, fails here, and so does anything that PyTorch's hook does not need.
+    # one on top of that, fails here, and so does anything that PyTorch's hook does not need:
+    # our hooks' two-rank sum receives the other rank's bucket into 2 MiB, reused chunk by chunk.
     for rank, out in enumerate(run_on_ranks(_memory_per_bucket, 2)):
         for name, (peak, written) in out.items():
             copy = ELEMENTS * MEASURED[name][1].itemsize
             assert peak < 1.5 * copy and written < 1.5 * copy, (rank, name, peak / copy, out)
             assert peak < out["pytorch_fp16"][0] + 0.1 * copy, (rank, name, out)
+        # bfloat16 values take as many bytes as float16 ones, and nothing else may differ.
+        assert out["bf16"][0] < out["fp16"][0] + 0.02 * ELEMENTS * 2, (rank, out)
 
 
 # ----------------------------------------------------------------------------------------------
