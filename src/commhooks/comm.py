@@ -220,6 +220,16 @@ def future_devices(*values: Any) -> list[torch.device]:
     return list(found.values())
 
 
+def used_on_current_stream(tensors: Sequence[torch.Tensor]) -> None:
+    """Tell the allocator that the CUDA tensors among ``tensors`` are used on the current
+    stream: their memory then goes to no other tensor, once they are dropped, before the
+    kernels queued on this stream by then have run. For tensors made on one stream (DDP's)
+    and last used in a future's callback, which runs on a stream of its own."""
+    for t in tensors:
+        if t.is_cuda:
+            t.record_stream(torch.cuda.current_stream(t.device))
+
+
 def new_future(devices: Sequence[torch.device] | None = None) -> "Future[Any]":
     """A future to complete by hand, synchronised with the streams of ``devices`` if any."""
     return Future(devices=list(devices)) if devices else Future()

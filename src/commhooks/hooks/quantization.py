@@ -101,4 +101,5 @@ def _decode_average(
         qparams = packet[codes_bytes:].view(torch.float32).view(2, rows)
         total += quantize.dequantize_affine(codes, qparams)
     averaged = total.view(-1)[: buffer.numel()] / gathered.shape[0]
+    comm.used_on_current_stream([gathered])  # made on DDP's stream, read on this one
     return buffer.copy_(averaged)

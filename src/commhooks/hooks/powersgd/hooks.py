@@ -127,7 +127,9 @@ def batched_powerSGD_hook(
     matrix = Matrix(
         key, square.view(side, side), rank, state.factors.next_step(key) if single else BOTH
     )
-    return _run(BucketStep(state, bucket, buffer, group, [matrix], [], [], writeback))
+    step = BucketStep(state, bucket, buffer, group, [matrix], [], [], writeback)
+    step.made(square)
+    return _run(step)
 
 
 def state_maker(

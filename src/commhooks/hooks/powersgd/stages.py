@@ -99,17 +99,23 @@ class BucketStep:
     writeback: Callable[[], object] | None = None  # copies the matrices' results into ``buffer``
     batches: list[Batch] = field(default_factory=list)
     _scratch: torch.Tensor | None = None
+    _made: list[torch.Tensor] = field(default_factory=list)
 
     def scratch(self) -> torch.Tensor:
         """One block's worth of working memory for the blocked products, made once per call."""
         if self._scratch is None:
             sizes = (lowrank.scratch_elements(b.stack[0], b.matrices[0].rank) for b in self.batches)
-            self._scratch = self.buffer.new_empty(max(sizes, default=0))
+            self._scratch = self.made(self.buffer.new_empty(max(sizes, default=0)))
         return self._scratch
 
     def new_flat(self, numel: int) -> torch.Tensor:
         """An uninitialised flat buffer like the bucket's."""
-        return self.buffer.new_empty(numel)
+        return self.made(self.buffer.new_empty(numel))
+
+    def made(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Register a tensor made for this step (see :meth:`write_back`); returns it."""
+        self._made.append(tensor)
+        return tensor
 
     def vector_numel(self) -> int:
         return sum(t.numel() for t in self.vectors)
@@ -127,9 +133,16 @@ class BucketStep:
         return done
 
     def write_back(self) -> torch.Tensor:
-        """Finish the step: the bucket holds the result; return it."""
+        """Finish the step: the bucket holds the result; return it.
+
+        On a GPU the step's tensors were made on DDP's stream and are last used here, on a
+        callback's stream, whose kernels may still be queued when the tensors are dropped.
+        The allocator is told so; otherwise it would hand their memory to the next tensor made
+        on DDP's stream while those kernels still read it.
+        """
         if self.writeback is not None:
             self.writeback()
+        comm.used_on_current_stream(self._made)
         return self.buffer
 
 
@@ -192,7 +205,7 @@ def kinds(step: BucketStep) -> list[list[Matrix]]:
 def form_batches(step: BucketStep, kinds: list[list[Matrix]]) -> None:
     for matrices in kinds:
         if len(matrices) > 1:
-            stack = torch.stack([m.view for m in matrices])
+            stack = step.made(torch.stack([m.view for m in matrices]))
         else:
             stack = matrices[0].view.unsqueeze(0)
         step.batches.append(Batch(matrices, stack))

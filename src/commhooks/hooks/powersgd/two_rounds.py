@@ -66,7 +66,9 @@ def _second_round(
     stages.unpack_vectors(step, packed)
     stages.orthogonalize_all(step, p, stages.sent_shape, lambda batch: False)
     # A direction the new Q loses is taken from the old one.
-    starts = [b.known.clone() for b in step.batches] if step.state.settings.warm_start else []
+    starts = (
+        [step.made(b.known.clone()) for b in step.batches] if step.state.settings.warm_start else []
+    )
     for b in step.batches:
         # Q = Mᵀ P overwrites the starting Q, in the buffer that is sent next.
         lowrank.right_factor_into(b.stack, b.sent, b.known)
