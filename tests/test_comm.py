@@ -179,8 +179,10 @@ def _sums_of_each_dtype(rank, world_size):
     return out, calls, sent
 
 
-SIZES = (  # half precision in chunks of comm._CHUNK_BYTES: 5, the last short, then 2, then 1
-    ("half", 2 * comm._CHUNK_BYTES + 1, torch.float16),
+# Half precision in chunks of comm._CHUNK_BYTES: more than are in flight at once (the last
+# short, and received into a buffer freed by an earlier one), then 2, then 1.
+SIZES = (
+    ("half", (comm._CHUNKS_IN_FLIGHT + 1) * comm._CHUNK_BYTES // 2 + 1, torch.float16),
     ("bfloat16", comm._CHUNK_BYTES // 2 + 2, torch.bfloat16),
     ("small", 100, torch.float16),
     ("float32", comm._SMALL_BYTES // 4, torch.float32),  # the largest float32 exchanged
@@ -203,8 +205,8 @@ def test_sums_of_each_dtype_equal_gloos_allreduce_bit_for_bit():
 def _sums_in_flight(rank, world_size):
     # Sums issued one after another without waiting, as DDP issues its buckets: the later
     # chunks of each are received while the next sums' messages are already on the way.
-    group, chunk = dist.group.WORLD, comm._CHUNK_BYTES // 2
-    lengths = (5 * chunk + 3, 7, 3 * chunk, chunk - 1, 4 * chunk + 1)
+    group, chunk, k = dist.group.WORLD, comm._CHUNK_BYTES // 2, comm._CHUNKS_IN_FLIGHT
+    lengths = ((k + 1) * chunk + 3, 7, 3 * chunk, chunk - 1, 2 * k * chunk + 1)
     tensors = [
         (torch.full((n,), float(i)) + torch.arange(n) % 97 * (rank + 1)).to(dtype)
         for i, n in enumerate(lengths)
