@@ -21,6 +21,7 @@ ROW_KEYS = {
     "bytes_per_step": (int, float),
     "heldout_loss": float,
     "peak_memory_bytes": int,
+    "peak_rss_bytes": int,
 }
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
@@ -65,6 +66,7 @@ def test_json_schema(default_run):
         assert row["bandwidth"] is None
         assert row["step_ms_median"] > 0 and row["step_ms_p25"] <= row["step_ms_p75"]
         assert math.isfinite(row["heldout_loss"]) and row["peak_memory_bytes"] > 0
+        assert len(row["peak_memory_bytes_per_rank"]) == 2 and row["peak_rss_bytes"] > 0
         assert len(row["losses"]) == 5 and all(len(x) == 3 for x in row["losses"])
         times = [x[2] for x in row["losses"]]
         assert times == sorted(times)
@@ -146,12 +148,14 @@ def test_repeated_rounds_in_lockstep_pool_every_timed_step(tmp_path, capsys):
     assert cli.main([*argv, "--repeat", "2", "--lockstep", "--json", str(path)]) == 0
     doc = json.loads(path.read_text())
     assert doc["settings"]["repeat"] == 2 and doc["settings"]["lockstep"] is True
-    assert doc["settings"]["offload"] is True
+    assert doc["settings"]["offload"] is True and doc["settings"]["memory"] == "live"
     for row in doc["results"]:
         assert row["ok"] and row["repeats"] == 2 and row["timed_steps"] == 2 * 3
         assert [len(per_rank) for per_rank in row["step_ms"]] == [6, 6]
     out = capsys.readouterr().out
     assert "round 2/2" in out and "lockstep" in out
+    # each round also runs each hook for its memory, whose steps are not timed
+    assert "power_sgd_single_round @ loopback, round 2/2, memory:" in out
 
 
 def test_python_dash_m_rejects_unknown_hook_with_valid_names():
@@ -195,11 +199,15 @@ def test_floors_send_what_single_round_powersgd_sends(tmp_path):
     assert rows["floor_memory"]["heldout_loss_per_rank"] != rows["noop"]["heldout_loss_per_rank"]
 
 
-def test_longer_runs_compare_held_out_loss_and_timings_over_the_same_steps(tmp_path):
+def test_longer_runs_compare_held_out_loss_and_timings_over_the_same_steps(tmp_path, capsys):
     path = tmp_path / "reach.json"
     argv = ["--hooks", "allreduce,no", "--steps", "4", "--warmup", "1", "--reach-steps", "6"]
-    assert cli.main([*argv, "--json", str(path)]) == 0
-    rows = {r["hook"]: r for r in json.loads(path.read_text())["results"]}
+    assert cli.main([*argv, "--memory", "rss", "--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    rows = {r["hook"]: r for r in doc["results"]}
+    # --memory rss: no memory runs, the peak is the timed runs' resident set
+    assert doc["settings"]["memory"] == "rss" and "memory:" not in capsys.readouterr().out
+    assert all(r["peak_memory_bytes"] == r["peak_rss_bytes"] > 0 for r in rows.values())
     # DDP's own allreduce trains bit for bit as the allreduce hook, two steps longer; the
     # held-out loss is taken after step 4 in both.
     assert len(rows["allreduce"]["losses"]) == 4 and len(rows["no"]["losses"]) == 6

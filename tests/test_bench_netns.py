@@ -191,7 +191,7 @@ def test_sweep_over_rate_limited_links_counts_real_bytes(tmp_path):
     before = set(_names()[0].split())  # another run's leftovers are not this run's to judge
     path = tmp_path / "sweep.json"
     argv = ["--hooks", "noop,fp16", "--sweep", "200mbit,1gbit", "--steps", "4", "--warmup", "1"]
-    argv += ["--predict", "10gbit", "--world-size", "8", "--json", str(path)]
+    argv += ["--predict", "10gbit", "--world-size", "8", "--memory", "rss", "--json", str(path)]
     assert cli.main(argv) == 0
     doc = json.loads(path.read_text())
     rows = {(r["hook"], r["bandwidth"]): r for r in doc["results"]}
@@ -243,7 +243,7 @@ def test_prediction_from_loopback_holds_on_a_100mbit_link(tmp_path):
     # gloo's own collectives ran 25-32% slower on such a link than its bytes say (comm._swap).
     argv = ["--hooks", "allreduce,fp16,int8", "--task", "synthetic", "--params", "500K"]
     argv += ["--bandwidth", "100mbit", "--steps", "10", "--warmup", "3", "--reach-steps", "10"]
-    argv += ["--json", str(path)]
+    argv += ["--memory", "rss", "--json", str(path)]
     assert cli.main(argv) == 0
     rows = json.loads(path.read_text())["results"]
     checked = [r for r in rows if r["bandwidth"] == 10**8]

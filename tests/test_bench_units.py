@@ -5,9 +5,9 @@ import dataclasses
 
 import pytest
 
-from commhooks.bench import args, costmodel, hookset, summary
+from commhooks.bench import args, costmodel, footprint, hookset, summary
 from commhooks.bench.records import RankResult, RunOutcome
-from commhooks.bench.rows import Row, make_row, pool_runs
+from commhooks.bench.rows import Row, make_row, pool_memory_runs, pool_runs
 from commhooks.bench.units import format_rate, parse_duration, parse_rate
 
 
@@ -210,6 +210,40 @@ def test_repeated_runs_pool_their_steps_and_counters():
     assert pool_runs([first, failed]) is failed  # one failed round fails the hook
     assert pool_runs([first]) is first
     assert args.parse(["--repeat", "3"]).repeat == 3 and args.parse([]).repeat == 1
+
+
+def test_a_memory_run_gives_the_peak_and_a_failed_one_leaves_the_timed_peak_with_a_note():
+    timed = _fake_run([0.1, 0.2])
+    memory = _fake_run([0.3, 0.4])
+    memory.ranks[0].peak_memory_bytes, memory.ranks[1].peak_memory_bytes = 700, 800
+    row = make_row("fp16", None, timed, {}, memory)
+    assert row.peak_memory_bytes == 800 and row.peak_memory_bytes_per_rank == [700, 800]
+    assert row.peak_rss_bytes == 1000 and row.step_ms_median == pytest.approx(150.0)
+    row = make_row(
+        "fp16", None, timed, {"note": "single bucket"}, RunOutcome(ok=False, error="oom")
+    )
+    assert row.peak_memory_bytes == row.peak_rss_bytes == 1000
+    assert row.note == "single bucket; memory run failed (oom): peak memory from the timed runs"
+    assert make_row("fp16", None, timed, {}).peak_memory_bytes == 1000
+
+
+def test_memory_runs_pool_to_each_ranks_median():
+    runs = [_fake_run([0.1]) for _ in range(3)]
+    for run, (a, b) in zip(runs, [(700, 900), (650, 800), (720, 3000)]):
+        run.ranks[0].peak_memory_bytes, run.ranks[1].peak_memory_bytes = a, b
+    pooled = pool_memory_runs(runs)
+    assert [r.peak_memory_bytes for r in pooled.ranks] == [700, 900] and pooled.repeats == 3
+    failed = RunOutcome(ok=False, error="boom")
+    assert pool_memory_runs([runs[0], failed]) is failed and pool_memory_runs(runs[:1]) is runs[0]
+
+
+def test_memory_flag_defaults_to_live_where_glibc_is_and_says_why_not(monkeypatch, capsys):
+    assert args.parse([]).memory == "live" and args.parse(["--memory", "rss"]).memory == "rss"
+    assert "invalid choice" in _parse_error(capsys, ["--memory", "exact"])
+    monkeypatch.setattr(footprint, "can_map_afresh", lambda: False)
+    plan = args.parse([])
+    assert plan.memory == "rss" and any("not glibc" in n for n in plan.notes)
+    assert "run with --memory rss" in _parse_error(capsys, ["--memory", "live"])
 
 
 def test_failed_row_and_plain_text_fallbacks(monkeypatch, capsys, tmp_path):

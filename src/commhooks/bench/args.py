@@ -4,13 +4,14 @@ import argparse
 import importlib.util
 import os
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
-from commhooks.bench import hookset
+from commhooks.bench import footprint, hookset
 from commhooks.bench.tasks import TASKS, parse_params
 from commhooks.bench.units import RATE_FORM, parse_duration, parse_rate
 from commhooks.options import suggest
 
-__all__ = ["DEFAULT_LADDER", "Plan", "build_parser", "parse"]
+__all__ = ["DEFAULT_LADDER", "MEMORY_MEASURES", "Plan", "build_parser", "parse"]
 
 MAX_LOCAL_RANKS = 16
 # A hook that loses a little per step (PowerSGD) reaches allreduce's final loss some steps
@@ -18,6 +19,8 @@ MAX_LOCAL_RANKS = 16
 REACH_FACTOR = 2.5
 DEFAULT_LADDER = "100mbit,1gbit,10gbit,25gbit"
 PLOT_INSTALL = "pip install matplotlib (or pip install -e '.[bench]')"
+MemoryMeasure = Literal["live", "rss"]
+MEMORY_MEASURES: tuple[MemoryMeasure, ...] = get_args(MemoryMeasure)
 
 
 @dataclass
@@ -34,6 +37,8 @@ class Plan:
         ranks: the local ranks started for every hook.
         steps, reach_steps: the steps of allreduce and the measuring hooks, and of the others
             (which may take longer to reach allreduce's loss).
+        memory: ``live``: each hook's peak memory from a run of its own with glibc mapping every
+            large allocation afresh (``bench.footprint``); ``rss``: from the timed runs.
     """
 
     hooks: list[str]
@@ -59,6 +64,7 @@ class Plan:
     sweep: bool = False
     repeat: int = 1
     lockstep: bool = False
+    memory: MemoryMeasure = "live"
     offload: bool = True
     fsdp: bool = False
     wide: bool = False
@@ -202,6 +208,16 @@ def _budget_flags(p: argparse.ArgumentParser) -> None:
         "ranks on one machine share its memory bandwidth, and a hook that never communicates "
         "lets them drift apart and share it better than any hook that does",
     )
+    p.add_argument(
+        "--memory",
+        choices=MEMORY_MEASURES,
+        default=None,
+        help="how peak memory is measured. live (the default where the C library is glibc): "
+        "one more run of each hook, with every allocation of 64 KiB or more mapped on its own "
+        "and unmapped on free, so that the peak is what the steps hold live and repeats to a "
+        "fraction of a MiB. rss: the timed runs' peak resident set, which also counts what the "
+        "allocator kept after frees (it moves by about 5%% run to run); no extra run",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per hook run")
 
 
@@ -237,6 +253,7 @@ def _plan(a: argparse.Namespace) -> Plan:
     notes = _fsdp_notes(a) + _add_references(
         hooks, sweep=bool(a.sweep), predict=asked, other_world=world != ranks
     )
+    memory = _memory(a, notes)
     return Plan(
         hooks=hooks,
         skipped=skipped,
@@ -261,6 +278,7 @@ def _plan(a: argparse.Namespace) -> Plan:
         sweep=bool(a.sweep),
         repeat=a.repeat,
         lockstep=a.lockstep,
+        memory=memory,
         offload=a.offload,
         fsdp=a.fsdp,
         wide=a.wide,
@@ -403,6 +421,20 @@ def _budget(a: argparse.Namespace) -> tuple[int, int]:
     if not 1 <= a.repeat <= 100:
         raise ValueError("--repeat must be between 1 and 100.")
     return a.steps, warmup
+
+
+def _memory(a: argparse.Namespace, notes: list[str]) -> MemoryMeasure:
+    """The memory measure asked for, or the default this machine allows (with a note)."""
+    if footprint.can_map_afresh():
+        return "rss" if a.memory == "rss" else "live"
+    if a.memory == "live":
+        raise ValueError(
+            "--memory live needs glibc's allocator (Linux), which this Python does not use: "
+            "run with --memory rss."
+        )
+    if a.memory is None:
+        notes.append("peak memory from the timed runs (--memory rss): the C library is not glibc")
+    return "rss"
 
 
 def _reach_steps(a: argparse.Namespace, steps: int) -> int:

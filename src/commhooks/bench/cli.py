@@ -4,6 +4,7 @@ A run reads as its steps: say what will run, measure every hook on every network
 ranks' figures into rows, compare them, predict, print, save.
 """
 
+import dataclasses
 import datetime
 import os
 import platform
@@ -17,7 +18,7 @@ from commhooks.bench.args import Plan, parse
 from commhooks.bench.launcher import run_hook, start_fork_server
 from commhooks.bench.netns import Network, NetworkError
 from commhooks.bench.records import RunOutcome, RunSpec
-from commhooks.bench.rows import Row, make_row, pool_runs
+from commhooks.bench.rows import Row, make_row, pool_memory_runs, pool_runs
 from commhooks.bench.units import format_rate
 
 __all__ = ["main", "run"]
@@ -26,6 +27,14 @@ TORCH_SINGLE_BUCKET_NOTE = (
     "PyTorch's PowerSGD hooks run with a single DDP bucket (bucket_cap_mb={mb:g}): with several "
     "buckets they abort on gloo (follow-up collectives issued in a different order on each rank)."
 )
+_PEAK_MEMORY = {
+    "live": "peak resident set of a run of its own with every allocation of 64 KiB or more "
+    "mapped afresh and unmapped on free (what the steps hold live), up to the last measured "
+    "step, minus the resident set before the task was built; median over rounds, max over "
+    "ranks",
+    "rss": "ru_maxrss at the end of the measured steps minus the resident set before the task "
+    "was built (also what the allocator kept after frees); max over ranks and rounds",
+}
 Runs = dict[tuple[str, int | None], list[RunOutcome]]
 
 
@@ -51,7 +60,7 @@ def run(plan: Plan, argv: list[str]) -> dict[str, Any]:
     """
     _print_notes(plan)
     started = time.time()
-    rows = _rows(plan, _measure(plan))
+    rows = _rows(plan, *_measure(plan))
     comparisons = summary.analyse(rows, plan.sweep)
     answer = predict.predict(rows, plan)
     report.print_report(
@@ -130,16 +139,19 @@ def _open_networks(plan: Plan, stack: ExitStack) -> dict[int | None, Network | N
     return networks
 
 
-def _measure(plan: Plan) -> Runs:
-    """Every hook on every network, ``plan.repeat`` times.
+def _measure(plan: Plan) -> tuple[Runs, Runs]:
+    """Every hook on every network, ``plan.repeat`` times, each time also for its memory.
 
     Each hook runs on every network in turn before the next hook, and all of them in rounds:
     a drift of the machine's speed then shows in every figure alike, and a hook's loopback
     run, which its prediction comes from, is next in time to the link runs it is checked
-    against.
+    against. With ``--memory live``, each round also runs each hook once more per network,
+    for its peak memory alone (its steps are slower, and not timed).
     """
     runs: Runs = {(h, bw): [] for bw in plan.networks for h in plan.hooks}
-    with ExitStack() as stack, _Progress(len(runs) * plan.repeat) as progress:
+    memory: Runs = {key: [] for key in runs}
+    live = plan.memory == "live"
+    with ExitStack() as stack, _Progress(len(runs) * plan.repeat * (1 + live)) as progress:
         networks = _open_networks(plan, stack)
         start_fork_server()
         for round_ in range(plan.repeat):
@@ -148,13 +160,23 @@ def _measure(plan: Plan) -> Runs:
                     where = format_rate(bw)
                     if plan.repeat > 1:
                         where += f", round {round_ + 1}/{plan.repeat}"
-                    progress.starting(f"{hook} @ {where}")
-                    t0 = time.time()
-                    outcome = run_hook(_spec(plan, hook, net), plan.ranks, net, plan.timeout_s)
-                    runs[hook, bw].append(outcome)
-                    status = "ok" if outcome.ok else f"FAILED: {(outcome.error or '')[:120]}"
-                    progress.finished(f"{hook} @ {where}: {time.time() - t0:.1f}s {status}")
-    return runs
+                    runs[hook, bw].append(_run(plan, _spec(plan, hook, net), net, where, progress))
+                    if live:
+                        spec = _memory_spec(plan, hook, net)
+                        where += ", memory"
+                        memory[hook, bw].append(_run(plan, spec, net, where, progress))
+    return runs, memory
+
+
+def _run(
+    plan: Plan, spec: RunSpec, net: Network | None, where: str, progress: _Progress
+) -> RunOutcome:
+    progress.starting(f"{spec.hook} @ {where}")
+    t0 = time.time()
+    outcome = run_hook(spec, plan.ranks, net, plan.timeout_s)
+    status = "ok" if outcome.ok else f"FAILED: {(outcome.error or '')[:120]}"
+    progress.finished(f"{spec.hook} @ {where}: {time.time() - t0:.1f}s {status}")
+    return outcome
 
 
 def _bucket_cap_mb(plan: Plan, hook: str) -> float:
@@ -187,6 +209,11 @@ def _spec(plan: Plan, hook: str, net: Network | None) -> RunSpec:
     )
 
 
+def _memory_spec(plan: Plan, hook: str, net: Network | None) -> RunSpec:
+    """The run for ``hook``'s peak memory: its measured steps, none beyond."""
+    return dataclasses.replace(_spec(plan, hook, net), steps=plan.steps, live_memory=True)
+
+
 def _context(plan: Plan, hook: str) -> dict[str, Any]:
     """The settings a row records beside its figures."""
     context: dict[str, Any] = {
@@ -201,9 +228,15 @@ def _context(plan: Plan, hook: str) -> dict[str, Any]:
     return context
 
 
-def _rows(plan: Plan, runs: Runs) -> list[Row]:
+def _rows(plan: Plan, runs: Runs, memory: Runs) -> list[Row]:
     return [
-        make_row(hook, bw, pool_runs(runs[hook, bw]), _context(plan, hook))
+        make_row(
+            hook,
+            bw,
+            pool_runs(runs[hook, bw]),
+            _context(plan, hook),
+            pool_memory_runs(memory[hook, bw]) if memory[hook, bw] else None,
+        )
         for bw in plan.networks
         for hook in plan.hooks
     ]
@@ -246,6 +279,12 @@ def _setting_notes(plan: Plan) -> list[str]:
         lines.append(f"{plan.repeat} rounds of every hook in turn, each hook's timed steps pooled")
     if plan.lockstep:
         lines.append("lockstep: every step starts on all ranks together (untimed barrier)")
+    if plan.memory == "live":
+        lines.append(
+            "peak memory from one more run of each hook per network and round, with every "
+            "allocation of 64 KiB or more mapped on its own (what the steps hold live; "
+            "--memory rss: from the timed runs)"
+        )
     if not plan.offload:
         lines.append("no segmentation offload: every packet is cut and reassembled in software")
     return lines
@@ -296,6 +335,7 @@ def _settings(plan: Plan) -> dict[str, Any]:
         "warmup_steps": plan.warmup,
         "repeat": plan.repeat,
         "lockstep": plan.lockstep,
+        "memory": plan.memory,
         "offload": plan.offload,
         "fsdp": plan.fsdp,
         "task": plan.task,
@@ -310,8 +350,8 @@ def _settings(plan: Plan) -> dict[str, Any]:
         "torch_reference": TORCH_SINGLE_BUCKET_NOTE.format(mb=hookset.SINGLE_BUCKET_MB),
         "step_time": "wall-clock of zero_grad+forward+backward+optimizer step+averaging; median "
         "and quartiles of the slowest rank's timed steps",
-        "peak_memory": "ru_maxrss at the end of the measured steps minus the resident set "
-        "before the task was built; max over ranks",
+        "peak_memory": _PEAK_MEMORY[plan.memory],
+        "peak_rss": _PEAK_MEMORY["rss"],
         "noise": f"a row is noisy when the median absolute deviation of its step times exceeds "
         f"{summary.SPREAD_LIMIT:.0%} of their median, or it is faster than noop",
     }

@@ -61,6 +61,9 @@ class RunSpec(Record):
         host_ends: per rank, the host end of its link when it runs in a network namespace,
             whose counters give the bytes really sent; ``None`` on loopback.
         fsdp: shard the model with FSDP2 and run the hook through ``commhooks.fsdp``.
+        live_memory: a run for the peak memory only: glibc maps every allocation of 64 KiB or
+            more afresh from before the task is built, so that the peak resident set is what
+            the steps hold live (``bench.footprint``); its steps are slower for it.
     """
 
     hook: str
@@ -77,6 +80,7 @@ class RunSpec(Record):
     host_ends: list[str] | None = None
     fsdp: bool = False
     measured_steps: int | None = None
+    live_memory: bool = False
 
     @property
     def measured_end(self) -> int:
@@ -95,7 +99,8 @@ class RankResult(Record):
         losses: per step, ``[step, training loss, seconds from the first step's start to this
             step's end]``.
         heldout_loss: the held-out loss of this rank's model after ``heldout_at`` steps.
-        peak_memory_bytes: peak resident set minus the resident set before the task was built.
+        peak_memory_bytes: peak resident set minus the resident set before the task was built
+            (what the steps held live at their peak in a run with ``live_memory``).
         payload_calls, payload_bytes: per collective kind, over the timed steps: calls, and
             bytes handed over (``commhooks.comm.observe_collectives``).
         wire: the link's counters over the timed steps (``tx_bytes``, ``tx_packets``,

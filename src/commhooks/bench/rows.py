@@ -15,7 +15,7 @@ from typing import Any
 from commhooks.bench import costmodel
 from commhooks.bench.records import RankResult, Record, RunOutcome
 
-__all__ = ["HEADER_BYTES", "Row", "make_row", "pool_runs"]
+__all__ = ["HEADER_BYTES", "Row", "make_row", "pool_memory_runs", "pool_runs"]
 
 # Ethernet (14) + IPv4 (20) + TCP with timestamps (32): the headers every segment carries.
 HEADER_BYTES = 66
@@ -65,8 +65,12 @@ class Row(Record):
     # training
     heldout_loss: float | None = None
     heldout_loss_per_rank: list[float] = dataclasses.field(default_factory=list)
+    # memory (bytes above the resident set before the task): the peak the steps hold live (the
+    # hook's memory run, ``--memory live``) or, with ``--memory rss``, the timed runs' peak
+    # resident set, which ``peak_rss_bytes`` always is
     peak_memory_bytes: int | None = None
     peak_memory_bytes_per_rank: list[int] = dataclasses.field(default_factory=list)
+    peak_rss_bytes: int | None = None
     losses: list[list[float]] = dataclasses.field(default_factory=list)
     # comparisons with the other rows (summary)
     time_vs_allreduce: float | None = None
@@ -128,8 +132,37 @@ def pool_runs(runs: list[RunOutcome]) -> RunOutcome:
     return RunOutcome(ok=True, ranks=ranks, repeats=len(runs))
 
 
-def make_row(hook: str, bandwidth: int | None, run: RunOutcome, context: dict[str, Any]) -> Row:
-    """The row of ``hook`` on ``bandwidth`` from its (pooled) run; ``context``: its settings."""
+def pool_memory_runs(runs: list[RunOutcome]) -> RunOutcome:
+    """One memory run from a hook's memory runs of every round: each rank's median peak.
+
+    A run now and then lands a few MiB off the others (about 2%, both ranks alike); the median
+    of three leaves it out. A failed run makes the pooled run fail.
+    """
+    failed = [r for r in runs if not r.ok]
+    if failed or len(runs) == 1:
+        return failed[0] if failed else runs[0]
+    ranks = [
+        dataclasses.replace(
+            per_run[0],
+            peak_memory_bytes=round(statistics.median(r.peak_memory_bytes for r in per_run)),
+        )
+        for per_run in zip(*(r.ranks for r in runs))
+    ]
+    return RunOutcome(ok=True, ranks=ranks, repeats=len(runs))
+
+
+def make_row(
+    hook: str,
+    bandwidth: int | None,
+    run: RunOutcome,
+    context: dict[str, Any],
+    memory: RunOutcome | None = None,
+) -> Row:
+    """The row of ``hook`` on ``bandwidth`` from its (pooled) run; ``context``: its settings.
+
+    ``memory``: the hook's run for its peak memory (``RunSpec.live_memory``), if it had one;
+    where that run failed, the row keeps the timed runs' peak and notes why.
+    """
     row = Row(hook=hook, bandwidth=bandwidth, ok=run.ok, **context)
     if not run.ok:
         row.error = run.error
@@ -141,10 +174,18 @@ def make_row(hook: str, bandwidth: int | None, run: RunOutcome, context: dict[st
     ranks = run.ranks
     row.heldout_loss = statistics.fmean(r.heldout_loss for r in ranks)
     row.heldout_loss_per_rank = [r.heldout_loss for r in ranks]
-    row.peak_memory_bytes = max(r.peak_memory_bytes for r in ranks)
-    row.peak_memory_bytes_per_rank = [r.peak_memory_bytes for r in ranks]
+    row.peak_rss_bytes = max(r.peak_memory_bytes for r in ranks)
+    _add_peak_memory(row, ranks if memory is None or not memory.ok else memory.ranks)
+    if memory is not None and not memory.ok:
+        failed = f"memory run failed ({memory.error}): peak memory from the timed runs"
+        row.note = f"{row.note}; {failed}" if row.note else failed
     row.losses = _mean_losses(ranks)
     return row
+
+
+def _add_peak_memory(row: Row, ranks: list[RankResult]) -> None:
+    row.peak_memory_bytes = max(r.peak_memory_bytes for r in ranks)
+    row.peak_memory_bytes_per_rank = [r.peak_memory_bytes for r in ranks]
 
 
 def _add_step_times(row: Row, ranks: list[RankResult]) -> None:

@@ -14,12 +14,12 @@ hangs takes down only its own ranks. Figures recorded (see :class:`RankResult`):
 * wire: the counters of the rank's link around the timed steps, in a network namespace;
 * peak memory: the peak resident set size (``ru_maxrss``) at the end of the measured steps
   minus the resident set just before the task is built, i.e. what the model, optimizer, data,
-  hook state and communication buffers added at their peak;
+  hook state and communication buffers added at their peak; in a run with
+  ``spec.live_memory`` the allocator keeps nothing large after a free
+  (:mod:`commhooks.bench.footprint`), and the figure is what they hold live at their peak;
 * held-out loss of this rank's model after ``heldout_at`` steps.
 """
 
-import os
-import resource
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,21 +30,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from commhooks import comm
-from commhooks.bench import hookset
+from commhooks.bench import footprint, hookset
 from commhooks.bench.netns import link_counters
 from commhooks.bench.records import RankResult, RunSpec
 from commhooks.bench.tasks import Task, make_task
 
 __all__ = ["Training", "build", "train_rank"]
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 @dataclass
@@ -118,7 +109,9 @@ class _LinkTraffic:
 def train_rank(rank: int, world_size: int, spec: RunSpec) -> RankResult:
     """Train with ``spec.hook`` on this rank (a process group is set up) and measure it."""
     phases = {"start": time.time()}
-    rss_before = _rss_bytes()
+    if spec.live_memory and not footprint.map_large_allocations_afresh():
+        raise RuntimeError("live_memory needs glibc's allocator: run with --memory rss.")
+    rss_before = footprint.rss_bytes()
     run = build(spec, rank)
     phases["model"] = time.time()
     for step in range(spec.warmup):
@@ -133,7 +126,7 @@ def train_rank(rank: int, world_size: int, spec: RunSpec) -> RankResult:
         for step in range(spec.warmup, spec.measured_end):
             run.step(step, timed=True)
         dist.barrier()  # the last bytes have arrived before the counters are read
-    peak_memory = max(0, _peak_rss_bytes() - rss_before)
+    peak_memory = max(0, footprint.peak_rss_bytes() - rss_before)
     for step in range(spec.measured_end, spec.steps):
         run.step(step, timed=False)  # only its loss (when it reaches allreduce's) is kept
     phases["trained"] = time.time()
