@@ -1,14 +1,13 @@
 """The bench's peak memory: an allocator that keeps nothing large after a free, so that two
 runs of one hook agree and hooks can be ranked by what their steps hold live."""
 
-import statistics
-
 import pytest
 import torch
 
 from commhooks.bench import footprint, hookset
 from commhooks.bench.launcher import run_hook
 from commhooks.bench.records import RunSpec
+from commhooks.bench.rows import pool_memory_runs
 from commhooks.testing import run_on_ranks
 
 MiB = 1 << 20
@@ -64,7 +63,7 @@ def _peaks(hook, runs=3):
     outcomes = [run_hook(_spec(hook), 2, timeout=240.0) for _ in range(runs)]
     assert all(o.ok for o in outcomes), [o.error for o in outcomes]
     per_run = [[r.peak_memory_bytes for r in o.ranks] for o in outcomes]
-    return [statistics.median(p) for p in zip(*per_run)], per_run
+    return [r.peak_memory_bytes for r in pool_memory_runs(outcomes).ranks], per_run
 
 
 @pytest.mark.timeout(300)

@@ -7,7 +7,6 @@ follow on an accelerator, forced on CPU tensors.
 """
 
 import contextlib
-import ctypes
 import datetime
 import multiprocessing
 import os
@@ -26,6 +25,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_d
 
 import commhooks
 from commhooks import comm
+from commhooks.bench import footprint
 from commhooks.hooks import _half
 from commhooks.testing import run_on_ranks
 
@@ -33,7 +33,6 @@ from commhooks.testing import run_on_ranks
 # Memory: what the hooks allocate per bucket
 # ----------------------------------------------------------------------------------------------
 ELEMENTS = 1 << 23  # a float32 bucket of 32 MiB: large enough to dwarf everything else
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 
 def _status_bytes(key):
@@ -42,17 +41,6 @@ def _status_bytes(key):
             if line.startswith(key):
                 return int(line.split()[1]) * 1024
     raise KeyError(key)
-
-
-def _every_large_allocation_mapped_afresh():
-    """Make glibc serve every allocation above 64 KiB from pages of its own, returned on free.
-
-    Then each temporary a hook writes costs page faults and resident memory, whichever thread
-    allocates it (the hooks' later steps run on gloo's threads), and nothing is reused unseen
-    from memory freed earlier.
-    """
-    libc = ctypes.CDLL("libc.so.6")
-    assert libc.mallopt(M_MMAP_THRESHOLD, 1 << 16) == 1
 
 
 def _temporaries(run):
@@ -76,7 +64,10 @@ MEASURED = {
 
 
 def _memory_per_bucket(rank, world_size):
-    _every_large_allocation_mapped_afresh()
+    # Every allocation above 64 KiB from pages of its own, returned on free: each temporary a
+    # hook writes costs page faults and resident memory, whichever thread allocates it (the
+    # hooks' later steps run on gloo's threads), and nothing is reused unseen.
+    assert footprint.map_large_allocations_afresh()
     gradient = torch.randn(ELEMENTS, generator=torch.Generator().manual_seed(rank)) * 1e-2
     out = {}
     for name, (hook, _) in MEASURED.items():
