@@ -56,7 +56,7 @@ def test_the_kernels_build_on_first_use_and_are_loaded_from_the_cache_after(tmp_
     env.pop("COMMHOOKS_NATIVE", None)
     first = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     assert "available True" in first.stdout and "built the fused" in first.stdout, first
-    built = list(cache.glob("blockquant-*.so"))
+    built = list(cache.glob("kernels-*.so"))
     assert len(built) == 1 and not list(cache.glob("tmp*"))  # no scratch left behind
     again = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     assert "available True" in again.stdout and "built" not in again.stdout, again
@@ -68,7 +68,7 @@ def test_a_damaged_build_in_the_cache_is_built_again(tmp_path):
     env = {**os.environ, "COMMHOOKS_CACHE_DIR": str(cache)}
     script = "from commhooks import _kernels; print('available', _kernels.available())"
     subprocess.run([sys.executable, "-c", script], env=env, check=True, capture_output=True)
-    (built,) = cache.glob("blockquant-*.so")
+    (built,) = cache.glob("kernels-*.so")
     built.write_bytes(built.read_bytes()[:100])  # truncated: the loader refuses it
     again = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     assert "available True" in again.stdout, again
@@ -82,7 +82,7 @@ def test_ranks_building_at_once_all_load_one_build(tmp_path):
     script = "from commhooks import _kernels; assert _kernels.available()"
     started = [subprocess.Popen([sys.executable, "-c", script], env=env) for _ in range(4)]
     assert [p.wait(timeout=120) for p in started] == [0, 0, 0, 0]
-    assert len(list(cache.glob("blockquant-*.so"))) == 1
+    assert len(list(cache.glob("kernels-*.so"))) == 1
 
 
 @pytest.mark.parametrize(
@@ -267,3 +267,109 @@ def test_ranks_with_and_without_the_kernels_stay_in_sync_bitwise():
     for rank in range(3):
         assert _same(mixed[rank][:2], fused[rank][:2])  # averages and memories, bit for bit
         assert _same(mixed[rank][0], mixed[0][0])  # the same average on every rank
+
+
+def _hostile_for_bfloat16(n: int, seed: int) -> torch.Tensor:
+    """float32 values spanning bfloat16's range, with every kind of rounding case: ties to even
+    both ways, values that round up to infinity, subnormals, zeros, infinities and NaNs."""
+    x = _hostile(1, n, seed).view(-1)
+    gen = torch.Generator().manual_seed(seed)
+    picked = torch.randperm(n, generator=gen)[: n // 4]
+    bits = x.view(torch.int32)
+    bits[picked[0::3]] = (bits[picked[0::3]] & ~0xFFFF) | 0x8000  # halfway: ties
+    bits[picked[1::3]] = (bits[picked[1::3]] & ~0xFFFF) | 0x7FFF  # just below halfway
+    x[:4] = torch.tensor([float("inf"), -float("inf"), float("nan"), 3.4e38])  # 3.4e38 -> inf
+    x[24:28] = torch.tensor([-0.0, 1e-45, -3e-39, 3.3e38])
+    return x
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit, except that any NaN equals any NaN (their payloads may differ)."""
+    equal = a.view(torch.int16) == b.view(torch.int16)
+    return bool((equal | (a.isnan() & b.isnan())).all())
+
+
+@needs_compiler
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 6])
+@pytest.mark.parametrize("n", [37, 1003, 600_001])  # the last one is cut among threads
+def test_casting_to_bfloat16_and_dividing_gives_pytorchs_bits(world, n):
+    x = _hostile_for_bfloat16(n, seed=world + n)
+    out = torch.full((n,), 7.0, dtype=torch.bfloat16)
+    nonfinite = _kernels.bfloat16_scaled(x, out, world)
+    expected = x.to(torch.bfloat16).div_(world)
+    assert nonfinite is True and _same_bits(out, expected)
+    # ...and what is sent on one or two ranks: PyTorch's unscaling kernel, which multiplies
+    finite = x.clamp(-1e30, 1e30).nan_to_num(0.0)
+    assert _kernels.bfloat16_scaled(finite, out, world) is False
+    unscaled = finite.to(torch.bfloat16)
+    found = torch.zeros(1)
+    torch._amp_foreach_non_finite_check_and_unscale_([unscaled], found, torch.full((1,), 1 / world))
+    divided = finite.to(torch.bfloat16).div_(world)
+    assert float(found) == 0.0 and _same_bits(out, unscaled if world in (1, 2, 4) else divided)
+    assert _same_bits(out, divided)
+
+
+@needs_compiler
+@pytest.mark.parametrize("n", [31, 262_144, 1_000_003])
+def test_adding_bfloat16_gives_pytorchs_bits(n):
+    a = _hostile_for_bfloat16(n, seed=n).to(torch.bfloat16)
+    b = _hostile_for_bfloat16(n, seed=n + 1).flip(0).to(torch.bfloat16)
+    b[: n // 2] = a[: n // 2] * 0.75  # sums of like magnitudes, which round
+    expected = torch.add(a, b)
+    assert _kernels.bfloat16_add_(a, b)
+    assert _same_bits(a, expected)
+    assert bool(a[expected.isnan()].isnan().all()) and a.isinf().sum() == expected.isinf().sum()
+
+
+def test_bfloat16_layouts_the_kernels_cannot_read_take_the_eager_form():
+    x, out = torch.randn(64), torch.empty(64, dtype=torch.bfloat16)
+    assert _kernels.bfloat16_scaled(x[::2], out[:32], 2) is None  # strided
+    assert _kernels.bfloat16_scaled(x.double(), out, 2) is None
+    assert _kernels.bfloat16_scaled(x, out.half(), 2) is None
+    assert _kernels.bfloat16_scaled(x[:63], out, 2) is None  # lengths differ
+    assert _kernels.bfloat16_scaled(x.clone().requires_grad_(), out, 2) is None
+    assert _kernels.bfloat16_scaled(x, out, 0) is None
+    assert not _kernels.bfloat16_add_(out, out)  # the same memory
+    assert not _kernels.bfloat16_add_(out[1:], out[:-1])  # overlapping
+    assert not _kernels.bfloat16_add_(out, out.float())
+    assert not _kernels.bfloat16_add_(out[:32], out[32:].clone()[:31])
+    with _kernels.disabled():
+        assert _kernels.bfloat16_scaled(x, out, 2) is None
+        assert not _kernels.bfloat16_add_(out[:32], out[32:])
+
+
+def _bf16_steps_on_ranks(rank: int, world_size: int, eager_ranks: tuple[int, ...]) -> tuple:
+    """bf16-averaged buckets, one plain, one with a value that overflows bfloat16 (re-sent,
+    divided first) and one with a NaN gradient (averaged in float32); some ranks eager."""
+    if rank in eager_ranks:
+        os.environ["COMMHOOKS_NATIVE"] = "0"  # read when the kernels are first wanted
+    from ddp_utils import FakeBucket
+
+    from commhooks import bf16_compress_hook
+
+    averages = []
+    for case in ("plain", "overflow", "nan"):
+        gen = torch.Generator().manual_seed(10 * rank + len(case))
+        grad = torch.randn(300_007, generator=gen) * (1 + rank)
+        if case == "overflow":
+            grad[5] = 3.4e38  # its cast is inf; its average fits
+        if case == "nan" and rank == world_size - 1:
+            grad[9] = float("nan")
+        averages.append(bf16_compress_hook(None, FakeBucket([grad])).wait().clone())
+    return averages, _kernels.available()
+
+
+@needs_compiler
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_bf16_hook_gives_the_same_bits_with_and_without_the_kernels(world):
+    fused = run_on_ranks(_bf16_steps_on_ranks, world, ())
+    eager = run_on_ranks(_bf16_steps_on_ranks, world, tuple(range(world)))
+    mixed = run_on_ranks(_bf16_steps_on_ranks, world, (1,))
+    assert [f[1] for f in fused] == [True] * world and not any(e[1] for e in eager)
+    for rank in range(world):
+        for ours, theirs, either in zip(fused[rank][0], eager[rank][0], mixed[rank][0]):
+            assert _same_bits(ours.view(torch.bfloat16), theirs.view(torch.bfloat16))
+            assert _same_bits(ours.view(torch.bfloat16), either.view(torch.bfloat16))
+    plain, overflow, nan = fused[0][0]
+    assert plain.isfinite().all() and overflow.isfinite().all() and nan[9].isnan()
+    assert overflow[5] > 1e38

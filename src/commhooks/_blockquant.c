@@ -21,13 +21,13 @@
  * Nothing here allocates or keeps state; the callers check shapes, strides and alignment.
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
+#include "_parallel.h"
+
 #define SMALLEST_ABSMAX 1e-30f
 #define NIBBLE_OFFSET 8
-#define MAX_THREADS 64
 #define CHUNK 512 /* elements of a 4-bit block handled at a time; even */
 
 typedef struct {
@@ -196,33 +196,18 @@ static void *run_dequantize(void *slice)
     return NULL;
 }
 
-/* Cut a row's blocks into `threads` slices; run all but the first on new threads. */
+/* Cut a row's blocks into slices, one per thread. */
 static void run(const Job *job, int threads, void *(*work)(void *))
 {
     int64_t blocks = (job->columns + job->block - 1) / job->block;
-    if (threads > MAX_THREADS)
-        threads = MAX_THREADS;
-    if (threads > blocks)
-        threads = blocks > 0 ? (int)blocks : 1;
-    if (threads < 1)
-        threads = 1;
-    Slice slices[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    for (int t = 0; t < threads; t++) {
+    int count = commhooks_parts(threads, blocks);
+    Slice slices[COMMHOOKS_MAX_THREADS];
+    for (int t = 0; t < count; t++) {
         slices[t].job = job;
-        slices[t].first = blocks * t / threads;
-        slices[t].last = blocks * (t + 1) / threads;
+        slices[t].first = blocks * t / count;
+        slices[t].last = blocks * (t + 1) / count;
     }
-    for (int t = 1; t < threads; t++)
-        started[t] = pthread_create(&ids[t], NULL, work, &slices[t]) == 0;
-    work(&slices[0]);
-    for (int t = 1; t < threads; t++) {
-        if (started[t])
-            pthread_join(ids[t], NULL);
-        else
-            work(&slices[t]); /* no thread to be had: do its share here */
-    }
+    commhooks_run_parts(slices, sizeof slices[0], count, work);
 }
 
 void commhooks_quantize(float *x, int64_t x_stride, int64_t rows, int64_t length, int64_t block,

@@ -1,15 +1,19 @@
-"""The fused CPU kernels of :mod:`commhooks.quantize`: built on first use, loaded with ctypes.
+"""Fused CPU kernels, built on first use and loaded with ctypes: for :mod:`commhooks.quantize`
+and for the bf16 hook.
 
 PyTorch has no single operation that quantizes a block with its own scale and keeps the error,
 so its eager form reads and writes the bucket six times (4-5x the cost of copying it once).
-``_blockquant.c`` does it in one read and one write, with PyTorch's arithmetic, so that both
-forms give the same bits (``tests/test_kernels.py`` holds them to it). It is plain C with no
-PyTorch headers: the system's C compiler builds it in well under a second, once per machine
-and source, into a cache directory; every later process loads the built file.
+``_blockquant.c`` does it in one read and one write. ``_bfloat16.c`` casts a bucket to bfloat16,
+checks it and divides it in one pass where PyTorch takes two, and adds two ranks' bfloat16
+values with a faster conversion than PyTorch's. Both use PyTorch's arithmetic, so that both
+forms give the same bits (``tests/test_kernels.py`` holds them to it); ``_parallel.c`` runs
+their parts on threads. They are plain C with no PyTorch headers: the system's C compiler builds
+them into one library in about a second, once per machine and source, into a cache directory;
+every later process loads the built file.
 
-Where there is no compiler, the build fails, the tensors are not the plain CPU float32 layout
-the kernels read, or ``COMMHOOKS_NATIVE=0`` is set, callers get ``False`` and run the eager
-form. The choice never changes a result, only its speed.
+Where there is no compiler, the build fails, the tensors are not the plain CPU layout the
+kernels read, or ``COMMHOOKS_NATIVE=0`` is set, callers get ``False`` (or ``None``) and run the
+eager form. The choice never changes a result, only its speed.
 
 Environment:
     COMMHOOKS_NATIVE: ``0`` to never build or load the kernels.
@@ -34,11 +38,19 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "dequantize_rows", "disabled", "quantize_rows"]
+__all__ = [
+    "available",
+    "bfloat16_add_",
+    "bfloat16_scaled",
+    "dequantize_rows",
+    "disabled",
+    "quantize_rows",
+]
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = "_blockquant.c"
+_SOURCES = ("_parallel.c", "_blockquant.c", "_bfloat16.c")  # built into one library
+_HEADERS = ("_parallel.h",)
 # -ffp-contract=off: no fused multiply-add but the ones written (PyTorch's bits); no
 # -ffast-math, which would reorder sums. -march=native: the build is keyed by this CPU's flags.
 _FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared")
@@ -52,7 +64,7 @@ _lock = threading.Lock()
 _state: dict[str, ctypes.CDLL | None] = {}
 _off = [0]  # how many disabled() blocks are active, in any thread
 
-_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 
 def available() -> bool:
@@ -131,6 +143,55 @@ def dequantize_rows(
     return True
 
 
+def bfloat16_scaled(x: torch.Tensor, out: torch.Tensor, world: int) -> bool | None:
+    """Write ``x`` cast to bfloat16, then divided by ``world``, into ``out``, as
+    ``out.copy_(x).div_(world)`` does; whether any cast value is infinite or NaN. ``None``
+    (nothing done) where the kernels cannot take these tensors."""
+    n = x.numel()
+    if world < 1 or not (_flat(x, torch.float32, n) and _flat(out, torch.bfloat16, n)):
+        return None
+    library = _library()
+    if library is None:
+        return None
+    # Multiplying by 1 / world is the division's bits where that is exact: a power of two.
+    divide = world & (world - 1) != 0
+    factor = float(world) if divide else 1.0 / world
+    nonfinite = library.commhooks_bf16_scale_down(
+        x.data_ptr(), out.data_ptr(), n, factor, int(divide), _threads(n)
+    )
+    return bool(nonfinite)
+
+
+def bfloat16_add_(out: torch.Tensor, other: torch.Tensor) -> bool:
+    """``out += other`` for two bfloat16 tensors, as ``torch.add(out, other, out=out)`` does
+    (every NaN becomes one quiet NaN); ``False`` (nothing done) where the kernels cannot take
+    these tensors, which includes two that share memory."""
+    n = out.numel()
+    if not (_flat(out, torch.bfloat16, n) and _flat(other, torch.bfloat16, n)):
+        return False
+    first, second = sorted((out.data_ptr(), other.data_ptr()))
+    if first + 2 * n > second:
+        return False
+    library = _library()
+    if library is None:
+        return False
+    library.commhooks_bf16_add(out.data_ptr(), other.data_ptr(), n, _threads(n))
+    return True
+
+
+def _flat(t: torch.Tensor, dtype: torch.dtype, numel: int) -> bool:
+    """A contiguous CPU tensor of ``dtype`` and ``numel`` elements, aligned for its dtype."""
+    return (
+        t.device.type == "cpu"
+        and t.dtype == dtype
+        and t.layout == torch.strided
+        and t.numel() == numel
+        and t.is_contiguous()
+        and not t.requires_grad
+        and t.data_ptr() % t.element_size() == 0
+    )
+
+
 def _rows_fit(x: torch.Tensor, rows: int, length: int) -> bool:
     """``rows x length`` float32 on the CPU, each row contiguous, none overlapping another."""
     return _plain_rows(x, torch.float32, rows, length)
@@ -195,12 +256,12 @@ def _library() -> ctypes.CDLL | None:
 
 def _load() -> ctypes.CDLL | None:
     if os.environ.get("COMMHOOKS_NATIVE", "1").strip() == "0":
-        logger.info("COMMHOOKS_NATIVE=0: quantization runs PyTorch's eager operations")
+        logger.info("COMMHOOKS_NATIVE=0: PyTorch's eager operations run instead of the kernels")
         return None
     try:
         library = _opened()
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-        logger.info("quantization runs PyTorch's eager operations (%s)", error)
+        logger.info("PyTorch's eager operations run instead of the kernels (%s)", error)
         return None
     library.commhooks_quantize.argtypes = [
         *(_P, _I64, _I64, _I64, _I64, _INT, _P, _I64, _INT),
@@ -211,6 +272,10 @@ def _load() -> ctypes.CDLL | None:
         *(_P, _I64, _INT, _INT),
     ]
     library.commhooks_quantize.restype = library.commhooks_dequantize.restype = None
+    library.commhooks_bf16_scale_down.argtypes = [_P, _P, _I64, _F32, _INT, _INT]
+    library.commhooks_bf16_scale_down.restype = _INT
+    library.commhooks_bf16_add.argtypes = [_P, _P, _I64, _INT]
+    library.commhooks_bf16_add.restype = None
     return library
 
 
@@ -220,42 +285,44 @@ def _opened() -> ctypes.CDLL:
     try:
         return ctypes.CDLL(str(_built()))
     except OSError as error:
-        logger.info("building the fused quantization kernels again (%s)", error)
+        logger.info("building the fused kernels again (%s)", error)
         return ctypes.CDLL(str(_built(again=True)))
 
 
 def _built(again: bool = False) -> Path:
-    """The path of the built kernels for this source, compiler and CPU, building them if new
+    """The path of the built kernels for these sources, compiler and CPU, building them if new
     (or ``again``)."""
     compiler = _compiler()
-    source = resources.files("commhooks").joinpath(_SOURCE).read_bytes()
+    package = resources.files("commhooks")
+    sources = [package.joinpath(name).read_bytes() for name in _SOURCES + _HEADERS]
     key = hashlib.sha256(
-        b"\0".join([source, compiler.encode(), " ".join(_FLAGS).encode(), _machine().encode()])
+        b"\0".join([*sources, compiler.encode(), " ".join(_FLAGS).encode(), _machine().encode()])
     ).hexdigest()[:20]
     directory = _cache_dir()
-    target = directory / f"blockquant-{key}.so"
+    target = directory / f"kernels-{key}.so"
     if target.exists() and not again:
         return target
     directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=directory) as scratch:
-        written = Path(scratch) / _SOURCE
-        written.write_bytes(source)
+        for name, source in zip(_SOURCES + _HEADERS, sources, strict=True):
+            (Path(scratch) / name).write_bytes(source)
         built = Path(scratch) / "built.so"
-        _compile(compiler, written, built)
+        _compile(compiler, [Path(scratch) / name for name in _SOURCES], built)
         os.replace(built, target)  # atomic: a rank building beside this one finds either file
-    logger.info("built the fused quantization kernels into %s", target)
+    logger.info("built the fused kernels into %s", target)
     return target
 
 
-def _compile(compiler: str, source: Path, out: Path) -> None:
+def _compile(compiler: str, sources: list[Path], out: Path) -> None:
     errors = []
     for tuning in _TUNINGS:
-        command = [compiler, *_FLAGS, *tuning, "-pthread", str(source), "-o", str(out), "-lm"]
+        files = [str(source) for source in sources]
+        command = [compiler, *_FLAGS, *tuning, "-pthread", *files, "-o", str(out), "-lm"]
         done = subprocess.run(command, capture_output=True, text=True, timeout=_BUILD_SECONDS)
         if done.returncode == 0:
             return
         errors.append(done.stderr.strip().splitlines()[-1:] or ["failed"])
-    raise RuntimeError(f"{compiler} could not build {_SOURCE}: {errors[-1][0]}")
+    raise RuntimeError(f"{compiler} could not build {', '.join(_SOURCES)}: {errors[-1][0]}")
 
 
 def _compiler() -> str:
