@@ -315,8 +315,8 @@ def _built(again: bool = False) -> Path:
 
 def _compile(compiler: str, sources: list[Path], out: Path) -> None:
     errors = []
+    files = [str(source) for source in sources]
     for tuning in _TUNINGS:
-        files = [str(source) for source in sources]
         command = [compiler, *_FLAGS, *tuning, "-pthread", *files, "-o", str(out), "-lm"]
         done = subprocess.run(command, capture_output=True, text=True, timeout=_BUILD_SECONDS)
         if done.returncode == 0:
