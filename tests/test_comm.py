@@ -1,5 +1,6 @@
 """``comm``: the ordering guarantee of ``OrderedIssuer``, and sums over ranks."""
 
+import contextlib
 import random
 import subprocess
 import sys
@@ -83,35 +84,99 @@ def test_held_follow_ups_wait_for_a_later_slot_without_hold_then_run_first_in_or
     assert [o.wait() for o in outs] == [0, 1, 2, 3] and issuer.pending == 0
 
 
-def _held_against_inline(rank, world_size):
-    """The hooks with follow-ups held until the last bucket, as on a GPU, and without."""
-    from ddp_utils import batches, flat_params, make_ddp, make_mlp, train
+def test_held_follow_ups_released_by_inline_futures_run_in_a_loop_not_nested():
+    # NCCL completes a collective's future as soon as it is queued, so releasing the held
+    # steps of many buckets used to nest a few frames per bucket: past about 75 buckets the
+    # stack overflowed, callbacks were lost and DDP waited forever.
+    issuer = comm.OrderedIssuer()
+    buckets = 10_000
+    depths: list[int] = []
 
+    def step(value):
+        frame, depth = sys._getframe(), 0
+        while frame is not None:
+            frame, depth = frame.f_back, depth + 1
+        depths.append(depth)
+        return comm.completed(value)
+
+    outs = []
+    for b in range(buckets):
+        hold = b != buckets - 1
+        first = issuer.then(comm.completed(b), step, hold=hold)  # two follow-ups a bucket,
+        outs.append(issuer.then(first, step, hold=hold))  # chained as _half.py chains them
+    assert all(o.done() for o in outs) and issuer.pending == 0
+    assert [o.wait() for o in outs] == list(range(buckets))
+    assert max(depths) - min(depths) <= 2  # the same depth for the first bucket and the last
+
+
+# Every hook, through DDP, on many buckets: once as on gloo, once with futures completing
+# inline and follow-ups held until the last bucket, as on NCCL (comm.completing_inline).
+_MANY_BUCKETS = (32,) + (8,) * 60  # 60 layers: 120 buckets, one a parameter
+
+
+def _every_hook(rank):
     import commhooks
 
+    power = dict(start_powerSGD_iter=2)
+    return {
+        "allreduce": lambda ddp: ddp.register_comm_hook(None, commhooks.allreduce_hook),
+        "fp16": lambda ddp: ddp.register_comm_hook(None, commhooks.fp16_compress_hook),
+        "bf16": lambda ddp: ddp.register_comm_hook(None, commhooks.bf16_compress_hook),
+        "fp16_wrapper": lambda ddp: ddp.register_comm_hook(
+            None, commhooks.fp16_compress_wrapper(commhooks.allreduce_hook)
+        ),
+        "power_sgd": lambda ddp: commhooks.register(ddp, "power_sgd", **power),
+        "single_round": lambda ddp: commhooks.register(ddp, "power_sgd_single_round", **power),
+        "batched": lambda ddp: commhooks.register(ddp, "batched_power_sgd", **power),
+        "int8": lambda ddp: commhooks.register(ddp, "int8"),
+        "int4": lambda ddp: commhooks.register(ddp, "int4"),
+        "post_local_sgd": lambda ddp: commhooks.register(
+            ddp, "post_local_sgd", start_localSGD_iter=2
+        ),
+        "quantize_per_tensor": lambda ddp: ddp.register_comm_hook(
+            None, commhooks.quantization_pertensor_hook
+        ),
+    }
+
+
+def _inline_against_gloo(rank, world_size):
+    from ddp_utils import batches, flat_params, make_ddp, make_mlp, train
+
     out = {}
-    for hold in (False, True):
-        with mock.patch.object(comm, "holds_follow_ups", lambda devices, hold=hold: hold):
-            for name, hook, state in (
-                ("fp16", commhooks.fp16_compress_hook, None),
-                ("power_sgd", commhooks.powerSGD_hook, dict(start_powerSGD_iter=1)),
-                (
-                    "single_round",
-                    commhooks.powerSGD_hook,
-                    dict(start_powerSGD_iter=1, single_round=True),
-                ),
-            ):
-                ps = commhooks.PowerSGDState(None, **state) if state else None
-                ddp = make_ddp(make_mlp(), hook, ps)
-                train(ddp, batches(rank, 6))
-                out[name, hold] = flat_params(ddp.module)
+    for inline in (False, True):
+        for name, attach in _every_hook(rank).items():
+            ddp = make_ddp(make_mlp(widths=_MANY_BUCKETS), bucket_cap_mb=0.00001)
+            attach(ddp)
+            with comm.completing_inline() if inline else contextlib.nullcontext():
+                train(ddp, batches(rank, 4))
+            out[name, inline] = flat_params(ddp.module)
     return out
 
 
-def test_holding_follow_ups_until_the_last_bucket_changes_no_result():
-    for out in run_on_ranks(_held_against_inline, 2):
-        for name in ("fp16", "power_sgd", "single_round"):
+@pytest.mark.timeout(150)
+def test_every_hook_completes_with_inline_futures_and_held_follow_ups_on_many_buckets():
+    for out in run_on_ranks(_inline_against_gloo, 2, timeout=140):
+        for name in _every_hook(0):
+            assert torch.isfinite(out[name, True]).all(), name
             assert torch.equal(out[name, True], out[name, False]), name
+
+
+def test_the_inline_seam_completes_futures_before_returning_them():
+    out = run_on_ranks(_inline_collectives, 2)
+    assert out == [(True, True, True)] * 2
+
+
+def _inline_collectives(rank, world_size):
+    group = dist.group.WORLD
+    with comm.completing_inline():
+        summed = comm.allreduce(torch.ones(3), group)
+        gathered = comm.all_gather_into(torch.empty(2, 3), torch.ones(3), group)
+        held = comm.holds_follow_ups([])
+    return (
+        summed.done() and gathered.done(),
+        torch.equal(summed.value(), torch.full((3,), 2.0)),
+        held,
+    )
 
 
 def _sums(rank, world_size):

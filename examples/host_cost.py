@@ -1,0 +1,212 @@
+"""Host cost of each hook per step, as a ratio to PyTorch's counterpart, on one CPU rank.
+
+On a GPU the host must keep ahead of the device: every Python call and kernel launch a hook
+makes per bucket is paid on the host while the device waits for work. With one gloo rank and a
+model whose compute is negligible (``--layers`` layers of ``Linear(--width, --width)``), a
+step's time over DDP's own step without a hook is that host cost, and many small buckets
+(``--bucket-cap-mb``) multiply it. Every hook runs ``--rounds`` times in turn with a fresh
+DDP model, ``--steps`` timed steps each after a warm-up past DDP's bucket rebuild (and
+PowerSGD's start); the medians of the pooled steps are compared within this one run::
+
+    python examples/host_cost.py --json host_cost.json
+
+prints, per row, each side's median step time over no hook and the ratio ours/PyTorch's.
+PowerSGD rows use one bucket: PyTorch's PowerSGD with several buckets aborts on gloo.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_default
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import commhooks
+
+Attach = Callable[[DDP], None]
+MANY_BUCKETS_MB = 0.004
+ONE_BUCKET_MB = 4096.0
+
+
+def _register(name: str, **options: Any) -> Attach:
+    return lambda ddp: commhooks.register(ddp, name, **options)
+
+
+def _torch_hook(hook: Callable[..., Any]) -> Attach:
+    return lambda ddp: ddp.register_comm_hook(None, hook)
+
+
+def _torch_powersgd(ddp: DDP) -> None:
+    state = torch_powersgd.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+    ddp.register_comm_hook(state, torch_powersgd.powerSGD_hook)
+
+
+_POWERSGD = {"matrix_approximation_rank": 1, "start_powerSGD_iter": 2}
+
+HOOKS: dict[str, Attach | None] = {
+    "no_hook": None,
+    "allreduce": _register("allreduce"),
+    "torch_allreduce": _torch_hook(torch_default.allreduce_hook),
+    "fp16": _register("fp16"),
+    "torch_fp16": _torch_hook(torch_default.fp16_compress_hook),
+    "bf16": _register("bf16"),
+    "int8": _register("int8"),
+    "int4": _register("int4"),
+    "power_sgd": _register("power_sgd", **_POWERSGD),
+    "power_sgd_single_round": _register("power_sgd_single_round", **_POWERSGD),
+    "torch_power_sgd": _torch_powersgd,
+}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the table: our hook against PyTorch's, at one bucket size, with a goal."""
+
+    ours: str
+    theirs: str
+    bucket_cap_mb: float
+    goal: float  # the highest ratio ours/theirs that meets the goal
+
+
+ROWS = [
+    Row("allreduce", "torch_allreduce", MANY_BUCKETS_MB, 1.0),
+    Row("fp16", "torch_fp16", MANY_BUCKETS_MB, 1.0),
+    Row("bf16", "torch_fp16", MANY_BUCKETS_MB, 1.0),
+    Row("int8", "torch_fp16", MANY_BUCKETS_MB, 1.5),
+    Row("int4", "torch_fp16", MANY_BUCKETS_MB, 1.5),
+    Row("power_sgd", "torch_power_sgd", ONE_BUCKET_MB, 1.0),
+    Row("power_sgd_single_round", "torch_power_sgd", ONE_BUCKET_MB, 1.0),
+]
+
+
+def _model(layers: int, width: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
+
+
+def time_steps(name: str, cap: float, args: argparse.Namespace) -> list[float]:
+    """Seconds per step of hook ``name`` (a fresh DDP model), after a warm-up."""
+    ddp = DDP(_model(args.layers, args.width), bucket_cap_mb=cap)
+    attach = HOOKS[name]
+    if attach is not None:
+        attach(ddp)
+    batch = torch.randn(args.batch, args.width)
+    times = []
+    for step in range(args.warmup + args.steps):
+        start = time.perf_counter()
+        ddp(batch).sum().backward()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - start)
+        for p in ddp.parameters():
+            p.grad = None
+    return times
+
+
+def measure(rows: list[Row], args: argparse.Namespace) -> dict[tuple[str, float], float]:
+    """Median step time of every (hook, bucket size) the rows need, rounds interleaved."""
+    runs = sorted(
+        {(r.ours, r.bucket_cap_mb) for r in rows} | {(r.theirs, r.bucket_cap_mb) for r in rows}
+    )
+    runs += [("no_hook", cap) for cap in sorted({r.bucket_cap_mb for r in rows})]
+    pooled: dict[tuple[str, float], list[float]] = {run: [] for run in runs}
+    for _ in range(args.rounds):
+        for name, cap in runs:
+            pooled[(name, cap)] += time_steps(name, cap, args)
+    return {run: statistics.median(times) for run, times in pooled.items()}
+
+
+def table(rows: list[Row], medians: dict[tuple[str, float], float]) -> list[dict[str, Any]]:
+    """Each row's host time over no hook, both sides, and their ratio."""
+    out = []
+    for row in rows:
+        base = medians[("no_hook", row.bucket_cap_mb)]
+        ours = medians[(row.ours, row.bucket_cap_mb)] - base
+        theirs = medians[(row.theirs, row.bucket_cap_mb)] - base
+        ratio = ours / theirs if theirs > 0 else float("inf")
+        out.append(
+            {
+                "hook": row.ours,
+                "against": row.theirs,
+                "bucket_cap_mb": row.bucket_cap_mb,
+                "ours_ms": ours * 1e3,
+                "theirs_ms": theirs * 1e3,
+                "ratio": ratio,
+                "goal": row.goal,
+                "met": ratio <= row.goal,
+            }
+        )
+    return out
+
+
+def _print(rows: list[dict[str, Any]], buckets: dict[float, int]) -> None:
+    head = ("hook", "against", "buckets", "ours ms", "theirs ms", "ratio")
+    print("{:24} {:16} {:>7} {:>8} {:>9} {:>6}  goal".format(*head))
+    for r in rows:
+        mark = "ok" if r["met"] else "MISSED"
+        print(
+            f"{r['hook']:24} {r['against']:16} {buckets[r['bucket_cap_mb']]:>7} "
+            f"{r['ours_ms']:8.3f} {r['theirs_ms']:9.3f} {r['ratio']:6.2f}  "
+            f"<= {r['goal']:.2f} {mark}"
+        )
+
+
+def bucket_count(cap: float, args: argparse.Namespace) -> int:
+    """How many buckets DDP makes of the model at ``cap`` once it has rebuilt them."""
+    ddp = DDP(_model(args.layers, args.width), bucket_cap_mb=cap)
+    seen: set[int] = set()
+
+    def count(_: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        seen.add(bucket.index())
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+    ddp.register_comm_hook(None, count)
+    for _ in range(2):
+        seen.clear()
+        ddp(torch.randn(2, args.width)).sum().backward()
+    return len(seen)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=96)
+    parser.add_argument("--width", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", help="also write the table to this file")
+    parser.add_argument(
+        "--only", help="comma-separated hooks of ours: measure only their rows", default=""
+    )
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        store = dist.FileStore(os.path.join(tmp, "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        try:
+            chosen = [r for r in ROWS if not args.only or r.ours in args.only.split(",")]
+            buckets = {cap: bucket_count(cap, args) for cap in {r.bucket_cap_mb for r in chosen}}
+            rows = table(chosen, measure(chosen, args))
+        finally:
+            dist.destroy_process_group()
+    _print(rows, buckets)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"torch": torch.__version__, "args": vars(args), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
