@@ -518,7 +518,7 @@ def allreduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.T
 
 
 _SUM = dist.AllreduceOptions()  # a sum issued without waiting: what every hook asks for
-_SUM.reduceOp = dist.ReduceOp.SUM
+_SUM.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
 _SUM.asyncOp = True
 
 
