@@ -18,7 +18,7 @@ import queue
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, TypeVar, cast
+from typing import Any, Generic, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,7 @@ from commhooks import _kernels, callbacks
 
 __all__ = [
     "CollectiveCounter",
+    "Finished",
     "OrderedIssuer",
     "all_gather_into",
     "all_gather_objects",
@@ -37,6 +38,7 @@ __all__ = [
     "check_same_on_all_ranks",
     "check_same_on_grid",
     "completed",
+    "completing_inline",
     "excludes_this_rank",
     "follow_up_group",
     "follow_up_options",
@@ -212,6 +214,8 @@ def future_devices(*values: Any) -> list[torch.device]:
     wait for that event. A future that does not know them hands over tensors whose kernels may
     still be queued on another stream: on a GPU, the consumer would read them half written.
     """
+    if len(values) == 1 and type(values[0]) is torch.Tensor:  # the usual call: one tensor
+        return [values[0].device] if values[0].is_cuda else []
     found: dict[str, torch.device] = {}
     for value in values:
         for t in value if isinstance(value, (list, tuple)) else (value,):
@@ -880,6 +884,19 @@ def _raise_if_differing(by_rank: Mapping[int, Mapping[str, Any]], owner: str) ->
         )
 
 
+class Finished(Generic[T]):
+    """What a round of :meth:`OrderedIssuer.rounds` returns to end its pipeline with ``value``."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: T) -> None:
+        self.value = value
+
+
+def _nothing() -> None:
+    """The launch of a slot released unused."""
+
+
 class OrderedIssuer:
     """Issues follow-up collectives on a group of their own, in the order their slots were reserved.
 
@@ -958,54 +975,104 @@ class OrderedIssuer:
         ``step`` may compute, then issue at most one collective, on :attr:`group` only, and
         return a future (``completed(...)`` when it sends nothing). If ``after`` failed, the
         slot is released without running ``step`` and the error is passed on, so later
-        follow-ups are not held back forever.
+        follow-ups are not held back forever. A pipeline of one round (:meth:`rounds`).
+        """
+        return self.rounds(after, (step,), devices, hold)
+
+    def rounds(
+        self,
+        after: "Future[Any]",
+        steps: Sequence[Callable[[Any], "Future[Any] | Finished[Any]"]],
+        devices: list[torch.device] | None = None,
+        hold: bool = False,
+    ) -> "Future[Any]":
+        """Run ``steps`` as the rounds of one pipeline, each in a slot of its own, reserved now.
+
+        Round ``i`` runs in its turn once the future before it (``after`` for the first, then
+        the one round ``i - 1`` returned) has completed, with that future's value. It may
+        compute, then issue at most one collective, on :attr:`group` only, and return its
+        future; or return :class:`Finished` to end the pipeline there, its later slots
+        released unused (a round that only a rare case needs costs a reserved number, no
+        callback). The returned future holds the last round's result. A failed collective or
+        a round that raises releases the slots left and fails that future.
 
         ``devices`` are the CUDA devices of the tensors involved (:func:`future_devices`).
-        ``step`` may run later, on another thread than the one ``after`` completed on, so its
-        stream is made to wait for ``after`` there; the future returned is synchronised with
-        the streams ``step``'s result was produced on.
+        A round may run later, on another thread than the one its input completed on, so its
+        stream is made to wait for that input there; the future returned is synchronised with
+        the streams the result was produced on.
 
-        With ``hold``, ``step`` waits, even once ``after`` has completed, until a later slot is
-        reserved without ``hold``; held steps then run first, in order (see
-        :func:`holds_follow_ups`).
+        With ``hold``, the first round waits, even once ``after`` has completed, until a later
+        slot is reserved without ``hold``; held rounds then run first, in order (see
+        :func:`holds_follow_ups`). The later rounds start only after the first anyway.
         """
         with self._lock:
-            slot = self.reserve()
+            first = self._reserved
+            self._reserved += len(steps)
             if hold:
-                self._held.add(slot)
+                self._held.add(first)
             else:  # every held slot is an earlier one
                 self._held.clear()
-        out: Future[T] = new_future(devices)
-
-        def on_done(fut: "Future[Any]") -> None:
-            try:
-                fut.value()
-            except BaseException as exc:  # forwarded to the caller's future
-                self.start(slot, lambda: None)
-                _fail(out, exc)
-                return
-            self.start(slot, lambda: _launch_into(lambda: step(fut.wait()), out))
-
-        callbacks.when_done(after, on_done)
+        out: Future[Any] = new_future(devices)
+        self._after(after, first, steps, out)
         if not hold:
             with self._lock:
                 self._drain()
         return out
+
+    def _after(
+        self,
+        fut: "Future[Any]",
+        slot: int,
+        steps: Sequence[Callable[[Any], "Future[Any] | Finished[Any]"]],
+        out: "Future[Any]",
+    ) -> None:
+        """Once ``fut`` completes, run ``steps[0]`` in ``slot``, the rest in the slots after."""
+
+        def on_done(done: "Future[Any]") -> None:
+            try:
+                done.value()
+            except BaseException as exc:  # forwarded to the caller's future
+                self._release(slot, len(steps))
+                _fail(out, exc)
+                return
+            self.start(slot, lambda: self._run(done, slot, steps, out))
+
+        callbacks.when_done(fut, on_done)
+
+    def _run(
+        self,
+        done: "Future[Any]",
+        slot: int,
+        steps: Sequence[Callable[[Any], "Future[Any] | Finished[Any]"]],
+        out: "Future[Any]",
+    ) -> None:
+        """Run round ``steps[0]`` on ``done``'s value (in its slot's turn) and pass it on."""
+        try:
+            result = steps[0](done.wait())  # wait(): this stream waits for the input's
+        except BaseException as exc:
+            self._release(slot + 1, len(steps) - 1)
+            _fail(out, exc)
+            return
+        if isinstance(result, Finished):
+            self._release(slot + 1, len(steps) - 1)
+            out.set_result(result.value)
+        elif len(steps) > 1:
+            self._after(result, slot + 1, steps[1:], out)
+        elif result.done():  # sent nothing, or completed inline (NCCL): no callback needed
+            _forward(result, out)
+        else:
+            callbacks.when_done(result, lambda fut: _forward(fut, out))
+
+    def _release(self, slot: int, count: int) -> None:
+        """Let ``count`` slots from ``slot`` on pass without issuing anything."""
+        for unused in range(slot, slot + count):
+            self.start(unused, _nothing)
 
     @property
     def pending(self) -> int:
         """Slots reserved but not started yet (0 between steps)."""
         with self._lock:
             return self._reserved - self._next
-
-
-def _launch_into(issue: Callable[[], "Future[T]"], out: "Future[Any]") -> None:
-    try:
-        inner = issue()
-    except BaseException as exc:
-        _fail(out, exc)
-        return
-    callbacks.when_done(inner, lambda fut: _forward(fut, out))
 
 
 def _forward(src: "Future[T]", dst: "Future[Any]") -> None:

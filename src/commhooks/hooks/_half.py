@@ -57,7 +57,7 @@ def average_in(
 ) -> "Future[torch.Tensor]":
     """Average ``buffer`` across ``group`` in ``dtype``; the future holds ``buffer``, averaged.
 
-    Issues one collective on ``group`` now, and reserves two follow-up slots on ``issuer``,
+    Issues one collective on ``group`` now, and reserves two follow-up rounds on ``issuer``,
     which send something only for a bucket whose sum is not finite (see the module's note).
     ``buffer`` keeps its own values until the result is known, so that it can be sent again.
     """
@@ -72,8 +72,7 @@ def average_in(
     sums = comm.allreduce(low, group)
     if buffer.is_cuda and not flagged:
         sums = callbacks.then(sums, repair.queue_check)
-    again = issuer.then(sums, repair.resend_overflowed, devices, hold)
-    done = issuer.then(again, repair.resend_bucket, devices, hold)
+    done = issuer.rounds(sums, (repair.resend_overflowed, repair.resend_bucket), devices, hold)
     # ``done`` is completed by hand. A future derived from it with ``then`` fails as a real
     # error when a collective failed, which DDP reports with the backend's message; the hand-made
     # one would hold the exception as a value, which DDP then fails to read as a tensor.
@@ -114,7 +113,8 @@ def _cast_down(buffer: torch.Tensor, dtype: torch.dtype, world: int) -> tuple[to
     nonfinite = _scale_down(buffer.reshape(-1), values, world)
     if world > 2:
         return low, False
-    rest[:1].fill_(float(nonfinite))
+    if nonfinite:  # zero already otherwise
+        rest[:1].fill_(1.0)
     return low, True
 
 
@@ -136,9 +136,12 @@ def _scale_down(flat: torch.Tensor, values: torch.Tensor, world: int) -> bool:
         values.div_(world)
         return False
     found = torch.zeros(1, dtype=torch.float32)
-    scale = torch.full((1,), 1.0 / world, dtype=torch.float32)
-    torch._amp_foreach_non_finite_check_and_unscale_([values], found, scale)
+    torch._amp_foreach_non_finite_check_and_unscale_([values], found, _INVERSE[world])
     return bool(found.item())
+
+
+# ``1 / world`` for one and two ranks, as the unscaling kernel takes it: made once, read only.
+_INVERSE = {world: torch.full((1,), 1.0 / world, dtype=torch.float32) for world in (1, 2)}
 
 
 class _QueuedTotal:
@@ -168,7 +171,7 @@ class _QueuedTotal:
 class _Repair:
     """What one bucket needs if its reduced-precision sum is not finite everywhere.
 
-    Its two methods are follow-up steps (:meth:`commhooks.comm.OrderedIssuer.then`): each runs
+    Its two methods are follow-up rounds (:meth:`commhooks.comm.OrderedIssuer.rounds`): each runs
     on the thread that completed the collective before it (on an accelerator, on DDP's thread
     at the last bucket), in slot order, and issues at most one collective, on ``follow_up``.
     """
@@ -208,16 +211,16 @@ class _Repair:
             raise RuntimeError(f"{self.owner}: its follow-up issuer has no process group.")
         return self.follow_up
 
-    def resend_overflowed(self, summed: torch.Tensor) -> "Future[Any]":
+    def resend_overflowed(self, summed: torch.Tensor) -> "Future[Any] | comm.Finished[Any]":
         """Cast a finite sum back; otherwise send its non-finite elements again, divided first."""
         numel = self.buffer.numel()
         finite, sums = self._finite(summed), summed[:numel]
         if finite:
             self.buffer.copy_(sums)
             comm.used_on_current_stream([summed])  # made on DDP's stream, read here
-            # Completed with the buffer, not None: the future then records the copy's stream,
-            # which the next step (on another callback stream, with gloo) waits for.
-            return comm.completed(self.buffer)
+            # Finished with the buffer: the future then records the copy's stream, which the
+            # next step (on another callback stream, with gloo) waits for.
+            return comm.Finished(self.buffer)
         self.sums = sums
         self.where = torch.isfinite(sums).logical_not_().nonzero().view(-1)
         part = self.buffer[self.where]
@@ -228,8 +231,8 @@ class _Repair:
         """Finish with the elements sent again if finite; otherwise average in full precision."""
         sums, where = self.sums, self.where
         self.sums = self.where = None  # the tensors are not needed past this step
-        if sums is None or where is None:  # finished by the first step
-            return comm.completed(self.buffer)
+        if sums is None or where is None:
+            raise RuntimeError(f"{self.owner}: a bucket's second round ran without its first.")
         if again is not None and all_finite(again):
             sums[where] = again
             self.buffer.copy_(sums)

@@ -85,12 +85,11 @@ def quantized_hook(
     assert issuer is not None, "prepare() made the issuer"
     follow_up = comm.follow_up_options(buffer, bucket.is_last())
     second = state.generator(buffer.device, rank, _AVERAGE)
-    shared = issuer.then(
-        exchanged, lambda _: _reduce_and_share(state, work, second, issuer.group), *follow_up
+    rounds = (
+        lambda _: _reduce_and_share(state, work, second, issuer.group),
+        lambda _: _decode_or_resend(state, work, buffer, issuer.group),
     )
-    return issuer.then(
-        shared, lambda _: _decode_or_resend(state, work, buffer, issuer.group), *follow_up
-    )
+    return issuer.rounds(exchanged, rounds, *follow_up)
 
 
 def _check_state(state: Any) -> QuantizationState:
@@ -190,7 +189,7 @@ def _decode_or_resend(
     work: Workspace,
     buffer: torch.Tensor,
     group: dist.ProcessGroup | None,
-) -> torch.futures.Future[torch.Tensor]:
+) -> "torch.futures.Future[torch.Tensor] | comm.Finished[torch.Tensor]":
     """Phase 3: decode every row into the bucket and keep the errors, or, if a scale is not
     finite (the same bytes, so the same answer, on every rank), send the bucket again plainly."""
     assert group is not None, "the issuer has its follow-up group"
@@ -199,7 +198,7 @@ def _decode_or_resend(
         return callbacks.then(comm.average(buffer, group), lambda fut: _warn_if_finite(fut.value()))
     _decode(work, fmt, buffer)
     state.commit(work)
-    return comm.completed(buffer)
+    return comm.Finished(buffer)
 
 
 def _decode(work: Workspace, fmt: quantize.BlockFormat, buffer: torch.Tensor) -> None:
