@@ -28,6 +28,7 @@ from commhooks import _kernels, callbacks
 __all__ = [
     "CollectiveCounter",
     "Finished",
+    "Issue",
     "OrderedIssuer",
     "all_gather_into",
     "all_gather_objects",
@@ -893,6 +894,21 @@ class Finished(Generic[T]):
         self.value = value
 
 
+class Issue:
+    """What a round of :meth:`OrderedIssuer.rounds` returns to send something: ``launch``
+    issues one collective on the issuer's group, in the round's turn, and returns its future
+    (or :class:`Finished`, if it finds nothing to send: a launch may read state that only
+    rounds in their turn may touch, one at a time)."""
+
+    __slots__ = ("launch",)
+
+    def __init__(self, launch: Callable[[], "Future[Any] | Finished[Any]"]) -> None:
+        self.launch = launch
+
+
+Round = Callable[[Any], "Finished[Any] | Issue"]
+
+
 def _nothing() -> None:
     """The launch of a slot released unused."""
 
@@ -975,35 +991,37 @@ class OrderedIssuer:
         ``step`` may compute, then issue at most one collective, on :attr:`group` only, and
         return a future (``completed(...)`` when it sends nothing). If ``after`` failed, the
         slot is released without running ``step`` and the error is passed on, so later
-        follow-ups are not held back forever. A pipeline of one round (:meth:`rounds`).
+        follow-ups are not held back forever. A pipeline of one round (:meth:`rounds`) that
+        runs wholly in its turn.
         """
-        return self.rounds(after, (step,), devices, hold)
+        return self.rounds(after, (lambda value: Issue(lambda: step(value)),), devices, hold)
 
     def rounds(
         self,
         after: "Future[Any]",
-        steps: Sequence[Callable[[Any], "Future[Any] | Finished[Any]"]],
+        steps: Sequence[Round],
         devices: list[torch.device] | None = None,
         hold: bool = False,
     ) -> "Future[Any]":
-        """Run ``steps`` as the rounds of one pipeline, each in a slot of its own, reserved now.
+        """Run ``steps`` as the rounds of one pipeline, each with a slot of its own, reserved now.
 
-        Round ``i`` runs in its turn once the future before it (``after`` for the first, then
-        the one round ``i - 1`` returned) has completed, with that future's value. It may
-        compute, then issue at most one collective, on :attr:`group` only, and return its
-        future; or return :class:`Finished` to end the pipeline there, its later slots
-        released unused (a round that only a rare case needs costs a reserved number, no
-        callback). The returned future holds the last round's result. A failed collective or
-        a round that raises releases the slots left and fails that future.
+        Round ``i`` runs once the future before it (``after`` for the first, then the one
+        round ``i - 1`` issued) has completed, on that future's value, at once, on the
+        thread that completed it: it decides what to send, which needs no turn. It returns
+        :class:`Finished` to end the pipeline there (its slot and the later ones are released
+        unused: a round that only a rare case needs costs a reserved number, no callback), or
+        :class:`Issue`, whose launch then issues one collective on :attr:`group` in the
+        round's turn, so that every rank issues in the same order. The returned future holds
+        the result of the last round, or of the one that finished. A failed collective or a
+        round that raises releases the slots left and fails that future.
 
-        ``devices`` are the CUDA devices of the tensors involved (:func:`future_devices`).
-        A round may run later, on another thread than the one its input completed on, so its
-        stream is made to wait for that input there; the future returned is synchronised with
-        the streams the result was produced on.
+        ``devices`` are the CUDA devices of the tensors involved (:func:`future_devices`):
+        the future returned is synchronised with the streams its value was produced on, and
+        each round's stream waits for its input's (``Future.wait``).
 
         With ``hold``, the first round waits, even once ``after`` has completed, until a later
-        slot is reserved without ``hold``; held rounds then run first, in order (see
-        :func:`holds_follow_ups`). The later rounds start only after the first anyway.
+        slot is reserved without ``hold`` (see :func:`holds_follow_ups`), and then runs in its
+        turn; the later rounds start after it anyway.
         """
         with self._lock:
             first = self._reserved
@@ -1013,7 +1031,7 @@ class OrderedIssuer:
             else:  # every held slot is an earlier one
                 self._held.clear()
         out: Future[Any] = new_future(devices)
-        self._after(after, first, steps, out)
+        self._after(after, first, steps, out, hold)
         if not hold:
             with self._lock:
                 self._drain()
@@ -1023,10 +1041,11 @@ class OrderedIssuer:
         self,
         fut: "Future[Any]",
         slot: int,
-        steps: Sequence[Callable[[Any], "Future[Any] | Finished[Any]"]],
+        steps: Sequence[Round],
         out: "Future[Any]",
+        held: bool = False,
     ) -> None:
-        """Once ``fut`` completes, run ``steps[0]`` in ``slot``, the rest in the slots after."""
+        """Once ``fut`` completes, run round ``steps[0]`` (the rest after it), in ``slot``."""
 
         def on_done(done: "Future[Any]") -> None:
             try:
@@ -1035,7 +1054,10 @@ class OrderedIssuer:
                 self._release(slot, len(steps))
                 _fail(out, exc)
                 return
-            self.start(slot, lambda: self._run(done, slot, steps, out))
+            if held:  # decided in its turn too: see holds_follow_ups
+                self.start(slot, lambda: self._run(done, slot, steps, out, in_turn=True))
+            else:
+                self._run(done, slot, steps, out)
 
         callbacks.when_done(fut, on_done)
 
@@ -1043,25 +1065,44 @@ class OrderedIssuer:
         self,
         done: "Future[Any]",
         slot: int,
-        steps: Sequence[Callable[[Any], "Future[Any] | Finished[Any]"]],
+        steps: Sequence[Round],
         out: "Future[Any]",
+        in_turn: bool = False,
     ) -> None:
-        """Run round ``steps[0]`` on ``done``'s value (in its slot's turn) and pass it on."""
+        """Run round ``steps[0]`` on ``done``'s value, then finish, or issue in its turn
+        (``in_turn``: this is its turn, the slot taken already)."""
+        left = slot + 1 if in_turn else slot  # the first slot still to start
         try:
             result = steps[0](done.wait())  # wait(): this stream waits for the input's
+        except BaseException as exc:
+            self._release(left, slot + len(steps) - left)
+            _fail(out, exc)
+            return
+        if isinstance(result, Finished):
+            self._release(left, slot + len(steps) - left)
+            out.set_result(result.value)
+        elif in_turn:
+            self._launch(result, slot, steps, out)
+        else:
+            self.start(slot, lambda: self._launch(result, slot, steps, out))
+
+    def _launch(self, issue: Issue, slot: int, steps: Sequence[Round], out: "Future[Any]") -> None:
+        """In ``slot``'s turn: issue the round's collective, and hand its future on."""
+        try:
+            sent = issue.launch()
         except BaseException as exc:
             self._release(slot + 1, len(steps) - 1)
             _fail(out, exc)
             return
-        if isinstance(result, Finished):
+        if isinstance(sent, Finished):  # the launch found nothing to send after all
             self._release(slot + 1, len(steps) - 1)
-            out.set_result(result.value)
+            out.set_result(sent.value)
         elif len(steps) > 1:
-            self._after(result, slot + 1, steps[1:], out)
-        elif result.done():  # sent nothing, or completed inline (NCCL): no callback needed
-            _forward(result, out)
+            self._after(sent, slot + 1, steps[1:], out)
+        elif sent.done():  # completed inline (NCCL) or sent nothing: no callback needed
+            _forward(sent, out)
         else:
-            callbacks.when_done(result, lambda fut: _forward(fut, out))
+            callbacks.when_done(sent, lambda fut: _forward(fut, out))
 
     def _release(self, slot: int, count: int) -> None:
         """Let ``count`` slots from ``slot`` on pass without issuing anything."""

@@ -211,7 +211,7 @@ class _Repair:
             raise RuntimeError(f"{self.owner}: its follow-up issuer has no process group.")
         return self.follow_up
 
-    def resend_overflowed(self, summed: torch.Tensor) -> "Future[Any] | comm.Finished[Any]":
+    def resend_overflowed(self, summed: torch.Tensor) -> "comm.Finished[Any] | comm.Issue":
         """Cast a finite sum back; otherwise send its non-finite elements again, divided first."""
         numel = self.buffer.numel()
         finite, sums = self._finite(summed), summed[:numel]
@@ -225,9 +225,10 @@ class _Repair:
         self.where = torch.isfinite(sums).logical_not_().nonzero().view(-1)
         part = self.buffer[self.where]
         again = divide_overflowed_first(part, part.to(sums.dtype), self.world)
-        return comm.allreduce(again, self._group())
+        group = self._group()
+        return comm.Issue(lambda: comm.allreduce(again, group))
 
-    def resend_bucket(self, again: torch.Tensor | None) -> "Future[torch.Tensor]":
+    def resend_bucket(self, again: torch.Tensor | None) -> "comm.Finished[Any] | comm.Issue":
         """Finish with the elements sent again if finite; otherwise average in full precision."""
         sums, where = self.sums, self.where
         self.sums = self.where = None  # the tensors are not needed past this step
@@ -237,10 +238,14 @@ class _Repair:
             sums[where] = again
             self.buffer.copy_(sums)
             comm.used_on_current_stream([sums, again])  # made on other streams, read here
-            return comm.completed(self.buffer)
-        owner, dtype = self.owner, sums.dtype
-        resent = comm.average(self.buffer, self._group())
-        return callbacks.then(resent, lambda fut: _warn_if_overflowed(fut.value(), owner, dtype))
+            return comm.Finished(self.buffer)
+        owner, dtype, buffer, group = self.owner, sums.dtype, self.buffer, self._group()
+        return comm.Issue(
+            lambda: callbacks.then(
+                comm.average(buffer, group),
+                lambda fut: _warn_if_overflowed(fut.value(), owner, dtype),
+            )
+        )
 
 
 def divide_overflowed_first(buffer: torch.Tensor, low: torch.Tensor, world: int) -> torch.Tensor:

@@ -85,9 +85,10 @@ def quantized_hook(
     assert issuer is not None, "prepare() made the issuer"
     follow_up = comm.follow_up_options(buffer, bucket.is_last())
     second = state.generator(buffer.device, rank, _AVERAGE)
+    # Both rounds touch the state's memories: they run in their turns, one at a time.
     rounds = (
-        lambda _: _reduce_and_share(state, work, second, issuer.group),
-        lambda _: _decode_or_resend(state, work, buffer, issuer.group),
+        lambda _: comm.Issue(lambda: _reduce_and_share(state, work, second, issuer.group)),
+        lambda _: comm.Issue(lambda: _decode_or_resend(state, work, buffer, issuer.group)),
     )
     return issuer.rounds(exchanged, rounds, *follow_up)
 
