@@ -149,7 +149,7 @@ def test_gpu_step_time_runs_on_gloo_without_a_gpu(tmp_path):
 
 
 def test_fsdp_example_trains_saves_and_resumes(tmp_path):
-    # Two processes standing for two machines of one rank each (the README's laptop command).
+    # Two processes standing for two machines of one rank each (docs/fsdp.md's laptop command).
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(EXAMPLES / "train_fsdp.py"), "--ranks-per-machine", "1", "--hook", "power_sgd",
            "--options", json.dumps({"start_powerSGD_iter": 2}), "--steps", "6",

@@ -104,7 +104,7 @@ def _hook_flags(p: argparse.ArgumentParser) -> None:
         "--hooks",
         help="comma-separated hook names (default: "
         f"{','.join(hookset.DEFAULT_HOOKS)}); torch_* names run PyTorch's hooks, floor_sync, "
-        "floor_wire and floor_memory what any PowerSGD design pays (see the README)",
+        "floor_wire and floor_memory what any PowerSGD design pays (see docs/choosing-a-hook.md)",
     )
     p.add_argument(
         "--compare-torch",

@@ -90,7 +90,10 @@ def register_hook(
     Args:
         accelerator: the ``accelerate.Accelerator``.
         model: the model returned by ``accelerator.prepare``.
-        hook, wrapper, process_group, **options: as for :func:`commhooks.register`.
+        hook: the hook's name, as for :func:`commhooks.register`.
+        wrapper: the wrapper's name, as for :func:`commhooks.register`.
+        process_group: as for :func:`commhooks.register`.
+        **options: the hook's options, as for :func:`commhooks.register`.
 
     Returns:
         what ``commhooks.register`` returns (a stateless hook's ``StatelessState`` is not
