@@ -1106,8 +1106,10 @@ class OrderedIssuer:
 
     def _release(self, slot: int, count: int) -> None:
         """Let ``count`` slots from ``slot`` on pass without issuing anything."""
-        for unused in range(slot, slot + count):
-            self.start(unused, _nothing)
+        with self._lock:
+            for unused in range(slot, slot + count):
+                self._ready[unused] = _nothing
+            self._drain()
 
     @property
     def pending(self) -> int:
