@@ -36,7 +36,6 @@ __all__ = [
     "allreduce",
     "average",
     "backend_for_device",
-    "check_same_on_all_ranks",
     "check_same_on_grid",
     "completed",
     "completing_inline",
@@ -51,7 +50,6 @@ __all__ = [
     "global_ranks",
     "group_timeout",
     "holds_follow_ups",
-    "is_world",
     "issuer_for",
     "new_groups",
     "observe_collectives",
@@ -135,11 +133,6 @@ def world_size(group: dist.ProcessGroup | None) -> int:
 def group_rank(group: dist.ProcessGroup | None) -> int:
     """This process's rank inside ``group``."""
     return dist.get_rank(group)
-
-
-def is_world(group: dist.ProcessGroup | None) -> bool:
-    """Whether ``group`` is the default group (``None`` counts as the default group)."""
-    return group is None or group is dist.group.WORLD
 
 
 def global_ranks(group: dist.ProcessGroup | None) -> list[int]:
@@ -827,22 +820,6 @@ def gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any
     )
     dist.gather_object(obj, out, dst=first, group=group)
     return out
-
-
-def check_same_on_all_ranks(
-    options: dict[str, Any], group: dist.ProcessGroup | None, *, owner: str
-) -> None:
-    """Raise on every rank if any option differs between ranks (one blocking gather).
-
-    Kept for callers of earlier releases; the check lives in
-    :func:`commhooks.handshake.check_fields`.
-
-    Raises:
-        ValueError: naming each differing option and its value on every rank.
-    """
-    from commhooks import handshake  # it gathers through this module
-
-    handshake.check_fields(options, resolve_group(group, owner=owner), owner=owner)
 
 
 def check_same_on_grid(

@@ -229,7 +229,7 @@ def _check_default_subgroup_allowed(
     # custom group would never join that collective, so we do not guess for them. Without
     # gradient averaging after the warm-up no subgroup is ever made, and a group of every
     # rank in order is the default group under another name.
-    if subgroup is not None or not gradients_averaged or comm.is_world(process_group):
+    if subgroup is not None or not gradients_averaged or comm.is_default_group(process_group):
         return
     if comm.global_ranks(process_group) == list(range(dist.get_world_size())):
         return
