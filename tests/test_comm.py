@@ -163,7 +163,7 @@ def test_every_hook_completes_with_inline_futures_and_held_follow_ups_on_many_bu
 
 def test_the_inline_seam_completes_futures_before_returning_them():
     out = run_on_ranks(_inline_collectives, 2)
-    assert out == [(True, True, True)] * 2
+    assert out == [(True, True, True, True, False)] * 2
 
 
 def _inline_collectives(rank, world_size):
@@ -172,10 +172,15 @@ def _inline_collectives(rank, world_size):
         summed = comm.allreduce(torch.ones(3), group)
         gathered = comm.all_gather_into(torch.empty(2, 3), torch.ones(3), group)
         held = comm.holds_follow_ups([])
+        # Where callbacks run on the issuing thread (NCCL), follow-ups need no group of their
+        # own: none is made inside a hook, which eager NCCL initialisation could not split.
+        shared = comm.follow_up_group(group) is group
     return (
         summed.done() and gathered.done(),
         torch.equal(summed.value(), torch.full((3,), 2.0)),
         held,
+        shared,
+        comm.follow_up_group(group) is group,  # gloo: a group of their own
     )
 
 

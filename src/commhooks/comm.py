@@ -1117,6 +1117,12 @@ _issuers: "weakref.WeakKeyDictionary[dist.ProcessGroup, OrderedIssuer]" = (
 _issuers_lock = threading.Lock()
 
 
+def _completes_inline(group: dist.ProcessGroup) -> bool:
+    """Whether every collective of ``group`` completes its future as it is issued (NCCL's
+    way; so does any group inside :func:`completing_inline`)."""
+    return _inline or str(dist.get_backend(group)).lower() == "nccl"
+
+
 def issuer_for(group: dist.ProcessGroup) -> OrderedIssuer:
     """The follow-up issuer of ``group``, shared by the stateless hooks that communicate on it.
 
@@ -1135,12 +1141,23 @@ def issuer_for(group: dist.ProcessGroup) -> OrderedIssuer:
 
 
 def follow_up_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """A new group with ``group``'s ranks, backend and timeout, for an :class:`OrderedIssuer`.
+    """The group an :class:`OrderedIssuer` issues ``group``'s follow-ups on.
 
-    Creating a group is collective: call it at the same point on every rank of ``group``. It
-    waits for the other ranks at most ``group``'s timeout (see :func:`group_timeout`), and so
-    does every collective on the new group.
+    On a group of NCCL alone, ``group`` itself: NCCL completes a collective's future as it is
+    queued, so every callback, and with it every follow-up, runs on the thread that issued the
+    collective before it, DDP's, in the same order on every rank, interleaved with DDP's own
+    collectives alike. No second communicator then, and no group made inside a hook: with NCCL
+    initialised eagerly (``init_process_group(device_id=...)``) torch makes each new group by
+    splitting the default group's communicator, which every rank of the world must join, and
+    the ranks outside a subgroup never run its hook.
+
+    Otherwise (gloo, whose callbacks run on its worker threads) a new group with ``group``'s
+    ranks, backend and timeout. Creating a group is collective: call it at the same point on
+    every rank of ``group``. It waits for the other ranks at most ``group``'s timeout (see
+    :func:`group_timeout`), and so does every collective on the new group.
     """
+    if _completes_inline(group):
+        return group
     made = dist.new_group(
         ranks=dist.get_process_group_ranks(group),
         backend=dist.get_backend(group),
