@@ -368,10 +368,26 @@ class QuantizationState(HookState):
             self._generators = [torch.Generator(device=device) for _ in _PHASES]
             for i, made in enumerate(self._generators):
                 made.manual_seed(self.settings.random_seed + 2 * rank + i)
-                if self._generator_states is not None:
-                    made.set_state(self._generator_states[i].clone())
+            if self._generator_states is not None:
+                self._resume_generators(self._generator_states, device, rank)
             self._generator_states = None
         return self._generators[phase]
+
+    def _resume_generators(self, states: torch.Tensor, device: torch.device, rank: int) -> None:
+        """Set the loaded generator states; where they are another device's (a CUDA run's
+        states on CPU), keep the fresh seeds with a warning rather than fail in the backward."""
+        try:
+            for made, saved in zip(self._generators, states):
+                made.set_state(saved.clone())
+        except RuntimeError:
+            for i, made in enumerate(self._generators):
+                made.manual_seed(self.settings.random_seed + 2 * rank + i)
+            warn_once(
+                f"quantization-generators-{device.type}",
+                f"{OWNER}: the loaded 'generators' are the states of another device's generators "
+                f"({states.shape[1]} bytes each), not {device.type}'s; stochastic rounding starts "
+                "again from its seeds.",
+            )
 
     # -- used by the hook, once the step's result is known --------------------------------------
     def commit(self, work: Workspace) -> None:
@@ -477,6 +493,13 @@ def _checked_generators(where: str, value: Any) -> torch.Tensor | None:
             # A CUDA generator's state is its seed and offset, 16 bytes; it is checked when set.
             if row.numel() != _CUDA_GENERATOR_BYTES:
                 raise StateDictError(f"{where} is not a generator state ({exc}).") from exc
+            if not torch.cuda.is_available():
+                raise StateDictError(
+                    f"{where} holds a CUDA generator's state ({row.numel()} bytes), and this "
+                    "process has no CUDA device: stochastic rounding on CPU needs a CPU "
+                    "generator's state. Load a checkpoint saved by a CPU run, or drop the entry's "
+                    "contents (generators=torch.empty(0, dtype=torch.uint8)) to reseed."
+                ) from exc
     return states.clone()
 
 
