@@ -175,3 +175,41 @@ class FakeBucket:
             out.append(self._buffer[offset : offset + n].view(shape))
             offset += n
         return out
+
+
+def resume_with_absurd_memory(
+    rank: int, world_size: int, hook: str, options: dict[str, Any], value: float = 1e6
+) -> dict[str, Any]:
+    """Train 4 steps with ``hook``, save its state; rank 0 fills its error memory with
+    ``value``; rebuild from the saved model and state and train 4 more steps.
+
+    Returns the losses after the reload, whether the parameters stayed finite, and the
+    messages of the warnings raised meanwhile.
+    """
+    import warnings
+
+    import commhooks
+
+    model = make_mlp()
+    ddp = make_ddp(model)
+    state = commhooks.register(ddp, hook, **options)
+    data = batches(rank, 8)
+    train(ddp, data[:4])
+    saved = state.state_dict()
+    if rank == 0:
+        saved["error"] = {k: torch.full_like(t, value) for k, t in saved["error"].items()}
+    again = make_mlp()
+    again.load_state_dict(model.state_dict())
+    ddp = make_ddp(again)
+    state = commhooks.register(ddp, hook, **options)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state.load_state_dict(saved)
+        losses = train(ddp, data[4:])
+    finite = all(bool(torch.isfinite(p).all()) for p in again.parameters())
+    return {
+        "losses": losses,
+        "finite": finite,
+        "keys": sorted(saved["error"]),
+        "warnings": [str(w.message) for w in caught],
+    }

@@ -112,3 +112,17 @@ def test_follow_up_issuers_go_with_their_group_or_their_state():
     for shared, freed, own, state_freed in run_on_ranks(_issuers, 2):
         assert shared and freed  # a stateless hook's issuer lives as long as its group
         assert own and state_freed  # a state's issuer is its own and goes with it
+
+
+@pytest.mark.parametrize("single_round", [False, True])
+def test_an_absurd_loaded_memory_is_reset_at_the_first_step_naming_the_key(single_round):
+    from ddp_utils import resume_with_absurd_memory
+
+    options = {"start_powerSGD_iter": 0, "single_round": single_round}
+    ranks = run_on_ranks(resume_with_absurd_memory, 2, "power_sgd", options)
+    for r in ranks:
+        assert r["finite"] and max(r["losses"]) < 10, r["losses"]
+    reset = [w for w in ranks[0]["warnings"] if "out of all proportion" in w]
+    named = {k for k in ranks[0]["keys"] if any(f"(key '{k}')" in w for w in reset)}
+    assert named and named == set(ranks[0]["keys"])
+    assert not any("out of all proportion" in w for w in ranks[1]["warnings"])

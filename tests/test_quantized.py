@@ -445,3 +445,19 @@ def test_options_differing_between_ranks_raise_on_every_rank():
     for message in run_on_ranks(_mismatched, 2, env=ENV):
         assert "configured differently" in message
         assert "bits: rank 0=8, rank 1=4" in message and "block_size" in message
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("hook", ["int8", "int4"])
+def test_an_absurd_loaded_memory_is_reset_at_the_first_step_naming_the_key(hook):
+    from ddp_utils import resume_with_absurd_memory
+
+    options = {"block_size": BLOCK}
+    ranks = run_on_ranks(resume_with_absurd_memory, 2, hook, options, env=ENV)
+    for r in ranks:
+        assert r["finite"] and max(r["losses"]) < 10, r["losses"]
+    reset = [w for w in ranks[0]["warnings"] if "out of all proportion" in w]
+    assert reset and all("loaded error-feedback memory" in w for w in reset)
+    named = {k for k in ranks[0]["keys"] if any(f"(key '{k}')" in w for w in reset)}
+    assert named == set(ranks[0]["keys"])  # every filled memory was reset, each named
+    assert not any("out of all proportion" in w for w in ranks[1]["warnings"])

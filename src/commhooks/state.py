@@ -214,6 +214,18 @@ class HookState:
         self._process_group = process_group
         return self
 
+    @property
+    def mesh_place(self) -> dict[str, int | str]:
+        """Where this rank sits beyond its place in :attr:`process_group` (see
+        :mod:`commhooks.place`): empty under DDP; under FSDP2, the shard coordinate and layout
+        (set by :func:`commhooks.fsdp.register`)."""
+        return dict(self.__dict__.get("_mesh_place", {}))
+
+    def set_mesh_place(self, place: Mapping[str, int | str]) -> None:
+        """Record where on the mesh this rank's state lives; saved with the state by the hook
+        states that keep per-rank memories, and compared when one is loaded."""
+        self._mesh_place = dict(place)
+
     def handshake_fields(self) -> dict[str, Any]:
         """What every rank's copy of this state must agree on before its first collective.
 
