@@ -213,3 +213,10 @@ def resume_with_absurd_memory(
         "keys": sorted(saved["error"]),
         "warnings": [str(w.message) for w in caught],
     }
+
+
+def resume_each_with_absurd_memory(
+    rank: int, world_size: int, cases: Sequence[tuple[str, dict[str, Any]]]
+) -> list[dict[str, Any]]:
+    """:func:`resume_with_absurd_memory` for each ``(hook, options)``, in one launch."""
+    return [resume_with_absurd_memory(rank, world_size, h, o) for h, o in cases]

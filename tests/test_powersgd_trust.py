@@ -114,12 +114,21 @@ def test_follow_up_issuers_go_with_their_group_or_their_state():
         assert own and state_freed  # a state's issuer is its own and goes with it
 
 
-@pytest.mark.parametrize("single_round", [False, True])
-def test_an_absurd_loaded_memory_is_reset_at_the_first_step_naming_the_key(single_round):
-    from ddp_utils import resume_with_absurd_memory
+ABSURD = tuple(
+    ("power_sgd", {"start_powerSGD_iter": 0, "single_round": one}) for one in (False, True)
+)
 
-    options = {"start_powerSGD_iter": 0, "single_round": single_round}
-    ranks = run_on_ranks(resume_with_absurd_memory, 2, "power_sgd", options)
+
+@pytest.fixture(scope="module")
+def absurd():
+    from ddp_utils import resume_each_with_absurd_memory
+
+    return run_on_ranks(resume_each_with_absurd_memory, 2, ABSURD)
+
+
+@pytest.mark.parametrize("case", [0, 1], ids=["two_rounds", "single_round"])
+def test_an_absurd_loaded_memory_is_reset_at_the_first_step_naming_the_key(absurd, case):
+    ranks = [r[case] for r in absurd]
     for r in ranks:
         assert r["finite"] and max(r["losses"]) < 10, r["losses"]
     reset = [w for w in ranks[0]["warnings"] if "out of all proportion" in w]

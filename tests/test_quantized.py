@@ -447,13 +447,19 @@ def test_options_differing_between_ranks_raise_on_every_rank():
         assert "bits: rank 0=8, rank 1=4" in message and "block_size" in message
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("hook", ["int8", "int4"])
-def test_an_absurd_loaded_memory_is_reset_at_the_first_step_naming_the_key(hook):
-    from ddp_utils import resume_with_absurd_memory
+ABSURD = (("int8", {"block_size": BLOCK}), ("int4", {"block_size": BLOCK}))
 
-    options = {"block_size": BLOCK}
-    ranks = run_on_ranks(resume_with_absurd_memory, 2, hook, options, env=ENV)
+
+@pytest.fixture(scope="module")
+def absurd():
+    from ddp_utils import resume_each_with_absurd_memory
+
+    return run_on_ranks(resume_each_with_absurd_memory, 2, ABSURD, env=ENV, timeout=120)
+
+
+@pytest.mark.parametrize("case", range(len(ABSURD)), ids=[h for h, _ in ABSURD])
+def test_an_absurd_loaded_memory_is_reset_at_the_first_step_naming_the_key(absurd, case):
+    ranks = [r[case] for r in absurd]
     for r in ranks:
         assert r["finite"] and max(r["losses"]) < 10, r["losses"]
     reset = [w for w in ranks[0]["warnings"] if "out of all proportion" in w]

@@ -20,13 +20,14 @@ into the memory (rather than the memory into the gradient) and subtracts the app
 sends some steps later, in a pass it makes anyway (PowerSGD's single-round variant).
 """
 
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 
 from commhooks import lowrank
-from commhooks._warnings import warn_once
+from commhooks._warnings import CommHooksWarning, warn_once
 from commhooks.state import StateDictError, check_tensor
 
 __all__ = ["Absorbed", "ErrorFeedback", "Key", "LazyErrorFeedback", "Plausible"]
@@ -133,13 +134,14 @@ class ErrorFeedback:
         if residual is None or check is None or check(residual, gradient.detach()):
             return
         self.discard(key)
-        warn_once(
-            f"{self.owner}-memory-implausible-{key}",
+        warnings.warn(  # once per loaded memory, so not once per process
             f"{self.owner}: the loaded error-feedback memory of {self.describe(key)} (key "
             f"{str(key)!r}) is out of all proportion with the gradient it is added to (largest "
             f"element {float(residual.abs().max()):.3g}, the gradient's "
             f"{float(gradient.abs().max()):.3g}): compression never drops that much. It was "
             "reset to zero rather than added to the average. Check the checkpoint it came from.",
+            CommHooksWarning,
+            stacklevel=3,
         )
 
     def compensate_(self, key: Key, tensor: torch.Tensor) -> bool:
