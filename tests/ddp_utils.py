@@ -180,7 +180,7 @@ class FakeBucket:
 def resume_with_absurd_memory(
     rank: int, world_size: int, hook: str, options: dict[str, Any], value: float = 1e6
 ) -> dict[str, Any]:
-    """Train 4 steps with ``hook``, save its state; rank 0 fills its error memory with
+    """Train 4 steps with ``hook``, save its state; rank 0 fills its error memories with
     ``value``; rebuild from the saved model and state and train 4 more steps.
 
     Returns the losses after the reload, whether the parameters stayed finite, and the
@@ -196,8 +196,10 @@ def resume_with_absurd_memory(
     data = batches(rank, 8)
     train(ddp, data[:4])
     saved = state.state_dict()
+    memories = [name for name in ("error", "owner_error") if name in saved]
     if rank == 0:
-        saved["error"] = {k: torch.full_like(t, value) for k, t in saved["error"].items()}
+        for name in memories:
+            saved[name] = {k: torch.full_like(t, value) for k, t in saved[name].items()}
     again = make_mlp()
     again.load_state_dict(model.state_dict())
     ddp = make_ddp(again)
@@ -207,11 +209,13 @@ def resume_with_absurd_memory(
         state.load_state_dict(saved)
         losses = train(ddp, data[4:])
     finite = all(bool(torch.isfinite(p).all()) for p in again.parameters())
+    parts = [getattr(state, n) for n in ("error", "owner_error", "memory") if hasattr(state, n)]
     return {
         "losses": losses,
         "finite": finite,
-        "keys": sorted(saved["error"]),
+        "keys": sorted(k for name in memories for k in saved[name]),
         "warnings": [str(w.message) for w in caught],
+        "still_checking": any(part.awaits_check for part in parts),
     }
 
 

@@ -131,6 +131,7 @@ def test_an_absurd_loaded_memory_is_reset_at_the_first_step_naming_the_key(absur
     ranks = [r[case] for r in absurd]
     for r in ranks:
         assert r["finite"] and max(r["losses"]) < 10, r["losses"]
+        assert not r["still_checking"]  # a one-off check: later steps make none
     reset = [w for w in ranks[0]["warnings"] if "out of all proportion" in w]
     named = {k for k in ranks[0]["keys"] if any(f"(key '{k}')" in w for w in reset)}
     assert named and named == set(ranks[0]["keys"])

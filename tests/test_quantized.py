@@ -462,8 +462,13 @@ def test_an_absurd_loaded_memory_is_reset_at_the_first_step_naming_the_key(absur
     ranks = [r[case] for r in absurd]
     for r in ranks:
         assert r["finite"] and max(r["losses"]) < 10, r["losses"]
+        assert not r["still_checking"]  # a one-off check: later steps make none
     reset = [w for w in ranks[0]["warnings"] if "out of all proportion" in w]
     assert reset and all("loaded error-feedback memory" in w for w in reset)
     named = {k for k in ranks[0]["keys"] if any(f"(key '{k}')" in w for w in reset)}
-    assert named == set(ranks[0]["keys"])  # every filled memory was reset, each named
+    first = {k for k in ranks[0]["keys"] if ":" not in k}
+    assert first <= named  # every filled memory of a parameter was reset, each named
+    # The second memory's pieces that DDP's first-step buckets cut otherwise are dropped
+    # unused; the others are reset as they meet their row's average.
+    assert named - first
     assert not any("out of all proportion" in w for w in ranks[1]["warnings"])
