@@ -60,9 +60,9 @@ def differs(saved: Mapping[str, Any], here: Mapping[str, Any]) -> bool:
 
 
 def describe(place: Mapping[str, Any]) -> str:
-    """``"shard rank 1 of 2 (layout ab12...)"``, or ``"no mesh"``."""
+    """``"shard rank 1 of 2 (shard layout ab12...)"``, or where none is known, says so."""
     if not place:
-        return "no mesh (a DDP run)"
+        return "no mesh place (a DDP run, or a file of an earlier release)"
     if {"shard_rank", "shard_size", "shard_layout"} <= set(place):
         return (
             f"shard rank {place['shard_rank']} of {place['shard_size']} "

@@ -496,14 +496,16 @@ class QuantizationState(HookState):
         where_owner = f"{OWNER} 'owner_error'"
         owner_error.load_state_dict(entries["owner_error"], _checked_piece, where_owner)
         generators = _checked_generators(f"{OWNER} 'generators'", entries["generators"])
-        mesh = state_dict.get("place")  # not saved by earlier releases: not compared
-        saved_mesh = None if mesh is None else place.checked(f"{OWNER} 'place'", mesh)
+        # Earlier releases saved no place: under FSDP2 such a file cannot show which shard it
+        # holds, and is treated as another shard's; under DDP only the rank is compared.
+        mesh = state_dict.get("place", {})
+        saved_mesh = place.checked(f"{OWNER} 'place'", mesh)
         agreed = self.handshake_fields()
         self.iter, self.error, self.owner_error = step, error, owner_error
         self._generator_states, self._generators = generators, []
         known = world > 0 and rank >= 0
         self._saved_place = {"world_size": world, "rank": rank} if known else None
-        if self._saved_place is not None and saved_mesh is not None:
+        if self._saved_place is not None:
             self._saved_place.update(saved_mesh)
         self._layouts.clear()  # pieces of the loaded second memory are sorted out anew
         if self.handshake_fields() != agreed:

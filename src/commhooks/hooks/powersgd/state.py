@@ -306,7 +306,8 @@ class PowerSGDState(HookState):
         self._saved_world = (None, None, None)
         if size is None or not len(self.memory):
             return
-        if mesh is not None and size == group.size() and place.differs(mesh, self.mesh_place):
+        mesh = mesh or {}  # none saved (a release before FSDP2 places): no shard is shown
+        if size == group.size() and place.differs(mesh, self.mesh_place):
             why = (
                 f"it was saved at {place.describe(mesh)} and is used at "
                 f"{place.describe(self.mesh_place)}: under FSDP2 each rank's memory describes "
