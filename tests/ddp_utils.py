@@ -175,3 +175,52 @@ class FakeBucket:
             out.append(self._buffer[offset : offset + n].view(shape))
             offset += n
         return out
+
+
+def resume_with_absurd_memory(
+    rank: int, world_size: int, hook: str, options: dict[str, Any], value: float = 1e6
+) -> dict[str, Any]:
+    """Train 4 steps with ``hook``, save its state; rank 0 fills its error memories with
+    ``value``; rebuild from the saved model and state and train 4 more steps.
+
+    Returns the losses after the reload, whether the parameters stayed finite, and the
+    messages of the warnings raised meanwhile.
+    """
+    import warnings
+
+    import commhooks
+
+    model = make_mlp()
+    ddp = make_ddp(model)
+    state = commhooks.register(ddp, hook, **options)
+    data = batches(rank, 8)
+    train(ddp, data[:4])
+    saved = state.state_dict()
+    memories = [name for name in ("error", "owner_error") if name in saved]
+    if rank == 0:
+        for name in memories:
+            saved[name] = {k: torch.full_like(t, value) for k, t in saved[name].items()}
+    again = make_mlp()
+    again.load_state_dict(model.state_dict())
+    ddp = make_ddp(again)
+    state = commhooks.register(ddp, hook, **options)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state.load_state_dict(saved)
+        losses = train(ddp, data[4:])
+    finite = all(bool(torch.isfinite(p).all()) for p in again.parameters())
+    parts = [getattr(state, n) for n in ("error", "owner_error", "memory") if hasattr(state, n)]
+    return {
+        "losses": losses,
+        "finite": finite,
+        "keys": sorted(k for name in memories for k in saved[name]),
+        "warnings": [str(w.message) for w in caught],
+        "still_checking": any(part.awaits_check for part in parts),
+    }
+
+
+def resume_each_with_absurd_memory(
+    rank: int, world_size: int, cases: Sequence[tuple[str, dict[str, Any]]]
+) -> list[dict[str, Any]]:
+    """:func:`resume_with_absurd_memory` for each ``(hook, options)``, in one launch."""
+    return [resume_with_absurd_memory(rank, world_size, h, o) for h, o in cases]

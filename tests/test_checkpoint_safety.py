@@ -187,3 +187,57 @@ def test_leftovers_of_live_writers_and_of_other_targets_are_kept(tmp_path):
     checkpoint.save(tmp_path / "ckpt.pt", hook=Tally(1))
     kept = set(_leftovers(tmp_path))
     assert kept == {names["alive"], names["other-target"], names["old-fresh"]}, kept
+
+
+def _trained_states():
+    """A quantized and a PowerSGD state's dicts, with memories, saved without a process group."""
+    from commhooks.hooks.powersgd import PowerSGDState
+    from commhooks.hooks.quantized import QuantizationState
+
+    quantized = QuantizationState(None, bits=8)
+    quantized.error.record(0, torch.ones(4))
+    quantized.owner_error.record("0:0-4", torch.ones(4))
+    powersgd = PowerSGDState(None, start_powerSGD_iter=0)
+    powersgd.memory.record(0, torch.ones(4, 4))
+    return {"error": quantized, "owner_error": quantized, "powersgd": powersgd}
+
+
+_ODD_MEMORIES = {
+    "meta": (torch.zeros(4, device="meta"), "'meta' device"),
+    "float8": (torch.zeros(4).to(torch.float8_e4m3fn), "float8_e4m3fn"),
+}
+
+
+@pytest.mark.parametrize("odd", list(_ODD_MEMORIES))
+@pytest.mark.parametrize("entry", ["error", "owner_error", "powersgd"])
+def test_a_memory_on_meta_or_in_float8_is_refused_naming_the_entry(tmp_path, entry, odd):
+    state = _trained_states()[entry]
+    sd = state.state_dict()
+    bad, reason = _ODD_MEMORIES[odd]
+    if entry == "powersgd":
+        bad, key = bad.view(2, 2), "error"
+        sd[key] = {"0": bad}
+    else:
+        key = entry
+        sd[key] = {next(iter(sd[key])): bad}
+    before = {k: v.clone() for k, v in state.state_dict()[key].items()}
+    with pytest.raises(StateDictError, match=rf"'?{key}'?\['0[^\]]*'\].*{reason}"):
+        state.load_state_dict(sd)
+    path = tmp_path / "state.pt"
+    torch.save(sd, path)
+    with pytest.raises(StateDictError, match=reason):
+        state.load(path)
+    after = state.state_dict()[key]
+    assert all(torch.equal(after[k], v) for k, v in before.items())  # nothing changed
+
+
+def test_a_cuda_generator_state_is_refused_at_load_on_a_run_without_cuda(monkeypatch):
+    from commhooks.hooks.quantized import QuantizationState
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    state = QuantizationState(None, rounding="stochastic")
+    sd = {**state.state_dict(), "generators": torch.zeros(2, 16, dtype=torch.uint8)}
+    with pytest.raises(StateDictError, match="'generators' holds a CUDA generator's state"):
+        state.load_state_dict(sd)
+    cpu = torch.stack([torch.Generator().get_state() for _ in range(2)])
+    state.load_state_dict({**sd, "generators": cpu})  # a CPU run's states load

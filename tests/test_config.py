@@ -374,3 +374,26 @@ def test_checkpoint_saves_whatever_register_returned(tmp_path):
                 assert (state_type, kind, version, keys) == ("StatelessState", "stateless", 1, 2)
             else:
                 assert state_type != "StatelessState" and kind != "stateless", hook
+
+
+def test_yaml_refuses_a_key_given_twice_with_the_file_name_and_line(tmp_path):
+    pytest.importorskip("yaml")
+    path = tmp_path / "hook.yaml"
+    path.write_text("hook: power_sgd\nmatrix_approximation_rank: 2\nmatrix_approximation_rank: 4\n")
+    with open(path) as f, pytest.raises(ValueError, match=r"hook.yaml, line 3: key 'matrix_"):
+        HookConfig.from_yaml(f)
+    text = "hook: fp16\noptions:\n  x: 1\n  x: 2\n"
+    with pytest.raises(ValueError, match=r"^cfg.yml, line 4: .*first on line 3"):
+        HookConfig.from_yaml(text, name="cfg.yml")
+    assert HookConfig.from_yaml(path.read_text().rsplit("\n", 2)[0]).options == {
+        "matrix_approximation_rank": 2
+    }
+
+
+@pytest.mark.parametrize("opening", ["{", "["])
+def test_yaml_refuses_deep_nesting_with_the_file_name_and_line(tmp_path, opening):
+    pytest.importorskip("yaml")
+    path = tmp_path / "deep.yaml"
+    path.write_text("hook: fp16\nx: " + opening * 5000 + "\n")
+    with open(path) as f, pytest.raises(ValueError, match=r"deep.yaml, line 2: .*nested"):
+        HookConfig.from_yaml(f)

@@ -143,3 +143,27 @@ def test_numbering_counts_from_the_last_parameter_whatever_the_buckets() -> None
     assert "first step" in seen.describe(0) and "last" in whole.describe(0)
     with pytest.raises(ValueError, match="numbering must be"):
         ParameterNumbering("by_name")
+
+
+def test_a_loaded_memory_is_checked_once_at_its_first_use_only() -> None:
+    calls: list[float] = []
+
+    def plausible(residual: torch.Tensor, gradient: torch.Tensor) -> bool:
+        calls.append(float(residual.abs().max()))
+        return float(residual.abs().max()) <= 10 * float(gradient.abs().max())
+
+    saved = {"1": torch.full((3,), 1e6), "2": torch.full((3,), 0.5), "3": torch.ones(3)}
+    memory = ErrorFeedback("DemoState", plausible=plausible)
+    memory.load_state_dict(saved, int, "'error'")
+    assert memory.awaits_check
+    with pytest.warns(UserWarning, match=r"DemoState: the loaded .* \(key '1'\) is out of all"):
+        assert not memory.compensate_(1, torch.ones(3))  # reset, not added
+    assert 1 not in memory and memory.compensate_(2, torch.ones(3))  # plausible: added
+    memory.record(3, torch.zeros(3))  # recorded since the load: never checked
+    assert not memory.awaits_check and len(calls) == 2
+    for _ in range(3):
+        memory.compensate_(2, torch.ones(3))
+    assert len(calls) == 2  # later steps check nothing
+    trusting = ErrorFeedback("DemoState")  # no bound given: loaded memories are trusted
+    trusting.load_state_dict(saved, int, "'error'")
+    assert not trusting.awaits_check

@@ -183,6 +183,33 @@ def grid_of_four(rank: int, world_size: int) -> dict:
     shards = shard(make_net(), mesh["shard"])
     local = sum(p.to_local().numel() for p in trained(shards))
     out["accumulation"] = (state.iter, state.compression_stats()[1], local, plain, full(ddp.module))
+    out["neighbour"] = {hook: neighbour_files(mesh, rank, hook, opts) for hook, opts in NEIGHBOURS}
+    return out
+
+
+NEIGHBOURS = (("int8", {}), ("power_sgd", FAST))
+
+
+def neighbour_files(mesh, rank: int, hook: str, options: dict) -> dict[str, list[str]]:
+    """Train and save every rank's state; load into fresh states each rank's own file, then
+    its shard neighbour's (rank ^ 1: the same rank in the replicate group), one step each."""
+    import warnings
+
+    batches = data(rank)
+    model = shard(make_net(), mesh["shard"])
+    state = commhooks.fsdp.register(model, hook, mesh=mesh, **options)
+    train(model, batches)
+    files: list = [None] * dist.get_world_size()
+    dist.all_gather_object(files, state.state_dict())
+    out = {}
+    for name, source in (("own", rank), ("neighbour", rank ^ 1)):
+        fresh = shard(make_net(), mesh["shard"])
+        restored = commhooks.fsdp.register(fresh, hook, mesh=mesh, **options)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            restored.load_state_dict(files[source])
+            train(fresh, batches[:1])
+        out[name] = [str(w.message) for w in caught]
     return out
 
 
@@ -465,6 +492,17 @@ def test_gradient_accumulation_counts_optimizer_steps(four):
         assert steps == 2  # 6 micro-batches, 2 optimizer steps
         assert elements == 2 * local  # one hook call per module and optimizer step
         assert relative(plain, ddp) <= 1e-5
+
+
+def test_a_shard_neighbours_file_resets_the_memories_with_a_warning(four):
+    for rank, r in enumerate(four):
+        for hook, _ in NEIGHBOURS:
+            own, neighbour = r["neighbour"][hook]["own"], r["neighbour"][hook]["neighbour"]
+            assert not [w for w in own if "reset" in w], own
+            reset = [w for w in neighbour if "reset" in w]
+            assert len(reset) == 1, (hook, neighbour)
+            saved_at, used_at = f"shard rank {(rank ^ 1) % 2} of 2", f"shard rank {rank % 2} of 2"
+            assert saved_at in reset[0] and used_at in reset[0], reset[0]
 
 
 def test_checkpoint_and_resume_through_dcp(two):

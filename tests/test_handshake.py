@@ -228,3 +228,58 @@ def test_a_hook_on_another_group_than_ddps_fails_clearly_where_known_and_never_h
         error, elapsed = results[rank]
         assert error != "no error", f"rank {rank} trained on although rank 2 never averaged"
         assert elapsed < 2 * PG_TIMEOUT + 10, f"rank {rank} took {elapsed:.1f}s: {error}"
+
+
+RELOADED = (("int8", {}), ("power_sgd", {"start_powerSGD_iter": 0}))
+
+
+def _reload_on_one_rank(rank, world_size, hook, options, source):
+    """Train 5 steps; rank 0 alone reloads its state (``source``: its state now, or its state
+    of step 3); train 3 more. Returns the outcome and the time it took, and the parameters."""
+    from ddp_utils import make_ddp, train
+
+    model = make_mlp()
+    ddp = make_ddp(model)
+    state = commhooks.register(ddp, hook, **options)
+    data = batches(rank, 8)
+    train(ddp, data[:3])
+    earlier = state.state_dict()
+    train(ddp, data[3:5])
+    if rank == 0:
+        state.load_state_dict(state.state_dict() if source == "now" else earlier)
+    started = time.monotonic()
+    if source == "now":
+        result = outcome(lambda: train(ddp, data[5:]))
+    else:  # no barrier after it: the group is broken on purpose
+        try:
+            result = train(ddp, data[5:])
+        except RuntimeError as exc:
+            result = f"RuntimeError: {exc}"
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return result, flat, time.monotonic() - started
+
+
+def _reloads(rank, world_size):
+    same = [_reload_on_one_rank(rank, world_size, h, o, "now") for h, o in RELOADED]
+    return same, _reload_on_one_rank(rank, world_size, "int8", {}, "step 3")  # breaks the group
+
+
+@pytest.fixture(scope="module")
+def reloads():
+    return run_on_ranks(_reloads, 2, pg_timeout=4, timeout=100)
+
+
+@pytest.mark.parametrize("case", range(len(RELOADED)), ids=[h for h, _ in RELOADED])
+def test_one_rank_reloading_its_state_mid_run_needs_no_new_handshake(reloads, case):
+    ranks = [same[case] for same, _ in reloads]
+    for result, _, seconds in ranks:
+        assert isinstance(result, list) and len(result) == 3, result  # three losses
+        assert seconds < 4
+    assert torch.equal(ranks[0][1], ranks[1][1])
+
+
+def test_one_rank_reloading_another_step_is_named_on_that_rank_within_the_timeout(reloads):
+    (named, _, seconds), (other, _, other_seconds) = [broken for _, broken in reloads]
+    assert "reloaded mid-run (from step 5 to step 3)" in named, named
+    assert "did not reload" in named and seconds < 4 + 3
+    assert isinstance(other, str) and other_seconds < 4 + 3, other  # an error, not a hang

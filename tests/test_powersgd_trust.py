@@ -112,3 +112,27 @@ def test_follow_up_issuers_go_with_their_group_or_their_state():
     for shared, freed, own, state_freed in run_on_ranks(_issuers, 2):
         assert shared and freed  # a stateless hook's issuer lives as long as its group
         assert own and state_freed  # a state's issuer is its own and goes with it
+
+
+ABSURD = tuple(
+    ("power_sgd", {"start_powerSGD_iter": 0, "single_round": one}) for one in (False, True)
+)
+
+
+@pytest.fixture(scope="module")
+def absurd():
+    from ddp_utils import resume_each_with_absurd_memory
+
+    return run_on_ranks(resume_each_with_absurd_memory, 2, ABSURD)
+
+
+@pytest.mark.parametrize("case", [0, 1], ids=["two_rounds", "single_round"])
+def test_an_absurd_loaded_memory_is_reset_at_the_first_step_naming_the_key(absurd, case):
+    ranks = [r[case] for r in absurd]
+    for r in ranks:
+        assert r["finite"] and max(r["losses"]) < 10, r["losses"]
+        assert not r["still_checking"]  # a one-off check: later steps make none
+    reset = [w for w in ranks[0]["warnings"] if "out of all proportion" in w]
+    named = {k for k in ranks[0]["keys"] if any(f"(key '{k}')" in w for w in reset)}
+    assert named and named == set(ranks[0]["keys"])
+    assert not any("out of all proportion" in w for w in ranks[1]["warnings"])

@@ -150,3 +150,37 @@ def test_affine_round_trip_matches_pytorchs_backend_functions():
     assert torch.equal(codes, expected)
     decoded = reference._dequantize_per_channel_backend(expected, qparams[0], qparams[1])
     assert torch.equal(quantize.dequantize_affine(codes, qparams), decoded)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("rounding", quantize.ROUNDINGS)
+def test_what_quantization_drops_is_plausible_and_an_absurd_memory_is_not(bits, rounding):
+    fmt = BlockFormat(bits, 64)
+    gen = torch.Generator().manual_seed(bits)
+    gradient = torch.randn(2, 256, generator=gen)
+    memory = torch.zeros_like(gradient)
+    packets = torch.empty(2, fmt.packet_bytes(256), dtype=torch.uint8)
+    for _ in range(20):  # error feedback: the memory rides along step after step
+        rows = gradient + memory
+        quantize.quantize_(
+            rows, packets, fmt, torch.empty_like(rows), rounding=rounding, generator=gen
+        )
+        memory = rows  # the error left in place
+        assert fmt.plausible_residual(memory, gradient)
+        assert fmt.plausible_residual(memory, gradient / 100)  # a gradient shrunk since
+    assert not fmt.plausible_residual(torch.full_like(memory, 1e6), gradient)
+    assert not fmt.plausible_residual(memory, torch.zeros_like(gradient))
+
+
+def test_what_a_low_rank_approximation_drops_is_plausible_and_an_absurd_memory_is_not():
+    from commhooks import lowrank
+
+    gen = torch.Generator().manual_seed(0)
+    gradient = torch.randn(32, 16, generator=gen)
+    memory = torch.zeros_like(gradient)
+    for _ in range(20):  # rank-1 approximations with error feedback
+        m = gradient + memory
+        u, s, vh = torch.linalg.svd(m, full_matrices=False)
+        memory = m - s[0] * torch.outer(u[:, 0], vh[0])
+        assert lowrank.plausible_residual(memory, gradient)
+    assert not lowrank.plausible_residual(torch.full_like(memory, 1e6), gradient)

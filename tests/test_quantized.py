@@ -445,3 +445,30 @@ def test_options_differing_between_ranks_raise_on_every_rank():
     for message in run_on_ranks(_mismatched, 2, env=ENV):
         assert "configured differently" in message
         assert "bits: rank 0=8, rank 1=4" in message and "block_size" in message
+
+
+ABSURD = (("int8", {"block_size": BLOCK}), ("int4", {"block_size": BLOCK}))
+
+
+@pytest.fixture(scope="module")
+def absurd():
+    from ddp_utils import resume_each_with_absurd_memory
+
+    return run_on_ranks(resume_each_with_absurd_memory, 2, ABSURD, env=ENV, timeout=120)
+
+
+@pytest.mark.parametrize("case", range(len(ABSURD)), ids=[h for h, _ in ABSURD])
+def test_an_absurd_loaded_memory_is_reset_at_the_first_step_naming_the_key(absurd, case):
+    ranks = [r[case] for r in absurd]
+    for r in ranks:
+        assert r["finite"] and max(r["losses"]) < 10, r["losses"]
+        assert not r["still_checking"]  # a one-off check: later steps make none
+    reset = [w for w in ranks[0]["warnings"] if "out of all proportion" in w]
+    assert reset and all("loaded error-feedback memory" in w for w in reset)
+    named = {k for k in ranks[0]["keys"] if any(f"(key '{k}')" in w for w in reset)}
+    first = {k for k in ranks[0]["keys"] if ":" not in k}
+    assert first <= named  # every filled memory of a parameter was reset, each named
+    # The second memory's pieces that DDP's first-step buckets cut otherwise are dropped
+    # unused; the others are reset as they meet their row's average.
+    assert named - first
+    assert not any("out of all proportion" in w for w in ranks[1]["warnings"])

@@ -124,3 +124,53 @@ def test_post_local_sgd_optimizer_refuses_bad_entries_and_changes_nothing(change
     after = wrapper.optim.state_dict()
     assert torch.equal(after["state"][0]["momentum_buffer"], before["state"][0]["momentum_buffer"])
     assert wrapper.averager.step == 0
+
+
+def _options_classes():
+    """Every options class of the package (imported through the public modules)."""
+    import commhooks.averagers
+    import commhooks.hooks.local_sgd
+    import commhooks.hooks.powersgd
+    import commhooks.hooks.quantized  # noqa: F401
+    from commhooks.options import Options
+
+    found, todo = [], [Options]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            found.append(sub)
+            todo.append(sub)
+    return [c for c in found if c.__module__.startswith("commhooks")]
+
+
+_REQUIRED = {"start_localSGD_iter": 2, "period": 2, "period_group_size_dict": {2: 2}}
+
+
+def _integer_options():
+    import dataclasses
+
+    for cls in _options_classes():
+        for f in dataclasses.fields(cls):
+            if f.type in (int, "int"):
+                yield cls, f.name
+
+
+@pytest.mark.parametrize(
+    ("cls", "name"), list(_integer_options()), ids=lambda v: getattr(v, "__name__", v)
+)
+def test_every_integer_option_refuses_a_float_naming_the_option(cls, name):
+    base = {n: _REQUIRED[n] for n in cls.required()}
+    valid = cls(**base).as_dict()[name] if name not in base else base[name]
+    for wrong in (float(valid), True):
+        with pytest.raises(ValueError, match=rf"{cls.owner}: {name} must be"):
+            cls(**{**base, name: wrong})
+
+
+def test_quantization_bits_as_float_is_refused_at_construction():
+    from commhooks.hooks.quantized import QuantizationState
+
+    for bits in (8.0, 4.0):
+        with pytest.raises(ValueError, match=r"bits must be an integer \(\d without the point\)"):
+            QuantizationState(None, bits=bits)
+    with pytest.raises(ValueError, match="block_size must be an integer"):
+        QuantizationState(None, block_size=256.0)
+    assert QuantizationState(None, bits=4).settings.format.bits == 4

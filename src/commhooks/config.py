@@ -13,7 +13,7 @@ import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import IO, Any
 
 import torch.distributed as dist
 
@@ -403,9 +403,25 @@ class HookConfig:
         return json.dumps(self.to_dict(), **dumps_kwargs)
 
     @classmethod
-    def from_yaml(cls, text: str) -> "HookConfig":
-        """Build from a YAML mapping. Needs PyYAML (``pip install pyyaml``)."""
-        return cls.from_dict(_yaml().safe_load(text))
+    def from_yaml(cls, text: "str | IO[str]", *, name: str | None = None) -> "HookConfig":
+        """Build from a YAML mapping: its text, or an open file. Needs PyYAML.
+
+        Stricter than ``yaml.safe_load``, which keeps the last of two equal keys without a word
+        and overflows Python's stack on deeply nested input: a key given twice in one mapping,
+        or nesting deeper than a configuration needs, raises ``ValueError`` naming the file and
+        line.
+
+        Args:
+            text: the YAML text, or a file opened for reading (its ``name`` is used in messages).
+            name: the file's name for messages, when ``text`` is its contents.
+
+        Raises:
+            ValueError: a duplicate key, too deep nesting, or an invalid configuration.
+            yaml.YAMLError: text that is not YAML.
+        """
+        from commhooks._yaml import load_strictly
+
+        return cls.from_dict(load_strictly(_yaml(), text, name))
 
     def to_yaml(self) -> str:
         """The mapping form as YAML. Needs PyYAML."""
@@ -467,7 +483,7 @@ def register_from_config(
 
     Example::
 
-        config = HookConfig.from_yaml(open("hook.yaml").read())
+        config = HookConfig.from_yaml(open("hook.yaml"))
         state = register_from_config(ddp_model, config)
     """
     if not isinstance(config, HookConfig):

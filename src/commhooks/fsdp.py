@@ -27,6 +27,8 @@ from commhooks._fsdp_bucket import ShardHook, StepTracker, reduced_shards
 from commhooks._fsdp_pending import PendingShards
 from commhooks.config import CommHookType, HookConfig, hook_spec, parse_name
 from commhooks.config import hook_names as _all_hook_names
+from commhooks.place import MeshPlace, shard_place
+from commhooks.state import HookState
 
 __all__ = ["hook_names", "register"]
 
@@ -93,6 +95,8 @@ def register(
     replicate, shard = _groups(mesh, replicate_group, _shard_mesh(named))
     spec = hook_spec(kind)
     state = spec.make_state(replicate, dict(config.options)) if spec.make_state else replicate
+    if isinstance(state, HookState):
+        state.set_mesh_place(_mesh_place(named, shard))
     comm.check_same_on_grid({"hook": str(kind), **config.options}, [shard, replicate], owner=_OWNER)
     _install(named, spec.hook, state, overlap=shard.size() == 1)
     return state
@@ -232,6 +236,15 @@ def _mesh_groups(mesh: Any, shard_mesh: Any) -> tuple[dist.ProcessGroup, dist.Pr
 
 def _ranks_of(mesh: Any) -> tuple[int, ...]:
     return tuple(int(r) for r in mesh.mesh.flatten().tolist())
+
+
+def _mesh_place(named: list[tuple[str, nn.Module]], shard: dist.ProcessGroup) -> MeshPlace:
+    """This rank's coordinate in the shard dimension and the shard it holds: what, beyond its
+    rank in the replicate group, a state's memories describe (see :mod:`commhooks.place`)."""
+    shards = [
+        (slot.param.shape, slot.shape) for _, module in named for slot in reduced_shards(module)
+    ]
+    return shard_place(comm.group_rank(shard), comm.world_size(shard), shards)
 
 
 def _install(named: list[tuple[str, nn.Module]], hook: Any, state: Any, overlap: bool) -> None:

@@ -76,21 +76,39 @@ def once(group: dist.ProcessGroup, hook: str) -> None:
     _remember(group, identity)
 
 
-def agree(group: dist.ProcessGroup, hook: str, state: Any) -> None:
+def agree(group: dist.ProcessGroup, hook: str, state: Any, reloaded: str | None = None) -> None:
     """Check that every rank runs ``hook`` with a state that agrees on its fields.
 
     For stateful hooks: call it when ``state`` has not been checked on ``group`` yet (it has
     no memory of its own). Blocking, one gather, unless a wrapper has just checked this call.
 
+    Args:
+        reloaded: set when the check is made again because this rank's state loaded a state
+            dict that changed its fields mid-run; it says how, for the message this rank raises
+            if the other ranks never join the check (they did not load one).
+
     Raises:
         ValueError: on every rank, naming the hook and wrapper of each rank or, if those
             match, each differing field of the state and its value on every rank.
+        RuntimeError: with ``reloaded``, the other ranks did not join within the group's
+            timeout.
     """
     context = _inside.get()
     if context is not None and context.checked is group:
         return
     wrapper = context.wrapper if context is not None else None
-    _gather_and_compare(group, _record(hook, wrapper, state))
+    try:
+        _gather_and_compare(group, _record(hook, wrapper, state))
+    except RuntimeError as exc:
+        if reloaded is None:
+            raise
+        raise RuntimeError(
+            f"{hook}: this rank's state was reloaded mid-run ({reloaded}), so it checked again "
+            "that every rank agrees on the step count and options before its next collective, "
+            "and the other ranks did not join that check within the group's timeout: they did "
+            "not reload. Load the state on every rank at the same point, or reload only a "
+            f"state dict of the step every rank is at (that needs no check). ({exc})"
+        ) from exc
 
 
 @contextlib.contextmanager

@@ -19,6 +19,7 @@ __all__ = [
     "deduct_pending_left_",
     "deduct_pending_right_",
     "is_finite",
+    "plausible_residual",
     "keep_nonzero_columns",
     "left_factor_into",
     "orthogonalize_",
@@ -496,3 +497,23 @@ def unpack_from(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
         n = t.numel()
         t.copy_(flat[offset : offset + n].view_as(t))
         offset += n
+
+
+RESIDUAL_SLACK = 1000.0
+"""How many times the gradient's norm a loaded residual may reach (see
+:func:`plausible_residual`)."""
+
+
+def plausible_residual(residual: torch.Tensor, gradient: torch.Tensor) -> bool:
+    """Whether ``residual`` can be what a low-rank approximation left out of ``gradient``.
+
+    The residual of approximating ``M = gradient + previous residual`` is ``M - P Qᵀ``, an
+    orthogonal projection's remainder, so no larger than ``M``: with error feedback it stays
+    within a small multiple of the gradient's norm (as much as the approximation keeps missing
+    of it). A loaded memory past :data:`RESIDUAL_SLACK` times the gradient's norm cannot have
+    come from training this model at this point. Synchronises with the device.
+    """
+    if residual.numel() == 0 or gradient.numel() == 0:
+        return True
+    size = float(torch.linalg.vector_norm(residual.detach().float()))
+    return size <= RESIDUAL_SLACK * float(torch.linalg.vector_norm(gradient.float()))

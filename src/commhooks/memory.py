@@ -20,33 +20,58 @@ into the memory (rather than the memory into the gradient) and subtracts the app
 sends some steps later, in a pass it makes anyway (PowerSGD's single-round variant).
 """
 
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 
 from commhooks import lowrank
-from commhooks._warnings import warn_once
+from commhooks._warnings import CommHooksWarning, warn_once
 from commhooks.state import StateDictError, check_tensor
 
-__all__ = ["Absorbed", "ErrorFeedback", "Key", "LazyErrorFeedback"]
+__all__ = ["Absorbed", "ErrorFeedback", "Key", "LazyErrorFeedback", "Plausible"]
 
 Key = int | str
 """What a residual is kept under: a parameter's number or name, or ``"bucket<i>"``."""
 
 
+Plausible = Callable[[torch.Tensor, torch.Tensor], bool]
+"""``plausible(residual, gradient)``: whether a residual can be what compressing a gradient of
+that size dropped. Each compressor bounds its own residuals (see :mod:`commhooks.quantize`'s
+and :mod:`commhooks.lowrank`'s ``plausible_residual``)."""
+
+
 class ErrorFeedback:
     """Residuals per key, added back before compressing.
+
+    A residual loaded from a state dict is finite (checked at load) but may still be absurd: a
+    memory filled with 1e6 would be added to gradients of 1e-2 and wreck training on every
+    rank. Given ``plausible``, each loaded residual is compared once, the first time it meets
+    the gradient it is added to (:meth:`check_loaded_`, which :meth:`compensate_` calls), and
+    reset with a warning naming its key if compression could not have dropped that much. Only
+    then: steps after that make no check, and so no host-device synchronisation.
 
     Args:
         owner: the name users see in warnings and errors (``"PowerSGDState"``...).
         describe: turns a key into words for messages (``parameter #3 (...)``).
+        plausible: the compressor's bound on its residuals; ``None``: loaded ones are trusted.
     """
 
-    def __init__(self, owner: str, describe: Callable[[Key], str] = str) -> None:
+    # Class-level defaults, so that a memory pickled before these existed still works.
+    _plausible: Plausible | None = None
+    _unchecked: frozenset[Key] = frozenset()
+
+    def __init__(
+        self,
+        owner: str,
+        describe: Callable[[Key], str] = str,
+        plausible: Plausible | None = None,
+    ) -> None:
         self.owner = owner
         self.describe = describe
         self._residuals: dict[Key, torch.Tensor] = {}
+        self._plausible = plausible
 
     def __contains__(self, key: object) -> bool:
         return key in self._residuals
@@ -82,8 +107,51 @@ class ErrorFeedback:
             residual = self._residuals[key] = residual.to(device=like.device, dtype=like.dtype)
         return residual
 
+    def check_before_use(self) -> None:
+        """Check every residual held now at its next use, as if just loaded (an unpickled
+        state's memory came from a file too)."""
+        if self._plausible is not None:
+            self._unchecked = frozenset(self._residuals)
+
+    @property
+    def awaits_check(self) -> bool:
+        """Whether loaded residuals are still to meet their gradient (see
+        :meth:`check_loaded_`). A plain attribute test: no device work."""
+        return bool(self._unchecked)
+
+    def check_loaded_(self, key: Key, gradient: torch.Tensor) -> None:
+        """The first time a loaded residual of ``key`` meets ``gradient`` (what it is added
+        to), reset it with a warning if the compressor could not have dropped that much.
+
+        Costs one reduction and host synchronisation per loaded key, once; nothing for keys
+        recorded since the load.
+        """
+        if key not in self._unchecked:
+            return
+        self._unchecked = self._unchecked - {key}
+        residual = self._residuals.get(key)
+        check = self._plausible
+        if residual is None or check is None or check(residual, gradient.detach()):
+            return
+        self.discard(key)
+        warnings.warn(  # once per loaded memory, so not once per process
+            f"{self.owner}: the loaded error-feedback memory of {self.describe(key)} (key "
+            f"{str(key)!r}) is out of all proportion with the gradient it is added to (largest "
+            f"element {float(residual.abs().max()):.3g}, the gradient's "
+            f"{float(gradient.abs().max()):.3g}): compression never drops that much. It was "
+            "reset to zero rather than added to the average. Check the checkpoint it came from.",
+            CommHooksWarning,
+            stacklevel=3,
+        )
+
     def compensate_(self, key: Key, tensor: torch.Tensor) -> bool:
-        """``tensor += residual`` in place; returns whether there was a residual to add."""
+        """``tensor += residual`` in place; returns whether there was a residual to add.
+
+        The first time after a load, the residual is checked against ``tensor`` first (see
+        :meth:`check_loaded_`).
+        """
+        if self._unchecked:
+            self.check_loaded_(key, tensor)
         residual = self.get(key, tensor)
         if residual is None:
             return False
@@ -112,6 +180,8 @@ class ErrorFeedback:
 
         The memory keeps the returned tensor as the residual of ``key``; write it completely.
         """
+        if self._unchecked:  # overwritten whole: a new residual
+            self._unchecked = self._unchecked - {key}
         residual = self._residuals.get(key)
         if (
             residual is None
@@ -124,14 +194,19 @@ class ErrorFeedback:
 
     def record(self, key: Key, residual: torch.Tensor) -> None:
         """Keep ``residual`` (not a copy) as what compression left out of ``key``."""
+        if self._unchecked:
+            self._unchecked = self._unchecked - {key}
         self._residuals[key] = residual
 
     def discard(self, key: Key) -> None:
         """Forget the residual of ``key`` (its next gradient is compressed as it is)."""
+        if self._unchecked:
+            self._unchecked = self._unchecked - {key}
         self._residuals.pop(key, None)
 
     def clear(self) -> None:
         """Forget every residual."""
+        self._unchecked = frozenset()
         self._residuals.clear()
 
     def drop_non_finite(self, keys: Iterable[Key] | None = None) -> list[Key]:
@@ -185,7 +260,8 @@ class ErrorFeedback:
             except (TypeError, ValueError) as exc:
                 raise StateDictError(f"{where}: {name!r} is not a valid key ({exc}).") from exc
             loaded[key] = check_tensor(f"{where}[{name!r}]", value, floating=True)
-        self._residuals = loaded
+        self._residuals, self._unchecked = loaded, frozenset()
+        self.check_before_use()
 
 
 @dataclass
@@ -220,8 +296,13 @@ class LazyErrorFeedback(ErrorFeedback):
     """Products are subtracted once they would stack up past this rank: one wider product a
     few steps apart costs less than a thin one every step."""
 
-    def __init__(self, owner: str, describe: Callable[[Key], str] = str) -> None:
-        super().__init__(owner, describe)
+    def __init__(
+        self,
+        owner: str,
+        describe: Callable[[Key], str] = str,
+        plausible: Plausible | None = None,
+    ) -> None:
+        super().__init__(owner, describe, plausible)
         self._pending: dict[Key, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def pending_ranks(self) -> dict[Key, int]:
@@ -289,6 +370,8 @@ class LazyErrorFeedback(ErrorFeedback):
         added, nor any after it (one sum read back per block); on a GPU, where reading back
         would stall the stream, non-finite elements are added as zeros.
         """
+        if self._unchecked:
+            self.check_loaded_(key, gradient)
         memory = super().get(key, gradient)  # as it is, pending products included
         pending = self._fitting_pending(key)
         created = memory is None

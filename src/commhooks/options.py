@@ -67,6 +67,8 @@ class Options:
             check = f.metadata.get(_CHECK)
             if check is not None:
                 object.__setattr__(self, f.name, check(self.owner, f.name, getattr(self, f.name)))
+            if f.type in (int, "int"):
+                _refuse_non_integer(self.owner, f.name, getattr(self, f.name))
         self.check_together()
 
     def check_together(self) -> None:
@@ -179,6 +181,25 @@ def suggest(name: str, candidates: "tuple[str, ...] | list[str]") -> str:
 def _refuse(owner: str, name: str, value: Any, rule: str, hint: str) -> ValueError:
     tail = f" ({hint})" if hint else ""
     return ValueError(f"{owner}: {name} must be {rule}{tail}; got {name}={value!r}.")
+
+
+def _refuse_non_integer(owner: str, name: str, value: Any) -> None:
+    """Every option declared ``int`` holds an ``int`` once checked, whatever its checker.
+
+    A checker that compares with ``==`` (``one_of(8, 4)``) would take ``8.0`` or ``True``; the
+    value would then pass the ranks' handshake against ``8`` and fail inside the first backward
+    pass, on one rank only.
+    """
+    if not _is_integer(value):
+        shown = f" ({int(value)} without the point)" if _whole_float(value) else ""
+        raise ValueError(
+            f"{owner}: {name} must be an integer{shown}, not {type(value).__name__}; "
+            f"got {name}={value!r}."
+        )
+
+
+def _whole_float(value: Any) -> bool:
+    return isinstance(value, float) and value.is_integer()
 
 
 def _is_numpy_bool(value: Any) -> bool:

@@ -33,6 +33,7 @@ from commhooks import _kernels
 
 __all__ = [
     "NEAREST",
+    "RESIDUAL_SLACK",
     "ROUNDINGS",
     "STOCHASTIC",
     "BlockFormat",
@@ -54,6 +55,11 @@ ROUNDINGS = (NEAREST, STOCHASTIC)
 _SMALLEST_ABSMAX = 1e-30
 # Added to 4-bit codes in [-8, 7] so that each nibble holds a value in [0, 15].
 _NIBBLE_OFFSET = 8
+
+
+RESIDUAL_SLACK = 1000.0
+"""How far past its bound a loaded residual may be before it is reset (see
+:meth:`BlockFormat.plausible_residual`)."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,22 @@ class BlockFormat:
     def packet_bytes(self, length: int) -> int:
         """Bytes a row of ``length`` elements takes on the wire: codes, then float32 scales."""
         return self.payload_bytes(length) + 4 * (length // self.block)
+
+    def plausible_residual(self, residual: torch.Tensor, gradient: torch.Tensor) -> bool:
+        """Whether ``residual`` can be what quantizing to this format left out of ``gradient``.
+
+        Each element of a residual is at most half a step of its block with nearest rounding
+        (a whole step with stochastic rounding), and a step is the block's absmax / qmax; with
+        error feedback the block also holds the previous residual, so in a steady state a
+        residual stays below ``max|gradient| / (qmax - 1)``. A loaded memory is refused past
+        :data:`RESIDUAL_SLACK` times that: a looser bound than the math gives, so that a
+        gradient smaller at the step after a restart than at the step saved does not trip it,
+        still far below a memory that would swamp the gradient. Synchronises with the device.
+        """
+        if residual.numel() == 0 or gradient.numel() == 0:
+            return True
+        largest = float(residual.detach().abs().max())
+        return largest <= RESIDUAL_SLACK * float(gradient.abs().max()) / self.qmax
 
     def split(self, packets: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of ``packets`` (``rows x packet_bytes``, uint8): the codes and the scales."""

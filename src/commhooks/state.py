@@ -74,18 +74,33 @@ def check_tensor(
             f"layout {value.layout}, shape {tuple(value.shape)}, strides "
             f"{value.stride() if value.layout == torch.strided else '-'}."
         )
-    if floating and not value.is_floating_point():
-        raise StateDictError(f"{where} must be a floating-point tensor, got {value.dtype}.")
+    if value.device.type == "meta":
+        raise StateDictError(
+            f"{where} is on the 'meta' device, which holds no values (a state dict made under "
+            "torch.device('meta') or with empty weights); load the file that was saved."
+        )
+    if floating and value.dtype not in _FLOATING:
+        raise StateDictError(
+            f"{where} must be a floating-point tensor (float16, bfloat16, float32 or float64), "
+            f"got {value.dtype}."
+        )
     if dtype is not None and value.dtype != dtype:
         raise StateDictError(f"{where} must be of dtype {dtype}, got {value.dtype}.")
     if shape is not None and tuple(value.shape) != tuple(shape):
         raise StateDictError(f"{where} must have shape {tuple(shape)}, got {tuple(value.shape)}.")
+    if finite and value.is_floating_point() and value.dtype not in _FLOATING:
+        raise StateDictError(f"{where} is of dtype {value.dtype}, which cannot be checked.")
     if finite and value.is_floating_point() and not bool(torch.isfinite(value).all()):
         raise StateDictError(
             f"{where} holds inf or NaN; loading it would make every later step non-finite. "
             "Load an earlier checkpoint, or start this state afresh."
         )
     return value
+
+
+# What a memory, factor or snapshot may be kept in; float8's are refused, as they cannot even
+# be checked for inf (and would hold a residual to no useful precision).
+_FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _dense_in_some_order(t: torch.Tensor) -> bool:
@@ -103,7 +118,12 @@ def _dense_in_some_order(t: torch.Tensor) -> bool:
 
 def check_count(where: str, value: Any, minimum: int = 0) -> int:
     """Return ``value`` as an ``int >= minimum``; a float, bool, inf or NaN is refused."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
+    if (
+        isinstance(value, torch.Tensor)
+        and value.numel() == 1
+        and not value.is_floating_point()
+        and value.device.type != "meta"
+    ):
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         shown = value if isinstance(value, (int, float, str)) else type(value).__name__
@@ -193,6 +213,18 @@ class HookState:
             )
         self._process_group = process_group
         return self
+
+    @property
+    def mesh_place(self) -> dict[str, int | str]:
+        """Where this rank sits beyond its place in :attr:`process_group` (see
+        :mod:`commhooks.place`): empty under DDP; under FSDP2, the shard coordinate and layout
+        (set by :func:`commhooks.fsdp.register`)."""
+        return dict(self.__dict__.get("_mesh_place", {}))
+
+    def set_mesh_place(self, place: Mapping[str, int | str]) -> None:
+        """Record where on the mesh this rank's state lives; saved with the state by the hook
+        states that keep per-rank memories, and compared when one is loaded."""
+        self._mesh_place = dict(place)
 
     def handshake_fields(self) -> dict[str, Any]:
         """What every rank's copy of this state must agree on before its first collective.

@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from commhooks import comm, handshake, quantize
+from commhooks import comm, handshake, place, quantize
 from commhooks._warnings import warn_once
 from commhooks.hooks._bucket import GradBucket
 from commhooks.memory import ErrorFeedback, Key
@@ -246,7 +246,15 @@ class QuantizationState(HookState):
 
     kind = "quantization"
     version = 1
-    _transient = ("_numbering", "_layouts", "_workspaces", "issuer", "_checked", "_generators")
+    _transient = (
+        "_numbering",
+        "_layouts",
+        "_workspaces",
+        "issuer",
+        "_checked",
+        "_reloaded",
+        "_generators",
+    )
 
     def __init__(
         self, process_group: dist.ProcessGroup | None = None, bits: int = 8, **options: Any
@@ -254,9 +262,8 @@ class QuantizationState(HookState):
         super().__init__(process_group)
         self.settings = QuantizationOptions.from_mapping({"bits": bits, **options})
         self.iter = 0
-        self.error = ErrorFeedback(OWNER, _describe)
-        self.owner_error = ErrorFeedback(OWNER, _describe)
-        self._saved_place: tuple[int, int] | None = None  # (world size, rank) of a loaded dict
+        self.error, self.owner_error = self._memory(), self._memory()
+        self._saved_place: dict[str, Any] | None = None  # where a loaded dict was saved
         self._generator_states: torch.Tensor | None = None  # loaded, not yet in use
         self._restore_transient()
 
@@ -266,7 +273,10 @@ class QuantizationState(HookState):
         self._workspaces: dict[int, Workspace] = {}
         self.issuer: comm.OrderedIssuer | None = None
         self._checked: dist.ProcessGroup | None = None
+        self._reloaded: str | None = None  # how a load mid-run changed the handshake's fields
         self._generators: list[torch.Generator] = []
+        self.error.check_before_use()  # unpickled memories are checked as loaded ones are
+        self.owner_error.check_before_use()
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -302,12 +312,14 @@ class QuantizationState(HookState):
         """
         group = comm.resolve_group(self.process_group, owner=OWNER)
         if self._checked is not group:
-            handshake.agree(group, HOOK, self)
+            handshake.agree(group, HOOK, self, self._reloaded)
+            self._reloaded = None
             self.issuer = comm.OrderedIssuer(comm.follow_up_group(group))
-            self._forget_if_moved(comm.world_size(group), comm.group_rank(group))
             self._layouts.clear()
             self._workspaces.clear()
             self._checked = group
+        if self._saved_place is not None:  # the first step after a load
+            self._forget_if_moved(_place_here(group, self.mesh_place))
         return group
 
     def handshake_fields(self) -> dict[str, Any]:
@@ -333,6 +345,8 @@ class QuantizationState(HookState):
             ValueError: the bucket's gradients do not tile its buffer.
         """
         numbers = self._numbering.numbers(bucket.parameters())
+        if self.error.awaits_check:  # the first steps after a load only
+            self._check_loaded_errors(numbers, bucket)
         sizes = _piece_sizes(bucket.gradients(), bucket.buffer())
         found = self._layouts.get((numbers, sizes))
         if found is not None:
@@ -368,10 +382,26 @@ class QuantizationState(HookState):
             self._generators = [torch.Generator(device=device) for _ in _PHASES]
             for i, made in enumerate(self._generators):
                 made.manual_seed(self.settings.random_seed + 2 * rank + i)
-                if self._generator_states is not None:
-                    made.set_state(self._generator_states[i].clone())
+            if self._generator_states is not None:
+                self._resume_generators(self._generator_states, device, rank)
             self._generator_states = None
         return self._generators[phase]
+
+    def _resume_generators(self, states: torch.Tensor, device: torch.device, rank: int) -> None:
+        """Set the loaded generator states; where they are another device's (a CUDA run's
+        states on CPU), keep the fresh seeds with a warning rather than fail in the backward."""
+        try:
+            for made, saved in zip(self._generators, states):
+                made.set_state(saved.clone())
+        except RuntimeError:
+            for i, made in enumerate(self._generators):
+                made.manual_seed(self.settings.random_seed + 2 * rank + i)
+            warn_once(
+                f"quantization-generators-{device.type}",
+                f"{OWNER}: the loaded 'generators' are the states of another device's generators "
+                f"({states.shape[1]} bytes each), not {device.type}'s; stochastic rounding starts "
+                "again from its seeds.",
+            )
 
     # -- used by the hook, once the step's result is known --------------------------------------
     def commit(self, work: Workspace) -> None:
@@ -391,6 +421,15 @@ class QuantizationState(HookState):
         work.mine, work.mine_spare = work.mine_spare, work.mine
 
     # -- internal -------------------------------------------------------------------------------
+    def _memory(self) -> ErrorFeedback:
+        """An empty error memory; what it loads is checked against this format's residuals."""
+        return ErrorFeedback(OWNER, _describe, self.settings.format.plausible_residual)
+
+    def _check_loaded_errors(self, numbers: tuple[int, ...], bucket: GradBucket) -> None:
+        """At the first step after a load, compare each loaded error with its gradient."""
+        for number, gradient in zip(numbers, bucket.gradients()):
+            self.error.check_loaded_(number, gradient)
+
     def _drop_stale_pieces(self, layout: BucketLayout) -> None:
         """Forget second-memory pieces of this layout's parameters that it does not hold."""
         numbers, kept = set(layout.numbers), {key for key, _, _ in layout.pieces}
@@ -398,19 +437,28 @@ class QuantizationState(HookState):
             if isinstance(key, str) and key not in kept and _parse_piece_key(key)[0] in numbers:
                 self.owner_error.discard(key)
 
-    def _forget_if_moved(self, world: int, rank: int) -> None:
+    def _forget_if_moved(self, here: dict[str, Any]) -> None:
+        """Reset the memories if they were saved at another place than ``here`` (another
+        rank or world size, or under FSDP2 another shard of the same replicate rank)."""
         saved, self._saved_place = self._saved_place, None
-        if saved is None or saved == (world, rank) or not (self.error or self.owner_error):
+        if saved is None or not place.differs(saved, here) or not (self.error or self.owner_error):
             return
         count = len(self.error) + len(self.owner_error)
         self.error.clear()
         self.owner_error.clear()
+        mesh = {k: v for k, v in saved.items() if k not in ("world_size", "rank")}
+        mesh_here = {k: v for k, v in here.items() if k not in ("world_size", "rank")}
+        where = f"rank {saved['rank']} of {saved['world_size']}"
+        where_here = f"rank {here['rank']} of {here['world_size']}"
+        if mesh != mesh_here:
+            where += f", {place.describe(mesh)}"
+            where_here += f", {place.describe(mesh_here)}"
         warn_once(
-            f"quantization-moved-{saved}-{world}-{rank}",
-            f"{OWNER}: the error memories ({count} tensors) were saved by rank {saved[1]} of "
-            f"{saved[0]} and are used by rank {rank} of {world}: each rank's memory is its own, "
-            "so they were reset. Save every rank's state (commhooks.integrations.PerRankState) "
-            "and resume with the same world size to keep them.",
+            f"quantization-moved-{sorted(saved.items())}-{sorted(here.items())}",
+            f"{OWNER}: the error memories ({count} tensors) were saved by {where} and are used "
+            f"by {where_here}: each rank's memory describes its own elements, so they were "
+            "reset. Save every rank's state (commhooks.integrations.PerRankState) and load each "
+            "rank's own file, with the same world size and mesh, to keep them.",
         )
 
     # -- checkpointing --------------------------------------------------------------------------
@@ -423,6 +471,7 @@ class QuantizationState(HookState):
             "iter": self.iter,
             "world_size": world,
             "rank": rank,
+            "place": self.mesh_place,
             "error": self.error.state_dict(),
             "owner_error": self.owner_error.state_dict(),
             "generators": torch.empty(0, dtype=torch.uint8) if generators is None else generators,
@@ -442,15 +491,29 @@ class QuantizationState(HookState):
         step = check_count(f"{where} 'iter'", entries["iter"])
         world = check_count(f"{where} 'world_size'", entries["world_size"], minimum=-1)
         rank = check_count(f"{where} 'rank'", entries["rank"], minimum=-1)
-        error, owner_error = ErrorFeedback(OWNER, _describe), ErrorFeedback(OWNER, _describe)
+        error, owner_error = self._memory(), self._memory()
         error.load_state_dict(entries["error"], int, f"{OWNER} 'error'")
         where_owner = f"{OWNER} 'owner_error'"
         owner_error.load_state_dict(entries["owner_error"], _checked_piece, where_owner)
         generators = _checked_generators(f"{OWNER} 'generators'", entries["generators"])
+        # Earlier releases saved no place: under FSDP2 such a file cannot show which shard it
+        # holds, and is treated as another shard's; under DDP only the rank is compared.
+        mesh = state_dict.get("place", {})
+        saved_mesh = place.checked(f"{OWNER} 'place'", mesh)
+        agreed = self.handshake_fields()
         self.iter, self.error, self.owner_error = step, error, owner_error
         self._generator_states, self._generators = generators, []
-        self._saved_place = (world, rank) if world > 0 and rank >= 0 else None
-        self._checked = None
+        known = world > 0 and rank >= 0
+        self._saved_place = {"world_size": world, "rank": rank} if known else None
+        if self._saved_place is not None:
+            self._saved_place.update(saved_mesh)
+        self._layouts.clear()  # pieces of the loaded second memory are sorted out anew
+        if self.handshake_fields() != agreed:
+            # Another step count: the ranks must agree on it again (a reload of the same step
+            # keeps the check, so that one rank may reload alone).
+            if self._checked is not None:
+                self._reloaded = f"from step {agreed['iter']} to step {step}"
+            self._checked = None
 
 
 def _checked_piece(name: str) -> str:
@@ -477,7 +540,19 @@ def _checked_generators(where: str, value: Any) -> torch.Tensor | None:
             # A CUDA generator's state is its seed and offset, 16 bytes; it is checked when set.
             if row.numel() != _CUDA_GENERATOR_BYTES:
                 raise StateDictError(f"{where} is not a generator state ({exc}).") from exc
+            if not torch.cuda.is_available():
+                raise StateDictError(
+                    f"{where} holds a CUDA generator's state ({row.numel()} bytes), and this "
+                    "process has no CUDA device: stochastic rounding on CPU needs a CPU "
+                    "generator's state. Load a checkpoint saved by a CPU run, or drop the entry's "
+                    "contents (generators=torch.empty(0, dtype=torch.uint8)) to reseed."
+                ) from exc
     return states.clone()
+
+
+def _place_here(group: dist.ProcessGroup, mesh: dict[str, int | str]) -> dict[str, Any]:
+    """This rank's place: its rank and world size in ``group``, and ``mesh``'s coordinates."""
+    return {"world_size": comm.world_size(group), "rank": comm.group_rank(group), **mesh}
 
 
 def _place(group: dist.ProcessGroup | None) -> tuple[int, int]:

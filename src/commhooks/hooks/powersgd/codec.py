@@ -16,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from commhooks import lowrank, place
 from commhooks.factors import FactorMemory
 from commhooks.memory import Key, LazyErrorFeedback
 from commhooks.numbering import FIRST_SEEN, FROM_LAST, ParameterNumbering
@@ -44,6 +45,7 @@ class Snapshot:
     rng: RngState
     world_size: int | None
     rank: int | None
+    place: dict[str, int | str] | None  # mesh coordinates (commhooks.place); None: not saved
     memory: LazyErrorFeedback
     factors: FactorMemory
     layouts: dict[str, tuple[int, ...]]
@@ -82,6 +84,7 @@ def encode(snap: Snapshot, options: PowerSGDOptions) -> dict[str, Any]:
         },
         "world_size": -1 if snap.world_size is None else snap.world_size,
         "rank": -1 if snap.rank is None else snap.rank,
+        "place": {} if snap.place is None else dict(snap.place),
         "error": snap.memory.state_dict(),
         **snap.factors.state_dict(),
         "layouts": {k: list(v) for k, v in snap.layouts.items()},
@@ -129,7 +132,7 @@ def _check_options(saved: Any, options: PowerSGDOptions) -> None:
 def _parse(
     sd: Mapping[str, Any], options: PowerSGDOptions, describe: Callable[[Key], str]
 ) -> Snapshot:
-    memory = LazyErrorFeedback(OWNER, describe)
+    memory = LazyErrorFeedback(OWNER, describe, lowrank.plausible_residual)
     memory.load_state_dict(sd["error"], key_of, "error")
     factors = FactorMemory(OWNER, describe)
     factors.load_state_dict(sd, key_of)
@@ -146,6 +149,7 @@ def _parse(
         rng=_rng(sd["rng"]),
         world_size=_known(check_count("world_size", sd["world_size"], minimum=-1)),
         rank=_known(check_count("rank", sd.get("rank", -1), minimum=-1)),  # not in version 1
+        place=None if sd.get("place") is None else place.checked("place", sd["place"]),
         memory=memory,
         factors=factors,
         layouts=_layouts(sd["layouts"]),
@@ -254,7 +258,7 @@ def upgrade_pickled(attrs: dict[str, Any], describe: Callable[[Key], str]) -> di
     settings = PowerSGDOptions.from_mapping(
         {n: attrs[n] for n in PowerSGDOptions.names() if n in attrs}
     )
-    memory = LazyErrorFeedback(OWNER, describe)
+    memory = LazyErrorFeedback(OWNER, describe, lowrank.plausible_residual)
     for key, residual in attrs.get("_errors", {}).items():
         memory.record(key, residual)
     for key, (p, qt) in attrs.get("_pending", {}).items():
@@ -275,5 +279,5 @@ def upgrade_pickled(attrs: dict[str, Any], describe: Callable[[Key], str]) -> di
         # Releases before the numbering was kept numbered the parameters as first seen.
         "numbering": ParameterNumbering(attrs.get("_numbering", FIRST_SEEN)),
         "hook_name": _hook(None, memory, factors),
-        "_saved_world": (attrs.get("_saved_world_size"), attrs.get("_saved_rank")),
+        "_saved_world": (attrs.get("_saved_world_size"), attrs.get("_saved_rank"), None),
     }

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from commhooks import comm, handshake
+from commhooks import comm, handshake, lowrank, place
 from commhooks._warnings import CommHooksWarning, warn_once
 from commhooks.factors import FactorMemory
 from commhooks.memory import Key, LazyErrorFeedback
@@ -28,6 +28,10 @@ __all__ = ["PowerSGDState"]
 
 # The hooks' public module: where users look for the statistics it logs.
 logger = logging.getLogger("commhooks.hooks.powersgd")
+
+
+SavedPlace = tuple[int | None, int | None, dict[str, int | str] | None]
+"""``(world size, rank, mesh place)`` a loaded state was saved at; ``None`` where not known."""
 
 
 class PowerSGDState(HookState):
@@ -64,7 +68,7 @@ class PowerSGDState(HookState):
     kind = "powersgd"
     # 2: parameters numbered from the last one (numbering.FROM_LAST); 1 numbered them as first seen.
     version = 2
-    _transient = ("_plans", "_checked_group", "_issuer", "_announced")
+    _transient = ("_plans", "_checked_group", "_reloaded", "_issuer", "_announced")
 
     matrix_approximation_rank = SettingView[int]()
     start_powerSGD_iter = SettingView[int]()
@@ -103,17 +107,20 @@ class PowerSGDState(HookState):
         self.next_stats_report = 0
         self.hook_name: str | None = None  # the hook this state serves, once known
         self.numbering = ParameterNumbering()
-        self.memory = LazyErrorFeedback(codec.OWNER, self.describe)
+        self.memory = LazyErrorFeedback(codec.OWNER, self.describe, lowrank.plausible_residual)
         self.factors = FactorMemory(codec.OWNER, self.describe)
         self.layouts: dict[str, tuple[int, ...]] = {}
-        self._saved_world: tuple[int | None, int | None] = (None, None)  # (size, rank) loaded
+        # (size, rank, mesh place) a loaded state was saved at; None where not known
+        self._saved_world: SavedPlace = (None, None, None)
         self._restore_transient()
 
     def _restore_transient(self) -> None:
         self._plans: dict[tuple[int, ...], Plan] = {}
         self._checked_group: dist.ProcessGroup | None = None
+        self._reloaded: str | None = None  # how a load mid-run changed the handshake's fields
         self._issuer: tuple[dist.ProcessGroup, comm.OrderedIssuer] | None = None
         self._announced = False
+        self.memory.check_before_use()  # unpickled memories are checked as loaded ones are
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         if "_settings" not in state:  # pickled by a release that kept no parts
@@ -193,9 +200,11 @@ class PowerSGDState(HookState):
         self._claim(hook)
         group = comm.resolve_group(self.process_group, owner=hook)
         if self._checked_group is not group:
-            handshake.agree(group, hook, self)
-            self._forget_memory_of_another_world(group)
+            handshake.agree(group, hook, self, self._reloaded)
+            self._reloaded = None
             self._checked_group = group
+        if self._saved_world != (None, None, None):  # the first step after a load
+            self._forget_memory_of_another_world(group)
         if self._issuer is None or self._issuer[0] is not group:
             self._issuer = (group, comm.OrderedIssuer(comm.follow_up_group(group)))
         return group
@@ -292,8 +301,20 @@ class PowerSGDState(HookState):
             raise StateDictError(_other_hook(self.hook_name, hook))
 
     def _forget_memory_of_another_world(self, group: dist.ProcessGroup) -> None:
-        (size, rank), self._saved_world = self._saved_world, (None, None)
+        # A state pickled by an earlier release holds (size, rank) only.
+        size, rank, mesh = (*self._saved_world, None)[:3]
+        self._saved_world = (None, None, None)
         if size is None or not len(self.memory):
+            return
+        mesh = mesh or {}  # none saved (a release before FSDP2 places): no shard is shown
+        if size == group.size() and place.differs(mesh, self.mesh_place):
+            why = (
+                f"it was saved at {place.describe(mesh)} and is used at "
+                f"{place.describe(self.mesh_place)}: under FSDP2 each rank's memory describes "
+                "the rows of its own shard, and shard neighbours share their rank in the "
+                "replicate group. Load each rank's own file."
+            )
+            self._forget_memory(f"powersgd-mesh-{sorted(mesh.items())}", why)
             return
         if size != group.size():
             why = (
@@ -333,6 +354,7 @@ class PowerSGDState(HookState):
             rng=rng,
             world_size=_current(comm.world_size, self.process_group),
             rank=_current(comm.group_rank, self.process_group),
+            place=self.mesh_place,
             memory=self.memory,
             factors=self.factors,
             layouts=self.layouts,
@@ -345,6 +367,7 @@ class PowerSGDState(HookState):
         snap = codec.decode(sd, self.settings, self.describe)
         if self.hook_name is not None and snap.hook not in (None, self.hook_name):
             raise StateDictError(_other_hook(snap.hook, self.hook_name))
+        agreed = self.handshake_fields()
         self.iter = snap.iter
         self.total_numel_before_compression = snap.total_numel_before_compression
         self.total_numel_after_compression = snap.total_numel_after_compression
@@ -354,8 +377,13 @@ class PowerSGDState(HookState):
         if snap.numbering != self.numbering.scheme:
             self.numbering = ParameterNumbering(snap.numbering)
         self.hook_name = self.hook_name or snap.hook
-        self._saved_world = (snap.world_size, snap.rank)
-        self._checked_group = None
+        self._saved_world = (snap.world_size, snap.rank, snap.place)
+        if self.handshake_fields() != agreed:
+            # Another step count: the ranks must agree on it again (a reload of the same step
+            # keeps the check, so that one rank may reload alone).
+            if self._checked_group is not None:
+                self._reloaded = f"from step {agreed['iter']} to step {snap.iter}"
+            self._checked_group = None
         self._warn_if_memory_lost()
 
     def _warn_if_memory_lost(self) -> None:
