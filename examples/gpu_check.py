@@ -76,11 +76,11 @@ class Budget:
     def __init__(self, seconds: float) -> None:
         self.deadline = time.monotonic() + seconds
 
-    def left(self, at_most: float = float("inf")) -> float:
+    def left(self) -> float:
         remaining = self.deadline - time.monotonic()
         if remaining <= 1:
             raise TimeoutError("the section's time budget is spent")
-        return min(remaining, at_most)
+        return remaining
 
 
 def verdict_of(results: dict[str, Result]) -> str:
@@ -93,34 +93,47 @@ def verdict_of(results: dict[str, Result]) -> str:
     return "pass"
 
 
-def on_ranks(fn: Callable[..., Any], world: int, backend: str, timeout: float, *args: Any) -> Any:
-    """``run_on_ranks``, with a rank that fails or hangs recorded as a failed part."""
+def on_ranks(
+    fn: Callable[..., Any],
+    world: int,
+    backend: str,
+    budget: Budget,
+    *args: Any,
+    fraction: float = 1.0,
+    at_most: float = float("inf"),
+) -> Any:
+    """``run_on_ranks`` within ``fraction`` of the section's time left, and ``at_most`` seconds.
+
+    Ranks that fail or hang, or a budget already spent, make a failed part, not an exception.
+    """
     try:
+        timeout = min(budget.left() * fraction, at_most)
         return run_on_ranks(fn, world, *args, timeout=timeout, backend=backend)
     except RankError as exc:
         return {"verdict": "fail", "error": str(exc)[-3000:]}
+    except TimeoutError as exc:
+        return {"verdict": "fail", "error": f"not run: {exc}"}
 
 
-def per_hook(results: Any, names: list[str]) -> dict[str, Result]:
-    """Rank 0's per-hook results, or the whole call's failure charged to every hook."""
+def per_hook(results: Any) -> Result:
+    """A part made of rank 0's verdicts per hook, or the failure of the whole call."""
     if isinstance(results, dict):
-        return {name: dict(results) for name in names}
-    return dict(results[0])
+        return results
+    return {"verdict": verdict_of(results[0]), "hooks": results[0]}
 
 
 # ---------------------------------------------------------------------------------------------
 # The sections: each takes the settings and its budget and returns its parts' results
 # ---------------------------------------------------------------------------------------------
 def parity(settings: Settings, budget: Budget) -> dict[str, Result]:
-    names = parts.hook_names()
     out: dict[str, Result] = {}
     for label, world, backend in (("nccl, 1 rank", 1, "nccl"), ("gloo, 2 ranks", 2, "gloo")):
         if backend == "nccl" and not settings.cuda:
             out[label] = {"verdict": SKIPPED}
             continue
-        results = on_ranks(parts.parity_rank, world, backend, budget.left(), settings.cuda)
-        hooks = per_hook(results, names)
-        out[label] = {"verdict": verdict_of(hooks), "hooks": hooks}
+        half = 0.5 if backend == "nccl" else 1.0  # half for the first part, so both run
+        results = on_ranks(parts.parity_rank, world, backend, budget, settings.cuda, fraction=half)
+        out[label] = per_hook(results)
     return out
 
 
@@ -130,9 +143,10 @@ def init_forms(settings: Settings, budget: Budget) -> dict[str, Result]:
         if form == "eager" and not settings.cuda:
             out[form] = {"verdict": SKIPPED}
             continue
-        results = on_ranks(parts.init_form_rank, 1, "gloo", budget.left(), settings.cuda, form)
-        hooks = per_hook(results, [n for n in parts.hook_names() if n != "no"])
-        out[form] = {"verdict": verdict_of(hooks), "hooks": hooks}
+        half = 0.5 if form == "lazy" else 1.0
+        args = (settings.cuda, form)
+        results = on_ranks(parts.init_form_rank, 1, "gloo", budget, *args, fraction=half)
+        out[form] = per_hook(results)
     return out
 
 
@@ -140,9 +154,10 @@ def many_buckets(settings: Settings, budget: Budget) -> dict[str, Result]:
     backend = "nccl" if settings.cuda else "gloo"
     out: dict[str, Result] = {}
     for name in parts.hook_names():
-        timeout = budget.left(settings.per_hook_s)
         args = (settings.cuda, name, settings.hang_layers)
-        result = on_ranks(parts.many_buckets_rank, 1, backend, timeout, *args)
+        result = on_ranks(
+            parts.many_buckets_rank, 1, backend, budget, *args, at_most=settings.per_hook_s
+        )
         out[name] = result if isinstance(result, dict) else result[0]
     return out
 
@@ -152,7 +167,7 @@ def sync_audit(settings: Settings, budget: Budget) -> dict[str, Result]:
         return {name: {"verdict": SKIPPED} for name in parts.SYNC_FREE}
     out: dict[str, Result] = {}
     for name in parts.SYNC_FREE:
-        result = on_ranks(parts.sync_audit_rank, 1, "nccl", budget.left(60), name)
+        result = on_ranks(parts.sync_audit_rank, 1, "nccl", budget, name, at_most=30)
         out[name] = result if isinstance(result, dict) else result[0]
     return out
 
@@ -164,8 +179,8 @@ def step_time(settings: Settings, budget: Budget) -> dict[str, Result]:
         argv = [*settings.step_argv, "--bucket-cap-mb", str(cap)]
         # Each bucket size gets half of what is left when it starts: a slow first one leaves
         # the second its share.
-        timeout = budget.left() / (2 if label == "one bucket" else 1)
-        result = on_ranks(parts.step_time_rank, 1, backend, timeout, argv)
+        half = 0.5 if label == "one bucket" else 1.0
+        result = on_ranks(parts.step_time_rank, 1, backend, budget, argv, fraction=half)
         if isinstance(result, dict):
             out[label] = result
             continue
@@ -205,9 +220,9 @@ def bandwidth(settings: Settings, budget: Budget) -> dict[str, Result]:
 
 
 SECTIONS: dict[str, tuple[Callable[[Settings, Budget], dict[str, Result]], float]] = {
-    "parity": (parity, 60),
-    "init_forms": (init_forms, 40),
-    "many_buckets": (many_buckets, 60),
+    "parity": (parity, 50),
+    "init_forms": (init_forms, 30),
+    "many_buckets": (many_buckets, 80),
     "sync_audit": (sync_audit, 40),
     "step_time": (step_time, 240),
     "bandwidth": (bandwidth, 30),
