@@ -6,7 +6,7 @@ runs out of time is recorded as failed, with its error, and the next one runs):
 
 1. ``parity``: every hook against PyTorch's counterpart on a small MLP, as the tests promise
    (bitwise where they promise bits), under NCCL with one rank and two gloo ranks on the GPU;
-2. ``init_forms``: every hook with state after ``init_process_group("nccl")`` (lazy) and
+2. ``init_forms``: every hook, a few steps each, after ``init_process_group("nccl")`` (lazy) and
    ``init_process_group("nccl", device_id=...)`` (eager);
 3. ``many_buckets``: every hook on 330 buckets, each hook with a timeout of its own;
 4. ``sync_audit``: a finite step's backward pass and optimizer step under
@@ -17,7 +17,7 @@ runs out of time is recorded as failed, with its error, and the next one runs):
 
 It prints a table of the sections and of the goals (each met or missed) and writes everything
 to ``--json`` (default ``gpu_check.json``). ``--device cpu`` runs every section's logic on the
-CPU over gloo with tiny sizes, in seconds, so the script is tested without a GPU; what needs
+CPU over gloo with tiny sizes, in under a minute, so the script is tested without a GPU; what needs
 CUDA is recorded there as ``skipped: no CUDA``::
 
     python examples/gpu_check.py                     # on a GPU machine
