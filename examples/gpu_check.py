@@ -126,6 +126,7 @@ def per_hook(results: Any) -> Result:
 # The sections: each takes the settings and its budget and returns its parts' results
 # ---------------------------------------------------------------------------------------------
 def parity(settings: Settings, budget: Budget) -> dict[str, Result]:
+    """Every hook against PyTorch's counterpart: NCCL on one rank, gloo on two sharing the GPU."""
     out: dict[str, Result] = {}
     for label, world, backend in (("nccl, 1 rank", 1, "nccl"), ("gloo, 2 ranks", 2, "gloo")):
         if backend == "nccl" and not settings.cuda:
@@ -138,6 +139,7 @@ def parity(settings: Settings, budget: Budget) -> dict[str, Result]:
 
 
 def init_forms(settings: Settings, budget: Budget) -> dict[str, Result]:
+    """Every hook after a lazy and an eager ``init_process_group`` (eager binds NCCL at once)."""
     out: dict[str, Result] = {}
     for form in ("lazy", "eager"):
         if form == "eager" and not settings.cuda:
@@ -151,6 +153,7 @@ def init_forms(settings: Settings, budget: Budget) -> dict[str, Result]:
 
 
 def many_buckets(settings: Settings, budget: Budget) -> dict[str, Result]:
+    """Every hook on hundreds of buckets, each in its own process with its own timeout."""
     backend = "nccl" if settings.cuda else "gloo"
     out: dict[str, Result] = {}
     for name in parts.hook_names():
@@ -163,6 +166,7 @@ def many_buckets(settings: Settings, budget: Budget) -> dict[str, Result]:
 
 
 def sync_audit(settings: Settings, budget: Budget) -> dict[str, Result]:
+    """Whether a finite step of each hook makes the host wait for the device."""
     if not settings.cuda:
         return {name: {"verdict": SKIPPED} for name in parts.SYNC_FREE}
     out: dict[str, Result] = {}
@@ -173,6 +177,7 @@ def sync_audit(settings: Settings, budget: Budget) -> dict[str, Result]:
 
 
 def step_time(settings: Settings, budget: Budget) -> dict[str, Result]:
+    """gpu_step_time.py's figures with one bucket and with 25 MB buckets, each in one process."""
     backend = "nccl" if settings.cuda else "gloo"
     out: dict[str, Result] = {}
     for label, cap in parts.CAPS.items():
