@@ -10,7 +10,8 @@ runs out of time is recorded as failed, with its error, and the next one runs):
    ``init_process_group("nccl", device_id=...)`` (eager);
 3. ``many_buckets``: every hook on 330 buckets, each hook with a timeout of its own;
 4. ``sync_audit``: a finite step's backward pass and optimizer step under
-   ``torch.cuda.set_sync_debug_mode("error")``, after a warm-up;
+   ``torch.cuda.set_sync_debug_mode("error")``, after a warm-up, with the waits on CUDA events
+   that this mode does not see counted through PyTorch's GPU trace;
 5. ``step_time``: step time and peak memory against PyTorch's hooks on the 4 x 4096 MLP, with
    one bucket and with 25 MB buckets (``examples/gpu_step_time.py``'s measurement);
 6. ``bandwidth``: the quantize passes' speed (``examples/quantize_passes.py``).

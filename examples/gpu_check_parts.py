@@ -10,7 +10,7 @@ import io
 import os
 import re
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import gpu_step_time
@@ -50,6 +50,7 @@ COUNTERPARTS = {
     "post_local_sgd": "torch_post_local_sgd",
 }
 FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+TRACE = re.compile(r"torch[/\\](_utils|cuda[/\\]_gpu_trace)\.py$")  # the trace's own frames
 MAY_FAIL = set(COUNTERPARTS.values())  # PyTorch's hook failing is a finding, not ours failing
 
 
@@ -313,8 +314,69 @@ def first_sync(exc: BaseException) -> str:
     return found[-1] if found else (str(exc).strip().splitlines() or ["?"])[0]
 
 
+class EventSyncs:
+    """Counts the host's waits that sync debug mode does not see: ``cudaEventSynchronize``.
+
+    ``set_sync_debug_mode`` flags stream and device synchronisations and blocking copies, but
+    not a wait on an event (``Event.synchronize()``, a non-blocking copy waited for). PyTorch's
+    GPU trace (what its CUDA sanitizer uses) reports those: each is kept as the line that asked.
+    The trace stays on for the rest of the process, which is the audit's own.
+    """
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.active = False
+        from torch.cuda import _gpu_trace
+
+        torch._C._activate_gpu_trace()
+        _gpu_trace.register_callback_for_event_synchronization(self._seen)
+
+    def _seen(self, *_: Any) -> None:
+        if self.active:
+            stack = traceback.extract_stack()[:-1]  # without this function
+            frames = [
+                f"{f.filename}:{f.lineno} in {f.name}"
+                for f in stack
+                if not TRACE.search(f.filename)
+            ]
+            mine = [f for f in frames if "commhooks" in f and "examples" not in f]
+            self.lines.append((mine or frames or ["?"])[-1])
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[list[str]]:
+        self.active = True
+        try:
+            yield self.lines
+        finally:
+            self.active = False
+
+
+def audited_step(opt: torch.optim.Optimizer, loss: torch.Tensor) -> Result:
+    """The backward pass and the step under sync debug mode "error", event waits counted."""
+    try:
+        events: EventSyncs | None = EventSyncs()
+    except (AttributeError, ImportError):  # a PyTorch without the GPU trace
+        events = None
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with events.counting() if events else contextlib.nullcontext([]) as waits:
+            loss.backward()
+            opt.step()
+    except RuntimeError as exc:
+        return {"verdict": "fail", "syncs": ">= 1", "first_sync": first_sync(exc),
+                "error": describe(exc)}  # fmt: skip
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    if waits:
+        return {"verdict": "fail", "syncs": len(waits), "first_sync": waits[0],
+                "error": "the host waited for an event"}  # fmt: skip
+    counted = "counted" if events else "not counted: this PyTorch has no GPU trace"
+    return {"verdict": "pass", "syncs": 0, "event_waits": counted}
+
+
 def sync_audit_rank(rank: int, world_size: int, name: str) -> Result:
-    """After a warm-up, a finite step's backward pass and optimizer step under sync mode "error"."""
+    """After a warm-up, whether a finite step of hook ``name`` makes the host wait for the GPU."""
     device = device_of(True)
     ddp = wrap(mlp((1024, 1024, 1024, 1024, 1024)), device, 1.0)  # a bucket per layer
     ours(name, **fast_options(name))(ddp)
@@ -325,23 +387,11 @@ def sync_audit_rank(rank: int, world_size: int, name: str) -> Result:
         nn.functional.mse_loss(ddp(x), y).backward()
         opt.step()
     opt.zero_grad(set_to_none=True)
-    loss = nn.functional.mse_loss(ddp(x), y)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        loss.backward()
-        opt.step()
-    except RuntimeError as exc:
-        return {
-            "verdict": "fail",
-            "syncs": ">= 1",
-            "first_sync": first_sync(exc),
-            "error": describe(exc),
-        }
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    result = audited_step(opt, nn.functional.mse_loss(ddp(x), y))
     finite = all(bool(torch.isfinite(p.grad).all()) for p in ddp.parameters())
-    return {"verdict": "pass" if finite else "fail", "syncs": 0, "finite": finite}
+    if not finite:
+        result.update(verdict="fail", error="the audited step was not finite")
+    return {**result, "finite": finite}
 
 
 def step_time_rank(rank: int, world_size: int, argv: list[str]) -> dict[str, Result]:

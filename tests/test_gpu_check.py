@@ -101,3 +101,15 @@ def test_the_first_sync_is_found_in_the_hooks_traceback(parts):
     )
     found = parts.first_sync(RuntimeError(message))
     assert found == "/x/src/commhooks/hooks/half.py:42 in finish"
+
+
+def test_event_waits_are_counted_only_within_the_audited_step(parts):
+    # The registry PyTorch's GPU trace fires when the host waits for a CUDA event.
+    from torch.cuda import _gpu_trace
+
+    events = parts.EventSyncs()
+    _gpu_trace.EventSynchronizationCallbacks.fire_callbacks(1)
+    with events.counting() as waits:
+        _gpu_trace.EventSynchronizationCallbacks.fire_callbacks(2)
+    _gpu_trace.EventSynchronizationCallbacks.fire_callbacks(3)
+    assert len(waits) == 1 and "test_gpu_check.py" in waits[0]
