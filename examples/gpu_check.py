@@ -261,6 +261,9 @@ def print_table(sections: dict[str, Result], goals: list[Result]) -> None:
         shown = f"{measured:8.3f}" if isinstance(measured, float) else f"{str(measured):>8}"
         limit = f"{goal['limit']:6.2f}" if goal["limit"] is not None else f"{'':6}"
         print(f"{goal['goal']:64} {shown} {limit}  {goal['verdict'][:100]}")
+    tally = {kind: sum(g["verdict"].startswith(kind) for g in goals) for kind in ("met", "missed")}
+    others = len(goals) - sum(tally.values())
+    print(f"goals: {tally['met']} met, {tally['missed']} missed, {others} not comparable here")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

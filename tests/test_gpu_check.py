@@ -51,6 +51,8 @@ def test_every_section_runs_on_the_cpu_and_reports_a_verdict(tmp_path):
     assert verdicts["25 MB buckets: peak memory fp16 / torch_fp16"].startswith("n/a")
     assert verdicts["no host-device sync in a finite step: power_sgd"] == "skipped: no CUDA"
     assert "no host-device sync in a finite step: int4" in proc.stdout
+    met = sum(v == "met" for v in verdicts.values())
+    assert f"goals: {met} met" in proc.stdout
 
 
 @pytest.mark.timeout(120)
