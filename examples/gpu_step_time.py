@@ -23,49 +23,74 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks as torch_debugging
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_default
+from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as torch_local
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commhooks
 
+# Ours by their registered names, each beside PyTorch's counterpart where PyTorch has one.
 HOOKS = [
     "no_hook",
     "noop",
+    "torch_noop",
     "allreduce",
+    "torch_allreduce",
     "fp16",
     "torch_fp16",
     "bf16",
     "torch_bf16",
+    "int8",
+    "int4",
     "power_sgd",
     "power_sgd_single_round",
     "torch_power_sgd",
     "batched_power_sgd",
     "torch_batched_power_sgd",
+    "post_local_sgd",
+    "torch_post_local_sgd",
 ]
+START_STEP = 2  # PowerSGD compresses, and local SGD stops averaging gradients, from this step
 
 
-def hook_and_state(name: str, rank: int) -> tuple[Callable | None, Callable[[], Any]]:
-    """The hook called ``name`` and a factory for its state (PowerSGD at ``rank``)."""
+def our_options(name: str, rank: int) -> dict[str, Any]:
+    """Options for our hook ``name`` that start its real work within the warm-up."""
+    if "power_sgd" in name:
+        return {"matrix_approximation_rank": rank, "start_powerSGD_iter": START_STEP}
+    if name == "post_local_sgd":
+        return {"start_localSGD_iter": START_STEP}
+    return {}
 
-    def powersgd(module: Any, **extra: Any) -> Callable[[], Any]:
-        return lambda: module.PowerSGDState(
-            None, matrix_approximation_rank=rank, start_powerSGD_iter=2, **extra
+
+def _theirs(hook: Callable[..., Any], state: Callable[[], Any]) -> Callable[[DDP], None]:
+    return lambda ddp: ddp.register_comm_hook(state(), hook)
+
+
+def attach(name: str, rank: int) -> Callable[[DDP], None] | None:
+    """What registers hook ``name`` on a DDP model (PowerSGD at ``rank``); None for no hook."""
+    if name == "no_hook":
+        return None
+    if not name.startswith("torch_"):
+        return lambda ddp: commhooks.register(ddp, name, **our_options(name, rank))
+
+    def powersgd() -> Any:
+        return torch_powersgd.PowerSGDState(
+            None, matrix_approximation_rank=rank, start_powerSGD_iter=START_STEP
         )
 
-    table: dict[str, tuple[Callable | None, Callable[[], Any]]] = {
-        "no_hook": (None, lambda: None),
-        "noop": (commhooks.noop_hook, lambda: None),
-        "allreduce": (commhooks.allreduce_hook, lambda: None),
-        "fp16": (commhooks.fp16_compress_hook, lambda: None),
-        "torch_fp16": (torch_default.fp16_compress_hook, lambda: None),
-        "bf16": (commhooks.bf16_compress_hook, lambda: None),
-        "torch_bf16": (torch_default.bf16_compress_hook, lambda: None),
-        "power_sgd": (commhooks.powerSGD_hook, powersgd(commhooks)),
-        "power_sgd_single_round": (commhooks.powerSGD_hook, powersgd(commhooks, single_round=True)),
-        "torch_power_sgd": (torch_powersgd.powerSGD_hook, powersgd(torch_powersgd)),
-        "batched_power_sgd": (commhooks.batched_powerSGD_hook, powersgd(commhooks)),
-        "torch_batched_power_sgd": (torch_powersgd.batched_powerSGD_hook, powersgd(torch_powersgd)),
+    table = {
+        "torch_noop": _theirs(torch_debugging.noop_hook, lambda: None),
+        "torch_allreduce": _theirs(torch_default.allreduce_hook, lambda: None),
+        "torch_fp16": _theirs(torch_default.fp16_compress_hook, lambda: None),
+        "torch_bf16": _theirs(torch_default.bf16_compress_hook, lambda: None),
+        "torch_power_sgd": _theirs(torch_powersgd.powerSGD_hook, powersgd),
+        "torch_batched_power_sgd": _theirs(torch_powersgd.batched_powerSGD_hook, powersgd),
+        "torch_post_local_sgd": _theirs(
+            torch_local.post_localSGD_hook,
+            lambda: torch_local.PostLocalSGDState(None, None, start_localSGD_iter=START_STEP),
+        ),
     }
     return table[name]
 
@@ -96,12 +121,12 @@ def run_hook(
     name: str, cap: float, args: argparse.Namespace, device: torch.device
 ) -> tuple[list[float], int]:
     """Step times (seconds) of one fresh DDP model with hook ``name``, and its peak memory."""
-    hook, make_state = hook_and_state(name, args.rank)
     model = build_model(args, device)
     ids = [device.index] if device.type == "cuda" else None
     ddp = DDP(model, device_ids=ids, bucket_cap_mb=cap)
-    if hook is not None:
-        ddp.register_comm_hook(make_state(), hook)
+    register = attach(name, args.rank)
+    if register is not None:
+        register(ddp)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(1 + dist.get_rank())
     x = torch.randn(args.batch, args.width, generator=gen).to(device)

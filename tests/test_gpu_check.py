@@ -1,0 +1,117 @@
+"""examples/gpu_check.py end to end on the CPU (its dry mode), and how it judges its goals."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+SECTIONS = ["parity", "init_forms", "many_buckets", "sync_audit", "step_time", "bandwidth"]
+
+
+def _run(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
+    path = tmp_path / "check.json"
+    paths = [str(ROOT / d) for d in ("src", "baselines", "tests")]
+    env = {"PYTHONPATH": ":".join(paths), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "gpu_check.py"), "--device", "cpu", "--json", str(path),
+         *extra],
+        env={**os.environ, **env}, capture_output=True, text=True, timeout=170,
+    )  # fmt: skip
+    assert path.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, json.loads(path.read_text())
+
+
+@pytest.mark.timeout(180)
+def test_every_section_runs_on_the_cpu_and_reports_a_verdict(tmp_path):
+    proc, found = _run(tmp_path)
+    sections = found["sections"]
+    assert list(sections) == SECTIONS
+    for name in ("parity", "init_forms", "many_buckets", "step_time", "bandwidth"):
+        assert sections[name]["verdict"] == "pass", (name, json.dumps(sections[name])[:3000])
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert sections["sync_audit"]["verdict"] == "skipped: no CUDA"
+    parity = sections["parity"]["parts"]
+    assert parity["nccl, 1 rank"]["verdict"] == "skipped: no CUDA"
+    hooks = parity["gloo, 2 ranks"]["hooks"]
+    assert hooks["allreduce"]["differing_elements"] == 0 and hooks["fp16"]["verdict"] == "pass"
+    assert hooks["power_sgd"]["relative_error"] <= 1e-5
+    assert sections["init_forms"]["parts"]["eager"]["verdict"] == "skipped: no CUDA"
+    assert len(sections["init_forms"]["parts"]["lazy"]["hooks"]) >= 10
+    buckets = sections["many_buckets"]["parts"]
+    assert all(r["buckets"] >= 100 and r["steps"] == 4 for r in buckets.values()), buckets
+    steps = sections["step_time"]["parts"]["one bucket"]["hooks"]
+    assert steps["int8"]["median_ms"] > 0 and steps["torch_allreduce"]["median_ms"] > 0
+    verdicts = {g["goal"]: g["verdict"] for g in found["goals"]}
+    assert verdicts["one bucket: step time int8 / fp16"] in ("met", "missed")
+    assert verdicts["25 MB buckets: peak memory fp16 / torch_fp16"].startswith("n/a")
+    assert verdicts["no host-device sync in a finite step: power_sgd"] == "skipped: no CUDA"
+    assert "no host-device sync in a finite step: int4" in proc.stdout
+    met = sum(v == "met" for v in verdicts.values())
+    assert f"goals: {met} met" in proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_a_section_out_of_time_is_recorded_and_the_rest_still_run(tmp_path):
+    proc, found = _run(tmp_path, "--budget-scale", "0.001", "--sections", "parity,bandwidth")
+    assert proc.returncode == 1
+    parity, bandwidth = found["sections"]["parity"], found["sections"]["bandwidth"]
+    assert parity["verdict"] == "fail"
+    assert (
+        "not run: the section's time budget is spent" in parity["parts"]["gloo, 2 ranks"]["error"]
+    )
+    assert bandwidth["verdict"] == "fail" and "TimeoutError" in bandwidth["error"]
+
+
+@pytest.fixture(scope="module")
+def parts():
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import gpu_check_parts
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    return gpu_check_parts
+
+
+def test_goals_compare_ours_with_pytorchs_and_say_why_when_they_cannot(parts):
+    rows = {
+        "fp16": {"median_ms": 5.0, "peak_mib": 100.0},
+        "torch_fp16": {"median_ms": 4.9, "peak_mib": 98.0},
+        "int8": {"median_ms": 4.0, "peak_mib": 90.0},
+        "torch_bf16": {"error": "TypeError: needs CUDA"},
+        "bf16": {"median_ms": 5.0, "peak_mib": 100.0},
+    }
+    goals = {g["goal"]: g for g in parts.step_goals("one bucket", {"hooks": rows})}
+    assert goals["one bucket: step time fp16 / torch_fp16"]["verdict"] == "missed"  # 1.02x
+    assert goals["one bucket: peak memory fp16 / torch_fp16"]["verdict"] == "met"  # 1.02x
+    assert goals["one bucket: step time int8 / fp16"]["verdict"] == "met"
+    bf16 = goals["one bucket: step time bf16 / torch_bf16"]["verdict"]
+    assert bf16 == "n/a: torch_bf16 TypeError: needs CUDA"
+    assert goals["one bucket: step time int4 / fp16"]["verdict"].startswith("missed: not measured")
+
+
+def test_the_first_sync_is_found_in_the_hooks_traceback(parts):
+    message = (
+        'Traceback (most recent call last):\n  File "/x/torch/nn/parallel/ddp.py", line 9, in f\n'
+        '  File "/x/src/commhooks/hooks/half.py", line 42, in finish\n'
+        '  File "/x/torch/cuda/__init__.py", line 7, in synchronize\n'
+        "RuntimeError: called a synchronizing CUDA operation"
+    )
+    found = parts.first_sync(RuntimeError(message))
+    assert found == "/x/src/commhooks/hooks/half.py:42 in finish"
+
+
+def test_event_waits_are_counted_only_within_the_audited_step(parts):
+    # The registry PyTorch's GPU trace fires when the host waits for a CUDA event.
+    from torch.cuda import _gpu_trace
+
+    events = parts.EventSyncs()
+    _gpu_trace.EventSynchronizationCallbacks.fire_callbacks(1)
+    with events.counting() as waits:
+        _gpu_trace.EventSynchronizationCallbacks.fire_callbacks(2)
+    _gpu_trace.EventSynchronizationCallbacks.fire_callbacks(3)
+    assert len(waits) == 1 and "test_gpu_check.py" in waits[0]
