@@ -26,10 +26,21 @@ finite values, and one at or above infinity's when a block holds inf or NaN, who
 not finite, as PyTorch's is.
 """
 
+import os
+
 import triton
 import triton.language as tl
 
-INTERPRETED = bool(triton.knobs.runtime.interpret)  # how these kernels were built
+
+def interpreting() -> bool:
+    """Whether Triton builds kernels for its interpreter now (``TRITON_INTERPRET``)."""
+    knobs = getattr(triton, "knobs", None)  # Triton 3.4 and later
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+INTERPRETED = interpreting()  # how the kernels below were built
 
 _SMALLEST_ABSMAX: tl.constexpr = tl.constexpr(1e-30)
 _ROUNDER: tl.constexpr = tl.constexpr(12582912.0)  # 1.5 * 2**23: x + it - it is rint(x)

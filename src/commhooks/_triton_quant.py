@@ -23,12 +23,20 @@ import logging
 import math
 import os
 import threading
+from collections.abc import Iterator
 from types import ModuleType
 
 import numpy as np
 import torch
 
-__all__ = ["available", "dequantize_rows", "quantize_rows", "requantize_rows", "reset"]
+__all__ = [
+    "available",
+    "dequantize_rows",
+    "disabled",
+    "quantize_rows",
+    "requantize_rows",
+    "reset",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -42,11 +50,24 @@ _DECODED = (torch.float32, torch.bfloat16, torch.float16)
 
 _lock = threading.Lock()
 _state: dict[str, ModuleType | None] = {}
+_off = [0]  # how many disabled() blocks are active, in any thread
 
 
 def available() -> bool:
     """Whether the kernels are loaded (loading them, and so Triton, on the first call)."""
     return _module() is not None
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Run the eager form in the whole process while the block is active (for comparisons)."""
+    with _lock:
+        _off[0] += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _off[0] -= 1
 
 
 def reset() -> None:
@@ -286,6 +307,8 @@ def _on_kernels_device(kernels: ModuleType, t: torch.Tensor) -> bool:
 
 def _module() -> ModuleType | None:
     with _lock:
+        if _off[0]:
+            return None
         if "kernels" not in _state:
             _state["kernels"] = _load()
         return _state["kernels"]
@@ -296,10 +319,8 @@ def _load() -> ModuleType | None:
         logger.info("COMMHOOKS_TRITON=0: PyTorch's eager operations run instead of Triton's")
         return None
     try:
-        import triton
-
         module = importlib.import_module("commhooks._triton_kernels")
-        if bool(triton.knobs.runtime.interpret) != module.INTERPRETED:
+        if module.interpreting() != module.INTERPRETED:
             module = importlib.reload(module)  # built in the other mode: build them again
     except ImportError as error:
         logger.info("PyTorch's eager operations run instead of Triton's (%s)", error)
