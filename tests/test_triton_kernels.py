@@ -58,7 +58,7 @@ def _eager_quantize(x, fmt, keep=True, add=None):
     return packets, left
 
 
-def _eager_owner(packets, fmt, world, memory, keep, length=320):
+def _eager_owner(packets, fmt, world, memory, keep, length=cases.OWNED):
     out = torch.full((1, length), 5.0)
     packet = torch.full((1, fmt.packet_bytes(length)), 7, dtype=torch.uint8)
     scratch = torch.empty(packets.shape[0], length)
@@ -94,7 +94,7 @@ def test_adding_the_error_in_the_same_pass_gives_the_eager_bits(interpreted, cas
 def test_decoding_and_summing_give_the_eager_bits(interpreted, case):
     bits, rows = case
     fmt = BlockFormat(bits, 64)
-    length = fmt.row_length(rows * 700, rows)
+    length = fmt.row_length(rows * cases.DECODED, rows)
     packets = cases.packets_of(fmt, rows, length, seed=rows)
     decoded, summed = interpreted[f"decode {bits} {rows}"]
     with _kernels.disabled():
@@ -122,7 +122,7 @@ def test_the_owners_pass_gives_the_eager_bits(interpreted, case):
     packet, out = interpreted[f"owner {bits} {world} {remembered} {keep}"]
     expected_packet, expected_out = _eager_owner(packets, fmt, world, memory, keep)
     assert torch.equal(packet, expected_packet) and _same(out, expected_out)
-    assert quantize.scales_finite(packet, fmt, 320)
+    assert quantize.scales_finite(packet, fmt, cases.OWNED)
 
 
 def test_the_owners_pass_is_the_hooks_sequence_of_eager_steps():

@@ -15,6 +15,9 @@ import torch
 from commhooks import _kernels, _triton_quant, quantize
 from commhooks.quantize import BlockFormat
 
+# Lengths past a program's tile (2048 elements; 1024 in the owner's pass): several programs.
+OWNED = 2560
+DECODED = 2500
 QUANTIZE = [
     (bits, block, rows, keep)
     for bits in (8, 4)
@@ -36,7 +39,7 @@ OWNER = [
     (bits, world, remembered, keep)
     for bits in (8, 4)
     for world in (1, 3, 4)
-    for remembered in (None, 77, 320)
+    for remembered in (None, 77, OWNED)
     for keep in (True, False)
 ]
 BITS = (8, 4)
@@ -57,7 +60,7 @@ def values(rows: int, length: int, seed: int) -> torch.Tensor:
 
 def quantize_input(bits: int, block: int, rows: int) -> tuple[BlockFormat, torch.Tensor]:
     fmt = BlockFormat(bits, block)
-    length = fmt.row_length(rows * (3 * block + 5), rows)  # several programs' worth at 8
+    length = fmt.row_length(rows * (2048 + 5), rows)  # past a tile at every block
     return fmt, values(rows, length, seed=bits + block + rows)
 
 
@@ -84,7 +87,7 @@ def owner_input(bits: int, world: int, remembered: int | None):
     memory = None
     if remembered is not None:
         memory = torch.randn(remembered, generator=torch.Generator().manual_seed(world))
-    return fmt, packets_of(fmt, world, 320, seed=world, clamp=1e30), memory  # a finite sum
+    return fmt, packets_of(fmt, world, OWNED, seed=world, clamp=1e30), memory  # a finite sum
 
 
 def non_finite_input() -> torch.Tensor:
@@ -105,7 +108,7 @@ def _decoded(packets, fmt, out, **how):
     return out
 
 
-def _owner(packets, fmt, world, memory, keep, length=320, **how):
+def _owner(packets, fmt, world, memory, keep, length=OWNED, **how):
     out = torch.full((1, length), 5.0)
     packet = torch.full((1, fmt.packet_bytes(length)), 7, dtype=torch.uint8)
     args = (packets, fmt.bits, fmt.block, world, out, packet, keep, memory)
@@ -148,7 +151,7 @@ def run_all() -> dict[str, object]:
         results[f"add {bits} {added} {keep}"] = _quantized(x, fmt, bool(keep), add)
     for bits, rows in DECODE:
         fmt = BlockFormat(bits, 64)
-        length = fmt.row_length(rows * 700, rows)
+        length = fmt.row_length(rows * DECODED, rows)
         packets = packets_of(fmt, rows, length, seed=rows)
         decoded = _decoded(packets, fmt, torch.empty(rows, length))
         summed = _decoded(packets, fmt, torch.empty(1, length), add_rows=True)

@@ -41,8 +41,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 # Elements a program holds (a tile of whole blocks): enough to keep loads wide and in flight,
-# few enough to stay in registers.
-_TILE = 4096
+# few enough to stay in registers (16 a thread with 4 warps). The owner's pass covers one row,
+# a rank's share of the bucket, with smaller tiles, so that its grid still fills the GPU.
+_TILE, _OWNER_TILE = 2048, 1024
 _MAX_ROWS = 65535  # the grid's second dimension
 _MAX_ELEMENTS = 1 << 31  # offsets within a row of rows are 32-bit in the kernels
 # What a decoded row may be written as: float32, or rounded once from it, as PyTorch does.
@@ -193,7 +194,7 @@ def requantize_rows(
         return False
     codes, scales = _split(packets, length, bits)
     own_codes, own_scales = _split(packet, length, bits)
-    width, group, grid = _shape(block, length, 1)
+    width, group, grid = _shape(block, length, 1, _OWNER_TILE)
     inverse = float(np.float32(1.0) / np.float32(world))
     with _on(out.device):
         kernels.requantize_kernel[grid](
@@ -214,11 +215,13 @@ def _split(packets: torch.Tensor, length: int, bits: int) -> tuple[torch.Tensor,
     return codes.view(torch.int8) if bits == 8 else codes, packets[:, payload:].view(torch.float32)
 
 
-def _shape(block: int, columns: int, rows: int) -> tuple[int, int, tuple[int, int]]:
+def _shape(
+    block: int, columns: int, rows: int, tile: int = _TILE
+) -> tuple[int, int, tuple[int, int]]:
     """The tile's width (the block, rounded up to a power of two), blocks per program, and
     the grid: programs along a row, then rows."""
     width = 1 << (block - 1).bit_length()
-    group = max(1, _TILE // width)
+    group = max(1, tile // width)
     return width, group, (max(1, math.ceil(columns / (block * group))), rows)
 
 
