@@ -7,6 +7,7 @@ eager CPU operations, bit for bit (``-0.0`` and ``0.0`` differ). ``python
 examples/quantize_passes.py --device cuda --check`` makes the same comparison on a GPU.
 """
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -175,6 +176,27 @@ def test_with_cudas_division_scales_are_multiplied_by_the_reciprocal(interpreted
     assert _same(left, torch.addcmul(x, level.view(2, 256), step, value=-1))
     assert _same(mean, summed * float(np.float32(1) / np.float32(3)))  # the owner's mean too
     assert owned.shape == (1, fmt.packet_bytes(256))
+
+
+@pytest.mark.parametrize("bits", cases.BITS)
+def test_decoding_flags_a_non_finite_scale_on_the_device_as_the_eager_form_does(interpreted, bits):
+    fmt = BlockFormat(bits, 16)
+    flags = []
+    for (packets, columns, before), (decoded, flag) in zip(
+        cases.flag_inputs(bits), interpreted[f"flag {bits}"], strict=True
+    ):
+        for fused in (True, False):  # the C kernels, then the eager form, on the CPU
+            expected = torch.full((1,), before, dtype=torch.int32)
+            with contextlib.nullcontext() if fused else _kernels.disabled():
+                out = quantize.dequantize_(
+                    packets, fmt, torch.empty(2, columns), length=64, nonfinite=expected
+                )
+            assert flag == int(expected)
+            finite = out.isfinite()
+            assert _same(decoded[finite], out[finite]) and torch.equal(finite, decoded.isfinite())
+        flags.append(flag)
+    # finite; already set; inf and NaN; NaN past the columns decoded; NaN within them
+    assert flags == [0, 1, 1, 0, 1]
 
 
 def test_layouts_the_kernels_cannot_read_are_refused(interpreted):

@@ -162,13 +162,32 @@ def _fused_quantize(
 
 
 def _fused_decode(
-    packets: torch.Tensor, fmt: BlockFormat, out: torch.Tensor, length: int, add_rows: bool
+    packets: torch.Tensor,
+    fmt: BlockFormat,
+    out: torch.Tensor,
+    length: int,
+    add_rows: bool,
+    nonfinite: torch.Tensor | None = None,
 ) -> bool:
-    """Decode (or decode and sum) in one kernel where one takes these tensors."""
+    """Decode (or decode and sum) in one kernel where one takes these tensors, ``nonfinite``
+    set in the same launch on a GPU."""
     args = (packets, fmt.bits, fmt.block, out)
-    return _kernels.dequantize_rows(*args, length=length, add_rows=add_rows) or (
-        out.is_cuda and _triton_quant.dequantize_rows(*args, length=length, add_rows=add_rows)
+    if _kernels.dequantize_rows(*args, length=length, add_rows=add_rows):
+        if nonfinite is not None:
+            _flag_non_finite(packets, fmt, length, out.shape[-1], nonfinite)
+        return True
+    return out.is_cuda and _triton_quant.dequantize_rows(
+        *args, length=length, add_rows=add_rows, nonfinite=nonfinite
     )
+
+
+def _flag_non_finite(
+    packets: torch.Tensor, fmt: BlockFormat, length: int, columns: int, flag: torch.Tensor
+) -> None:
+    """Set ``flag`` to 1 if a scale of the blocks holding each row's first ``columns``
+    elements is not finite; leave it as it was otherwise."""
+    scales = fmt.split(packets, length)[1][:, : math.ceil(columns / fmt.block)]
+    flag.bitwise_or_(torch.isfinite(scales).logical_not_().any())
 
 
 def _store_codes(levels: torch.Tensor, payload: torch.Tensor, fmt: BlockFormat) -> None:
@@ -208,6 +227,7 @@ def dequantize_(
     *,
     length: int | None = None,
     scratch: torch.Tensor | None = None,
+    nonfinite: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode ``packets`` into ``out`` (``rows x columns``, any floating dtype); returns ``out``.
 
@@ -218,11 +238,17 @@ def dequantize_(
             fewer, each of its rows gets the first ``columns`` elements of its packet's row
             (the end of a bucket that fills part of a row).
         scratch: float32 ``rows x length``, through which the eager form decodes such a row.
+        nonfinite: one int32 element, set to 1 if a scale of a block decoded is inf or NaN
+            (then so are that block's values) and left as it was otherwise: a verdict that
+            stays on the device (computed in the decoding launch by the GPU kernels), which
+            several calls may share.
     """
     rows, columns = out.shape
     length = columns if length is None else length
-    if _fused_decode(packets, fmt, out, length, add_rows=False):
+    if _fused_decode(packets, fmt, out, length, add_rows=False, nonfinite=nonfinite):
         return out
+    if nonfinite is not None:
+        _flag_non_finite(packets, fmt, length, columns, nonfinite)
     if columns < length:
         whole = torch.empty(rows, length, device=out.device) if scratch is None else scratch
         out.copy_(dequantize_(packets, fmt, whole)[:, :columns])
