@@ -3,8 +3,10 @@
 The kernels run in Triton's interpreter on CPU tensors, in a process of their own
 (``triton_interpreted.py``: the interpreter must be on before Triton is first imported, and
 other tests import it through PyTorch); each test here compares one case's output with PyTorch's
-eager CPU operations, bit for bit (``-0.0`` and ``0.0`` differ). ``python
-examples/quantize_passes.py --device cuda --check`` makes the same comparison on a GPU.
+eager CPU operations, bit for bit (``-0.0`` and ``0.0`` differ). The kernels are also built
+for an H100 and an A100 here, without a GPU (``triton_ptx.py``), to check that the compiled
+arithmetic is the interpreted one. ``python examples/quantize_passes.py --device cuda --check``
+compares the bits on a GPU.
 """
 
 import contextlib
@@ -40,6 +42,21 @@ def interpreted(tmp_path_factory: pytest.TempPathFactory) -> dict:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return torch.load(out)
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """What the kernels' PTX for an H100 and an A100 holds, built here without a GPU."""
+    pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
+    folder = tmp_path_factory.mktemp("ptx")
+    env = {**os.environ, "PYTHONPATH": PATH, "TRITON_CACHE_DIR": str(folder / "cache")}
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "triton_ptx", str(folder / "counts.pt")],
+        env=env, capture_output=True, text=True, timeout=110,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.load(folder / "counts.pt")
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -197,6 +214,26 @@ def test_decoding_flags_a_non_finite_scale_on_the_device_as_the_eager_form_does(
         flags.append(flag)
     # finite; already set; inf and NaN; NaN past the columns decoded; NaN within them
     assert flags == [0, 1, 1, 0, 1]
+
+
+@pytest.mark.parametrize("target", ["sm_90", "sm_80"])
+def test_on_a_gpu_the_kernels_compute_as_written_and_move_data_in_vectors(compiled, target):
+    """Built for a GPU, each kernel's arithmetic is the interpreted one's: correctly rounded
+    divisions, no flushing of subnormals, and exactly the fused multiply-adds written (one per
+    element for the error and the 4-bit decoding; 16 elements a thread), none contracted by
+    the compiler; and the float32 rows move in vector loads and stores."""
+    found = {key.split(" ", 1)[1]: v for key, v in compiled.items() if key.startswith(target)}
+    assert len(found) == 6
+    assert all(counts["approximate"] == 0 for counts in found.values())
+    fmas = {name: counts["fma"] for name, counts in found.items()}
+    assert fmas == {
+        "quantize_kernel 8": 16, "quantize_kernel 4": 16,
+        "decode_kernel 8": 0, "decode_kernel 4": 16,
+        "requantize_kernel 8": 16, "requantize_kernel 4": 16 + 2 * 16,  # two decodes written
+    }  # fmt: skip
+    assert all(counts["vector stores"] > 0 for counts in found.values())
+    assert found["quantize_kernel 8"]["vector loads"] >= 12  # 3 arrays x 16 floats, 4 a load
+    assert found["quantize_kernel 4"]["scalar loads"] == 0
 
 
 def test_layouts_the_kernels_cannot_read_are_refused(interpreted):

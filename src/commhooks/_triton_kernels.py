@@ -81,19 +81,21 @@ def _decode(
         column = block[:, None] * BLOCK + tl.arange(0, WIDTH)[None, :]
         code = tl.load(base + column, mask=inside, other=0)
         return code.to(tl.float32) * step
-    half = tl.arange(0, WIDTH // 2)
-    pair = block[:, None] * (BLOCK // 2) + half[None, :]
-    packed = tl.load(base + pair, mask=inside_pairs(inside, GROUP, WIDTH), other=0)
+    pair, pair_inside = _pairs(block, blocks, BLOCK, WIDTH)
+    packed = tl.load(base + pair, mask=pair_inside, other=0)
     nibbles = tl.reshape(tl.join(packed & 15, packed >> 4), [GROUP, WIDTH])
     value = tl.fma(nibbles.to(tl.float32), step, step * -8.0)
     return tl.where(inside, value, 0.0)  # a missing nibble would decode to -8 steps
 
 
 @triton.jit
-def inside_pairs(inside, GROUP: tl.constexpr, WIDTH: tl.constexpr):
-    """Which bytes of a 4-bit tile lie in the row: those whose first element does."""
-    first, _ = tl.split(tl.reshape(inside, [GROUP, WIDTH // 2, 2]))
-    return first
+def _pairs(block, blocks, BLOCK: tl.constexpr, WIDTH: tl.constexpr):
+    """The bytes of a 4-bit tile (two elements each), and which of them lie in the row
+    (written from ranges, not from the elements' mask, so that they load and store as
+    vectors)."""
+    half = tl.arange(0, WIDTH // 2)
+    pair = block[:, None] * (BLOCK // 2) + half[None, :]
+    return pair, (block[:, None] < blocks) & (half[None, :] < BLOCK // 2)
 
 
 @triton.jit
@@ -132,10 +134,8 @@ def _quantize(
         tl.store(base + column, whole.to(tl.int8), mask=inside)
     else:
         low, high = tl.split(tl.reshape(whole + 8, [GROUP, WIDTH // 2, 2]))
-        half = tl.arange(0, WIDTH // 2)
-        pair = block[:, None] * (BLOCK // 2) + half[None, :]
-        packed = (low | (high << 4)).to(tl.uint8)
-        tl.store(base + pair, packed, mask=inside_pairs(inside, GROUP, WIDTH))
+        pair, pair_inside = _pairs(block, blocks, BLOCK, WIDTH)
+        tl.store(base + pair, (low | (high << 4)).to(tl.uint8), mask=pair_inside)
     return tl.fma(-level, step[:, None], x)
 
 
