@@ -16,7 +16,8 @@ both paths give the same bits (``tests/test_triton_kernels.py`` holds the kernel
   float32 integer-rounding constant, exact below 2**22, where every level of a finite block
   lies);
 * ``error = fma(-level, scale, x)`` and ``decoded = fma(nibble, scale, -8 * scale)`` (PyTorch's
-  ``addcmul``, one rounding), ``decoded = code * scale`` at 8 bits;
+  ``addcmul``: one rounding on a CPU; its CUDA kernel, written ``a + alpha * b * c``, is
+  contracted by nvcc into the same multiply-add), ``decoded = code * scale`` at 8 bits;
 * a sum of decoded rows adds them in row order, after one rounding of ``first + second`` where
   an addition is asked for.
 

@@ -10,8 +10,10 @@ Triton is imported on the first CUDA tensor that reaches a function here, not be
 ``import commhooks`` stays light. Where Triton is missing, ``COMMHOOKS_TRITON=0`` is set, or the
 tensors are not the plain layout the kernels read (float32 rows, each contiguous, 4-byte
 aligned uint8 packets of whole blocks), the functions return ``False`` and the caller runs the
-eager form: the choice never changes a result, only its speed. Under ``TRITON_INTERPRET=1``
-the kernels run, slowly, on CPU tensors instead of CUDA ones (how their bits are tested).
+eager form, which is meant to give the same bits (``python examples/quantize_passes.py
+--device cuda --check`` compares them on a GPU). Where ``TRITON_INTERPRET=1`` was set before
+Triton was first imported, the kernels run, slowly, on CPU tensors instead of CUDA ones (how
+their bits are tested).
 
 Environment:
     COMMHOOKS_TRITON: ``0`` to never load the kernels.
@@ -35,7 +37,6 @@ __all__ = [
     "disabled",
     "quantize_rows",
     "requantize_rows",
-    "reset",
 ]
 
 logger = logging.getLogger(__name__)
@@ -69,13 +70,6 @@ def disabled() -> Iterator[None]:
     finally:
         with _lock:
             _off[0] -= 1
-
-
-def reset() -> None:
-    """Forget the loaded kernels: the next call loads them again, reading ``COMMHOOKS_TRITON``
-    and ``TRITON_INTERPRET`` afresh."""
-    with _lock:
-        _state.clear()
 
 
 def quantize_rows(
@@ -337,8 +331,6 @@ def _load() -> ModuleType | None:
         return None
     try:
         module = importlib.import_module("commhooks._triton_kernels")
-        if module.interpreting() != module.INTERPRETED:
-            module = importlib.reload(module)  # built in the other mode: build them again
     except ImportError as error:
         logger.info("PyTorch's eager operations run instead of Triton's (%s)", error)
         return None
