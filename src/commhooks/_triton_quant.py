@@ -24,6 +24,7 @@ import importlib
 import logging
 import math
 import os
+import re
 import threading
 from collections.abc import Iterator
 from types import ModuleType
@@ -45,6 +46,9 @@ logger = logging.getLogger(__name__)
 # few enough to stay in registers (16 a thread with 4 warps). The owner's pass covers one row,
 # a rank's share of the bucket, with smaller tiles, so that its grid still fills the GPU.
 _TILE, _OWNER_TILE = 2048, 1024
+# Before 3.6, Triton's correctly rounded division flushed subnormal results to zero (1 / x for
+# |x| > 2**126), which PyTorch's does not.
+_OLDEST_TRITON = (3, 6)
 _MAX_ROWS = 65535  # the grid's second dimension
 _MAX_ELEMENTS = 1 << 31  # offsets within a row of rows are 32-bit in the kernels
 # What a decoded row may be written as: float32, or rounded once from it, as PyTorch does.
@@ -330,8 +334,16 @@ def _load() -> ModuleType | None:
         logger.info("COMMHOOKS_TRITON=0: PyTorch's eager operations run instead of Triton's")
         return None
     try:
-        module = importlib.import_module("commhooks._triton_kernels")
+        import triton
     except ImportError as error:
         logger.info("PyTorch's eager operations run instead of Triton's (%s)", error)
         return None
-    return module
+    found = tuple(int(part) for part in re.findall(r"\d+", triton.__version__)[:2])
+    if found < _OLDEST_TRITON:
+        logger.info(
+            "Triton %s is older than %s, whose division flushes subnormal results to zero, "
+            "unlike PyTorch's: PyTorch's eager operations run instead (pip install -U triton)",
+            triton.__version__, ".".join(map(str, _OLDEST_TRITON)),
+        )  # fmt: skip
+        return None
+    return importlib.import_module("commhooks._triton_kernels")
