@@ -10,7 +10,9 @@ of the gloo PowerSGD tests failed while PyTorch's allocator could reuse a tensor
 callback's stream still read; none since.)
 """
 
+import importlib.util
 import io
+import os
 
 import pytest
 import torch
@@ -443,6 +445,52 @@ def test_quantized_hooks_on_cuda_tensors(backend):
             assert finite, name
             assert error < bound, (name, error)  # the quantized average tracks allreduce's
             assert torch.equal(params, results[0][name][1]), name  # replicas identical
+
+
+def _quantized_with_or_without_triton(rank: int, world_size: int, eager: tuple) -> tuple:
+    """Three steps of each quantized hook on a bucket of odd length; ranks in ``eager`` run
+    PyTorch's operations instead of the Triton kernels."""
+    from commhooks import _triton_quant
+
+    if rank in eager:
+        os.environ["COMMHOOKS_TRITON"] = "0"  # read when the kernels are first wanted
+    device = _device(rank)
+    averages, memories = [], []
+    for bits in (8, 4):
+        state = commhooks.QuantizationState(None, bits=bits, block_size=64)
+        for step in range(3):
+            gen = torch.Generator().manual_seed(100 * rank + step)
+            gradient = (torch.randn(5003, generator=gen) * (1 + rank)).to(device)
+            averages.append(commhooks.quantized_hook(state, FakeBucket([gradient])).wait().cpu())
+        memories.append({k: v.cpu() for k, v in _tensors(state.state_dict())})
+    return averages, memories, _triton_quant.available()
+
+
+def _tensors(tree, prefix: str = ""):
+    """The tensors of a nested state dict, with their paths."""
+    if isinstance(tree, torch.Tensor):
+        yield prefix, tree
+    elif isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from _tensors(value, f"{prefix}/{key}")
+    elif isinstance(tree, (list, tuple)):
+        for index, value in enumerate(tree):
+            yield from _tensors(value, f"{prefix}/{index}")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_quantized_ranks_with_and_without_triton_stay_in_sync_bitwise():
+    mixed = run_on_ranks(_quantized_with_or_without_triton, 2, (1,), backend="gloo")
+    fused = run_on_ranks(_quantized_with_or_without_triton, 2, (), backend="gloo")
+    assert [m[2] for m in mixed] == [True, False] and fused[1][2]
+    for rank in range(2):
+        for got, expected in zip(mixed[rank][0], fused[rank][0], strict=True):
+            assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
+        assert mixed[rank][1][0].keys() == fused[rank][1][0].keys()
+        for got, expected in zip(mixed[rank][1], fused[rank][1], strict=True):
+            assert all(torch.equal(got[k], expected[k]) for k in got)  # the memories
+        for got, first in zip(mixed[rank][0], mixed[0][0], strict=True):
+            assert torch.equal(got, first)  # the same average on every rank
 
 
 def _fsdp_on_cuda(rank: int, world_size: int) -> dict:

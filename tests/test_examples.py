@@ -196,3 +196,13 @@ def test_fsdp_step_cost_refuses_a_hook_it_cannot_run(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "not hooks for FSDP2: power_sdg; choose from" in proc.stderr
     assert "power_sgd" in proc.stderr.split("choose from")[1]
+
+
+def test_quantize_passes_times_each_pass_and_checks_their_bits():
+    script = str(EXAMPLES / "quantize_passes.py")
+    timed = run([sys.executable, script, "--numel", "20000", "--rounds", "2"], ROOT)
+    for name in ("quantize + error add", "owner's pass", "dequantize"):
+        assert re.search(rf"int4 {re.escape(name)} .* GB/s +\d+% of copy.s GB/s", timed), timed
+    checked = run([sys.executable, script, "--check", "--numel", "20000"], ROOT)
+    assert "every pass gives its device's eager bits" in checked, checked
+    assert checked.count("differs from eager on cpu at 0 of") == 2 * 3 * 7, checked

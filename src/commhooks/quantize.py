@@ -18,9 +18,10 @@ Every function works on rows (``rows x length``) so that a whole bucket, cut int
 rank, is handled in a few vectorised passes, writing into buffers the caller keeps from step
 to step (allocating a bucket-sized tensor costs page faults on every step on a CPU).
 
-On a CPU, block quantization with nearest rounding and its decoding run fused C kernels
-(:mod:`commhooks._kernels`: one read and one write of the bucket instead of six) where a C
-compiler is found; the eager PyTorch operations below compute the same bits everywhere else.
+Block quantization with nearest rounding, its decoding and the owner's pass run fused kernels,
+one read and one write of the bucket instead of six: on a CPU in C (:mod:`commhooks._kernels`)
+where a C compiler is found, on a CUDA GPU in Triton (:mod:`commhooks._triton_quant`) where
+Triton is installed. The eager PyTorch operations below compute the same bits everywhere else.
 """
 
 import math
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from commhooks import _kernels
+from commhooks import _kernels, _triton_quant
 
 __all__ = [
     "NEAREST",
@@ -43,6 +44,7 @@ __all__ = [
     "dequantize_sum",
     "quantize_",
     "quantize_affine",
+    "requantize_sum_",
     "scales_finite",
 ]
 
@@ -146,8 +148,7 @@ def quantize_(
             elements of ``x`` (contiguous, row after row): the remembered error added to the
             gradient, in the same pass as the quantization where the fused kernels run.
     """
-    nearest = rounding == NEAREST
-    if nearest and _kernels.quantize_rows(x, packets, fmt.bits, fmt.block, keep_error, add):
+    if rounding == NEAREST and _fused_quantize(x, packets, fmt, keep_error, add):
         return
     if add is not None:
         torch.add(add[0], add[1], out=x.view(-1)[: add[0].numel()])
@@ -168,6 +169,47 @@ def quantize_(
     _store_codes(levels, payload, fmt)
     if keep_error:
         blocks.addcmul_(steps, scales.unsqueeze(2), value=-1)
+
+
+def _fused_quantize(
+    x: torch.Tensor,
+    packets: torch.Tensor,
+    fmt: BlockFormat,
+    keep_error: bool,
+    add: tuple[torch.Tensor, torch.Tensor] | None,
+) -> bool:
+    """Quantize with nearest rounding in one kernel where one takes these tensors."""
+    args = (x, packets, fmt.bits, fmt.block, keep_error, add)
+    return _kernels.quantize_rows(*args) or (x.is_cuda and _triton_quant.quantize_rows(*args))
+
+
+def _fused_decode(
+    packets: torch.Tensor,
+    fmt: BlockFormat,
+    out: torch.Tensor,
+    length: int,
+    add_rows: bool,
+    nonfinite: torch.Tensor | None = None,
+) -> bool:
+    """Decode (or decode and sum) in one kernel where one takes these tensors, ``nonfinite``
+    set in the same launch on a GPU."""
+    args = (packets, fmt.bits, fmt.block, out)
+    if _kernels.dequantize_rows(*args, length=length, add_rows=add_rows):
+        if nonfinite is not None:
+            _flag_non_finite(packets, fmt, length, out.shape[-1], nonfinite)
+        return True
+    return out.is_cuda and _triton_quant.dequantize_rows(
+        *args, length=length, add_rows=add_rows, nonfinite=nonfinite
+    )
+
+
+def _flag_non_finite(
+    packets: torch.Tensor, fmt: BlockFormat, length: int, columns: int, flag: torch.Tensor
+) -> None:
+    """Set ``flag`` to 1 if a scale of the blocks holding each row's first ``columns``
+    elements is not finite; leave it as it was otherwise."""
+    scales = fmt.split(packets, length)[1][:, : math.ceil(columns / fmt.block)]
+    flag.bitwise_or_(torch.isfinite(scales).logical_not_().any())
 
 
 def _store_codes(levels: torch.Tensor, payload: torch.Tensor, fmt: BlockFormat) -> None:
@@ -207,6 +249,7 @@ def dequantize_(
     *,
     length: int | None = None,
     scratch: torch.Tensor | None = None,
+    nonfinite: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode ``packets`` into ``out`` (``rows x columns``, any floating dtype); returns ``out``.
 
@@ -217,11 +260,17 @@ def dequantize_(
             fewer, each of its rows gets the first ``columns`` elements of its packet's row
             (the end of a bucket that fills part of a row).
         scratch: float32 ``rows x length``, through which the eager form decodes such a row.
+        nonfinite: one int32 element, set to 1 if a scale of a block decoded is inf or NaN
+            (then so are that block's values) and left as it was otherwise: a verdict that
+            stays on the device (computed in the decoding launch by the GPU kernels), which
+            several calls may share.
     """
     rows, columns = out.shape
     length = columns if length is None else length
-    if _kernels.dequantize_rows(packets, fmt.bits, fmt.block, out, length=length):
+    if _fused_decode(packets, fmt, out, length, add_rows=False, nonfinite=nonfinite):
         return out
+    if nonfinite is not None:
+        _flag_non_finite(packets, fmt, length, columns, nonfinite)
     if columns < length:
         whole = torch.empty(rows, length, device=out.device) if scratch is None else scratch
         out.copy_(dequantize_(packets, fmt, whole)[:, :columns])
@@ -247,9 +296,58 @@ def dequantize_sum(
         scratch: float32 of ``rows x length``, overwritten.
         out: float32 of ``length``.
     """
-    if _kernels.dequantize_rows(packets, fmt.bits, fmt.block, out.view(1, -1), add_rows=True):
+    if _fused_decode(packets, fmt, out.view(1, -1), out.numel(), add_rows=True):
         return out
     return torch.sum(dequantize_(packets, fmt, scratch), 0, out=out)
+
+
+def requantize_sum_(
+    packets: torch.Tensor,
+    fmt: BlockFormat,
+    out: torch.Tensor,
+    packet: torch.Tensor,
+    scratch: torch.Tensor,
+    world: int,
+    *,
+    memory: torch.Tensor | None = None,
+    rounding: str = NEAREST,
+    generator: torch.Generator | None = None,
+    keep_error: bool = True,
+) -> None:
+    """The owner's pass: the mean of the decoded rows of ``packets``, plus ``memory``,
+    quantized into ``packet``; what quantization dropped left in ``out``.
+
+    That is :func:`dequantize_sum`, a division by ``world``, the addition of ``memory`` and
+    :func:`quantize_`, with their bits; with nearest rounding on a GPU, one kernel launch that
+    reads the rows once and writes ``out`` and ``packet`` once.
+
+    Args:
+        packets: ``rows x fmt.packet_bytes(length)``: every rank's copy of this row.
+        out: float32 ``1 x length``: the error when ``keep_error``, the value quantized
+            otherwise.
+        packet: uint8 ``1 x fmt.packet_bytes(length)``, written completely.
+        scratch: float32 ``rows x length``, overwritten.
+        world: the divisor (the number of ranks averaged).
+        memory: float32, contiguous, at most ``length`` elements: added to the mean's first
+            elements before quantizing (the owner's remembered error).
+        rounding, generator, keep_error: as for :func:`quantize_`.
+    """
+    if (
+        rounding == NEAREST
+        and out.is_cuda
+        and _triton_quant.requantize_rows(
+            packets, fmt.bits, fmt.block, world, out, packet, keep_error, memory
+        )
+    ):
+        return
+    dequantize_sum(packets, fmt, scratch, out[0])
+    out.div_(world)
+    if memory is not None:
+        out[0, : memory.numel()].add_(memory)
+    quantize_(
+        out, packet, fmt, scratch[:1], rounding=rounding, generator=generator,
+        keep_error=keep_error,
+    )  # fmt: skip
 
 
 def scales_finite(packets: torch.Tensor, fmt: BlockFormat, length: int) -> bool:
