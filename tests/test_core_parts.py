@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from commhooks.memory import ErrorFeedback
+from commhooks.error_feedback import ErrorFeedback
 from commhooks.options import Options, flag, integer, one_of, option, real
 from commhooks.state import StateDictError, check_count, check_tensor
 

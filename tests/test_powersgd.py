@@ -25,7 +25,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 
 import commhooks
 from commhooks import PowerSGDState, batched_powerSGD_hook, lowrank, powerSGD_hook
-from commhooks.memory import LazyErrorFeedback
+from commhooks.error_feedback import LazyErrorFeedback
 from commhooks.testing import run_on_ranks
 
 ONE_BUCKET = 100  # bucket_cap_mb: the whole model in one bucket

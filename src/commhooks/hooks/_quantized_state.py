@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from commhooks import comm, handshake, place, quantize
 from commhooks._warnings import warn_once
+from commhooks.error_feedback import ErrorFeedback, Key
 from commhooks.hooks._bucket import GradBucket
-from commhooks.memory import ErrorFeedback, Key
 from commhooks.numbering import ParameterNumbering
 from commhooks.options import Options, flag, integer, one_of, option
 from commhooks.state import HookState, StateDictError, check_count, check_tensor
@@ -223,7 +223,7 @@ class QuantizationState(HookState):
     block_size=128)``. Each option reads as an attribute (``state.bits``),
     read-only; ``state.settings`` is the whole typed object.
 
-    Two error memories, both :class:`~commhooks.memory.ErrorFeedback`:
+    Two error memories, both :class:`~commhooks.error_feedback.ErrorFeedback`:
 
     * ``error``: what this rank's quantization dropped from its own gradient, one float32
       tensor per parameter, keyed by the parameter's number (counted from DDP's last

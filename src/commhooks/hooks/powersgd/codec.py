@@ -17,8 +17,8 @@ import numpy.typing as npt
 import torch
 
 from commhooks import lowrank, place
+from commhooks.error_feedback import Key, LazyErrorFeedback
 from commhooks.factors import FactorMemory
-from commhooks.memory import Key, LazyErrorFeedback
 from commhooks.numbering import FIRST_SEEN, FROM_LAST, ParameterNumbering
 from commhooks.state import StateDictError, check_count, check_tensor
 

@@ -37,9 +37,9 @@ import torch
 import torch.distributed as dist
 
 from commhooks import comm, lowrank
+from commhooks.error_feedback import Key
 from commhooks.factors import BOTH, P_STEP
 from commhooks.hooks._bucket import float_buffer
-from commhooks.memory import Key
 
 from .codec import BATCHED, LAYERWISE
 from .one_round import one_round

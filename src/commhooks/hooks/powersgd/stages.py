@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from commhooks import comm, lowrank
+from commhooks.error_feedback import Absorbed, Key
 from commhooks.factors import P_STEP, Q_STEP
-from commhooks.memory import Absorbed, Key
 
 from .state import PowerSGDState
 

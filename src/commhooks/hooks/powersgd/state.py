@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from commhooks import comm, handshake, lowrank, place
 from commhooks._warnings import CommHooksWarning, warn_once
+from commhooks.error_feedback import Key, LazyErrorFeedback
 from commhooks.factors import FactorMemory
-from commhooks.memory import Key, LazyErrorFeedback
 from commhooks.numbering import ParameterNumbering
 from commhooks.options import SettingView
 from commhooks.state import HookState, StateDictError
@@ -48,9 +48,9 @@ class PowerSGDState(HookState):
     (``Q = Mᵀ P`` with the last ``P``), and sends it packed with the uncompressed tensors. Half
     the rounds and latency; the approximation follows the gradient one step later, so it
     converges more slowly than the default at the same rank (error feedback makes up part of
-    it). Needs ``warm_start``. Its error memory is a :class:`~commhooks.memory.LazyErrorFeedback`,
-    which saves a pass over the gradients after the collective; ``error_dict`` and
-    ``state_dict()`` show the errors themselves.
+    it). Needs ``warm_start``. Its error memory is a
+    :class:`~commhooks.error_feedback.LazyErrorFeedback`, which saves a pass over the gradients
+    after the collective; ``error_dict`` and ``state_dict()`` show the errors themselves.
 
     On a step whose result is not finite (some rank's gradient or memory held inf or NaN) the
     bucket is sent again as plain allreduce would, a loss scaler sees inf/NaN where it puts
