@@ -450,7 +450,7 @@ def test_quantized_hooks_on_cuda_tensors(backend):
 def _quantized_with_or_without_triton(rank: int, world_size: int, eager: tuple) -> tuple:
     """Three steps of each quantized hook on a bucket of odd length; ranks in ``eager`` run
     PyTorch's operations instead of the Triton kernels."""
-    from commhooks import _triton_quant
+    from commhooks.quantized import triton_launch
 
     if rank in eager:
         os.environ["COMMHOOKS_TRITON"] = "0"  # read when the kernels are first wanted
@@ -463,7 +463,7 @@ def _quantized_with_or_without_triton(rank: int, world_size: int, eager: tuple) 
             gradient = (torch.randn(5003, generator=gen) * (1 + rank)).to(device)
             averages.append(commhooks.quantized_hook(state, FakeBucket([gradient])).wait().cpu())
         memories.append({k: v.cpu() for k, v in _tensors(state.state_dict())})
-    return averages, memories, _triton_quant.available()
+    return averages, memories, triton_launch.available()
 
 
 def _tensors(tree, prefix: str = ""):

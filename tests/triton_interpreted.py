@@ -12,8 +12,9 @@ import sys
 
 import torch
 
-from commhooks import _kernels, _triton_quant, quantize
+from commhooks import _kernels, quantize
 from commhooks.quantize import BlockFormat
+from commhooks.quantized import triton_launch
 
 # Lengths past a program's tile (2048 elements; 1024 in the owner's pass): several programs.
 OWNED = 2560
@@ -131,12 +132,12 @@ def _flagged(bits: int) -> list[tuple[torch.Tensor, int]]:
 def _quantized(x, fmt, keep=True, add=None, **how):
     left = x.clone()
     packets = torch.full((x.shape[0], fmt.packet_bytes(x.shape[1])), 7, dtype=torch.uint8)
-    assert _triton_quant.quantize_rows(left, packets, fmt.bits, fmt.block, keep, add, **how)
+    assert triton_launch.quantize_rows(left, packets, fmt.bits, fmt.block, keep, add, **how)
     return packets, left
 
 
 def _decoded(packets, fmt, out, **how):
-    assert _triton_quant.dequantize_rows(packets, fmt.bits, fmt.block, out, **how)
+    assert triton_launch.dequantize_rows(packets, fmt.bits, fmt.block, out, **how)
     return out
 
 
@@ -144,15 +145,15 @@ def _owner(packets, fmt, world, memory, keep, length=OWNED, **how):
     out = torch.full((1, length), 5.0)
     packet = torch.full((1, fmt.packet_bytes(length)), 7, dtype=torch.uint8)
     args = (packets, fmt.bits, fmt.block, world, out, packet, keep, memory)
-    assert _triton_quant.requantize_rows(*args, **how)
+    assert triton_launch.requantize_rows(*args, **how)
     return packet, out
 
 
 def _refusals() -> list[bool]:
     """What the kernels say to layouts they cannot read (all must be False)."""
-    q = _triton_quant.quantize_rows
-    d = _triton_quant.dequantize_rows
-    r = _triton_quant.requantize_rows
+    q = triton_launch.quantize_rows
+    d = triton_launch.dequantize_rows
+    r = triton_launch.requantize_rows
     x = torch.randn(2, 32)
     packets = torch.zeros(2, BlockFormat(8, 8).packet_bytes(32), dtype=torch.uint8)
     size = packets.shape[1]
@@ -216,5 +217,5 @@ def run_all() -> dict[str, object]:
 
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    assert _triton_quant.available(), "Triton is not installed"
+    assert triton_launch.available(), "Triton is not installed"
     torch.save(run_all(), sys.argv[1])

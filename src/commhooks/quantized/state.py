@@ -1,6 +1,7 @@
 """Options, memory and per-bucket bookkeeping of the quantized hook.
 
-Public through :mod:`commhooks.hooks.quantized`, where the hook that uses them lives.
+Public through :mod:`commhooks` and :mod:`commhooks.hooks.quantized`; the hook that uses them
+is :mod:`commhooks.quantized.hook`.
 """
 
 import dataclasses
@@ -11,12 +12,13 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from commhooks import comm, handshake, place, quantize
+from commhooks import comm, handshake, place
 from commhooks._warnings import warn_once
 from commhooks.error_feedback import ErrorFeedback, Key
 from commhooks.hooks._bucket import GradBucket
 from commhooks.numbering import ParameterNumbering
 from commhooks.options import Options, flag, integer, one_of, option
+from commhooks.quantized import blocks
 from commhooks.state import HookState, StateDictError, check_count, check_tensor
 
 __all__ = ["BucketLayout", "QuantizationOptions", "QuantizationState", "Workspace"]
@@ -45,10 +47,10 @@ class QuantizationOptions(Options):
         check=integer(8, 1 << 20, hint="a multiple of 8, e.g. 128 or 256"),
     )
     rounding: str = option(
-        quantize.NEAREST,
+        blocks.NEAREST,
         "'nearest' has the smallest error; 'stochastic' is unbiased, for use without error "
         "feedback",
-        check=one_of(*quantize.ROUNDINGS),
+        check=one_of(*blocks.ROUNDINGS),
     )
     error_feedback: bool = option(
         True,
@@ -74,9 +76,9 @@ class QuantizationOptions(Options):
             )
 
     @property
-    def format(self) -> quantize.BlockFormat:
+    def format(self) -> blocks.BlockFormat:
         """The block format these options describe."""
-        return quantize.BlockFormat(self.bits, self.block_size)
+        return blocks.BlockFormat(self.bits, self.block_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +185,7 @@ class Workspace:
     def __init__(
         self,
         layout: BucketLayout,
-        fmt: quantize.BlockFormat,
+        fmt: blocks.BlockFormat,
         world: int,
         device: torch.device,
         error_feedback: bool,
@@ -376,7 +378,7 @@ class QuantizationState(HookState):
         1: the average of its row, in the order the issuer runs follow-ups), so that each is
         drawn from in the same order in every run, seeded ``random_seed + 2 rank + phase``.
         """
-        if self.settings.rounding != quantize.STOCHASTIC:
+        if self.settings.rounding != blocks.STOCHASTIC:
             return None
         if not self._generators or self._generators[0].device != device:
             self._generators = [torch.Generator(device=device) for _ in _PHASES]

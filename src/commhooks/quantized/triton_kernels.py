@@ -1,4 +1,5 @@
-"""Triton kernels of block quantization, loaded by :mod:`commhooks._triton_quant` on first use.
+"""Triton kernels of block quantization, loaded by :mod:`~commhooks.quantized.triton_launch` on
+first use.
 
 Each program handles ``GROUP`` blocks of one row as a ``GROUP x WIDTH`` tile (``WIDTH``: the
 block size rounded up to a power of two, masked beyond it) held in registers, so that every

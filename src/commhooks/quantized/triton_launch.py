@@ -1,8 +1,8 @@
-"""Block quantization on GPUs in Triton kernels, for :mod:`commhooks.quantize`.
+"""Block quantization on GPUs in Triton kernels, for :mod:`commhooks.quantized.blocks`.
 
 PyTorch's eager form reads and writes a bucket six times to quantize it, and the owner's pass
 (decode every rank's row, sum, divide, add its error, quantize again) several more; each
-kernel of ``_triton_kernels.py`` does one of these passes in one launch, reading and writing
+kernel of ``triton_kernels.py`` does one of these passes in one launch, reading and writing
 the bucket once, with no host synchronisation. They compute the eager form's bits on the same
 device (``tests/test_triton_kernels.py`` holds them to it through Triton's interpreter).
 
@@ -346,4 +346,4 @@ def _load() -> ModuleType | None:
             triton.__version__, ".".join(map(str, _OLDEST_TRITON)),
         )  # fmt: skip
         return None
-    return importlib.import_module("commhooks._triton_kernels")
+    return importlib.import_module("commhooks.quantized.triton_kernels")
