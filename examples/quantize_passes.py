@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from commhooks import _kernels, quantize
+from commhooks import cpu_kernels, quantize
 from commhooks.quantized import triton_launch
 
 Pass = tuple[Callable[[], object], int]  # the pass, and the bytes it must read and write
@@ -45,7 +45,7 @@ def _timed(fn: Callable[[], object], device: torch.device) -> float:
 @contextlib.contextmanager
 def _eager() -> Iterator[None]:
     """PyTorch's eager form: the fused CPU and GPU kernels turned off."""
-    with _kernels.disabled(), triton_launch.disabled():
+    with cpu_kernels.disabled(), triton_launch.disabled():
         yield
 
 
@@ -114,7 +114,7 @@ def main() -> None:
 
 def time_passes(device: torch.device, numel: int, ranks: int, block: int, rounds: int) -> None:
     """Print each pass's median time, GB/s, and rate against one copy of the bucket."""
-    fused = _kernels.available() if device.type == "cpu" else triton_launch.available()
+    fused = cpu_kernels.available() if device.type == "cpu" else triton_launch.available()
     # Each pass as the hook runs it; with the fused kernels, their eager form beside.
     forms = (True, False) if fused else (False,)
     x = torch.randn(numel, device=device)
@@ -187,7 +187,7 @@ def check(device: torch.device, block: int, numel: int) -> bool:
     """Compare the fused kernels' bits with the eager form's on ``device`` (and on the CPU),
     on buckets of about ``numel`` elements cut into 2, 4 and 8 rows; print each comparison;
     whether every pass matched its device's eager form."""
-    fused = _kernels.available() if device.type == "cpu" else triton_launch.available()
+    fused = cpu_kernels.available() if device.type == "cpu" else triton_launch.available()
     print(f"{device}: fused kernels {'on' if fused else 'missing: nothing to compare'}")
     matched = True
     for bits in (8, 4):

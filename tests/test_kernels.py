@@ -5,16 +5,19 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from commhooks import QuantizationState, _kernels, quantize, quantized_hook
+from commhooks import QuantizationState, cpu_kernels, quantize, quantized_hook
 from commhooks.quantize import BlockFormat
 from commhooks.testing import run_on_ranks
 
 HAS_COMPILER = any(shutil.which(name) for name in ("cc", "gcc", "clang"))
 needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler on this machine")
+# The processes started here import this checkout's package, wherever it is installed from.
+SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
 def _hostile(rows: int, length: int, seed: int) -> torch.Tensor:
@@ -33,7 +36,7 @@ def _hostile(rows: int, length: int, seed: int) -> torch.Tensor:
 def _both(fn):
     """``fn()`` with the fused kernels, and again with PyTorch's eager operations."""
     fused = fn()
-    with _kernels.disabled():
+    with cpu_kernels.disabled():
         eager = fn()
     return fused, eager
 
@@ -50,9 +53,9 @@ def test_the_kernels_build_on_first_use_and_are_loaded_from_the_cache_after(tmp_
     cache = tmp_path / "cache"
     script = (
         "import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
-        "from commhooks import _kernels; print('available', _kernels.available())"
+        "from commhooks import cpu_kernels; print('available', cpu_kernels.available())"
     )
-    env = {**os.environ, "COMMHOOKS_CACHE_DIR": str(cache)}
+    env = {**os.environ, "PYTHONPATH": SRC, "COMMHOOKS_CACHE_DIR": str(cache)}
     env.pop("COMMHOOKS_NATIVE", None)
     first = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     assert "available True" in first.stdout and "built the fused" in first.stdout, first
@@ -65,8 +68,8 @@ def test_the_kernels_build_on_first_use_and_are_loaded_from_the_cache_after(tmp_
 @needs_compiler
 def test_a_damaged_build_in_the_cache_is_built_again(tmp_path):
     cache = tmp_path / "cache"
-    env = {**os.environ, "COMMHOOKS_CACHE_DIR": str(cache)}
-    script = "from commhooks import _kernels; print('available', _kernels.available())"
+    env = {**os.environ, "PYTHONPATH": SRC, "COMMHOOKS_CACHE_DIR": str(cache)}
+    script = "from commhooks import cpu_kernels; print('available', cpu_kernels.available())"
     subprocess.run([sys.executable, "-c", script], env=env, check=True, capture_output=True)
     (built,) = cache.glob("kernels-*.so")
     built.write_bytes(built.read_bytes()[:100])  # truncated: the loader refuses it
@@ -78,8 +81,8 @@ def test_a_damaged_build_in_the_cache_is_built_again(tmp_path):
 @needs_compiler
 def test_ranks_building_at_once_all_load_one_build(tmp_path):
     cache = tmp_path / "cache"
-    env = {**os.environ, "COMMHOOKS_CACHE_DIR": str(cache)}
-    script = "from commhooks import _kernels; assert _kernels.available()"
+    env = {**os.environ, "PYTHONPATH": SRC, "COMMHOOKS_CACHE_DIR": str(cache)}
+    script = "from commhooks import cpu_kernels; assert cpu_kernels.available()"
     started = [subprocess.Popen([sys.executable, "-c", script], env=env) for _ in range(4)]
     assert [p.wait(timeout=120) for p in started] == [0, 0, 0, 0]
     assert len(list(cache.glob("kernels-*.so"))) == 1
@@ -93,13 +96,13 @@ def test_ranks_building_at_once_all_load_one_build(tmp_path):
 def test_without_the_kernels_quantization_still_works_and_says_why(tmp_path, env):
     script = (
         "import logging, sys, torch; logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
-        "from commhooks import _kernels, quantize\n"
+        "from commhooks import cpu_kernels, quantize\n"
         "fmt = quantize.BlockFormat(8, 8); x = torch.arange(16.0).view(1, 16)\n"
         "p = torch.empty(1, fmt.packet_bytes(16), dtype=torch.uint8)\n"
         "quantize.quantize_(x, p, fmt, torch.empty_like(x))\n"
-        "print('available', _kernels.available(), 'scales', fmt.split(p, 16)[1].tolist())"
+        "print('available', cpu_kernels.available(), 'scales', fmt.split(p, 16)[1].tolist())"
     )
-    full = {**os.environ, "COMMHOOKS_CACHE_DIR": str(tmp_path / "empty"), **env}
+    full = {**os.environ, "PYTHONPATH": SRC, "COMMHOOKS_CACHE_DIR": str(tmp_path / "empty"), **env}
     done = subprocess.run([sys.executable, "-c", script], env=full, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "available False" in done.stdout
@@ -114,7 +117,7 @@ def test_without_the_kernels_quantization_still_works_and_says_why(tmp_path, env
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("keep_error", [True, False])
 def test_quantizing_gives_pytorchs_bits(bits, block, rows, keep_error):
-    assert _kernels.available()
+    assert cpu_kernels.available()
     fmt = BlockFormat(bits, block)
     length = fmt.row_length(rows * (3 * block + 5), rows)
     x = _hostile(rows, length, seed=bits + block + rows)
@@ -146,7 +149,7 @@ def test_adding_the_error_in_the_same_pass_gives_pytorchs_bits(bits, added):
     expected = x.clone()
     expected.view(-1)[:added] = first + second
     assert torch.equal(fused, _encode(expected, fmt)[0])  # the sum, then quantized
-    assert not _kernels.quantize_rows(x.clone(), fused, bits, 64, True, (first, second.double()))
+    assert not cpu_kernels.quantize_rows(x.clone(), fused, bits, 64, True, (first, second.double()))
 
 
 @needs_compiler
@@ -218,16 +221,16 @@ def test_layouts_the_kernels_cannot_read_take_the_eager_form():
     fmt = BlockFormat(8, 8)
     x = torch.randn(2, 32)
     packets = torch.empty(2, fmt.packet_bytes(32), dtype=torch.uint8)
-    assert not _kernels.quantize_rows(x.t().contiguous().t(), packets, 8, 8, True)  # strided
-    assert not _kernels.quantize_rows(x.double(), packets, 8, 8, True)
-    assert not _kernels.quantize_rows(x, packets[:, :-4], 8, 8, True)  # packets too short
-    assert not _kernels.quantize_rows(x[:, :30], packets, 8, 8, True)  # not whole blocks
-    assert not _kernels.dequantize_rows(packets, 8, 8, torch.empty(2, 32, dtype=torch.float16))
+    assert not cpu_kernels.quantize_rows(x.t().contiguous().t(), packets, 8, 8, True)  # strided
+    assert not cpu_kernels.quantize_rows(x.double(), packets, 8, 8, True)
+    assert not cpu_kernels.quantize_rows(x, packets[:, :-4], 8, 8, True)  # packets too short
+    assert not cpu_kernels.quantize_rows(x[:, :30], packets, 8, 8, True)  # not whole blocks
+    assert not cpu_kernels.dequantize_rows(packets, 8, 8, torch.empty(2, 32, dtype=torch.float16))
     # ...and the public functions still give the same result through the eager form
     strided = torch.empty(32, 2).t()
     strided.copy_(x)
     packets_strided, left_strided = _encode(strided, fmt)
-    with _kernels.disabled():
+    with cpu_kernels.disabled():
         packets_eager, left_eager = _encode(x, fmt)
     assert torch.equal(packets_strided, packets_eager) and torch.equal(left_strided, left_eager)
 
@@ -246,7 +249,7 @@ def _step_on_ranks(rank: int, world_size: int, eager_ranks: tuple[int, ...]) -> 
             bucket = FakeBucket([torch.randn(5003, generator=gen) * (1 + rank)])
             averages.append(quantized_hook(state, bucket).wait().clone())
         states.append(state.state_dict())
-    return averages, states, _kernels.available()
+    return averages, states, cpu_kernels.available()
 
 
 def _same(a, b) -> bool:
@@ -295,12 +298,12 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def test_casting_to_bfloat16_and_dividing_gives_pytorchs_bits(world, n):
     x = _hostile_for_bfloat16(n, seed=world + n)
     out = torch.full((n,), 7.0, dtype=torch.bfloat16)
-    nonfinite = _kernels.bfloat16_scaled(x, out, world)
+    nonfinite = cpu_kernels.bfloat16_scaled(x, out, world)
     expected = x.to(torch.bfloat16).div_(world)
     assert nonfinite is True and _same_bits(out, expected)
     # ...and what is sent on one or two ranks: PyTorch's unscaling kernel, which multiplies
     finite = x.clamp(-1e30, 1e30).nan_to_num(0.0)
-    assert _kernels.bfloat16_scaled(finite, out, world) is False
+    assert cpu_kernels.bfloat16_scaled(finite, out, world) is False
     unscaled = finite.to(torch.bfloat16)
     found = torch.zeros(1)
     torch._amp_foreach_non_finite_check_and_unscale_([unscaled], found, torch.full((1,), 1 / world))
@@ -316,26 +319,26 @@ def test_adding_bfloat16_gives_pytorchs_bits(n):
     b = _hostile_for_bfloat16(n, seed=n + 1).flip(0).to(torch.bfloat16)
     b[: n // 2] = a[: n // 2] * 0.75  # sums of like magnitudes, which round
     expected = torch.add(a, b)
-    assert _kernels.bfloat16_add_(a, b)
+    assert cpu_kernels.bfloat16_add_(a, b)
     assert _same_bits(a, expected)
     assert bool(a[expected.isnan()].isnan().all()) and a.isinf().sum() == expected.isinf().sum()
 
 
 def test_bfloat16_layouts_the_kernels_cannot_read_take_the_eager_form():
     x, out = torch.randn(64), torch.empty(64, dtype=torch.bfloat16)
-    assert _kernels.bfloat16_scaled(x[::2], out[:32], 2) is None  # strided
-    assert _kernels.bfloat16_scaled(x.double(), out, 2) is None
-    assert _kernels.bfloat16_scaled(x, out.half(), 2) is None
-    assert _kernels.bfloat16_scaled(x[:63], out, 2) is None  # lengths differ
-    assert _kernels.bfloat16_scaled(x.clone().requires_grad_(), out, 2) is None
-    assert _kernels.bfloat16_scaled(x, out, 0) is None
-    assert not _kernels.bfloat16_add_(out, out)  # the same memory
-    assert not _kernels.bfloat16_add_(out[1:], out[:-1])  # overlapping
-    assert not _kernels.bfloat16_add_(out, out.float())
-    assert not _kernels.bfloat16_add_(out[:32], out[32:].clone()[:31])
-    with _kernels.disabled():
-        assert _kernels.bfloat16_scaled(x, out, 2) is None
-        assert not _kernels.bfloat16_add_(out[:32], out[32:])
+    assert cpu_kernels.bfloat16_scaled(x[::2], out[:32], 2) is None  # strided
+    assert cpu_kernels.bfloat16_scaled(x.double(), out, 2) is None
+    assert cpu_kernels.bfloat16_scaled(x, out.half(), 2) is None
+    assert cpu_kernels.bfloat16_scaled(x[:63], out, 2) is None  # lengths differ
+    assert cpu_kernels.bfloat16_scaled(x.clone().requires_grad_(), out, 2) is None
+    assert cpu_kernels.bfloat16_scaled(x, out, 0) is None
+    assert not cpu_kernels.bfloat16_add_(out, out)  # the same memory
+    assert not cpu_kernels.bfloat16_add_(out[1:], out[:-1])  # overlapping
+    assert not cpu_kernels.bfloat16_add_(out, out.float())
+    assert not cpu_kernels.bfloat16_add_(out[:32], out[32:].clone()[:31])
+    with cpu_kernels.disabled():
+        assert cpu_kernels.bfloat16_scaled(x, out, 2) is None
+        assert not cpu_kernels.bfloat16_add_(out[:32], out[32:])
 
 
 def _bf16_steps_on_ranks(rank: int, world_size: int, eager_ranks: tuple[int, ...]) -> tuple:
@@ -356,7 +359,7 @@ def _bf16_steps_on_ranks(rank: int, world_size: int, eager_ranks: tuple[int, ...
         if case == "nan" and rank == world_size - 1:
             grad[9] = float("nan")
         averages.append(bf16_compress_hook(None, FakeBucket([grad])).wait().clone())
-    return averages, _kernels.available()
+    return averages, cpu_kernels.available()
 
 
 @needs_compiler

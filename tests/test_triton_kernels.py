@@ -20,7 +20,7 @@ import pytest
 import torch
 import triton_interpreted as cases
 
-from commhooks import _kernels, quantize
+from commhooks import cpu_kernels, quantize
 from commhooks.quantize import BlockFormat
 
 pytestmark = pytest.mark.timeout(120)
@@ -71,7 +71,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _eager_quantize(x, fmt, keep=True, add=None):
     left = x.clone()
     packets = torch.full((x.shape[0], fmt.packet_bytes(x.shape[1])), 7, dtype=torch.uint8)
-    with _kernels.disabled():
+    with cpu_kernels.disabled():
         quantize.quantize_(left, packets, fmt, torch.empty_like(x), keep_error=keep, add=add)
     return packets, left
 
@@ -80,7 +80,7 @@ def _eager_owner(packets, fmt, world, memory, keep, length=cases.OWNED):
     out = torch.full((1, length), 5.0)
     packet = torch.full((1, fmt.packet_bytes(length)), 7, dtype=torch.uint8)
     scratch = torch.empty(packets.shape[0], length)
-    with _kernels.disabled():
+    with cpu_kernels.disabled():
         quantize.requantize_sum_(
             packets, fmt, out, packet, scratch, world, memory=memory, keep_error=keep
         )
@@ -115,7 +115,7 @@ def test_decoding_and_summing_give_the_eager_bits(interpreted, case):
     length = fmt.row_length(rows * cases.DECODED, rows)
     packets = cases.packets_of(fmt, rows, length, seed=rows)
     decoded, summed = interpreted[f"decode {bits} {rows}"]
-    with _kernels.disabled():
+    with cpu_kernels.disabled():
         assert _same(decoded, quantize.dequantize_(packets, fmt, torch.empty(rows, length)))
         scratch = torch.empty(rows, length)
         expected = quantize.dequantize_sum(packets, fmt, scratch, torch.empty(length))
@@ -127,7 +127,7 @@ def test_the_first_elements_of_rows_decode_to_the_eager_bits(interpreted, case):
     bits, columns, dtype = case
     fmt = BlockFormat(bits, 64)
     packets = cases.packets_of(fmt, 2, 192, seed=columns, clamp=6e4)
-    with _kernels.disabled():
+    with cpu_kernels.disabled():
         out = torch.full((2, columns), 5.0, dtype=getattr(torch, dtype))
         expected = quantize.dequantize_(packets, fmt, out, length=192)
     assert _same(interpreted[f"partial {bits} {columns} {dtype}"], expected)
@@ -204,7 +204,7 @@ def test_decoding_flags_a_non_finite_scale_on_the_device_as_the_eager_form_does(
     ):
         for fused in (True, False):  # the C kernels, then the eager form, on the CPU
             expected = torch.full((1,), before, dtype=torch.int32)
-            with contextlib.nullcontext() if fused else _kernels.disabled():
+            with contextlib.nullcontext() if fused else cpu_kernels.disabled():
                 out = quantize.dequantize_(
                     packets, fmt, torch.empty(2, columns), length=64, nonfinite=expected
                 )

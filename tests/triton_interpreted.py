@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from commhooks import _kernels, quantize
+from commhooks import cpu_kernels, quantize
 from commhooks.quantize import BlockFormat
 from commhooks.quantized import triton_launch
 
@@ -78,7 +78,7 @@ def packets_of(fmt: BlockFormat, rows: int, length: int, seed: int, clamp: float
     if clamp:
         x = x.clamp(-clamp, clamp)
     packets = torch.empty(rows, fmt.packet_bytes(length), dtype=torch.uint8)
-    with _kernels.disabled():
+    with cpu_kernels.disabled():
         quantize.quantize_(x, packets, fmt, torch.empty_like(x))
     return packets
 
@@ -108,7 +108,7 @@ def flag_inputs(bits: int) -> list[tuple[torch.Tensor, int, int]]:
     packets = {}
     for name, x in (("finite", finite), ("non-finite", non_finite_input()), ("late", late)):
         packets[name] = torch.empty(2, fmt.packet_bytes(64), dtype=torch.uint8)
-        with _kernels.disabled():
+        with cpu_kernels.disabled():
             quantize.quantize_(x, packets[name], fmt, torch.empty_like(x))
     return [
         (packets["finite"], 64, 0),

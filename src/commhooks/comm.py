@@ -23,7 +23,7 @@ from typing import Any, Generic, TypeVar, cast
 import torch
 import torch.distributed as dist
 
-from commhooks import _kernels, callbacks
+from commhooks import callbacks, cpu_kernels
 
 __all__ = [
     "CollectiveCounter",
@@ -492,7 +492,7 @@ def _observed(kind: str, handed: Any, direct: bool = False) -> None:
 # hook took 26.5 ms for a bucket of 6M float32 elements summed in chunks, PyTorch's 22.9 ms
 # with gloo's allreduce, so larger float32 tensors stay with gloo. At two ranks the sum is
 # one rounded addition per element: the same bits either way. bfloat16 chunks are added by a
-# fused kernel where it is built (:mod:`commhooks._kernels`), with torch.add's bits: torch
+# fused kernel where it is built (:mod:`commhooks.cpu_kernels`), with torch.add's bits: torch
 # converts bfloat16 to float and back in several integer operations per element.
 _CHUNK_BYTES = 1 << 19
 _CHUNKS_IN_FLIGHT = 8
@@ -607,7 +607,7 @@ class _PairSum:
             theirs = spare[: chunk.numel()]
             # The same order on both ranks, so they hold the same bits (the kernel gives every
             # NaN the same bits, so that its order does not matter).
-            if not _kernels.bfloat16_add_(chunk, theirs):
+            if not cpu_kernels.bfloat16_add_(chunk, theirs):
                 torch.add(*((chunk, theirs) if self.first else (theirs, chunk)), out=chunk)
             later = index + _CHUNKS_IN_FLIGHT
             if later < len(self.chunks):

@@ -2,7 +2,7 @@
 
 The common path is PyTorch's own, pass for pass: cast the bucket down, divide by the world
 size, sum across ranks, cast the sum back into the bucket. On CPU in bfloat16 the cast, the
-division and the check below are one fused pass with PyTorch's bits (:mod:`commhooks._kernels`):
+division and the check below are one fused pass with PyTorch's bits (:mod:`commhooks.cpu_kernels`):
 PyTorch converts to bfloat16 in integer arithmetic, slower than to float16, and its two passes
 made the bf16 hook take 1.16-1.17x the fp16 one's time (a 6M-element bucket, two ranks).
 Whether every summed element stayed finite is learnt on the way: on CPU with one or two ranks
@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from commhooks import _kernels, callbacks, comm
+from commhooks import callbacks, comm, cpu_kernels
 from commhooks._warnings import warn_once
 
 __all__ = ["all_finite", "average_in", "reads_back_checks", "saturating_cast"]
@@ -128,13 +128,13 @@ def _scale_down(flat: torch.Tensor, values: torch.Tensor, world: int) -> bool:
     """Write ``flat`` cast to ``values``' dtype, then divided by ``world``, into ``values``;
     whether a cast value is infinite or NaN, where that is learnt on the way (else ``False``).
 
-    bfloat16 takes one fused pass where the kernels are built (:mod:`commhooks._kernels`).
+    bfloat16 takes one fused pass where the kernels are built (:mod:`commhooks.cpu_kernels`).
     Otherwise the check rides on the division: PyTorch's unscaling kernel, its gradient
     scaler's, which multiplies by ``1 / world``, exact for one or two ranks, so the same bits
     as PyTorch's ``div_``. With more ranks the flag is not used and ``div_`` itself runs.
     """
     if values.dtype == torch.bfloat16:
-        nonfinite = _kernels.bfloat16_scaled(flat, values, world)
+        nonfinite = cpu_kernels.bfloat16_scaled(flat, values, world)
         if nonfinite is not None:
             return nonfinite
     values.copy_(flat)

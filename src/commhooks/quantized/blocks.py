@@ -19,7 +19,7 @@ rank, is handled in a few vectorised passes, writing into buffers the caller kee
 to step (allocating a bucket-sized tensor costs page faults on every step on a CPU).
 
 Block quantization with nearest rounding, its decoding and the owner's pass run fused kernels,
-one read and one write of the bucket instead of six: on a CPU in C (:mod:`commhooks._kernels`)
+one read and one write of the bucket instead of six: on a CPU in C (:mod:`commhooks.cpu_kernels`)
 where a C compiler is found, on a CUDA GPU in Triton (:mod:`~commhooks.quantized.triton_launch`)
 where Triton is installed. The eager PyTorch operations below compute the same bits everywhere else.
 """
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from commhooks import _kernels
+from commhooks import cpu_kernels
 from commhooks.quantized import triton_launch
 
 __all__ = [
@@ -181,7 +181,7 @@ def _fused_quantize(
 ) -> bool:
     """Quantize with nearest rounding in one kernel where one takes these tensors."""
     args = (x, packets, fmt.bits, fmt.block, keep_error, add)
-    return _kernels.quantize_rows(*args) or (x.is_cuda and triton_launch.quantize_rows(*args))
+    return cpu_kernels.quantize_rows(*args) or (x.is_cuda and triton_launch.quantize_rows(*args))
 
 
 def _fused_decode(
@@ -195,7 +195,7 @@ def _fused_decode(
     """Decode (or decode and sum) in one kernel where one takes these tensors, ``nonfinite``
     set in the same launch on a GPU."""
     args = (packets, fmt.bits, fmt.block, out)
-    if _kernels.dequantize_rows(*args, length=length, add_rows=add_rows):
+    if cpu_kernels.dequantize_rows(*args, length=length, add_rows=add_rows):
         if nonfinite is not None:
             _flag_non_finite(packets, fmt, length, out.shape[-1], nonfinite)
         return True

@@ -1,6 +1,6 @@
 /*
  * bfloat16 kernels for the bf16 hook (commhooks.hooks._half), compiled on first use by
- * commhooks._kernels.
+ * commhooks.cpu_kernels.
  *
  * What a rank sends is its gradient rounded to bfloat16, then divided by the world size, and the
  * hook wants to know on the way whether any rounded value is infinite or NaN. PyTorch does that

@@ -1,5 +1,7 @@
-"""Fused CPU kernels, built on first use and loaded with ctypes: for :mod:`commhooks.quantize`
-and for the bf16 hook.
+"""Fused CPU kernels, built on first use and loaded with ctypes: for the quantization math
+(:mod:`commhooks.quantized.blocks`), the bf16 hook and the two-rank exchange of
+:mod:`commhooks.comm`. They only speed up work on CPU tensors; the C sources lie beside this
+loader.
 
 PyTorch has no single operation that quantizes a block with its own scale and keeps the error,
 so its eager form reads and writes the bucket six times (4-5x the cost of copying it once).
@@ -293,7 +295,7 @@ def _built(again: bool = False) -> Path:
     """The path of the built kernels for these sources, compiler and CPU, building them if new
     (or ``again``)."""
     compiler = _compiler()
-    package = resources.files("commhooks")
+    package = resources.files(__name__)
     sources = [package.joinpath(name).read_bytes() for name in _SOURCES + _HEADERS]
     key = hashlib.sha256(
         b"\0".join([*sources, compiler.encode(), " ".join(_FLAGS).encode(), _machine().encode()])

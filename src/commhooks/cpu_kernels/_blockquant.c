@@ -1,5 +1,6 @@
 /*
- * Fused block quantization for commhooks.quantize, compiled on first use by commhooks._kernels.
+ * Fused block quantization for commhooks.quantized.blocks, compiled on first use by
+ * commhooks.cpu_kernels.
  *
  * PyTorch runs quantize_ as six passes over the bucket (absolute maximum, scaling, rounding,
  * the cast to codes, the error); here each block of a row is read from memory once, its

@@ -1,5 +1,5 @@
 /*
- * Running a kernel's parts on threads, for the fused kernels of commhooks (commhooks._kernels).
+ * Running a kernel's parts on threads, for the fused kernels of commhooks (commhooks.cpu_kernels).
  */
 #ifndef COMMHOOKS_PARALLEL_H
 #define COMMHOOKS_PARALLEL_H
