@@ -240,7 +240,7 @@ def test_prediction_from_loopback_holds_on_a_100mbit_link(tmp_path):
 
     path = tmp_path / "link.json"
     # int8 too: per bucket an all-to-all and an all-gather of rows of a few hundred KiB, which
-    # gloo's own collectives ran 25-32% slower on such a link than its bytes say (comm._swap).
+    # gloo's own collectives ran 25-32% slower on such a link than its bytes say (gloo_cpu.swap).
     argv = ["--hooks", "allreduce,fp16,int8", "--task", "synthetic", "--params", "500K"]
     argv += ["--bandwidth", "100mbit", "--steps", "10", "--warmup", "3", "--reach-steps", "10"]
     argv += ["--memory", "rss", "--json", str(path)]

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from commhooks import comm
+from commhooks.comm import gloo_cpu
 from commhooks.testing import run_on_ranks
 
 
@@ -199,8 +200,8 @@ def _sum_each_shape(rank):
         ("half", (17,), torch.float16),
         ("strided", (7, 5), torch.float32),  # summed through a contiguous copy
         ("empty", (0,), torch.float32),
-        ("large", (comm._CHUNK_BYTES // 2 + 1,), torch.bfloat16),  # two chunks
-        ("large_float32", (comm._SMALL_BYTES // 4 + 1,), torch.float32),  # gloo's allreduce
+        ("large", (gloo_cpu.CHUNK_BYTES // 2 + 1,), torch.bfloat16),  # two chunks
+        ("large_float32", (gloo_cpu.SMALL_BYTES // 4 + 1,), torch.float32),  # gloo's allreduce
         ("integer", (1000,), torch.int64),  # gloo's allreduce
     ):
         t = torch.randn(shape, generator=gen).to(dtype)
@@ -209,7 +210,7 @@ def _sum_each_shape(rank):
         reference = t.clone()
         dist.all_reduce(reference)
         result = comm.allreduce(t, group).wait()
-        out[name] = (result is t, torch.equal(t, reference), comm._sums_by_exchange(t, group))
+        out[name] = (result is t, torch.equal(t, reference), gloo_cpu.sums(t, group))
     return out
 
 
@@ -224,7 +225,7 @@ def test_allreduce_sums_like_dist_all_reduce_on_any_world_size():
             assert out["large_float32"] == out["integer"] == (True, True, False)
             assert set(calls) == {"all_reduce"}  # the references, then the sums
             assert calls["all_reduce"] == 14
-            large = (comm._CHUNK_BYTES // 2 + 1) * 2 + (comm._SMALL_BYTES // 4 + 1) * 4
+            large = (gloo_cpu.CHUNK_BYTES // 2 + 1) * 2 + (gloo_cpu.SMALL_BYTES // 4 + 1) * 4
             assert sent["all_reduce"] == 2 * (40 * 3 * 4 + 17 * 2 + 35 * 4 + large + 8000)
 
 
@@ -249,14 +250,14 @@ def _sums_of_each_dtype(rank, world_size):
     return out, calls, sent
 
 
-# Half precision in chunks of comm._CHUNK_BYTES: more than are in flight at once (the last
+# Half precision in chunks of gloo_cpu.CHUNK_BYTES: more than are in flight at once (the last
 # short, and received into a buffer freed by an earlier one), then 2, then 1.
 SIZES = (
-    ("half", (comm._CHUNKS_IN_FLIGHT + 1) * comm._CHUNK_BYTES // 2 + 1, torch.float16),
-    ("bfloat16", comm._CHUNK_BYTES // 2 + 2, torch.bfloat16),
+    ("half", (gloo_cpu.CHUNKS_IN_FLIGHT + 1) * gloo_cpu.CHUNK_BYTES // 2 + 1, torch.float16),
+    ("bfloat16", gloo_cpu.CHUNK_BYTES // 2 + 2, torch.bfloat16),
     ("small", 100, torch.float16),
-    ("float32", comm._SMALL_BYTES // 4, torch.float32),  # the largest float32 exchanged
-    ("float32_large", comm._SMALL_BYTES // 4 + 1, torch.float32),  # gloo's allreduce
+    ("float32", gloo_cpu.SMALL_BYTES // 4, torch.float32),  # the largest float32 exchanged
+    ("float32_large", gloo_cpu.SMALL_BYTES // 4 + 1, torch.float32),  # gloo's allreduce
 )
 
 
@@ -275,7 +276,7 @@ def test_sums_of_each_dtype_equal_gloos_allreduce_bit_for_bit():
 def _sums_in_flight(rank, world_size):
     # Sums issued one after another without waiting, as DDP issues its buckets: the later
     # chunks of each are received while the next sums' messages are already on the way.
-    group, chunk, k = dist.group.WORLD, comm._CHUNK_BYTES // 2, comm._CHUNKS_IN_FLIGHT
+    group, chunk, k = dist.group.WORLD, gloo_cpu.CHUNK_BYTES // 2, gloo_cpu.CHUNKS_IN_FLIGHT
     lengths = ((k + 1) * chunk + 3, 7, 3 * chunk, chunk - 1, 2 * k * chunk + 1)
     tensors = [
         (torch.full((n,), float(i)) + torch.arange(n) % 97 * (rank + 1)).to(dtype)
@@ -389,7 +390,7 @@ def _posting_order(rank, world_size):
         comm.all_gather_into(gathered, rows[rank], group).wait()
         small = torch.full((3,), float(rank + 1))
         comm.allreduce(small, group).wait()
-    return posted, received, gathered, small, comm._sums_by_exchange(small, group)
+    return posted, received, gathered, small, gloo_cpu.sums(small, group)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

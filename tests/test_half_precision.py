@@ -26,6 +26,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_d
 import commhooks
 from commhooks import comm
 from commhooks.bench import footprint
+from commhooks.comm import gloo_cpu
 from commhooks.hooks import _half
 from commhooks.testing import run_on_ranks
 
@@ -86,7 +87,7 @@ def test_each_bucket_costs_at_most_one_full_size_temporary():
     # one on top of that, fails here, and so does anything that PyTorch's hook does not need:
     # our hooks' two-rank sum receives the other rank's bucket into 4 MiB, reused chunk by chunk
     # (2 MiB more than gloo's buffer, for a link kept busier).
-    scratch = comm._CHUNK_BYTES * comm._CHUNKS_IN_FLIGHT
+    scratch = gloo_cpu.CHUNK_BYTES * gloo_cpu.CHUNKS_IN_FLIGHT
     assert scratch <= 4 << 20
     for rank, out in enumerate(run_on_ranks(_memory_per_bucket, 2)):
         for name, (peak, written) in out.items():

@@ -6,15 +6,15 @@ every rank issues the same collectives in the same order. PyTorch's PowerSGD bre
 by starting follow-up collectives from future callbacks, which run on the backend's worker
 threads in a different order on each rank. :class:`OrderedIssuer` fixes it by starting
 collectives in the order their slots were reserved, whichever thread gets there first.
+
+Everything here is the same on every backend and device. What only makes gloo faster with CPU
+tensors (two ranks summing by an exchange, all-to-all and all-gather as point-to-point
+messages, the threads that wait for them) lives in :mod:`commhooks.comm.gloo_cpu`, which
+:func:`allreduce`, :func:`all_to_all` and :func:`all_gather_into` hand such tensors to.
 """
 
-import atexit
-import collections
 import contextlib
 import datetime
-import itertools
-import os
-import queue
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -23,7 +23,9 @@ from typing import Any, Generic, TypeVar, cast
 import torch
 import torch.distributed as dist
 
-from commhooks import callbacks, cpu_kernels
+from commhooks import callbacks
+from commhooks.comm import gloo_cpu
+from commhooks.comm._futures import fail
 
 __all__ = [
     "CollectiveCounter",
@@ -471,47 +473,19 @@ def _observed(kind: str, handed: Any, direct: bool = False) -> None:
             counter.record(kind, nbytes)
 
 
-# Two gloo ranks sum a floating-point tensor by sending it to each other and adding it where
-# it arrives (:class:`_PairSum`), not with gloo's allreduce, which lets the two directions
-# take turns as its all-to-all does (see ``_swap``) and adds half precision in scalar code.
-# A tensor travels in chunks of at most ``_CHUNK_BYTES``, received into ``_CHUNKS_IN_FLIGHT``
-# buffers that are reused: 4 MiB of scratch space at most (gloo's own allreduce takes 2 MiB for
-# a large tensor), never a second copy of a gradient bucket. A rank may send a chunk only once
-# the other has posted its receive, and word of that travels behind the data already queued in
-# the same direction, so a link idles for a moment once per window of chunks in flight; eight
-# rather than four made DDP's step with the fp16 hook 2% shorter on 100 Mbit/s (6M-parameter
-# model, 25 MB buckets, steps interleaved with PyTorch's hook: 0.968-1.003x of its step time in
-# four runs, mean 0.981, against 0.984-1.008x, mean 1.000, with four; bf16 0.965-0.990x against
-# 0.990-1.019x). Measured with four in flight, medians of 15, 6M
-# float16 elements on loopback: 11.8-13.4 ms against gloo's 23.0 ms (1 MiB chunks, two in
-# flight: 11.6-13.5 ms; 256 KiB, eight: 13.4-16.0 ms); 1.5M: 3.8-4.6 against 5.9-6.0 ms. On a
-# 100 Mbit/s link (medians of 7), 6M: 1066-1070 against 1087-1097 ms (1 MiB chunks: 1080-1086
-# ms, 256 KiB: 1046-1055 ms); on 1 Gbit/s, 100.3-100.7 against 99.9-100.8 ms. A tensor of up
-# to ``_SMALL_BYTES`` in any floating-point dtype is exchanged too (64 KiB: 0.8 against 2.0
-# ms; 898 KiB 1.6 against 4.4 ms). gloo adds float32 with vector instructions: the allreduce
-# hook took 26.5 ms for a bucket of 6M float32 elements summed in chunks, PyTorch's 22.9 ms
-# with gloo's allreduce, so larger float32 tensors stay with gloo. At two ranks the sum is
-# one rounded addition per element: the same bits either way. bfloat16 chunks are added by a
-# fused kernel where it is built (:mod:`commhooks.cpu_kernels`), with torch.add's bits: torch
-# converts bfloat16 to float and back in several integer operations per element.
-_CHUNK_BYTES = 1 << 19
-_CHUNKS_IN_FLIGHT = 8
-_SMALL_BYTES = 1 << 20
-_HALVES = (torch.float16, torch.bfloat16)
-
-
 def allreduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.Tensor]":
     """Sum ``tensor`` in place across ``group``; the future resolves to ``tensor`` itself.
 
     One collective either way: an allreduce, or on two gloo ranks, for a CPU tensor in half
     precision or of up to 1 MiB in any floating-point dtype, an exchange of the two ranks'
-    tensors, added as they arrive (see ``_CHUNK_BYTES``), which returns sooner. A sparse
-    tensor goes to gloo's sparse allreduce; the future then holds the sum it returns.
+    tensors, added as they arrive (:func:`~commhooks.comm.gloo_cpu.sum_`), which returns
+    sooner. A sparse tensor goes to gloo's sparse allreduce; the future then holds the sum it
+    returns.
     """
     if _counters:  # an exchange is counted as the allreduce it stands for
         _observed("all_reduce", tensor)
-    if _sums_by_exchange(tensor, group):
-        return _as_issued(_exchange_and_add(tensor, group))
+    if gloo_cpu.sums(tensor, group):
+        return _as_issued(gloo_cpu.sum_(tensor, group))
     return _as_issued(callbacks.then(_future_of(_all_reduce(tensor, group)), _first))
 
 
@@ -535,85 +509,6 @@ def _future_of(work: Any) -> "Future[list[torch.Tensor]]":
     return cast("Future[list[torch.Tensor]]", work.get_future())
 
 
-def _sums_by_exchange(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
-    return (
-        tensor.is_floating_point()
-        and (tensor.dtype in _HALVES or tensor.numel() * tensor.element_size() <= _SMALL_BYTES)
-        and _two_gloo_ranks_on_cpu(tensor, group)
-    )
-
-
-def _two_gloo_ranks_on_cpu(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
-    return group.size() == 2 and _gloo_on_cpu(tensor, group)
-
-
-def _gloo_on_cpu(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
-    return (
-        tensor.device.type == "cpu"
-        and tensor.layout == torch.strided
-        and "gloo" in str(dist.get_backend(group))
-    )
-
-
-def _exchange_and_add(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.Tensor]":
-    # The choice above must not depend on anything that may differ between ranks, such as a
-    # tensor's strides: one that is not contiguous is sent from a copy.
-    flat = tensor.reshape(-1) if tensor.is_contiguous() else tensor.flatten()
-    waiter = _waiter(group)
-    summed = waiter.run(_PairSum(flat, group, waiter.new_tag()).finish)
-
-    def result(fut: "Future[None]") -> torch.Tensor:
-        fut.value()  # raises here if the exchange failed
-        if flat.data_ptr() != tensor.data_ptr():
-            tensor.copy_(flat.view_as(tensor))
-        return tensor
-
-    return callbacks.then(summed, result)
-
-
-class _PairSum:
-    """The sum of a tensor over two ranks, each sending its tensor in chunks to the other.
-
-    Made on the issuing thread, which posts the first receives and every send; finished on
-    the group's waiter thread (:meth:`finish`), which adds each chunk as it arrives and posts
-    the receive of a later chunk into the buffer it frees. Those late receives are why each
-    sum has a tag of its own: the next sum's messages, posted meanwhile, cannot take them.
-    A chunk is overwritten by the sum only once it has been sent.
-    """
-
-    def __init__(self, flat: torch.Tensor, group: dist.ProcessGroup, tag: int) -> None:
-        me = group.rank()
-        self.group, self.tag, self.first = group, tag, me == 0
-        self.peer = global_ranks(group)[1 - me]
-        self.chunks = torch.split(flat, max(1, _CHUNK_BYTES // flat.element_size()))
-        spares = [torch.empty_like(chunk) for chunk in self.chunks[:_CHUNKS_IN_FLIGHT]]
-        self.receiving = collections.deque(
-            self._receive(index, spare) for index, spare in enumerate(spares)
-        )
-        self.sending: list[Any] = [
-            dist.isend(c, self.peer, group=group, tag=tag) for c in self.chunks
-        ]
-
-    def _receive(self, index: int, spare: torch.Tensor) -> tuple[Any, torch.Tensor]:
-        into = spare[: self.chunks[index].numel()]
-        return dist.irecv(into, self.peer, group=self.group, tag=self.tag), spare
-
-    def finish(self) -> None:
-        """Add every chunk of the other rank's tensor to this one's, as each arrives."""
-        for index, chunk in enumerate(self.chunks):
-            work, spare = self.receiving.popleft()
-            work.wait()
-            self.sending[index].wait()
-            theirs = spare[: chunk.numel()]
-            # The same order on both ranks, so they hold the same bits (the kernel gives every
-            # NaN the same bits, so that its order does not matter).
-            if not cpu_kernels.bfloat16_add_(chunk, theirs):
-                torch.add(*((chunk, theirs) if self.first else (theirs, chunk)), out=chunk)
-            later = index + _CHUNKS_IN_FLIGHT
-            if later < len(self.chunks):
-                self.receiving.append(self._receive(later, spare))
-
-
 def all_to_all(
     out: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup
 ) -> "Future[torch.Tensor]":
@@ -621,15 +516,15 @@ def all_to_all(
 
     Both are ``world_size x ...`` and contiguous. The future resolves to ``out``. On gloo with
     CPU tensors the rows travel as point-to-point messages, every receive posted before any
-    send (see :func:`_swap`).
+    send (see :func:`~commhooks.comm.gloo_cpu.swap`).
     """
     world, me = group.size(), group.rank()
     rows, received = tensor.view(world, -1), out.view(world, -1)
     with _issuing("all_to_all_single", tensor):
-        if not _gloo_on_cpu(tensor, group):
+        if not gloo_cpu.takes(tensor, group):
             work = dist.all_to_all_single(out, tensor, group=group, async_op=True)
             return _as_issued(callbacks.then(_future_of(work), lambda fut: _checked(fut, out)))
-        swapped = _swap(list(rows), list(received), group)
+        swapped = gloo_cpu.swap(list(rows), list(received), group)
     received[me].copy_(rows[me])
     return _as_issued(callbacks.then(swapped, lambda fut: _checked(fut, out)))
 
@@ -640,137 +535,20 @@ def all_gather_into(
     """Row ``j`` of ``out`` (``world_size x tensor.numel()``) becomes rank ``j``'s ``tensor``.
 
     The future resolves to ``out``. On gloo with CPU tensors each rank sends its tensor to
-    every other rank directly, every receive posted first (see :func:`_swap`): the same bytes
-    leave each rank as in gloo's ring.
+    every other rank directly, every receive posted first (see
+    :func:`~commhooks.comm.gloo_cpu.swap`): the same bytes leave each rank as in gloo's ring.
     """
     world, me = group.size(), group.rank()
     flat = tensor.reshape(-1)
     with _issuing("all_gather_into_tensor", tensor):
-        if not _gloo_on_cpu(tensor, group):
+        if not gloo_cpu.takes(tensor, group):
             work = _all_gather_single()(
                 out.view(world, -1), flat.view(1, -1), group=group, async_op=True
             )
             return _as_issued(callbacks.then(_future_of(work), lambda fut: _checked(fut, out)))
-        swapped = _swap([flat] * world, list(out.view(world, -1)), group)
+        swapped = gloo_cpu.swap([flat] * world, list(out.view(world, -1)), group)
     out.view(world, -1)[me].copy_(flat)
     return _as_issued(callbacks.then(swapped, lambda fut: _checked(fut, out)))
-
-
-# gloo's all-to-all and all-gather post each send before the matching receive, and a send
-# only starts once the peer has said that its receive is posted. That word travels in the
-# same TCP stream as the data, so a rank that arrives second queues its whole message ahead
-# of it: the first rank's message waits until the second's has crossed the link, and the two
-# directions take turns instead of sharing it. Two ranks exchanging 3 MB each way, 100 Mbit/s
-# link (257 ms of bytes): 499 ms by all_to_all_single, 258-274 ms with every receive posted
-# before any send; 1 Gbit/s: 51 against 26 ms. The tag keeps these messages apart from a
-# user's own point-to-point traffic on the group.
-_SWAP_TAG = 0x636868
-
-
-def _swap(
-    sends: Sequence[torch.Tensor], receives: Sequence[torch.Tensor], group: dist.ProcessGroup
-) -> "Future[None]":
-    """Send ``sends[j]`` to group rank ``j`` and fill ``receives[j]`` from it, for every other
-    rank ``j`` (both contiguous); every receive is posted before the first send.
-
-    Messages between two ranks pair up in the order they were posted, so callers issue swaps
-    on a group in the same order on every rank, as they do collectives.
-    """
-    me, ranks = group.rank(), global_ranks(group)
-    peers = [j for j in range(len(ranks)) if j != me]
-    works = [dist.irecv(receives[j], ranks[j], group=group, tag=_SWAP_TAG) for j in peers]
-    works += [dist.isend(sends[j], ranks[j], group=group, tag=_SWAP_TAG) for j in peers]
-    return _waiter(group).completion(works)
-
-
-class _Waiter:
-    """Waits for a group's point-to-point works on a thread of its own, completing futures.
-
-    gloo's send and receive works have no future, only a blocking ``wait()`` (which raises
-    after the group's timeout). One thread per group runs the jobs handed to it in order (a
-    job waits on works, and may post more), and completes each job's future once the job has
-    returned; the future's callbacks then run on that thread, as a collective's run on gloo's.
-    """
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[Callable[[], None], Future[None]] | None] = (
-            queue.SimpleQueue()
-        )
-        self._tags = itertools.count()
-        self._thread = threading.Thread(target=self._run, name="commhooks-swap", daemon=True)
-        self._thread.start()
-
-    def completion(self, works: list[Any]) -> "Future[None]":
-        """A future completed once every one of ``works`` has finished (or failed)."""
-        return self.run(lambda: _wait_all(works))
-
-    def run(self, job: Callable[[], None]) -> "Future[None]":
-        """A future completed once ``job`` has run on this thread (failed if it raised)."""
-        fut: Future[None] = new_future()
-        self._queue.put((job, fut))
-        return fut
-
-    def new_tag(self) -> int:
-        """A point-to-point tag of this group's own, different from the last 65535 given."""
-        return _SWAP_TAG + 1 + next(self._tags) % 0xFFFF
-
-    def stop(self, wait_s: float = 0.0) -> None:
-        """Let the thread end once the jobs queued before have run, waiting at most ``wait_s``."""
-        self._queue.put(None)
-        if wait_s > 0 and self._thread is not threading.current_thread():
-            self._thread.join(wait_s)
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            job, fut = item
-            del item
-            try:
-                job()
-            except BaseException as exc:  # handed to whoever waits on the future
-                del job
-                _fail(fut, exc)
-                continue
-            del job  # its tensors go before the callbacks run
-            fut.set_result(None)
-
-
-def _wait_all(works: list[Any]) -> None:
-    for work in works:
-        work.wait()
-
-
-_waiters: "weakref.WeakKeyDictionary[dist.ProcessGroup, _Waiter]" = weakref.WeakKeyDictionary()
-_waiters_lock = threading.Lock()
-
-
-def _waiter(group: dist.ProcessGroup) -> _Waiter:
-    with _waiters_lock:
-        found = _waiters.get(group)
-        if found is None:
-            found = _waiters[group] = _Waiter()
-            weakref.finalize(group, found.stop).atexit = False
-        return found
-
-
-@atexit.register
-def _stop_waiters() -> None:
-    """End the waiters' threads before the interpreter shuts down: a thread still inside
-    torch when it does is ended where it stands, which aborts the process."""
-    with _waiters_lock:
-        stopping = list(_waiters.values())
-        _waiters.clear()  # a swap after this gets a waiter of its own
-    for found in stopping:
-        found.stop(wait_s=2.0)
-
-
-def _forget_waiters() -> None:
-    """In a forked child the waiters' threads do not exist: start afresh."""
-    global _waiters_lock
-    _waiters.clear()
-    _waiters_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_waiters)
 
 
 def _all_gather_single() -> Callable[..., Any]:
@@ -1029,7 +807,7 @@ class OrderedIssuer:
                 done.value()
             except BaseException as exc:  # forwarded to the caller's future
                 self._release(slot, len(steps))
-                _fail(out, exc)
+                fail(out, exc)
                 return
             if held:  # decided in its turn too: see holds_follow_ups
                 self.start(slot, lambda: self._run(done, slot, steps, out, in_turn=True))
@@ -1053,7 +831,7 @@ class OrderedIssuer:
             result = steps[0](done.wait())  # wait(): this stream waits for the input's
         except BaseException as exc:
             self._release(left, slot + len(steps) - left)
-            _fail(out, exc)
+            fail(out, exc)
             return
         if isinstance(result, Finished):
             self._release(left, slot + len(steps) - left)
@@ -1069,7 +847,7 @@ class OrderedIssuer:
             sent = issue.launch()
         except BaseException as exc:
             self._release(slot + 1, len(steps) - 1)
-            _fail(out, exc)
+            fail(out, exc)
             return
         if isinstance(sent, Finished):  # the launch found nothing to send after all
             self._release(slot + 1, len(steps) - 1)
@@ -1099,14 +877,9 @@ def _forward(src: "Future[T]", dst: "Future[Any]") -> None:
     try:
         value = src.value()
     except BaseException as exc:
-        _fail(dst, exc)
+        fail(dst, exc)
         return
     dst.set_result(value)
-
-
-def _fail(fut: "Future[Any]", exc: BaseException) -> None:
-    # torch's stub types the argument of set_exception as the result type; it takes any error.
-    fut.set_exception(cast(Any, exc))
 
 
 # Keyed by the group itself, weakly: an issuer goes when its group does (for example after
