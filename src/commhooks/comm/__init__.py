@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from commhooks import callbacks
 from commhooks.comm import gloo_cpu
-from commhooks.comm._futures import fail
+from commhooks.comm._futures import checked, fail
 
 __all__ = [
     "CollectiveCounter",
@@ -478,15 +478,16 @@ def allreduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.T
 
     One collective either way: an allreduce, or on two gloo ranks, for a CPU tensor in half
     precision or of up to 1 MiB in any floating-point dtype, an exchange of the two ranks'
-    tensors, added as they arrive (:func:`~commhooks.comm.gloo_cpu.sum_`), which returns
+    tensors, added as they arrive (:func:`~commhooks.comm.gloo_cpu.allreduce`), which returns
     sooner. A sparse tensor goes to gloo's sparse allreduce; the future then holds the sum it
     returns.
     """
     if _counters:  # an exchange is counted as the allreduce it stands for
         _observed("all_reduce", tensor)
-    if gloo_cpu.sums(tensor, group):
-        return _as_issued(gloo_cpu.sum_(tensor, group))
-    return _as_issued(callbacks.then(_future_of(_all_reduce(tensor, group)), _first))
+    summed = gloo_cpu.allreduce(tensor, group)
+    if summed is None:
+        summed = callbacks.then(_future_of(_all_reduce(tensor, group)), _first)
+    return _as_issued(summed)
 
 
 _SUM = dist.AllreduceOptions()  # a sum issued without waiting: what every hook asks for
@@ -516,17 +517,14 @@ def all_to_all(
 
     Both are ``world_size x ...`` and contiguous. The future resolves to ``out``. On gloo with
     CPU tensors the rows travel as point-to-point messages, every receive posted before any
-    send (see :func:`~commhooks.comm.gloo_cpu.swap`).
+    send (see :func:`~commhooks.comm.gloo_cpu.all_to_all`).
     """
-    world, me = group.size(), group.rank()
-    rows, received = tensor.view(world, -1), out.view(world, -1)
     with _issuing("all_to_all_single", tensor):
-        if not gloo_cpu.takes(tensor, group):
+        done = gloo_cpu.all_to_all(out, tensor, group)
+        if done is None:
             work = dist.all_to_all_single(out, tensor, group=group, async_op=True)
-            return _as_issued(callbacks.then(_future_of(work), lambda fut: _checked(fut, out)))
-        swapped = gloo_cpu.swap(list(rows), list(received), group)
-    received[me].copy_(rows[me])
-    return _as_issued(callbacks.then(swapped, lambda fut: _checked(fut, out)))
+            done = callbacks.then(_future_of(work), lambda fut: checked(fut, out))
+    return _as_issued(done)
 
 
 def all_gather_into(
@@ -536,19 +534,16 @@ def all_gather_into(
 
     The future resolves to ``out``. On gloo with CPU tensors each rank sends its tensor to
     every other rank directly, every receive posted first (see
-    :func:`~commhooks.comm.gloo_cpu.swap`): the same bytes leave each rank as in gloo's ring.
+    :func:`~commhooks.comm.gloo_cpu.all_gather_into`): the same bytes leave each rank as in
+    gloo's ring.
     """
-    world, me = group.size(), group.rank()
-    flat = tensor.reshape(-1)
     with _issuing("all_gather_into_tensor", tensor):
-        if not gloo_cpu.takes(tensor, group):
-            work = _all_gather_single()(
-                out.view(world, -1), flat.view(1, -1), group=group, async_op=True
-            )
-            return _as_issued(callbacks.then(_future_of(work), lambda fut: _checked(fut, out)))
-        swapped = gloo_cpu.swap([flat] * world, list(out.view(world, -1)), group)
-    out.view(world, -1)[me].copy_(flat)
-    return _as_issued(callbacks.then(swapped, lambda fut: _checked(fut, out)))
+        done = gloo_cpu.all_gather_into(out, tensor, group)
+        if done is None:
+            rows, flat = out.view(group.size(), -1), tensor.reshape(1, -1)
+            work = _all_gather_single()(rows, flat, group=group, async_op=True)
+            done = callbacks.then(_future_of(work), lambda fut: checked(fut, out))
+    return _as_issued(done)
 
 
 def _all_gather_single() -> Callable[..., Any]:
@@ -557,11 +552,6 @@ def _all_gather_single() -> Callable[..., Any]:
         dist.all_gather_into_tensor
     )
     return gather
-
-
-def _checked(fut: "Future[Any]", out: torch.Tensor) -> torch.Tensor:
-    fut.value()  # raises here if the collective failed
-    return out
 
 
 def average(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.Tensor]":

@@ -1,13 +1,15 @@
 """Collectives on gloo with CPU tensors, made faster than gloo's own: for :mod:`commhooks.comm`.
 
-Nothing here is needed for correctness, and nothing runs on any other backend or device:
-:mod:`commhooks.comm` asks :func:`takes` and :func:`sums` whether a tensor's collective runs
-here, and then calls :func:`sum_` (two ranks summing a tensor by exchanging it, added as it
-arrives) or :func:`swap` (an all-to-all or all-gather as point-to-point messages with every
-receive posted first). gloo's send and receive works only block, so each group gets a thread
-of its own that waits for them and completes the futures handed back (:class:`_Waiter`),
-ended at interpreter exit and forgotten in a forked child. A bfloat16 chunk is added by the
-CPU kernel of :mod:`commhooks.cpu_kernels` where it is built.
+Nothing here is needed for correctness, and nothing runs on any other backend or device.
+:mod:`commhooks.comm` hands each collective to the function of the same name here first:
+:func:`allreduce` (two ranks summing a tensor by exchanging it, added as it arrives),
+:func:`all_to_all` and :func:`all_gather_into` (point-to-point messages with every receive
+posted first); each returns ``None`` for a tensor and group it does not take (:func:`sums`,
+:func:`takes`), and the caller issues the backend's collective. gloo's send and receive
+works only block, so each group gets a thread of its own that waits for them and completes
+the futures handed back (:class:`_Waiter`), ended at interpreter exit and forgotten in a
+forked child. A bfloat16 chunk is added by the CPU kernel of :mod:`commhooks.cpu_kernels`
+where it is built.
 """
 
 import atexit
@@ -24,15 +26,24 @@ import torch
 import torch.distributed as dist
 
 from commhooks import callbacks, cpu_kernels
-from commhooks.comm._futures import fail
+from commhooks.comm._futures import checked, fail
 
-__all__ = ["CHUNKS_IN_FLIGHT", "CHUNK_BYTES", "SMALL_BYTES", "sum_", "sums", "swap", "takes"]
+__all__ = [
+    "CHUNKS_IN_FLIGHT",
+    "CHUNK_BYTES",
+    "SMALL_BYTES",
+    "all_gather_into",
+    "all_to_all",
+    "allreduce",
+    "sums",
+    "takes",
+]
 
 Future = torch.futures.Future
 
 # Two gloo ranks sum a floating-point tensor by sending it to each other and adding it where
 # it arrives (:class:`_PairSum`), not with gloo's allreduce, which lets the two directions
-# take turns as its all-to-all does (see :func:`swap`) and adds half precision in scalar code.
+# take turns as its all-to-all does (see :func:`_swap`) and adds half precision in scalar code.
 # A tensor travels in chunks of at most ``CHUNK_BYTES``, received into ``CHUNKS_IN_FLIGHT``
 # buffers that are reused: 4 MiB of scratch space at most (gloo's own allreduce takes 2 MiB for
 # a large tensor), never a second copy of a gradient bucket. A rank may send a chunk only once
@@ -59,8 +70,42 @@ SMALL_BYTES = 1 << 20
 _HALVES = (torch.float16, torch.bfloat16)
 
 
+def allreduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.Tensor] | None":
+    """Sum ``tensor`` in place over ``group`` by an exchange where :func:`sums` says so; the
+    future resolves to ``tensor``. ``None`` where the caller issues an allreduce instead."""
+    return _exchange_and_add(tensor, group) if sums(tensor, group) else None
+
+
+def all_to_all(
+    out: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup
+) -> "Future[torch.Tensor] | None":
+    """:func:`commhooks.comm.all_to_all` as point-to-point messages (:func:`_swap`) where
+    :func:`takes` says so; the future resolves to ``out``. ``None`` elsewhere."""
+    if not takes(tensor, group):
+        return None
+    world, me = group.size(), group.rank()
+    rows, received = tensor.view(world, -1), out.view(world, -1)
+    swapped = _swap(list(rows), list(received), group)
+    received[me].copy_(rows[me])
+    return callbacks.then(swapped, lambda fut: checked(fut, out))
+
+
+def all_gather_into(
+    out: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup
+) -> "Future[torch.Tensor] | None":
+    """:func:`commhooks.comm.all_gather_into` as point-to-point messages (:func:`_swap`)
+    where :func:`takes` says so; the future resolves to ``out``. ``None`` elsewhere."""
+    if not takes(tensor, group):
+        return None
+    world, me = group.size(), group.rank()
+    flat, rows = tensor.reshape(-1), out.view(world, -1)
+    swapped = _swap([flat] * world, list(rows), group)
+    rows[me].copy_(flat)
+    return callbacks.then(swapped, lambda fut: checked(fut, out))
+
+
 def sums(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
-    """Whether :func:`sum_` sums ``tensor`` over ``group`` (else the caller issues an allreduce):
+    """Whether :func:`allreduce` sums ``tensor`` over ``group`` (else the caller issues one):
     two gloo ranks, a CPU tensor in half precision or of up to ``SMALL_BYTES`` in any
     floating-point dtype. Depends on nothing that may differ between ranks."""
     return (
@@ -72,8 +117,8 @@ def sums(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
 
 
 def takes(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
-    """Whether ``tensor``'s collectives on ``group`` run here, as point-to-point messages
-    (:func:`swap`): gloo with a dense CPU tensor."""
+    """Whether ``tensor``'s all-to-all and all-gather on ``group`` run here, as point-to-point
+    messages (:func:`_swap`): gloo with a dense CPU tensor."""
     return (
         tensor.device.type == "cpu"
         and tensor.layout == torch.strided
@@ -81,7 +126,7 @@ def takes(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
     )
 
 
-def sum_(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.Tensor]":
+def _exchange_and_add(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.Tensor]":
     """Sum ``tensor`` in place over the two ranks of ``group`` by exchanging it (see
     ``CHUNK_BYTES``); the future resolves to ``tensor`` once this rank's sum is complete."""
     # The choice of :func:`sums` must not depend on anything that may differ between ranks,
@@ -153,7 +198,7 @@ class _PairSum:
 _SWAP_TAG = 0x636868
 
 
-def swap(
+def _swap(
     sends: Sequence[torch.Tensor], receives: Sequence[torch.Tensor], group: dist.ProcessGroup
 ) -> "Future[None]":
     """Send ``sends[j]`` to group rank ``j`` and fill ``receives[j]`` from it, for every other
