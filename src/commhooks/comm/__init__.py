@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from commhooks import callbacks
 from commhooks.comm import gloo_cpu
-from commhooks.comm._futures import checked, fail
+from commhooks.comm._futures import fail
 
 __all__ = [
     "CollectiveCounter",
@@ -520,11 +520,10 @@ def all_to_all(
     send (see :func:`~commhooks.comm.gloo_cpu.all_to_all`).
     """
     with _issuing("all_to_all_single", tensor):
-        done = gloo_cpu.all_to_all(out, tensor, group)
+        done: Future[Any] | None = gloo_cpu.all_to_all(out, tensor, group)
         if done is None:
-            work = dist.all_to_all_single(out, tensor, group=group, async_op=True)
-            done = callbacks.then(_future_of(work), lambda fut: checked(fut, out))
-    return _as_issued(done)
+            done = _future_of(dist.all_to_all_single(out, tensor, group=group, async_op=True))
+    return _as_issued(callbacks.then(done, lambda fut: _checked(fut, out)))
 
 
 def all_gather_into(
@@ -538,12 +537,16 @@ def all_gather_into(
     gloo's ring.
     """
     with _issuing("all_gather_into_tensor", tensor):
-        done = gloo_cpu.all_gather_into(out, tensor, group)
+        done: Future[Any] | None = gloo_cpu.all_gather_into(out, tensor, group)
         if done is None:
             rows, flat = out.view(group.size(), -1), tensor.reshape(1, -1)
-            work = _all_gather_single()(rows, flat, group=group, async_op=True)
-            done = callbacks.then(_future_of(work), lambda fut: checked(fut, out))
-    return _as_issued(done)
+            done = _future_of(_all_gather_single()(rows, flat, group=group, async_op=True))
+    return _as_issued(callbacks.then(done, lambda fut: _checked(fut, out)))
+
+
+def _checked(fut: "Future[Any]", out: torch.Tensor) -> torch.Tensor:
+    fut.value()  # raises here, in the callback, if the collective failed
+    return out
 
 
 def _all_gather_single() -> Callable[..., Any]:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from commhooks import callbacks, cpu_kernels
-from commhooks.comm._futures import checked, fail
+from commhooks.comm._futures import fail
 
 __all__ = [
     "CHUNKS_IN_FLIGHT",
@@ -78,30 +78,31 @@ def allreduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.T
 
 def all_to_all(
     out: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup
-) -> "Future[torch.Tensor] | None":
+) -> "Future[None] | None":
     """:func:`commhooks.comm.all_to_all` as point-to-point messages (:func:`_swap`) where
-    :func:`takes` says so; the future resolves to ``out``. ``None`` elsewhere."""
+    :func:`takes` says so; the future completes once ``out`` is filled. ``None`` elsewhere."""
     if not takes(tensor, group):
         return None
     world, me = group.size(), group.rank()
     rows, received = tensor.view(world, -1), out.view(world, -1)
     swapped = _swap(list(rows), list(received), group)
     received[me].copy_(rows[me])
-    return callbacks.then(swapped, lambda fut: checked(fut, out))
+    return swapped
 
 
 def all_gather_into(
     out: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup
-) -> "Future[torch.Tensor] | None":
+) -> "Future[None] | None":
     """:func:`commhooks.comm.all_gather_into` as point-to-point messages (:func:`_swap`)
-    where :func:`takes` says so; the future resolves to ``out``. ``None`` elsewhere."""
+    where :func:`takes` says so; the future completes once ``out`` is filled. ``None``
+    elsewhere."""
     if not takes(tensor, group):
         return None
     world, me = group.size(), group.rank()
     flat, rows = tensor.reshape(-1), out.view(world, -1)
     swapped = _swap([flat] * world, list(rows), group)
     rows[me].copy_(flat)
-    return callbacks.then(swapped, lambda fut: checked(fut, out))
+    return swapped
 
 
 def sums(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
