@@ -218,7 +218,7 @@ class Workspace:
 
 
 class QuantizationState(HookState):
-    """Options and error memories of :func:`~commhooks.hooks.quantized.quantized_hook`.
+    """Options and error memories of :func:`~commhooks.quantized.hook.quantized_hook`.
 
     Build it as ``QuantizationState(process_group=None, bits=8, ...)``, the other options of
     :class:`QuantizationOptions` as keywords, e.g. ``QuantizationState(None, 4,
