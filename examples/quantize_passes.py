@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from commhooks import cpu_kernels, quantize
-from commhooks.quantized import triton_launch
+from commhooks.hooks.quantized import triton_launch
 
 Pass = tuple[Callable[[], object], int]  # the pass, and the bytes it must read and write
 

@@ -450,7 +450,7 @@ def test_quantized_hooks_on_cuda_tensors(backend):
 def _quantized_with_or_without_triton(rank: int, world_size: int, eager: tuple) -> tuple:
     """Three steps of each quantized hook on a bucket of odd length; ranks in ``eager`` run
     PyTorch's operations instead of the Triton kernels."""
-    from commhooks.quantized import triton_launch
+    from commhooks.hooks.quantized import triton_launch
 
     if rank in eager:
         os.environ["COMMHOOKS_TRITON"] = "0"  # read when the kernels are first wanted

@@ -266,7 +266,7 @@ def test_importing_and_quantizing_on_a_cpu_leave_triton_unimported():
 
 def test_commhooks_triton_0_turns_the_kernels_off():
     pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
-    script = "from commhooks.quantized import triton_launch; print(triton_launch.available())"
+    script = "from commhooks.hooks.quantized import triton_launch; print(triton_launch.available())"
     assert _run(script, COMMHOOKS_TRITON="0", TRITON_INTERPRET="1").strip() == "False"
     assert _run(script, TRITON_INTERPRET="1").strip() == "True"
 
@@ -276,7 +276,7 @@ def test_a_triton_whose_division_flushes_subnormals_is_not_used():
     script = (
         "import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
         "import triton; triton.__version__ = '3.5.1'\n"
-        "from commhooks.quantized import triton_launch; print(triton_launch.available())"
+        "from commhooks.hooks.quantized import triton_launch; print(triton_launch.available())"
     )
     said = _run(script, TRITON_INTERPRET="1")
     assert said.strip().endswith("False") and "older than 3.6" in said, said

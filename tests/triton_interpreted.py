@@ -13,8 +13,8 @@ import sys
 import torch
 
 from commhooks import cpu_kernels, quantize
+from commhooks.hooks.quantized import triton_launch
 from commhooks.quantize import BlockFormat
-from commhooks.quantized import triton_launch
 
 # Lengths past a program's tile (2048 elements; 1024 in the owner's pass): several programs.
 OWNED = 2560

@@ -36,13 +36,13 @@ from commhooks.hooks.powersgd import (
     batched_powerSGD_hook,
     powerSGD_hook,
 )
-from commhooks.optim import PostLocalSGDOptimizer
-from commhooks.quantized import (
+from commhooks.hooks.quantized import (
     QuantizationState,
     quantization_perchannel_hook,
     quantization_pertensor_hook,
     quantized_hook,
 )
+from commhooks.optim import PostLocalSGDOptimizer
 from commhooks.state import HookState, StateDictError, StatelessState
 
 __version__ = "0.1.0"

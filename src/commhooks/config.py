@@ -199,7 +199,7 @@ def _powersgd_specs() -> dict[CommHookType, HookSpec]:
 
 
 def _quantized_specs() -> dict[CommHookType, HookSpec]:
-    from commhooks.quantized import QuantizationOptions, QuantizationState, quantized_hook
+    from commhooks.hooks.quantized import QuantizationOptions, QuantizationState, quantized_hook
 
     def make(group: dist.ProcessGroup | None, options: Mapping[str, Any]) -> QuantizationState:
         return QuantizationState(group, **options)

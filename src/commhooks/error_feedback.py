@@ -38,8 +38,8 @@ Key = int | str
 
 Plausible = Callable[[torch.Tensor, torch.Tensor], bool]
 """``plausible(residual, gradient)``: whether a residual can be what compressing a gradient of
-that size dropped. Each compressor bounds its own residuals (see :mod:`commhooks.quantized.blocks`'s
-and :mod:`commhooks.lowrank`'s ``plausible_residual``)."""
+that size dropped. Each compressor bounds its own residuals (see the ``plausible_residual`` of
+:mod:`commhooks.hooks.quantized.blocks` and of :mod:`commhooks.lowrank`)."""
 
 
 class ErrorFeedback:

@@ -1,5 +1,5 @@
 /*
- * Fused block quantization for commhooks.quantized.blocks, compiled on first use by
+ * Fused block quantization for commhooks.hooks.quantized.blocks, compiled on first use by
  * commhooks.cpu_kernels.
  *
  * PyTorch runs quantize_ as six passes over the bucket (absolute maximum, scaling, rounding,

@@ -10,7 +10,7 @@ from commhooks.hooks.default import (
 )
 from commhooks.hooks.local_sgd import PostLocalSGDState, post_localSGD_hook
 from commhooks.hooks.powersgd import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
-from commhooks.quantized import (
+from commhooks.hooks.quantized import (
     QuantizationState,
     quantization_perchannel_hook,
     quantization_pertensor_hook,

@@ -1,8 +1,8 @@
 """PyTorch's uint8 quantization hooks under their former module name, for code that imports
-them here. They live in :mod:`commhooks.quantized.pytorch_hooks`.
+them here. They live in :mod:`commhooks.hooks.quantized.pytorch_hooks`.
 """
 
-from commhooks.quantized.pytorch_hooks import (
+from commhooks.hooks.quantized.pytorch_hooks import (
     quantization_perchannel_hook,
     quantization_pertensor_hook,
 )

@@ -1,7 +1,7 @@
 """Options, memory and per-bucket bookkeeping of the quantized hook.
 
 Public through :mod:`commhooks` and :mod:`commhooks.hooks.quantized`; the hook that uses them
-is :mod:`commhooks.quantized.hook`.
+is :mod:`commhooks.hooks.quantized.hook`.
 """
 
 import dataclasses
@@ -16,9 +16,9 @@ from commhooks import comm, handshake, place
 from commhooks._warnings import warn_once
 from commhooks.error_feedback import ErrorFeedback, Key
 from commhooks.hooks._bucket import GradBucket
+from commhooks.hooks.quantized import blocks
 from commhooks.numbering import ParameterNumbering
 from commhooks.options import Options, flag, integer, one_of, option
-from commhooks.quantized import blocks
 from commhooks.state import HookState, StateDictError, check_count, check_tensor
 
 __all__ = ["BucketLayout", "QuantizationOptions", "QuantizationState", "Workspace"]
@@ -218,7 +218,7 @@ class Workspace:
 
 
 class QuantizationState(HookState):
-    """Options and error memories of :func:`~commhooks.quantized.hook.quantized_hook`.
+    """Options and error memories of :func:`~commhooks.hooks.quantized.hook.quantized_hook`.
 
     Build it as ``QuantizationState(process_group=None, bits=8, ...)``, the other options of
     :class:`QuantizationOptions` as keywords, e.g. ``QuantizationState(None, 4,

@@ -3,7 +3,7 @@
 Per bucket, in two phases (the scheme of ZeRO++'s qgZ and torchft's quantized allreduce):
 
 1. Each rank adds its remembered error to its gradient, cuts the zero-padded result into one
-   row per rank, quantizes it in blocks with a scale each (:mod:`commhooks.quantized.blocks`),
+   row per rank, quantizes it in blocks with a scale each (:mod:`commhooks.hooks.quantized.blocks`),
    and keeps what was dropped as its next error. An all-to-all hands each rank every rank's copy
    of the row it owns.
 2. The owner decodes and sums those copies in float32, divides by the world size, adds the
@@ -26,8 +26,8 @@ import torch.distributed as dist
 from commhooks import callbacks, comm
 from commhooks._warnings import warn_once
 from commhooks.hooks._bucket import GradBucket, float_buffer
-from commhooks.quantized import blocks
-from commhooks.quantized.state import (
+from commhooks.hooks.quantized import blocks
+from commhooks.hooks.quantized.state import (
     HOOK,
     QuantizationOptions,
     QuantizationState,

@@ -20,8 +20,9 @@ to step (allocating a bucket-sized tensor costs page faults on every step on a C
 
 Block quantization with nearest rounding, its decoding and the owner's pass run fused kernels,
 one read and one write of the bucket instead of six: on a CPU in C (:mod:`commhooks.cpu_kernels`)
-where a C compiler is found, on a CUDA GPU in Triton (:mod:`~commhooks.quantized.triton_launch`)
-where Triton is installed. The eager PyTorch operations below compute the same bits everywhere else.
+where a C compiler is found, on a CUDA GPU in Triton
+(:mod:`~commhooks.hooks.quantized.triton_launch`) where Triton is installed. The eager PyTorch
+operations below compute the same bits everywhere else.
 """
 
 import math
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from commhooks import cpu_kernels
-from commhooks.quantized import triton_launch
+from commhooks.hooks.quantized import triton_launch
 
 __all__ = [
     "NEAREST",

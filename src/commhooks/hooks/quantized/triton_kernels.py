@@ -1,5 +1,4 @@
-"""Triton kernels of block quantization, loaded by :mod:`~commhooks.quantized.triton_launch` on
-first use.
+"""Triton kernels of block quantization, loaded by ``triton_launch`` (beside it) on first use.
 
 Each program handles ``GROUP`` blocks of one row as a ``GROUP x WIDTH`` tile (``WIDTH``: the
 block size rounded up to a power of two, masked beyond it) held in registers, so that every

@@ -10,7 +10,7 @@ the scales and zero points with the codes in one all-gather instead of two colle
 after the other. Half-precision buckets are quantized from their float32 values (PyTorch
 divides in half precision). Like PyTorch's, each rank receives every other rank's whole
 bucket, so the bytes received grow with the world size: prefer
-:func:`~commhooks.quantized.hook.quantized_hook` beyond a few ranks. A non-finite gradient
+:func:`~commhooks.hooks.quantized.hook.quantized_hook` beyond a few ranks. A non-finite gradient
 makes its whole channel (the whole bucket, per tensor) non-finite.
 
 Hook modules must not use ``from __future__ import annotations``: DDP rejects string annotations.
@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from commhooks import callbacks, comm
 from commhooks.hooks._bucket import GradBucket, float_buffer, group_state
+from commhooks.hooks.quantized import blocks
 from commhooks.options import integer
-from commhooks.quantized import blocks
 
 __all__ = ["quantization_perchannel_hook", "quantization_pertensor_hook"]
 
