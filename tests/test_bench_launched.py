@@ -186,8 +186,13 @@ def test_link_fit_recovers_rate_and_latency():
         fitted_rate, fitted_latency = linkprobe.fit_link(points, ranks)
         assert fitted_rate == pytest.approx(rate, rel=1e-6)
         assert fitted_latency == pytest.approx(latency, rel=1e-6)
+    # a rate limiter lets its bucket (25 KB) through at once: the large sizes still give the rate
+    burst = [[n, 1e-4 + 8 * max(0, n - 25_000) / 1e8] for n in sizes]
+    assert linkprobe.fit_link(burst, 2)[0] == pytest.approx(1e8, rel=1e-6)
     # times that do not grow with size: too fast a link to tell its rate
     assert linkprobe.fit_link([[4096, 1e-4], [1 << 20, 1e-4]], 2)[0] is None
+    # a single size (the first one already took long): its whole time is the rate's
+    assert linkprobe.fit_link([[1 << 20, 0.08]], 2) == (pytest.approx(8 * (1 << 20) / 0.08), 0.0)
 
 
 def test_predictions_start_from_the_rows_less_the_networks_time():

@@ -7,12 +7,12 @@ rank sends ``w = 2 (p - 1) / p * n`` bytes in ``2 (p - 1)`` rounds, so the times
 
     t(n) = 2 (p - 1) * latency + 8 w / rate
 
-and a least-squares line through ``(w, t)``, each point weighted by ``1 / t^2`` (so that the
-small sizes, a thousandth of the large ones' time, still pin the intercept), gives both:
-``rate`` is what one rank's link carries of allreduce payload per second (headers not
-counted), ``latency`` the time per round that does not depend on size (the link's delay
-plus the backend's own cost per message). The fit is pure arithmetic (:func:`fit_link`),
-tested apart from any network.
+and the two largest sizes give the rate (their difference in time is the link's time for their
+difference in bytes, whatever a rate limiter's burst or the backend's fixed costs add to both),
+and the smallest, less its bytes' time at that rate, the latency. ``rate`` is what one rank's
+link carries of allreduce payload per second (headers not counted), ``latency`` the time per
+round that does not depend on size (the link's delay plus the backend's own cost per
+message). The fit is pure arithmetic (:func:`fit_link`), tested apart from any network.
 """
 
 import statistics
@@ -79,24 +79,24 @@ def _size(nbytes: float) -> str:
 
 
 def fit_link(points: list[list[float]], world_size: int) -> tuple[float | None, float]:
-    """``(rate_bps, latency_s)`` from ``[bytes allreduced, seconds]`` pairs (see the module
-    docstring); a negative intercept is taken as no latency."""
-    p = world_size
+    """``(rate_bps, latency_s)`` from ``[bytes allreduced, seconds]`` pairs in ascending size
+    (see the module docstring). With one size only, its whole time is taken as the rate's;
+    when the largest size took no longer than the one before, the rate is ``None``."""
+    p = max(2, world_size)
     share = 2 * (p - 1) / p
-    xs = [share * n for n, _ in points]
-    ys = [t for _, t in points]
-    if len(points) < 2 or p < 2:
-        return None, max(0.0, ys[0] / (2 * max(1, p - 1))) if ys else 0.0
-    weights = [1 / max(t, 1e-12) ** 2 for t in ys]
-    total = sum(weights)
-    mx = sum(w * x for w, x in zip(weights, xs)) / total
-    my = sum(w * y for w, y in zip(weights, ys)) / total
-    sxx = sum(w * (x - mx) ** 2 for w, x in zip(weights, xs))
-    sxy = sum(w * (x - mx) * (y - my) for w, x, y in zip(weights, xs, ys))
-    slope = sxy / sxx if sxx > 0 else 0.0
-    intercept = my - slope * mx
-    rate = 8 / slope if slope > 0 else None
-    return rate, max(0.0, intercept) / (2 * (p - 1))
+    rounds = 2 * (p - 1)
+    if not points:
+        return None, 0.0
+    if len(points) == 1:
+        nbytes, seconds = points[0]
+        return (8 * share * nbytes / seconds if seconds > 0 else None), 0.0
+    (n0, t0), (n1, t1) = points[-2], points[-1]
+    if t1 <= t0:
+        return None, max(0.0, points[0][1]) / rounds
+    s_per_byte = (t1 - t0) / (share * (n1 - n0))
+    smallest_n, smallest_t = points[0]
+    latency = max(0.0, smallest_t - s_per_byte * share * smallest_n) / rounds
+    return 8 / s_per_byte, latency
 
 
 def _time_allreduce(nbytes: int, group: Any, device: torch.device, clock: DeviceClock) -> float:
