@@ -221,3 +221,17 @@ def test_cpu_clock_and_deadline():
     with launched.deadline(1.0, "a quick block"):
         pass
     time.sleep(1.2)  # no alarm left behind
+
+
+def test_readme_cluster_commands_use_real_flags():
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("### Measure your own cluster") :]
+    code = section[section.index("```bash") : section.index("```", section.index("```bash") + 3)]
+    commands = [c for c in code.replace("\\\n", " ").splitlines() if c.startswith("torchrun")]
+    assert len(commands) == 2 and "--nnodes 2" in commands[1]
+    parser = args.build_parser()
+    for command in commands:
+        words = command.split()
+        bench = words[words.index("bench") + 1 :]
+        assert words[words.index("bench") - 2 : words.index("bench")] == ["-m", "commhooks"]
+        parser.parse_args(bench)  # exits on a flag the bench does not have

@@ -98,7 +98,9 @@ def build_parser(prog: str = "commhooks bench") -> argparse.ArgumentParser:
         prog=prog,
         description="Train a small model on local ranks with each hook, measure step time, "
         "bytes, memory and held-out loss, and predict from that which hook pays on which "
-        "network link; optionally measure on rate-limited links too.",
+        "network link; optionally measure on rate-limited links too. Under torchrun "
+        "(torchrun --nproc_per_node N -m commhooks bench) it joins the launcher's ranks "
+        "instead and measures your own network and devices.",
     )
     p.add_argument("--version", action="version", version=_version())
     _hook_flags(p)
@@ -498,6 +500,10 @@ def _launched_memory(a: argparse.Namespace, notes: list[str]) -> MemoryMeasure:
             "a launcher: drop --memory (under torchrun the peak resident set is measured per "
             "hook, and on GPUs the device's peak allocated memory)."
         )
+    notes.append(
+        "peak memory: each hook's peak resident set in the launcher's process, started afresh "
+        "before it (and on GPUs the device's peak allocated memory)"
+    )
     return "rss"
 
 

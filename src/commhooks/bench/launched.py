@@ -22,6 +22,7 @@ uses NCCL, and then, every rank alike:
 import contextlib
 import datetime
 import gc
+import os
 import signal
 import threading
 import time
@@ -44,7 +45,8 @@ from commhooks.testing import describe
 __all__ = ["HookTimeout", "deadline", "run"]
 
 # A rank that fails waits at the agreement for the others: at most one hook's deadline plus
-# one collective's timeout (both --timeout) later. Their sum and a margin bound that wait.
+# one collective's timeout (both --timeout, NCCL's plus the margin) later: twice --timeout and
+# the margin bound that wait.
 _AGREEMENT_FACTOR = 2
 _AGREEMENT_MARGIN_S = 60.0
 _LOG_CHARS = 3000
@@ -97,6 +99,10 @@ def run(plan: Plan, argv: list[str]) -> dict[str, Any] | None:
     assert plan.world is not None
     started = time.time()
     device = _device(plan)
+    if plan.backend == "nccl":
+        # On an error or timeout, abort the communicator but keep the process (PyTorch's
+        # default ends it): the hook's row records the failure and the next hook runs.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     timeout = datetime.timedelta(seconds=plan.timeout_s)
     dist.init_process_group(plan.backend, timeout=timeout)
     agreement = dist.new_group(
@@ -146,7 +152,7 @@ def _run_hook(plan: Plan, hook: str, device: torch.device, agreement: Any) -> Ru
     """``hook`` on this rank, on a process group of its own; the outcome every rank agreed."""
     assert plan.world is not None
     rank, world = plan.world.rank, plan.world.world_size
-    group = dist.new_group(backend=plan.backend, timeout=datetime.timedelta(seconds=plan.timeout_s))
+    group = dist.new_group(backend=plan.backend, timeout=_collective_timeout(plan))
     result: RankResult | None = None
     error: tuple[float, str] | None = None
     try:
@@ -165,6 +171,14 @@ def _run_hook(plan: Plan, hook: str, device: torch.device, agreement: Any) -> Ru
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, (result, error), group=agreement)
     return _agreed(gathered)
+
+
+def _collective_timeout(plan: Plan) -> datetime.timedelta:
+    """A hook group's timeout. gloo waits for a collective in C++, where the hook's deadline
+    cannot reach it: its own timeout is the deadline. NCCL's host never waits (the clock
+    polls), so the deadline comes first and aborts the group before NCCL's watchdog acts."""
+    margin = _AGREEMENT_MARGIN_S if plan.backend == "nccl" else 0.0
+    return datetime.timedelta(seconds=plan.timeout_s + margin)
 
 
 def _release(group: Any, failed: bool, device: torch.device) -> None:
