@@ -235,3 +235,42 @@ def test_readme_cluster_commands_use_real_flags():
         bench = words[words.index("bench") + 1 :]
         assert words[words.index("bench") - 2 : words.index("bench")] == ["-m", "commhooks"]
         parser.parse_args(bench)  # exits on a flag the bench does not have
+
+
+class _FakeEvent:
+    """Stands for a CUDA event: passed by the device on the third query, 12.5 ms after start."""
+
+    def __init__(self) -> None:
+        self.queries = 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.queries > 2
+
+    def elapsed_time(self, end: "_FakeEvent") -> float:
+        return 12.5
+
+
+def test_gpu_clock_polls_until_the_device_passed_the_mark():
+    from commhooks.bench.clock import CudaClock
+
+    start, end = _FakeEvent(), _FakeEvent()
+    assert CudaClock(torch.device("cuda", 0)).seconds(start, end) == pytest.approx(0.0125)
+    assert end.queries == 3  # it returned to Python between queries, never blocked
+
+
+def test_gpu_rows_show_host_time_and_device_memory_in_80_columns():
+    from commhooks.bench import report
+
+    rows = [
+        Row(hook, None, True, device="cuda:0", step_ms_median=12.0, host_step_ms_median=3.5,
+            device_peak_memory_bytes=40 << 30, bytes_per_step=2e8, heldout_loss=2.5,
+            steps_to_allreduce_loss=87, time_to_allreduce_loss_s=12.3)
+        for hook in ("allreduce", "power_sgd_single_round")
+    ]  # fmt: skip
+    lines = report.results_lines(rows, "title", wide=False, network="your network")
+    header = next(line for line in lines if line.startswith("hook"))
+    assert "host" in header and "dev mem" in header
+    assert "40.0 GiB" in "\n".join(lines) and max(len(line) for line in lines) <= 80
+    cpu = [Row("allreduce", None, True, device="cpu", step_ms_median=12.0)]
+    assert "dev mem" not in "\n".join(report.results_lines(cpu, "t", wide=False))

@@ -80,7 +80,7 @@ _STEP: Column = ("ms/step", lambda r: _ms(r.step_ms_median))
 _SPREAD: Column = ("±", _spread)
 _SENT: Column = ("sent/step", _sent)
 _NOTE: Column = ("note", _note)
-_HOST: Column = ("host ms", lambda r: _ms(r.host_step_ms_median))
+_HOST: Column = ("host", lambda r: _ms(r.host_step_ms_median))
 _DEVICE_MEMORY: Column = ("dev mem", lambda r: format_bytes(r.device_peak_memory_bytes))
 LOOPBACK_COLUMNS: list[Column] = [
     _HOOK,
@@ -177,6 +177,11 @@ def _footnotes(rows: list[Row], network: str = "loopback") -> list[str]:
             f"their median (±) or step faster than noop (their reasons: --wide, or the JSON's "
             f"'noise'); {NOISE_SUGGESTION}."
         )
+    if _on_device(rows):
+        out.append(
+            "ms/step: the device's time per step (CUDA events); host: the ms the host took to "
+            "issue it; dev mem: the device's peak allocated memory."
+        )
     for r in rows:
         if not r.ok:
             where = network if r.bandwidth is None else format_rate(r.bandwidth)
@@ -200,14 +205,15 @@ def _on_device(rows: list[Row]) -> bool:
 def results_lines(rows: list[Row], title: str, wide: bool, network: str = "loopback") -> list[str]:
     """The results tables (one per network, or one wide table) with their footnotes;
     ``network``: what the rows without a link rate ran on. On GPUs the compact table also
-    shows the host's time per step and the device's peak memory."""
+    shows the host's time per step and the device's peak memory, in place of the spread."""
     out = textwrap.wrap(title, WIDTH)
     if wide:
         return out + table_lines(rows, WIDE_COLUMNS) + _footnotes(rows, network) + _reasons(rows)
     for bandwidth, table in by_network(rows).items():
         columns = LOOPBACK_COLUMNS if bandwidth is None else LINK_COLUMNS
-        if _on_device(rows):
-            columns = [*columns[:-1], _HOST, _DEVICE_MEMORY, columns[-1]]
+        if _on_device(rows):  # the spread gives way; a noisy row still says so in its note
+            kept = [c for c in columns[:-1] if c is not _SPREAD]
+            columns = [*kept, _HOST, _DEVICE_MEMORY, columns[-1]]
         where = network if bandwidth is None else f"a {format_rate(bandwidth)} link"
         out += ["", f"measured on {where}:"] + table_lines(list(table.values()), columns)
     return out + [""] + _footnotes(rows, network)
