@@ -337,8 +337,10 @@ def test_torchrun_across_namespaces_matches_the_loopback_prediction(link_run, tm
         # moves a mean of seven by 10% or more on two shared cores).
         step = row["step_ms_median"]
         assert abs(step / local[hook] - 1) <= 0.15, (hook, row["step_ms"], local[hook])
-        # int8's collectives overlap the backward pass, which the cost model leaves out: its
-        # prediction is an upper bound, about 30% above both runs' measurements on this link.
+        # int8 is held to the local ranks' run on the link only: its loopback row, which the
+        # prediction comes from, is unsteady on this machine (in some runs its first timed
+        # steps take ten times the others, and the prediction lands 15-30% high; the local
+        # ranks' check above then fails on it too, as it did before the torchrun mode).
         if hook != "int8":
             assert abs(step / predicted[hook] - 1) <= 0.15, (hook, row["step_ms"], predicted)
     # allreduce payload through tbf at 100 Mbit/s: headers and acknowledgements take ~7%
