@@ -154,7 +154,9 @@ def attach(ddp: Any, name: str, options: dict[str, Any]) -> Callable[[], Any]:
     commhooks.register(ddp, name, **options)
     if name == "post_local_sgd" and hasattr(commhooks, "PeriodicModelAverager"):
         warmup = options.get("start_localSGD_iter", 0)
-        averager = commhooks.PeriodicModelAverager(period=AVERAGER_PERIOD, warmup_steps=warmup)
+        averager = commhooks.PeriodicModelAverager(
+            period=AVERAGER_PERIOD, warmup_steps=warmup, process_group=ddp.process_group
+        )
         return lambda: averager.average_parameters(ddp.module.parameters())
     return lambda: None
 
