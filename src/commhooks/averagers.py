@@ -57,6 +57,7 @@ __all__ = [
     "ModelAverager",
     "OuterOptimizerAverager",
     "OuterOptimizerOptions",
+    "OuterOptions",
     "PeriodicAveragerOptions",
     "PeriodicModelAverager",
     "average_parameters",
@@ -137,8 +138,8 @@ def _positive(owner: str, name: str, value: Any) -> float:
 
 
 @dataclass(frozen=True, kw_only=True)
-class OuterOptimizerOptions(PeriodicAveragerOptions):
-    """The options of :class:`OuterOptimizerAverager`."""
+class OuterOptions(AveragerOptions):
+    """The outer optimizer's options, shared by the averagers that step one (DiLoCo's)."""
 
     owner: ClassVar[str] = "OuterOptimizerAverager"
 
@@ -181,6 +182,13 @@ class OuterOptimizerOptions(PeriodicAveragerOptions):
         given = self.outer_optimizer
         name = repr(given) if isinstance(given, functools.partial) else _qualname(given)
         return {"outer_optimizer": name}
+
+
+@dataclass(frozen=True, kw_only=True)
+class OuterOptimizerOptions(OuterOptions, PeriodicAveragerOptions):
+    """The options of :class:`OuterOptimizerAverager`."""
+
+    owner: ClassVar[str] = "OuterOptimizerAverager"
 
 
 def default_outer_optimizer(
