@@ -21,7 +21,7 @@ from commhooks.integrations.checkpoint import DistributedCheckpointState, PerRan
 from commhooks.state import HookState, StateDictError, StatelessState
 from commhooks.testing import RankError, run_on_ranks
 
-FAST_OPTIONS = {"start_powerSGD_iter": 2, "start_localSGD_iter": 2}
+FAST_OPTIONS = {"start_powerSGD_iter": 2, "start_localSGD_iter": 2, "sync_every": 2}
 STEPS = 5
 ENV = {"OMP_NUM_THREADS": "1"}
 
