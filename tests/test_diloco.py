@@ -3,6 +3,7 @@ outer gradients, workers of several ranks, registration and checkpoints."""
 
 import copy
 import math
+import pickle
 
 import pytest
 import torch
@@ -158,6 +159,9 @@ def _collectives_per_step(rank, world_size):
         first = {n: p.detach().clone() for n, p in model.named_parameters() if n.startswith("0.")}
         calls.append(seen.calls.get("all_to_all_single", 0))  # a sync's first phase
         kept.append((diloco.in_flight is not None, first))
+    diloco.finish()  # fragment 0 (issued after inner step 9) applied now, on every rank
+    assert diloco.in_flight is None
+    kept.append((False, {n: p.detach().clone() for n, p in model.named_parameters()}))
     return calls, kept, {n: t.clone() for n, t in diloco.snapshot.items()}
 
 
@@ -168,13 +172,15 @@ def test_a_fragment_is_issued_without_waiting_and_applied_delay_steps_later():
     for calls, kept, _ in results:
         assert calls == [1, 0, 0, 0, 1, 0, 0, 0, 1]
         flying = [True, True, True, False, True, True, True, False, True]
-        assert [f for f, _ in kept] == flying
+        assert [f for f, _ in kept[:9]] == flying
     (_, kept0, glob0), (_, kept1, glob1) = results
     for n in glob0:
         assert torch.equal(glob0[n], glob1[n])  # the global parameters are the same bits
         if n.startswith("0."):
             assert not torch.equal(kept0[2][1][n], kept1[2][1][n])  # in flight: still local
             assert torch.equal(kept0[3][1][n], kept1[3][1][n])  # applied at step 4: global
+            assert not torch.equal(kept0[8][1][n], kept1[8][1][n])  # issued again at step 9
+            assert torch.equal(kept0[9][1][n], kept1[9][1][n])  # applied by finish()
 
 
 # -- quantized outer gradients and registration on DDP ------------------------------------------
@@ -304,6 +310,8 @@ def _resume(rank, world_size, bits, tmp):
     ddp, inner, diloco = _build(bits)
     _train_some(ddp, inner, diloco, data, range(cut))
     assert diloco.in_flight is not None  # fragment 1, issued after inner step 7, applied at 8
+    pickled = pickle.loads(pickle.dumps(diloco))  # waits for the fragment, keeps its average
+    assert pickled.in_flight.apply_at == 8 and pickled.worker_group is None
     path = f"{tmp}/rank{rank}.pt"
     torch.save(
         {

@@ -57,6 +57,7 @@ __all__ = [
 OWNER = "StreamingDiLoCo"
 HOOK = "diloco_hook"
 Fragments = int | tuple[tuple[str, ...], ...]
+_KEEP: Any = object()
 
 
 def _check_fragments(owner: str, name: str, value: Any) -> Fragments:
@@ -286,7 +287,12 @@ class StreamingDiLoCo(ModelAverager):
     version: ClassVar[int] = 1
     options_class = DiLoCoOptions
     options: DiLoCoOptions
-    _transient: ClassVar[tuple[str, ...]] = ("_checked", "_worker_group", "_in_flight_future")
+    _transient: ClassVar[tuple[str, ...]] = (
+        "_checked",
+        "_worker_group",
+        "_in_flight_future",
+        "_last_seen",
+    )
 
     def __init__(
         self,
@@ -312,15 +318,36 @@ class StreamingDiLoCo(ModelAverager):
         self.quantizers: list[QuantizationState] = []
         self.in_flight: _InFlight | None = None
         self._in_flight_future: torch.futures.Future[torch.Tensor] | None = None
+        self._last_seen: dict[str, torch.Tensor] = {}  # the parameters of the last step
 
     def _restore_transient(self) -> None:
         super()._restore_transient()
         self._worker_group = None
         self._in_flight_future = None
+        self._last_seen = {}
 
     def __getstate__(self) -> dict[str, Any]:
         self._settle()  # a pickle holds the fragment in flight as its average
         return super().__getstate__()
+
+    def bind(
+        self, process_group: dist.ProcessGroup | None, worker_group: Any = _KEEP
+    ) -> "StreamingDiLoCo":
+        """Average fragments over ``process_group``, and be a worker of ``worker_group``
+        (``None``: this rank alone; left out: unchanged), from now on, e.g. after unpickling
+        (groups are not pickled)."""
+        if worker_group is _KEEP:
+            worker_group = self._worker_group
+        if worker_group is not None and not isinstance(worker_group, dist.ProcessGroup):
+            raise TypeError(
+                f"{OWNER}.bind: worker_group must be a ProcessGroup or None, got "
+                f"{type(worker_group).__name__}."
+            )
+        super().bind(process_group)
+        self._worker_group = worker_group
+        for state in self.quantizers:
+            state.bind(process_group)
+        return self
 
     @property
     def worker_group(self) -> dist.ProcessGroup | None:
@@ -357,6 +384,21 @@ class StreamingDiLoCo(ModelAverager):
         """
         self.snapshot = {n: p.detach().clone() for n, p in named}
         self.plan, self.outer_optimizers, self.quantizers = None, [], []
+
+    def finish(self) -> None:
+        """Apply the fragment in flight now: call it on every rank after the last step.
+
+        A rank that ends its run (or destroys its process group) while a fragment's average
+        is in flight leaves its peers' collective without a partner. After this, every rank
+        holds the same global parameters of that fragment. Nothing happens when nothing is in
+        flight.
+
+        Raises:
+            DiLoCoSyncError: the average failed (a peer was lost).
+        """
+        if self.in_flight is not None and self._last_seen:
+            self._finish(self._last_seen)
+        self._settle()  # loaded with a fragment in flight, no step since: nothing to apply to
 
     # -- the schedule, on every rank at the same steps -------------------------------------------
     def handshake_fields(self) -> dict[str, Any]:
@@ -398,7 +440,7 @@ class StreamingDiLoCo(ModelAverager):
                 with torch.no_grad():
                     p.copy_(avg)
             self.start(named)
-        lookup = self._fit(named, group)
+        lookup = self._last_seen = self._fit(named, group)
         fragment = self._issue_due(inner)
         if fragment is not None:
             self._issue(fragment, lookup, group, inner)

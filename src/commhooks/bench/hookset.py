@@ -172,17 +172,26 @@ def attach(ddp: Any, name: str, options: dict[str, Any]) -> Callable[[], Any]:
         averager = commhooks.PeriodicModelAverager(period=AVERAGER_PERIOD, warmup_steps=warmup)
         return lambda: averager.average_parameters(ddp.module.parameters())
     if isinstance(state, getattr(commhooks, "ModelAverager", ())):
-        return _averaging_state(ddp, state)
+        return _AveragerAfterStep(ddp, state)
     return lambda: None
 
 
-def _averaging_state(ddp: Any, averager: Any) -> Callable[[], Any]:
+class _AveragerAfterStep:
     """The after-step call of a hook whose state is a model averager (DiLoCo's): it starts
-    from the parameters DDP made equal on every rank, unless a warm-up does that."""
-    named = list(ddp.module.named_parameters())
-    if averager.warmup_steps == 0:
-        averager.start(named)
-    return lambda: averager.average_named([(n, p) for n, p in named if p.grad is not None])
+    from the parameters DDP made equal on every rank, unless a warm-up does that; ``finish``
+    (after the last step) completes a sync still in flight."""
+
+    def __init__(self, ddp: Any, averager: Any) -> None:
+        self.named = list(ddp.module.named_parameters())
+        self.averager = averager
+        if averager.warmup_steps == 0:
+            averager.start(self.named)
+
+    def __call__(self) -> None:
+        self.averager.average_named([(n, p) for n, p in self.named if p.grad is not None])
+
+    def finish(self) -> None:
+        self.averager.finish()
 
 
 def _attach_torch(ddp: Any, name: str, options: dict[str, Any]) -> Callable[[], Any]:

@@ -129,6 +129,9 @@ def train_rank(rank: int, world_size: int, spec: RunSpec) -> RankResult:
     peak_memory = max(0, footprint.peak_rss_bytes() - rss_before)
     for step in range(spec.measured_end, spec.steps):
         run.step(step, timed=False)  # only its loss (when it reaches allreduce's) is kept
+    finish = getattr(run.after_step, "finish", None)
+    if finish is not None:
+        finish()  # a sync still in flight ends before the rank does (DiLoCo)
     phases["trained"] = time.time()
     return RankResult(
         rank=rank,
