@@ -263,10 +263,12 @@ class StreamingDiLoCo(ModelAverager):
     average, and they become the new global parameters, blended with the local ones by
     ``fragment_update_alpha``. With one fragment and no delay this is DiLoCo.
 
-    The global parameters start as the parameters before the first inner step (taken by the
-    pre-step hook :meth:`attach` registers, or by :meth:`start`): every rank must then hold the
-    same, as DDP makes them at construction. Without either, the first inner step's parameters
-    are averaged (one blocking allreduce) and start from there.
+    The global parameters start as the parameters before the first inner step: taken by
+    :meth:`attach` (or :meth:`start`) before the first step, or after the last warm-up step,
+    when every rank holds the same (DDP makes them equal at construction, and the warm-up
+    averages gradients over every worker). Otherwise the first inner step's parameters are
+    averaged (one blocking allreduce) and start from there. After the last step, call
+    :meth:`finish` on every rank, so that no fragment is left in flight.
 
     Args:
         sync_every: inner steps between two syncs of a fragment.
