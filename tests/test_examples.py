@@ -22,7 +22,7 @@ from commhooks.config import hook_names, hook_spec, wrapper_names
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
-FAST_OPTIONS = {"start_powerSGD_iter": 2, "start_localSGD_iter": 2}
+FAST_OPTIONS = {"start_powerSGD_iter": 2, "start_localSGD_iter": 2, "sync_every": 2}
 
 
 def env() -> dict[str, str]:

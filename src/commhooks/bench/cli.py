@@ -308,6 +308,12 @@ def _setting_notes(plan: Plan) -> list[str]:
             f"local steps (post_local_gradient_allreduce={ls['post_local_gradient_allreduce']}) "
             f"with parameters averaged every {hookset.AVERAGER_PERIOD} steps"
         )
+    if any("diloco" in h for h in plan.hooks):
+        lines.append(
+            f"DiLoCo: {hookset.DILOCO_SETTINGS}; streaming DiLoCo: "
+            f"{hookset.STREAMING_DILOCO_SETTINGS} (each rank a worker; outer Nesterov SGD, "
+            "lr 0.7, momentum 0.9)"
+        )
     if plan.fsdp:
         lines.append(
             "FSDP2: the model sharded per layer with fully_shard over a shard group of one rank "

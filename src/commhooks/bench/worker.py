@@ -184,6 +184,9 @@ def train_rank(
     device_peak = clock.peak_memory_bytes()
     for step in range(spec.measured_end, spec.steps):
         run.step(step, timed=False)  # only its loss (when it reaches allreduce's) is kept
+    finish = getattr(run.after_step, "finish", None)
+    if finish is not None:
+        finish()  # a sync still in flight ends before the rank does (DiLoCo)
     phases["trained"] = time.time()
     return RankResult(
         rank=rank,
