@@ -796,6 +796,6 @@ def state_from_options(
     that group is the worker, and the fragments are averaged with the ranks holding the same
     place in every other worker (:func:`cross_worker_group`, a collective).
     """
-    if group is None or comm.is_world(group):
+    if group is None or comm.is_default_group(group):
         return StreamingDiLoCo(process_group=group, **options)
     return StreamingDiLoCo(process_group=cross_worker_group(group), worker_group=group, **options)
