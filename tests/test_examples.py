@@ -203,7 +203,8 @@ def test_quantize_passes_times_each_pass_and_checks_their_bits():
 
 # -- every docstring command ------------------------------------------------------------
 
-EXAMPLE_FILES = sorted(EXAMPLES.glob("*.py"))
+# The scripts (modules with a main guard); a module only imported by one of them is not run.
+EXAMPLE_FILES = sorted(p for p in EXAMPLES.glob("*.py") if "__main__" in p.read_text())
 STARTS = ("torchrun ", "python ", "accelerate ", "ACCELERATE_USE_CPU=1 ")
 # What a reader fills in: the first machine's address and the GPUs per machine.
 PLACEHOLDERS = {"HOST": "127.0.0.1", "N": "2"}
@@ -318,3 +319,19 @@ def test_train_ddp_commands_run_as_written():
         assert f"hook {hook}/{wrapper}" in out
     several_out = "".join(outputs[2:])
     assert len(_losses(several_out)) == 6 and "gloo on cpu" in several_out
+
+
+def test_host_cost_prints_each_hook_against_pytorchs(tmp_path):
+    script = str(EXAMPLES / "host_cost.py")
+    out = tmp_path / "host.json"
+    argv = ["--layers", "6", "--steps", "3", "--warmup", "3", "--rounds", "1"]
+    printed = run(
+        [sys.executable, script, *argv, "--only", "fp16,power_sgd", "--json", str(out)], ROOT
+    )
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["hook"], r["against"]) for r in rows] == [
+        ("fp16", "torch_fp16"),
+        ("power_sgd", "torch_power_sgd"),
+    ]
+    assert all(r["met"] == (r["ratio"] <= r["goal"]) for r in rows)
+    assert re.search(r"fp16 +torch_fp16 +\d+ .* <= 1\.00 (ok|MISSED)", printed), printed
