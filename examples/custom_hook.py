@@ -7,6 +7,8 @@ across ranks. Each rank trains the same model twice, once with this hook and onc
 ``commhooks.allreduce_hook``, and the parameters must agree.
 """
 
+import argparse
+
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -54,7 +56,12 @@ def compare(rank: int, world_size: int) -> bool:
 # --8<-- [end:compare]
 
 
-if __name__ == "__main__":
+def main() -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     agree = run_on_ranks(compare, 2)
     print("the custom hook agrees with allreduce_hook on every rank" if all(agree) else agree)
-    raise SystemExit(0 if all(agree) else 1)
+    return 0 if all(agree) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

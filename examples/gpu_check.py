@@ -1,8 +1,8 @@
 """One command that checks every hook on one GPU and writes what it found to a JSON file.
 
-``python examples/gpu_check.py`` runs, on one GPU and in under 8 minutes, one section after
-another, each in fresh rank processes with a time budget of its own (a section that raises or
-runs out of time is recorded as failed, with its error, and the next one runs):
+On one GPU and in under 8 minutes it runs one section after another, each in fresh rank
+processes with a time budget of its own (a section that raises or runs out of time is recorded
+as failed, with its error, and the next one runs):
 
 1. ``parity``: every hook against PyTorch's counterpart on a small MLP, as the tests promise
    (bitwise where they promise bits), under NCCL with one rank and two gloo ranks on the GPU;
@@ -21,7 +21,7 @@ to ``--json`` (default ``gpu_check.json``). ``--device cpu`` runs every section'
 CPU over gloo with tiny sizes, in under a minute, so the script is tested without a GPU; what needs
 CUDA is recorded there as ``skipped: no CUDA``::
 
-    python examples/gpu_check.py                     # on a GPU machine
+    python examples/gpu_check.py
     python examples/gpu_check.py --device cpu --json /tmp/check.json
 """
 

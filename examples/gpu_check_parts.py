@@ -35,7 +35,7 @@ IN, OUT, STEPS = 32, 8, 8
 SMALL_BUCKETS = 0.004  # bucket_cap_mb: several buckets for the small MLP
 ONE_BUCKET = 100.0
 TINY_CAP = 0.0001  # below one parameter of Linear(8, 8): a bucket per parameter
-FAST = {"start_powerSGD_iter": 2, "start_localSGD_iter": 2}  # real work within a few steps
+FAST = {"start_powerSGD_iter": 2, "start_localSGD_iter": 2, "sync_every": 2}  # real work soon
 SYNC_FREE = ["allreduce", "fp16", "bf16", "power_sgd", "int8", "int4"]
 CAPS = {"one bucket": 4096.0, "25 MB buckets": 25.0}
 # Ours against PyTorch's counterpart, in gpu_step_time.py's names.
@@ -213,6 +213,29 @@ def replicas(name: str, bound: float | None = None) -> Callable[[Case], Result]:
     return check
 
 
+def diloco(name: str) -> Callable[[Case], Result]:
+    """An averager, not a gradient hook: after training with syncs and ``finish()``, every
+    rank holds the same finite global parameters."""
+
+    def check(case: Case) -> Result:
+        ddp = wrap(mlp(), case.device, SMALL_BUCKETS)
+        averager = commhooks.register(ddp, name, **fast_options(name))
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        averager.attach(opt, ddp.module.named_parameters())
+        for x, y in case.batches:
+            opt.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+        averager.finish()
+        shared = averager.state_dict()["snapshot"].values()
+        params = torch.cat([t.reshape(-1).cpu() for t in shared])
+        ok = bool(torch.isfinite(params).all()) and same_on_every_rank(params)
+        promise = "every rank the same finite global parameters after finish()"
+        return {"verdict": "pass" if ok else "fail", "promise": promise}
+
+    return check
+
+
 PARITY: dict[str, Callable[[Case], Result]] = {
     "no": as_plain_ddp("no"),
     "allreduce": as_plain_ddp("allreduce"),
@@ -225,6 +248,8 @@ PARITY: dict[str, Callable[[Case], Result]] = {
     "power_sgd_single_round": replicas("power_sgd_single_round"),
     "int8": replicas("int8", 0.1),  # the bounds of tests/test_cuda.py
     "int4": replicas("int4", 0.9),
+    "diloco": diloco("diloco"),
+    "streaming_diloco": diloco("streaming_diloco"),
 }
 
 
@@ -405,8 +430,9 @@ def step_time_rank(rank: int, world_size: int, argv: list[str]) -> dict[str, Res
 def quantize_functions(device: torch.device, numel: int, rounds: int) -> dict[str, Result]:
     """What examples/quantize_passes.py's functions report, for those it defines.
 
-    The hook points: ``check(device, block) -> bool`` (the fused kernels give the eager form's
-    bits) and ``bandwidth(device, numel, rounds) -> dict[str, float]`` (GB/s of each pass).
+    The hook points: ``check(device, block, numel) -> bool`` (the fused kernels give the eager
+    form's bits) and ``bandwidth(device, numel, rounds) -> dict[str, float]`` (GB/s of each
+    pass).
     """
     import quantize_passes
 
@@ -414,7 +440,7 @@ def quantize_functions(device: torch.device, numel: int, rounds: int) -> dict[st
     check = getattr(quantize_passes, "check", None)
     if check is not None:
         with contextlib.redirect_stdout(io.StringIO()) as printed:
-            same = bool(check(device, 256))
+            same = bool(check(device, 256, min(numel, 1 << 20)))
         lines = printed.getvalue().splitlines()
         out["bit check"] = {"verdict": "pass" if same else "fail", "lines": lines}
     measure = getattr(quantize_passes, "bandwidth", None)

@@ -1,6 +1,7 @@
-"""Train a small model with DDP on CPU, with any commhooks hook chosen on the command line.
+"""Train a small model with DDP, with any commhooks hook chosen on the command line.
 
-One machine, two processes:
+Each process uses NCCL on its GPU (cuda:LOCAL_RANK) where there are GPUs, and gloo on the CPU
+otherwise, as `commhooks bench` does. One machine, two processes:
     torchrun --nproc_per_node 2 examples/train_ddp.py --hook fp16
     torchrun --nproc_per_node 2 examples/train_ddp.py --hook allreduce --wrapper bf16
 Several machines (run on each, with its own --node_rank):
@@ -14,6 +15,7 @@ nothing, for the first 1000 steps; --options '{"start_powerSGD_iter": 10}' start
 
 import argparse
 import json
+import os
 
 import torch
 import torch.distributed as dist
@@ -56,18 +58,28 @@ def hook_options(hook: str, given: dict) -> dict:
     return {**{k: v for k, v in EXAMPLE_DEFAULTS.items() if k in required}, **given}
 
 
-def train(args: argparse.Namespace, rank: int) -> None:
+def backend_and_device() -> tuple[str, torch.device]:
+    """NCCL on this process's GPU where there are GPUs, gloo on the CPU otherwise."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        return "nccl", device
+    return "gloo", torch.device("cpu")
+
+
+def train(args: argparse.Namespace, rank: int, device: torch.device) -> None:
     torch.manual_seed(0)
-    model = DDP(nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 1)))
+    net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 1)).to(device)
+    model = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
     state = commhooks.register(
         model, args.hook, args.wrapper, **hook_options(args.hook, args.options)
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
 
     gen = torch.Generator().manual_seed(rank)
-    true_w = torch.randn(64, 1, generator=torch.Generator().manual_seed(42))
+    true_w = torch.randn(64, 1, generator=torch.Generator().manual_seed(42)).to(device)
     for step in range(args.steps):
-        x = torch.randn(32, 64, generator=gen)
+        x = torch.randn(32, 64, generator=gen).to(device)
         loss = nn.functional.mse_loss(model(x), x @ true_w)
         opt.zero_grad()
         loss.backward()
@@ -75,13 +87,14 @@ def train(args: argparse.Namespace, rank: int) -> None:
         if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
             print(f"step {step:3d}  loss {loss.item():.4f}  hook {args.hook}/{args.wrapper}")
     if rank == 0:
-        print(f"state {type(state).__name__}")
+        print(f"state {type(state).__name__}, {dist.get_backend()} on {device.type}")
 
 
 def main() -> None:
     args = build_parser().parse_args()
-    dist.init_process_group("gloo")
-    train(args, dist.get_rank())
+    backend, device = backend_and_device()
+    dist.init_process_group(backend)
+    train(args, dist.get_rank(), device)
     # The model, its hook and their futures are gone once train() returns. Only then tear the
     # groups down, with both ranks done: gloo threads that still held Python objects at
     # interpreter exit would abort the process.

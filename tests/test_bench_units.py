@@ -85,7 +85,7 @@ def test_default_plan_and_predict_world():
     assert {"noop", "allreduce", "fp16", "bf16"} <= set(plan.hooks)
     assert set(plan.hooks) | set(plan.skipped) == set(
         ["noop", "allreduce", "fp16", "bf16", "power_sgd", "power_sgd_single_round"]
-        + ["post_local_sgd", "int8", "int4"]
+        + ["post_local_sgd", "int8", "int4", "diloco", "streaming_diloco"]
     )
     assert (plan.steps, plan.warmup) == (40, 5)
     assert plan.offload and not args.parse(["--no-offload", "--bandwidth", "1gbit"]).offload

@@ -17,9 +17,9 @@ from commhooks.testing import run_on_ranks
 
 # Options that make the stateful hooks do their real work within a few steps; only those a
 # registered hook takes are used, so hooks added later are covered as soon as they exist.
-FAST_OPTIONS = {"start_powerSGD_iter": 2, "start_localSGD_iter": 2}
+FAST_OPTIONS = {"start_powerSGD_iter": 2, "start_localSGD_iter": 2, "sync_every": 2}
 # Hooks that, by design, leave the ranks' models different.
-UNSYNCED = {"noop", "post_local_sgd"}
+UNSYNCED = {"noop", "post_local_sgd", "diloco", "streaming_diloco"}
 STEPS = 4
 
 

@@ -1,9 +1,14 @@
-"""The examples run as documented, on CPU with 2 processes, through each launcher."""
+"""The examples run as documented, on CPU with 2 processes, through each launcher; every
+command an example's docstring shows is taken by the example's own parser, and the
+``train_ddp.py`` commands (one machine, several machines) run as written."""
 
+import argparse
+import ast
 import importlib.util
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +22,7 @@ from commhooks.config import hook_names, hook_spec, wrapper_names
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
-FAST_OPTIONS = {"start_powerSGD_iter": 2, "start_localSGD_iter": 2}
+FAST_OPTIONS = {"start_powerSGD_iter": 2, "start_localSGD_iter": 2, "sync_every": 2}
 
 
 def env() -> dict[str, str]:
@@ -52,18 +57,6 @@ def test_train_ddp_offers_every_registered_hook_and_wrapper():
     actions = {a.dest: a for a in module.build_parser()._actions}
     assert list(actions["hook"].choices) == hook_names()
     assert list(actions["wrapper"].choices) == wrapper_names()
-
-
-def test_torchrun_example(tmp_path):
-    out = run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         str(EXAMPLES / "train_ddp.py"), "--hook", "allreduce", "--wrapper", "bf16",
-         "--steps", "12"],
-        tmp_path,
-    )  # fmt: skip
-    losses = [float(loss) for loss in re.findall(r"^step +\d+ +loss +(\S+)", out, re.M)]
-    assert len(losses) == 3 and losses[-1] < losses[0], f"losses {losses} in:\n{out[-4000:]}"
-    assert "hook allreduce/bf16" in out
 
 
 def test_train_ddp_runs_post_local_sgd_with_its_defaults(tmp_path):
@@ -206,3 +199,139 @@ def test_quantize_passes_times_each_pass_and_checks_their_bits():
     checked = run([sys.executable, script, "--check", "--numel", "20000"], ROOT)
     assert "every pass gives its device's eager bits" in checked, checked
     assert checked.count("differs from eager on cpu at 0 of") == 2 * 3 * 7, checked
+
+
+# -- every docstring command ------------------------------------------------------------
+
+# The scripts (modules with a main guard); a module only imported by one of them is not run.
+EXAMPLE_FILES = sorted(p for p in EXAMPLES.glob("*.py") if "__main__" in p.read_text())
+STARTS = ("torchrun ", "python ", "accelerate ", "ACCELERATE_USE_CPU=1 ")
+# What a reader fills in: the first machine's address and the GPUs per machine.
+PLACEHOLDERS = {"HOST": "127.0.0.1", "N": "2"}
+
+
+def commands(path: Path) -> list[list[str]]:
+    """The commands in ``path``'s docstring, continuation lines joined, as argument lists."""
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    text = re.sub(r"\\\n\s*", " ", doc)
+    found = []
+    for line in text.splitlines():
+        line = line.strip().strip("`").strip()
+        if line.startswith(STARTS) and "examples/" in line:
+            found.append(shlex.split(line))
+    return found
+
+
+def script_args(command: list[str]) -> tuple[str, list[str]]:
+    """The example a command runs, and the arguments it hands that example."""
+    at = next(i for i, word in enumerate(command) if word.endswith(".py"))
+    return command[at], [PLACEHOLDERS.get(a, a) for a in command[at + 1 :]]
+
+
+class _Parsed(Exception):
+    """Raised in place of running the example once its parser has taken the arguments."""
+
+
+def parse_only(script: str, argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run ``script``'s entry point up to its argument parsing, and stop there."""
+    spec = importlib.util.spec_from_file_location(Path(script).stem, ROOT / script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    original = argparse.ArgumentParser.parse_args
+
+    def parse(self, args=None, namespace=None):
+        raise _Parsed(original(self, args, namespace))
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse)
+    monkeypatch.setattr(sys, "argv", [script, *argv])
+    with pytest.raises(_Parsed):
+        module.main()
+
+
+def test_every_example_shows_a_command():
+    for path in EXAMPLE_FILES:
+        assert commands(path), f"{path.name}: its docstring shows no command to run it"
+
+
+@pytest.mark.parametrize("path", EXAMPLE_FILES, ids=lambda p: p.stem)
+def test_every_docstring_command_parses(path, monkeypatch):
+    if path.stem == "accelerate_example":
+        pytest.importorskip("accelerate")
+    if path.stem == "lightning_example":
+        pytest.importorskip("lightning")
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    for command in commands(path):
+        script, argv = script_args(command)
+        assert script == f"examples/{path.name}", command
+        parse_only(script, argv, monkeypatch)
+
+
+def _run(command: list[str]) -> subprocess.Popen:
+    if command[0] == "torchrun":
+        command = [sys.executable, "-m", "torch.distributed.run", *command[1:]]
+    elif command[0] == "python":
+        command = [sys.executable, *command[1:]]
+    return subprocess.Popen(
+        command, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def _finish(procs: list[subprocess.Popen]) -> list[str]:
+    """What each of ``procs`` printed, once every one has ended well."""
+    try:
+        outputs = [p.communicate(timeout=150)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out[-4000:]
+    return outputs
+
+
+def _losses(out: str) -> list[float]:
+    return [float(x) for x in re.findall(r"^step +\d+ +loss +(\S+)", out, re.M)]
+
+
+@pytest.mark.timeout(240)
+def test_train_ddp_commands_run_as_written():
+    *one_machine, several = commands(EXAMPLES / "train_ddp.py")
+    assert len(one_machine) == 2
+    # Several machines: each command with its own --node_rank, the first one's address.
+    port = str(free_port())
+    nodes = []
+    for rank in ("0", "1"):
+        command = [
+            "127.0.0.1:" + port if w == "HOST:29500" else rank if w == "0" and i == 4 else w
+            for i, w in enumerate(several)
+        ]
+        assert command[3:5] == ["--node_rank", rank]
+        nodes.append(command)
+    # All at once: most of each run is starting Python and torch, which overlaps well.
+    outputs = _finish([_run(c) for c in [*one_machine, *nodes]])
+    for command, out in zip(one_machine, outputs):
+        losses = _losses(out)
+        assert len(losses) == 6 and losses[-1] < losses[0], out[-3000:]
+        assert "gloo on cpu" in out  # no GPU here: gloo, as the bench chooses
+        hook, wrapper = command[command.index("--hook") + 1], "no"
+        if "--wrapper" in command:
+            wrapper = command[command.index("--wrapper") + 1]
+        assert f"hook {hook}/{wrapper}" in out
+    several_out = "".join(outputs[2:])
+    assert len(_losses(several_out)) == 6 and "gloo on cpu" in several_out
+
+
+def test_host_cost_prints_each_hook_against_pytorchs(tmp_path):
+    script = str(EXAMPLES / "host_cost.py")
+    out = tmp_path / "host.json"
+    argv = ["--layers", "6", "--steps", "3", "--warmup", "3", "--rounds", "1"]
+    printed = run(
+        [sys.executable, script, *argv, "--only", "fp16,power_sgd", "--json", str(out)], ROOT
+    )
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["hook"], r["against"]) for r in rows] == [
+        ("fp16", "torch_fp16"),
+        ("power_sgd", "torch_power_sgd"),
+    ]
+    assert all(r["met"] == (r["ratio"] <= r["goal"]) for r in rows)
+    assert re.search(r"fp16 +torch_fp16 +\d+ .* <= 1\.00 (ok|MISSED)", printed), printed

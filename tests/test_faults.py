@@ -7,6 +7,8 @@ and each surviving rank must raise (not hang, not finish) within that timeout pl
 counted from the signal. All scenarios run at once (see ``fault_harness``).
 """
 
+import functools
+import re
 import signal
 
 import pytest
@@ -137,6 +139,21 @@ def hierarchical_group_creation(rank, world_size, fault):
     _averaging(rank, _hierarchy, -1, fault)
 
 
+def _streaming_diloco(bits):
+    return commhooks.StreamingDiLoCo(sync_every=4, fragments=2, fragment_sync_delay=1, bits=bits)
+
+
+def streaming_diloco_in_flight(rank, world_size, fault):
+    """The victim goes while fragment 0's full-precision average is in flight (issued after
+    inner step 1, applied after step 2); fragment 1 is issued after step 3."""
+    _averaging(rank, functools.partial(_streaming_diloco, None), 1, fault)
+
+
+def streaming_diloco_int4_in_flight(rank, world_size, fault):
+    """The same with int4 outer gradients: the survivor's second phase waits for the victim."""
+    _averaging(rank, functools.partial(_streaming_diloco, 4), 1, fault)
+
+
 POINTS = [
     (startup, 2),
     (fp16_first_bucket, 2),
@@ -147,6 +164,8 @@ POINTS = [
     (post_local_sgd_local_phase, 2),
     (hierarchical_averaging, 4),
     (hierarchical_group_creation, 4),
+    (streaming_diloco_in_flight, 2),
+    (streaming_diloco_int4_in_flight, 2),
 ]
 SCENARIOS = [
     Scenario(f"{fn.__name__}-{sig.name}", fn, world, victim=1, signum=sig)
@@ -177,3 +196,12 @@ def test_every_survivor_raises_within_the_timeout(name, outcomes):
         assert error is not None, f"rank {rank} finished training without its peer"
     for rank, delay in out.delays().items():
         assert delay <= TIMEOUT + SLACK, f"rank {rank} raised {delay:.1f}s after the fault"
+
+
+@pytest.mark.timeout(330)
+@pytest.mark.parametrize("name", [sc.name for sc in SCENARIOS if "diloco" in sc.name])
+def test_a_lost_diloco_peer_is_named_as_a_failed_fragment(name, outcomes):
+    for rank, (error, _) in outcomes[name].survivors.items():
+        # Fragment 0 may have crossed before the victim went; fragment 1 cannot.
+        assert error is not None and "DiLoCoSyncError" in error, (rank, error)
+        assert re.search(r"averaging fragment [01] failed", error), (rank, error)

@@ -21,7 +21,7 @@ from commhooks.integrations.checkpoint import DistributedCheckpointState, PerRan
 from commhooks.state import HookState, StateDictError, StatelessState
 from commhooks.testing import RankError, run_on_ranks
 
-FAST_OPTIONS = {"start_powerSGD_iter": 2, "start_localSGD_iter": 2}
+FAST_OPTIONS = {"start_powerSGD_iter": 2, "start_localSGD_iter": 2, "sync_every": 2}
 STEPS = 5
 ENV = {"OMP_NUM_THREADS": "1"}
 
@@ -473,3 +473,44 @@ def test_lightning_strategy_validates_at_construction():
         "hook": "fp16",
         "wrapper": "bf16",
     }
+
+
+def _lightning_diloco(rank, world_size):
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from commhooks.integrations.lightning import CommHookDDPStrategy
+
+    env = LightningEnvironment()
+    env.set_world_size(world_size)
+    env.set_global_rank(rank)
+    DDPStrategy.configure_ddp = lambda self: setattr(self, "model", make_ddp(make_mlp()))
+    options = {"sync_every": 4, "fragments": 2, "fragment_sync_delay": 1}
+    strategy = CommHookDDPStrategy(
+        "streaming_diloco", hook_options=options, cluster_environment=env
+    )
+    strategy.configure_ddp()
+    opt = torch.optim.SGD(strategy.model.parameters(), lr=0.05)
+    strategy.optimizers = [opt, opt]
+    try:
+        strategy.attach_averager()
+        refused = False
+    except ValueError as exc:
+        refused = "Return one optimizer" in str(exc)
+    strategy.optimizers = [opt]
+    strategy.attach_averager()
+    strategy.attach_averager()  # once only
+    train(strategy.model, batches(rank, 7), optimizer=opt)
+    flying = strategy.hook_state.in_flight is not None  # fragment 1, issued after step 7
+    strategy.on_train_end()
+    state = strategy.hook_state
+    return refused, flying, state.step, state.in_flight, dict(state.snapshot)
+
+
+def test_lightning_strategy_runs_the_diloco_averager_after_each_step():
+    pytest.importorskip("lightning")
+    results = run_on_ranks(_lightning_diloco, 2, env=ENV)
+    for refused, flying, step, in_flight, _ in results:
+        assert refused and flying and step == 7 and in_flight is None
+    for name, tensor in results[0][4].items():
+        assert torch.equal(tensor, results[1][4][name])

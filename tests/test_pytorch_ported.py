@@ -181,3 +181,28 @@ def test_post_local_sgd_optimizer_step_reload(tmp_path):
     for (step, reloaded), after in run_on_ranks(_step_reload, 2, path):
         assert reloaded != 0 and reloaded == step
         assert after == 0
+
+
+def _groups_of_one(rank, world_size):
+    from torch.distributed.algorithms.model_averaging.hierarchical_model_averager import (
+        HierarchicalModelAverager as TorchHierarchical,
+    )
+
+    levels = OrderedDict([(1, 1), (2, 2), (4, world_size)])
+    ours = commhooks.HierarchicalModelAverager(period_group_size_dict=levels)
+    theirs = TorchHierarchical(period_group_size_dict=levels)
+    mine = {p: dist.get_process_group_ranks(g) for p, g in ours.period_process_group_dict.items()}
+    want = {p: dist.get_process_group_ranks(g) for p, g in theirs.period_process_group_dict.items()}
+    # Averaging in the level of one rank leaves the parameter as it is, as in PyTorch.
+    param = torch.full((3,), float(rank), requires_grad=True)
+    param.grad = torch.zeros_like(param)
+    ours.step = 1  # due only at the level of period 1
+    ours.average_parameters([param])
+    return mine, want, param.detach().tolist()
+
+
+def test_hierarchical_level_of_one_rank_is_a_group_of_that_rank_as_in_pytorch():
+    for rank, (mine, want, param) in enumerate(run_on_ranks(_groups_of_one, 4)):
+        assert mine == want
+        assert mine[1] == [rank]  # not None, which torch.distributed reads as the world
+        assert param == [float(rank)] * 3

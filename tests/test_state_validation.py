@@ -142,7 +142,12 @@ def _options_classes():
     return [c for c in found if c.__module__.startswith("commhooks")]
 
 
-_REQUIRED = {"start_localSGD_iter": 2, "period": 2, "period_group_size_dict": {2: 2}}
+_REQUIRED = {
+    "start_localSGD_iter": 2,
+    "period": 2,
+    "period_group_size_dict": {2: 2},
+    "sync_every": 4,
+}
 
 
 def _integer_options():

@@ -21,6 +21,7 @@ from commhooks.averagers import (
     get_params_to_average,
 )
 from commhooks.config import CommHookType, HookConfig, register, register_from_config
+from commhooks.diloco import DiLoCoOptions, DiLoCoSyncError, StreamingDiLoCo, diloco_hook
 from commhooks.hooks import (
     allreduce_hook,
     bf16_compress_hook,
@@ -85,4 +86,8 @@ __all__ = [
     "quantization_perchannel_hook",
     "quantization_pertensor_hook",
     "quantized_hook",
+    "DiLoCoOptions",
+    "DiLoCoSyncError",
+    "StreamingDiLoCo",
+    "diloco_hook",
 ]

@@ -7,7 +7,8 @@ __all__ = ["main"]
 
 COMMANDS = {
     "bench": "train a small model on local ranks with each hook, measure step time, bytes, "
-    "memory and held-out loss, and predict which hook pays on which network link "
+    "memory and held-out loss, and predict which hook pays on which network link; under "
+    "torchrun, measure your own network, GPUs and model (--model) instead "
     "(`commhooks bench --help` for its flags)",
 }
 

@@ -57,6 +57,7 @@ __all__ = [
     "ModelAverager",
     "OuterOptimizerAverager",
     "OuterOptimizerOptions",
+    "OuterOptions",
     "PeriodicAveragerOptions",
     "PeriodicModelAverager",
     "average_parameters",
@@ -137,8 +138,8 @@ def _positive(owner: str, name: str, value: Any) -> float:
 
 
 @dataclass(frozen=True, kw_only=True)
-class OuterOptimizerOptions(PeriodicAveragerOptions):
-    """The options of :class:`OuterOptimizerAverager`."""
+class OuterOptions(AveragerOptions):
+    """The outer optimizer's options, shared by the averagers that step one (DiLoCo's)."""
 
     owner: ClassVar[str] = "OuterOptimizerAverager"
 
@@ -181,6 +182,13 @@ class OuterOptimizerOptions(PeriodicAveragerOptions):
         given = self.outer_optimizer
         name = repr(given) if isinstance(given, functools.partial) else _qualname(given)
         return {"outer_optimizer": name}
+
+
+@dataclass(frozen=True, kw_only=True)
+class OuterOptimizerOptions(OuterOptions, PeriodicAveragerOptions):
+    """The options of :class:`OuterOptimizerAverager`."""
+
+    owner: ClassVar[str] = "OuterOptimizerAverager"
 
 
 def default_outer_optimizer(
@@ -484,8 +492,9 @@ class HierarchicalModelAverager(ModelAverager):
     def period_process_group_dict(self) -> "collections.OrderedDict[int, Any]":
         """``{period: process group}``, as PyTorch's attribute: this rank's group per level.
 
-        A level of one rank maps to ``None`` (it never communicates). Reading it after
-        unpickling, before the first average, creates the groups: a collective.
+        A level of one rank maps to a group of that rank alone, as in PyTorch (``None`` would
+        mean the default group to ``torch.distributed``). Reading it after unpickling, before
+        the first average, creates the groups: a collective.
         """
         groups = self._groups_now()
         return collections.OrderedDict(
@@ -506,11 +515,9 @@ class HierarchicalModelAverager(ModelAverager):
                 f"ranks, but its process group has {len(ranks)}. Build a new averager for it."
             )
         groups: list[dist.ProcessGroup | None] = []
-        for _, size in self.levels:
+        for _, size in self.levels:  # blocks of one rank too: each rank gets its own group
             if size == len(ranks):
                 groups.append(parent)
-            elif size == 1:
-                groups.append(None)  # averaging alone changes nothing
             else:
                 blocks = [ranks[i : i + size] for i in range(0, len(ranks), size)]
                 mine = comm.new_groups(blocks, parent)
@@ -526,7 +533,7 @@ class HierarchicalModelAverager(ModelAverager):
             return None
         for (period, _), group in zip(reversed(self.levels), reversed(self._groups_now())):
             if self.step % period == 0:
-                return group  # None for groups of one rank: nothing to average
+                return group  # a group of one rank: average_parameters returns at once
         return None
 
     def _restore_transient(self) -> None:

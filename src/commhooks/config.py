@@ -48,6 +48,8 @@ class CommHookType(str, Enum):
     POST_LOCAL_SGD = "post_local_sgd"
     INT8 = "int8"
     INT4 = "int4"
+    DILOCO = "diloco"
+    STREAMING_DILOCO = "streaming_diloco"
 
     def __str__(self) -> str:
         return self.value
@@ -159,6 +161,7 @@ def _specs() -> dict[CommHookType, HookSpec]:
         ),
         **_powersgd_specs(),
         **_quantized_specs(),
+        **_diloco_specs(),
     }
 
 
@@ -213,6 +216,24 @@ def _quantized_specs() -> dict[CommHookType, HookSpec]:
     return {
         CommHookType.INT8: spec(8, CommHookType.INT4),
         CommHookType.INT4: spec(4, CommHookType.INT8),
+    }
+
+
+def _diloco_specs() -> dict[CommHookType, HookSpec]:
+    from commhooks.diloco import DiLoCoOptions, diloco_hook, state_from_options
+
+    plain = "hook 'diloco' syncs the whole model at once, without overlap; use hook "
+    plain += "'streaming_diloco' for fragments, a delay or a blend, or drop the option."
+    fixed = {"fragments": 1, "fragment_sync_delay": 0, "fragment_update_alpha": 0.0}
+    return {
+        CommHookType.DILOCO: HookSpec.of(
+            diloco_hook,
+            DiLoCoOptions,
+            state_from_options,
+            fixed=fixed,
+            notes=dict.fromkeys(fixed, plain),
+        ),
+        CommHookType.STREAMING_DILOCO: HookSpec.of(diloco_hook, DiLoCoOptions, state_from_options),
     }
 
 

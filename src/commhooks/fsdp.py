@@ -42,6 +42,12 @@ _NOT_FOR_SHARDS = {
     CommHookType.POST_LOCAL_SGD: "it stops averaging across machines after a warm-up, and "
     "within a machine FSDP2's reduce-scatter already averages. Use 'noop' with a model "
     "averager, or another hook",
+    CommHookType.DILOCO: "DiLoCo averages parameters, not gradient shards, and its averager "
+    "works on whole (not sharded) parameters. Use DDP within a machine and "
+    "commhooks.register(ddp_model, 'diloco', ...)",
+    CommHookType.STREAMING_DILOCO: "DiLoCo averages parameters, not gradient shards, and its "
+    "averager works on whole (not sharded) parameters. Use DDP within a machine and "
+    "commhooks.register(ddp_model, 'streaming_diloco', ...)",
 }
 _OWNER = "commhooks.fsdp.register"
 _hooked: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # FSDP modules with a hook of ours

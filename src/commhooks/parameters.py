@@ -98,7 +98,9 @@ def positional(tensors: Sequence[torch.Tensor]) -> Named:
 
 
 def named_in_groups(
-    param_groups: Sequence[Mapping[str, Any]], names: Mapping[int, str] | None = None
+    param_groups: Sequence[Mapping[str, Any]],
+    names: Mapping[int, str] | None = None,
+    with_grad_only: bool = True,
 ) -> Named:
     """The parameters of an optimizer's ``param_groups`` that have a gradient, named.
 
@@ -106,12 +108,13 @@ def named_in_groups(
     ``named_parameters()``), else by the group's ``"param_names"`` (optimizers built from
     named parameters keep them), else ``"<group index>.<index in group>"``. The last two are
     stable when the optimizer is rebuilt the same way; module names survive any rebuild.
+    ``with_grad_only=False`` names every parameter, before any has a gradient.
     """
     out: Named = []
     for g, group in enumerate(param_groups):
         given = group.get("param_names")
         for i, p in enumerate(group["params"]):
-            if p.grad is None:
+            if with_grad_only and p.grad is None:
                 continue
             name = (names or {}).get(id(p))
             if name is None:

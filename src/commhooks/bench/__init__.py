@@ -3,7 +3,9 @@
 Imported only by the command line (``commhooks bench``, ``python -m commhooks bench``), so
 ``import commhooks`` stays light. A run reads top to bottom through its modules: ``args``
 (flags, the plan), ``tasks`` (what is trained), ``hookset`` (which hooks, with which
-settings), ``launcher`` (fresh rank processes per hook, through ``commhooks.testing``) and
+settings), ``launcher`` (fresh rank processes per hook, through ``commhooks.testing``), or, under
+torchrun, ``world`` and ``launched`` (the launcher's ranks, every hook in turn, on the
+network measured by ``linkprobe``), ``usermodel`` (``--model``), ``clock`` (device time) and
 ``worker`` (one rank's loop), exchanging ``records`` (a run's specification, a rank's result);
 ``netns`` (rate-limited private links); ``rows`` (one row per hook and network), ``summary``
 (ratios, time to accuracy, noise), ``costmodel`` and ``predict`` (step times on other links

@@ -9,9 +9,10 @@ from typing import Literal, get_args
 from commhooks.bench import footprint, hookset
 from commhooks.bench.tasks import TASKS, parse_params
 from commhooks.bench.units import RATE_FORM, parse_duration, parse_rate
+from commhooks.bench.world import LauncherWorld, launcher_world
 from commhooks.options import suggest
 
-__all__ = ["DEFAULT_LADDER", "MEMORY_MEASURES", "Plan", "build_parser", "parse"]
+__all__ = ["BACKENDS", "DEFAULT_LADDER", "MEMORY_MEASURES", "Plan", "build_parser", "parse"]
 
 MAX_LOCAL_RANKS = 16
 # A hook that loses a little per step (PowerSGD) reaches allreduce's final loss some steps
@@ -21,6 +22,8 @@ DEFAULT_LADDER = "100mbit,1gbit,10gbit,25gbit"
 PLOT_INSTALL = "pip install matplotlib (or pip install -e '.[bench]')"
 MemoryMeasure = Literal["live", "rss"]
 MEMORY_MEASURES: tuple[MemoryMeasure, ...] = get_args(MemoryMeasure)
+BACKENDS = ("nccl", "gloo")
+TORCHRUN = "torchrun --nproc_per_node N -m commhooks bench"
 
 
 @dataclass
@@ -39,6 +42,10 @@ class Plan:
             (which may take longer to reach allreduce's loss).
         memory: ``live``: each hook's peak memory from a run of its own with glibc mapping every
             large allocation afresh (``bench.footprint``); ``rss``: from the timed runs.
+        model: the user's model factory (``--model package.module:factory``), if any.
+        world: the launcher's world when the bench runs under one (torchrun): it joins it
+            instead of starting ranks, and ``ranks`` is its size.
+        backend: the process groups' backend (``nccl`` on GPUs, ``gloo`` on CPUs).
     """
 
     hooks: list[str]
@@ -69,6 +76,9 @@ class Plan:
     fsdp: bool = False
     wide: bool = False
     notes: list[str] = field(default_factory=list)
+    model: str | None = None
+    world: LauncherWorld | None = None
+    backend: str = "gloo"
 
     @property
     def networks(self) -> list[int | None]:
@@ -88,7 +98,9 @@ def build_parser(prog: str = "commhooks bench") -> argparse.ArgumentParser:
         prog=prog,
         description="Train a small model on local ranks with each hook, measure step time, "
         "bytes, memory and held-out loss, and predict from that which hook pays on which "
-        "network link; optionally measure on rate-limited links too.",
+        "network link; optionally measure on rate-limited links too. Under torchrun "
+        "(torchrun --nproc_per_node N -m commhooks bench) it joins the launcher's ranks "
+        "instead and measures your own network and devices.",
     )
     p.add_argument("--version", action="version", version=_version())
     _hook_flags(p)
@@ -114,10 +126,17 @@ def _hook_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--task",
         choices=TASKS,
-        default="stdlib-lm",
+        default=None,
         help="stdlib-lm (default: char transformer on Python's sources) or synthetic",
     )
-    p.add_argument("--params", default="6M", help="synthetic task size (default 6M parameters)")
+    p.add_argument(
+        "--model",
+        metavar="PKG.MOD:FACTORY",
+        help="train your own model instead of --task: a callable that returns "
+        "commhooks.bench.usermodel.BenchModel(model, make_batch, loss) or a (model, batch) "
+        "pair (see that module)",
+    )
+    p.add_argument("--params", default=None, help="synthetic task size (default 6M parameters)")
     p.add_argument("--lr", type=float, default=None, help="AdamW learning rate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -152,6 +171,13 @@ def _network_flags(p: argparse.ArgumentParser) -> None:
         "the hooks through commhooks.fsdp.register, across the ranks",
     )
     p.add_argument("--ranks", type=int, default=None, help="local ranks to start (default 2)")
+    p.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default=None,
+        help="under a launcher (torchrun): the process groups' backend (default nccl where "
+        "there are GPUs, gloo otherwise); the local ranks started without one use gloo",
+    )
 
 
 def _prediction_flags(p: argparse.ArgumentParser) -> None:
@@ -243,17 +269,19 @@ def parse(argv: list[str] | None = None) -> Plan:
 
 
 def _plan(a: argparse.Namespace) -> Plan:
+    launched = launcher_world()
     hooks, skipped = _hooks(a)
     bandwidths, latency = _links_measured(a)
     links, recommend, predict_bps = _ladder(a)
-    ranks, world = _world(a)
+    ranks, world = _world(a, launched)
     steps, warmup = _budget(a)
     _check_outputs(a)
+    _check_model(a)
     asked = any(x is not None for x in (a.links, a.link, a.predict, a.world_size))
     notes = _fsdp_notes(a) + _add_references(
         hooks, sweep=bool(a.sweep), predict=asked, other_world=world != ranks
     )
-    memory = _memory(a, notes)
+    memory = _memory(a, notes) if launched is None else _launched_memory(a, notes)
     return Plan(
         hooks=hooks,
         skipped=skipped,
@@ -263,8 +291,8 @@ def _plan(a: argparse.Namespace) -> Plan:
         steps=steps,
         warmup=warmup,
         reach_steps=_reach_steps(a, steps),
-        task=a.task,
-        params=parse_params(a.params),
+        task=a.task or "stdlib-lm",
+        params=parse_params(a.params or "6M"),
         lr=_lr(a),
         seed=a.seed,
         bucket_cap_mb=a.bucket_cap_mb,
@@ -283,6 +311,9 @@ def _plan(a: argparse.Namespace) -> Plan:
         fsdp=a.fsdp,
         wide=a.wide,
         notes=notes,
+        model=a.model,
+        world=launched,
+        backend=_backend(a, launched),
     )
 
 
@@ -389,11 +420,19 @@ def _ladder(a: argparse.Namespace) -> tuple[list[int], list[int], int | None]:
     return ladder, [own] if own else ladder, own
 
 
-def _world(a: argparse.Namespace) -> tuple[int, int]:
-    """The ranks to start, and the world size to predict for."""
+def _world(a: argparse.Namespace, launched: LauncherWorld | None) -> tuple[int, int]:
+    """The ranks to start (or the launcher's), and the world size to predict for."""
     for flag, value in (("--world-size", a.world_size), ("--ranks", a.ranks)):
         if value is not None and value < 2:
             raise ValueError(f"{flag} must be at least 2 (a single rank communicates nothing).")
+    if launched is not None:
+        _check_launched(a)
+        if launched.world_size < 2:
+            raise ValueError(
+                "the launcher started a single process, which communicates nothing: start at "
+                "least 2 (torchrun --nproc_per_node 2, or --nnodes 2)."
+            )
+        return launched.world_size, a.world_size or launched.world_size
     ranks = a.ranks or 2
     if ranks > MAX_LOCAL_RANKS:
         raise ValueError(
@@ -402,6 +441,70 @@ def _world(a: argparse.Namespace) -> tuple[int, int]:
             "--predict RATE for your link)."
         )
     return ranks, a.world_size or ranks
+
+
+def _check_launched(a: argparse.Namespace) -> None:
+    """Refuse what has no meaning when the launcher made the ranks and the network is real."""
+    refused = [
+        ("--ranks", a.ranks is not None, "the launcher decides the ranks (--nproc_per_node)"),
+        ("--bandwidth", bool(a.bandwidth), "the network measured is your own"),
+        ("--sweep", bool(a.sweep), "the network measured is your own"),
+        ("--latency", bool(a.latency), "the network measured is your own"),
+        ("--no-offload", not a.offload, "the network measured is your own"),
+        ("--fsdp", a.fsdp, "--fsdp runs on the local ranks the bench starts itself"),
+    ]
+    for flag, given, why in refused:
+        if given:
+            raise ValueError(f"{flag} does not apply under a launcher ({why}): drop it.")
+
+
+def _backend(a: argparse.Namespace, launched: LauncherWorld | None) -> str:
+    """NCCL on GPUs and gloo on CPUs under a launcher, unless told; gloo on local ranks."""
+    import torch
+
+    if launched is None:
+        if a.backend == "nccl":
+            raise ValueError(
+                "the local ranks the bench starts run on the CPU over gloo; for NCCL on GPUs "
+                f"run it under a launcher: {TORCHRUN} --backend nccl."
+            )
+        return "gloo"
+    if a.backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("--backend nccl needs GPUs, and this machine has none: drop --backend.")
+    if a.backend:
+        return str(a.backend)
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _check_model(a: argparse.Namespace) -> None:
+    """``--model`` names a factory that imports; it replaces ``--task`` and ``--params``."""
+    if a.model is None:
+        return
+    for flag, value in (("--task", a.task), ("--params", a.params)):
+        if value is not None:
+            raise ValueError(
+                f"give --model or {flag}, not both: with --model the factory decides what is "
+                "trained."
+            )
+    from commhooks.bench.usermodel import load_factory
+
+    load_factory(a.model)  # raises BenchModelError (a ValueError) with the fix
+
+
+def _launched_memory(a: argparse.Namespace, notes: list[str]) -> MemoryMeasure:
+    """Under a launcher every hook runs in the same process: only the resident-set peak,
+    started afresh per hook, can be measured there."""
+    if a.memory == "live":
+        raise ValueError(
+            "--memory live needs a fresh process per hook, which the bench starts only without "
+            "a launcher: drop --memory (under torchrun the peak resident set is measured per "
+            "hook, and on GPUs the device's peak allocated memory)."
+        )
+    notes.append(
+        "peak memory: each hook's peak resident set in the launcher's process, started afresh "
+        "before it (and on GPUs the device's peak allocated memory)"
+    )
+    return "rss"
 
 
 def _budget(a: argparse.Namespace) -> tuple[int, int]:
@@ -448,7 +551,8 @@ def _reach_steps(a: argparse.Namespace, steps: int) -> int:
 
 
 def _lr(a: argparse.Namespace) -> float:
-    lr: float = a.lr if a.lr is not None else (3e-3 if a.task == "stdlib-lm" else 1e-3)
+    builtin = a.model is None and a.task in (None, "stdlib-lm")
+    lr: float = a.lr if a.lr is not None else (3e-3 if builtin else 1e-3)
     if lr <= 0:
         raise ValueError("--lr must be positive.")
     return lr

@@ -1,7 +1,9 @@
 """``commhooks bench``: run every selected hook on fresh ranks, per network, and report.
 
 A run reads as its steps: say what will run, measure every hook on every network, turn the
-ranks' figures into rows, compare them, predict, print, save.
+ranks' figures into rows, compare them, predict, print, save. Under a launcher (torchrun) the
+ranks are the launcher's and the network is the user's own (:mod:`commhooks.bench.launched`);
+the rows it measures end the same way (:func:`conclude`).
 """
 
 import dataclasses
@@ -16,12 +18,13 @@ from typing import Any
 from commhooks.bench import hookset, predict, report, summary
 from commhooks.bench.args import Plan, parse
 from commhooks.bench.launcher import run_hook, start_fork_server
+from commhooks.bench.linkprobe import LinkMeasure
 from commhooks.bench.netns import Network, NetworkError
 from commhooks.bench.records import RunOutcome, RunSpec
 from commhooks.bench.rows import Row, make_row, pool_memory_runs, pool_runs
 from commhooks.bench.units import format_rate
 
-__all__ = ["main", "run"]
+__all__ = ["conclude", "main", "print_notes", "row_context", "run", "run_spec"]
 
 TORCH_SINGLE_BUCKET_NOTE = (
     "PyTorch's PowerSGD hooks run with a single DDP bucket (bucket_cap_mb={mb:g}): with several "
@@ -41,8 +44,14 @@ Runs = dict[tuple[str, int | None], list[RunOutcome]]
 def main(argv: list[str] | None = None) -> int:
     """Run the bench; return the exit status (0 when it ran, whatever the hooks did)."""
     plan = parse(argv)
+    given = argv if argv is not None else sys.argv[1:]
+    if plan.world is not None:
+        from commhooks.bench import launched  # joins the launcher's process group
+
+        launched.run(plan, given)
+        return 0
     try:
-        run(plan, argv if argv is not None else sys.argv[1:])
+        run(plan, given)
     except NetworkError as exc:
         print(f"commhooks bench: {exc}", file=sys.stderr)
         return 2
@@ -58,13 +67,35 @@ def run(plan: Plan, argv: list[str]) -> dict[str, Any]:
     Returns:
         the JSON document.
     """
-    _print_notes(plan)
+    print_notes(plan)
     started = time.time()
     rows = _rows(plan, *_measure(plan))
+    return conclude(plan, argv, rows, started)
+
+
+def conclude(
+    plan: Plan,
+    argv: list[str],
+    rows: list[Row],
+    started: float,
+    link: LinkMeasure | None = None,
+) -> dict[str, Any]:
+    """Compare and predict from the measured ``rows``, print the tables and the answer, write
+    the JSON and PNG asked for; return the JSON document.
+
+    ``link``: the user's own network, measured under a launcher; the rows were measured on it
+    (``bandwidth`` ``None``), and the predictions start from them less its time.
+    """
     comparisons = summary.analyse(rows, plan.sweep)
-    answer = predict.predict(rows, plan)
+    answer = predict.predict(rows, plan, link)
     report.print_report(
-        rows, comparisons, answer, _title(plan), wide=plan.wide, reach_steps=plan.reach_steps
+        rows,
+        comparisons,
+        answer,
+        _title(plan),
+        wide=plan.wide,
+        reach_steps=plan.reach_steps,
+        network=_network_name(plan),
     )
     document = _document(plan, argv, rows, comparisons, answer, time.time() - started)
     _write_outputs(plan, document, rows, answer)
@@ -72,7 +103,14 @@ def run(plan: Plan, argv: list[str]) -> dict[str, Any]:
     return document
 
 
-def _print_notes(plan: Plan) -> None:
+def _network_name(plan: Plan) -> str:
+    """What the rows without a rate-limited link were measured on."""
+    if plan.world is None:
+        return "loopback"
+    return f"your network ({plan.ranks} ranks, {plan.backend})"
+
+
+def print_notes(plan: Plan) -> None:
     """What the run adds, skips or fixes, before it starts."""
     for name in plan.skipped:
         print(f"note: hook '{name}' is not registered in this build of commhooks; skipped.")
@@ -160,7 +198,8 @@ def _measure(plan: Plan) -> tuple[Runs, Runs]:
                     where = format_rate(bw)
                     if plan.repeat > 1:
                         where += f", round {round_ + 1}/{plan.repeat}"
-                    runs[hook, bw].append(_run(plan, _spec(plan, hook, net), net, where, progress))
+                    spec = run_spec(plan, hook, net)
+                    runs[hook, bw].append(_run(plan, spec, net, where, progress))
                     if live:
                         spec = _memory_spec(plan, hook, net)
                         where += ", memory"
@@ -190,7 +229,8 @@ def _steps(plan: Plan, hook: str) -> int:
     return plan.reach_steps if reaching else plan.steps
 
 
-def _spec(plan: Plan, hook: str, net: Network | None) -> RunSpec:
+def run_spec(plan: Plan, hook: str, net: Network | None) -> RunSpec:
+    """What every rank is to do for ``hook`` (in ``net``'s namespaces, when given)."""
     return RunSpec(
         hook=hook,
         options=hookset.settings_for(hook),
@@ -206,15 +246,16 @@ def _spec(plan: Plan, hook: str, net: Network | None) -> RunSpec:
         lockstep=plan.lockstep,
         host_ends=net.host_ends if net is not None else None,
         fsdp=plan.fsdp,
+        model=plan.model,
     )
 
 
 def _memory_spec(plan: Plan, hook: str, net: Network | None) -> RunSpec:
     """The run for ``hook``'s peak memory: its measured steps, none beyond."""
-    return dataclasses.replace(_spec(plan, hook, net), steps=plan.steps, live_memory=True)
+    return dataclasses.replace(run_spec(plan, hook, net), steps=plan.steps, live_memory=True)
 
 
-def _context(plan: Plan, hook: str) -> dict[str, Any]:
+def row_context(plan: Plan, hook: str) -> dict[str, Any]:
     """The settings a row records beside its figures."""
     context: dict[str, Any] = {
         "options": hookset.settings_for(hook),
@@ -234,7 +275,7 @@ def _rows(plan: Plan, runs: Runs, memory: Runs) -> list[Row]:
             hook,
             bw,
             pool_runs(runs[hook, bw]),
-            _context(plan, hook),
+            row_context(plan, hook),
             pool_memory_runs(memory[hook, bw]) if memory[hook, bw] else None,
         )
         for bw in plan.networks
@@ -244,8 +285,10 @@ def _rows(plan: Plan, runs: Runs, memory: Runs) -> list[Row]:
 
 def _title(plan: Plan) -> str:
     rounds = f", {plan.repeat} rounds" if plan.repeat > 1 else ""
+    what = f"--model {plan.model}" if plan.model else plan.task
+    where = f" under a launcher ({plan.backend})" if plan.world is not None else ""
     return (
-        f"commhooks bench: {plan.task}, {plan.ranks} ranks, {plan.steps} steps "
+        f"commhooks bench: {what}, {plan.ranks} ranks{where}, {plan.steps} steps "
         f"({plan.warmup} untimed){rounds}"
     )
 
@@ -264,6 +307,12 @@ def _setting_notes(plan: Plan) -> list[str]:
             f"post-local SGD: global allreduce for {ls['start_localSGD_iter']} steps, then "
             f"local steps (post_local_gradient_allreduce={ls['post_local_gradient_allreduce']}) "
             f"with parameters averaged every {hookset.AVERAGER_PERIOD} steps"
+        )
+    if any("diloco" in h for h in plan.hooks):
+        lines.append(
+            f"DiLoCo: {hookset.DILOCO_SETTINGS}; streaming DiLoCo: "
+            f"{hookset.STREAMING_DILOCO_SETTINGS} (each rank a worker; outer Nesterov SGD, "
+            "lr 0.7, momentum 0.9)"
         )
     if plan.fsdp:
         lines.append(
@@ -338,7 +387,8 @@ def _settings(plan: Plan) -> dict[str, Any]:
         "memory": plan.memory,
         "offload": plan.offload,
         "fsdp": plan.fsdp,
-        "task": plan.task,
+        "task": plan.task if plan.model is None else None,
+        "model": plan.model,
         "lr": plan.lr,
         "seed": plan.seed,
         "bucket_cap_mb": plan.bucket_cap_mb,
@@ -348,8 +398,9 @@ def _settings(plan: Plan) -> dict[str, Any]:
         "powerSGD": hookset.POWERSGD_SETTINGS,
         "post_local_sgd": {**hookset.LOCALSGD_SETTINGS, "averager_period": hookset.AVERAGER_PERIOD},
         "torch_reference": TORCH_SINGLE_BUCKET_NOTE.format(mb=hookset.SINGLE_BUCKET_MB),
-        "step_time": "wall-clock of zero_grad+forward+backward+optimizer step+averaging; median "
-        "and quartiles of the slowest rank's timed steps",
+        "step_time": "zero_grad+forward+backward+optimizer step+averaging, on the device's "
+        "clock (the host's on a CPU, CUDA events on a GPU); median and quartiles of the slowest "
+        "rank's timed steps; host_step_ms_median: the host's own time to issue a step",
         "peak_memory": _PEAK_MEMORY[plan.memory],
         "peak_rss": _PEAK_MEMORY["rss"],
         "noise": f"a row is noisy when the median absolute deviation of its step times exceeds "
@@ -372,12 +423,13 @@ def _environment(plan: Plan, argv: list[str], elapsed: float) -> dict[str, Any]:
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
         "world_size": plan.ranks,
-        "backend": "gloo",
+        "backend": plan.backend,
+        "launcher": dataclasses.asdict(plan.world) if plan.world is not None else None,
         # The link rate in bit/s (null: loopback only); a sweep lists each rate it ran.
         "bandwidth": (links[0] if len(links) == 1 else links) if links else None,
         "bandwidths": plan.networks,
         "latency_s": plan.latency_s or None,
-        "network": "loopback"
+        "network": _network_name(plan)
         if not links
         else "loopback, and one network namespace per rank, veth to a bridge, tc tbf on both "
         "ends of each link" + ("" if plan.offload else ", no segmentation offload"),

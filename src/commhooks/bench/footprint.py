@@ -15,7 +15,13 @@ import ctypes
 import os
 import resource
 
-__all__ = ["can_map_afresh", "map_large_allocations_afresh", "peak_rss_bytes", "rss_bytes"]
+__all__ = [
+    "can_map_afresh",
+    "map_large_allocations_afresh",
+    "peak_rss_bytes",
+    "reset_peak_rss",
+    "rss_bytes",
+]
 
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number in glibc's malloc.h
 _FRESH_MAPPING_BYTES = 1 << 16
@@ -30,6 +36,23 @@ def rss_bytes() -> int:
 def peak_rss_bytes() -> int:
     """The process's peak resident set so far."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def reset_peak_rss() -> bool:
+    """Start the peak resident set afresh from what is resident now (Linux: ``clear_refs``).
+
+    A process that runs one hook after another (under torchrun) would otherwise report the
+    largest earlier hook's peak for every later one.
+
+    Returns:
+        False where the kernel does not offer it (the peak then runs on from before).
+    """
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
 
 
 def _glibc() -> ctypes.CDLL | None:

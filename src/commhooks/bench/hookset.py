@@ -34,6 +34,8 @@ DEFAULT_HOOKS = (
     "post_local_sgd",
     "int8",
     "int4",
+    "diloco",
+    "streaming_diloco",
 )
 
 # Short warm-ups so that a budget of a few dozen steps is mostly spent in the regime measured.
@@ -46,12 +48,28 @@ LOCALSGD_SETTINGS: dict[str, Any] = {
     "post_local_gradient_allreduce": False,
 }
 AVERAGER_PERIOD = 4
+# Each local rank is a DiLoCo worker of its own. The same three warm-up steps of global
+# gradient averaging as post-local SGD; then DiLoCo syncs the model every 8 inner steps:
+# whole and in float32 (diloco), or in 4 fragments, one every 2 steps, each applied one inner
+# step after it is issued, with int4 outer gradients, local and global weights blended half
+# and half (streaming_diloco: on the default task it reaches allreduce's 40-step loss in 53
+# steps with the blend, 63 without; the same 53 in float32).
+DILOCO_SETTINGS: dict[str, Any] = {"sync_every": 8, "warmup_steps": 3}
+STREAMING_DILOCO_SETTINGS: dict[str, Any] = {
+    **DILOCO_SETTINGS,
+    "fragments": 4,
+    "fragment_sync_delay": 1,
+    "fragment_update_alpha": 0.5,
+    "bits": 4,
+}
 
 HOOK_SETTINGS: dict[str, dict[str, Any]] = {
     "power_sgd": POWERSGD_SETTINGS,
     "batched_power_sgd": POWERSGD_SETTINGS,
     "power_sgd_single_round": POWERSGD_SETTINGS,
     "post_local_sgd": LOCALSGD_SETTINGS,
+    "diloco": DILOCO_SETTINGS,
+    "streaming_diloco": STREAMING_DILOCO_SETTINGS,
     "torch_power_sgd": POWERSGD_SETTINGS,
     "torch_batched_power_sgd": POWERSGD_SETTINGS,
     "torch_post_local_sgd": LOCALSGD_SETTINGS,
@@ -151,12 +169,34 @@ def attach(ddp: Any, name: str, options: dict[str, Any]) -> Callable[[], Any]:
         return lambda: None
     import commhooks
 
-    commhooks.register(ddp, name, **options)
+    state = commhooks.register(ddp, name, **options)
     if name == "post_local_sgd" and hasattr(commhooks, "PeriodicModelAverager"):
         warmup = options.get("start_localSGD_iter", 0)
-        averager = commhooks.PeriodicModelAverager(period=AVERAGER_PERIOD, warmup_steps=warmup)
+        averager = commhooks.PeriodicModelAverager(
+            period=AVERAGER_PERIOD, warmup_steps=warmup, process_group=ddp.process_group
+        )
         return lambda: averager.average_parameters(ddp.module.parameters())
+    if isinstance(state, getattr(commhooks, "ModelAverager", ())):
+        return _AveragerAfterStep(ddp, state)
     return lambda: None
+
+
+class _AveragerAfterStep:
+    """The after-step call of a hook whose state is a model averager (DiLoCo's): it starts
+    from the parameters DDP made equal on every rank, unless a warm-up does that; ``finish``
+    (after the last step) completes a sync still in flight."""
+
+    def __init__(self, ddp: Any, averager: Any) -> None:
+        self.named = list(ddp.module.named_parameters())
+        self.averager = averager
+        if averager.warmup_steps == 0:
+            averager.start(self.named)
+
+    def __call__(self) -> None:
+        self.averager.average_named([(n, p) for n, p in self.named if p.grad is not None])
+
+    def finish(self) -> None:
+        self.averager.finish()
 
 
 def _attach_torch(ddp: Any, name: str, options: dict[str, Any]) -> Callable[[], Any]:

@@ -3,8 +3,9 @@
 Left, each hook's predicted speedup over ``allreduce`` against the link rate (both axes
 logarithmic), a line per hook from the loopback run and the cost model, with the rates of
 the ladder marked and, where links were run, the measured speedups as points on the lines.
-Right, each hook's held-out loss after the run, beside ``allreduce``'s. One legend serves
-both. Needs matplotlib (``--plot`` is refused up front without it).
+Middle, each hook's held-out loss after the run, beside ``allreduce``'s. Right, each hook's
+training loss against time on the slowest link measured. One legend serves all three.
+Needs matplotlib (``--plot`` is refused up front without it).
 """
 
 import math
@@ -132,6 +133,38 @@ def _loss_panel(ax: Any, rows: list[Row], styles: dict[str, Any]) -> None:
     ax.set_title("accuracy (dashed: allreduce)", fontsize=11)
 
 
+def _curve_panel(ax: Any, rows: list[Row], styles: dict[str, Any]) -> None:
+    """Each hook's training loss (mean of 5 steps) against wall-clock time, on the slowest
+    link measured (loopback without one), with allreduce's final loss dashed: time to a loss,
+    which is what a slow link costs."""
+    tables = by_network(rows)
+    links = sorted(b for b in tables if b is not None)
+    bandwidth = links[0] if links else None
+    drawn = [
+        r for r in tables.get(bandwidth, {}).values() if r.ok and r.losses and r.hook in styles
+    ]
+    for row in drawn:
+        losses = [loss for _, loss, _ in row.losses]
+        smooth = [sum(losses[max(0, i - 4) : i + 1]) / min(i + 1, 5) for i in range(len(losses))]
+        style = styles[row.hook]
+        ax.plot(
+            [t for _, _, t in row.losses],
+            smooth,
+            color=style["color"],
+            linestyle=style["linestyle"],
+            linewidth=1.5,
+        )
+    reference = next((r for r in drawn if r.hook == "allreduce"), None)
+    if reference is not None:
+        window = [loss for _, loss, _ in reference.losses[-5:]]
+        ax.axhline(sum(window) / len(window), color="black", linestyle="--", linewidth=1)
+    ax.grid(True, color="0.9")
+    ax.set_xlabel("seconds since the first step")
+    ax.set_ylabel("training loss (mean of 5 steps)")
+    where = format_rate(bandwidth) if bandwidth is not None else "loopback"
+    ax.set_title(f"loss against time, {where} (dashed: allreduce's final)", fontsize=11)
+
+
 def _styles(rows: list[Row]) -> dict[str, Any]:
     """One colour, line style and marker per hook, shared by both panels; noop in grey."""
     from matplotlib import colormaps
@@ -156,13 +189,14 @@ def write_plot(path: str, rows: list[Row], answer: dict[str, Any], title: str) -
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(
-        1, 2, figsize=(12, 5.2), gridspec_kw={"width_ratios": [2.2, 1]}
+    fig, (left, right, curves) = plt.subplots(
+        1, 3, figsize=(17, 5.2), gridspec_kw={"width_ratios": [2.2, 1, 1.6]}
     )
     if "world_size" in answer and by_network(rows).get(None):
         styles = _styles(rows)
         _speedup_panel(left, rows, answer, styles)
         _loss_panel(right, rows, styles)
+        _curve_panel(curves, rows, styles)
         measured = any(r.bandwidth is not None for r in rows)
         subtitle = "lines: predicted from the loopback run (filled marks at the ladder's rates)" + (
             "; hollow marks: measured on links" if measured else ""

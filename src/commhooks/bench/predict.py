@@ -7,6 +7,11 @@ link rates, the rate below which it steps faster than ``allreduce``, and, per li
 that reaches ``allreduce``'s final training loss soonest (its steps to that loss times its
 predicted step time). Rows measured on a real link get the prediction for that link beside
 the measurement: a prediction never uses a measurement on the link it is checked against.
+
+Under a launcher the rows were measured on the user's own network, whose rate and latency an
+allreduce sweep measured first (:mod:`commhooks.bench.linkprobe`): the model starts from each
+row's step less that network's time for the bytes the hook sent (as if on loopback), and the
+ladder's links get the measured latency.
 """
 
 from dataclasses import dataclass
@@ -14,6 +19,7 @@ from typing import Any
 
 from commhooks.bench import costmodel, hookset
 from commhooks.bench.args import Plan
+from commhooks.bench.linkprobe import LinkMeasure
 from commhooks.bench.rows import Row
 from commhooks.bench.summary import by_network
 from commhooks.bench.units import format_rate
@@ -45,10 +51,21 @@ class Model:
     latency_s: float
 
     @classmethod
-    def from_rows(cls, loopback: dict[str, Row], ranks: int, latency_s: float) -> "Model":
-        """Fit to the successful loopback ``rows`` of a run on ``ranks`` ranks."""
+    def from_rows(
+        cls,
+        loopback: dict[str, Row],
+        ranks: int,
+        latency_s: float,
+        network: costmodel.Link | None = None,
+    ) -> "Model":
+        """Fit to the successful loopback ``rows`` of a run on ``ranks`` ranks; ``network``:
+        the link they were measured on instead (its time is taken out of each step)."""
         measured = {
-            hook: costmodel.LoopbackStep(row.step_ms_mean / 1e3, row.collectives(), ranks)
+            hook: costmodel.LoopbackStep(
+                _off_link(row.step_ms_mean / 1e3, row.collectives(), ranks, network),
+                row.collectives(),
+                ranks,
+            )
             for hook, row in loopback.items()
             if row.ok and row.step_ms_mean is not None
         }
@@ -82,25 +99,49 @@ class Model:
         )
 
 
-def predict(rows: list[Row], plan: Plan) -> dict[str, Any]:
+def _off_link(
+    step_s: float, c: costmodel.Collectives, ranks: int, network: costmodel.Link | None
+) -> float:
+    """``step_s`` less what ``network`` took for the bytes sent (never below zero)."""
+    if network is None:
+        return step_s
+    comm = costmodel.comm_time_s(
+        c, ranks, network.bandwidth_bps, network.latency_s, network.wire_factor
+    )
+    return max(0.0, step_s - comm)
+
+
+def _measured_network(link: LinkMeasure | None) -> costmodel.Link | None:
+    """The measured network as the cost model's link: its rate is of payload, so no headers."""
+    if link is None or link.rate_bps is None:
+        return None
+    return costmodel.Link(link.rate_bps, link.latency_s, wire_factor=1.0)
+
+
+def predict(rows: list[Row], plan: Plan, link: LinkMeasure | None = None) -> dict[str, Any]:
     """Fill in every row's predictions; return the run's answer (for the JSON and the report).
 
     Rows get ``predicted`` (per ladder rate, as a string: step time and speedup over
     ``allreduce`` at ``plan.predict_world``), ``break_even_bps``, and, when measured on a
     link, ``prediction``: the loopback run's prediction for that link at the ranks run, and
-    its error against the measurement.
+    its error against the measurement. ``link``: the user's network, measured under a
+    launcher, on which the rows without a rate ran; it is in the answer as ``link``.
     """
     loopback = by_network(rows).get(None, {})
-    model = Model.from_rows(loopback, plan.ranks, plan.latency_s)
+    latency = link.latency_s if link is not None else plan.latency_s
+    model = Model.from_rows(loopback, plan.ranks, latency, _measured_network(link))
+    where = "loopback" if link is None else "your network"
     if not model.measured:
-        return {"prediction_note": "no hook ran on loopback, so nothing could be predicted"}
+        note = f"no hook ran on {where}, so nothing could be predicted"
+        return {"prediction_note": note, **({"link": link.to_dict()} if link else {})}
     for row in rows:
         if row.hook in model.measured:
             _add_predictions(row, model, plan)
     answer: dict[str, Any] = {
         "world_size": plan.predict_world,
         "ranks_measured": plan.ranks,
-        "latency_s": plan.latency_s,
+        "measured_on": where,
+        "latency_s": latency,
         "links": plan.links,
         "backend_ns_per_byte": model.s_per_byte * 1e9,
         "model": MODEL_TEXT,
@@ -111,7 +152,43 @@ def predict(rows: list[Row], plan: Plan) -> dict[str, Any]:
     }
     if plan.predict_bps is not None:
         answer["prediction"] = _at_link(model, plan.predict_bps, plan)
+    if link is not None:
+        answer["link"] = link.to_dict()
+        answer["on_your_network"] = _measured_best(loopback)
     return answer
+
+
+def _s(seconds: float) -> str:
+    return f"{seconds:.3g}s"
+
+
+def _measured_best(measured: dict[str, Row]) -> dict[str, Any]:
+    """The hook that reached ``allreduce``'s final loss soonest on the network measured (not
+    predicted), with its time against ``allreduce``'s."""
+    out: dict[str, Any] = {"hook": None}
+    reference = measured.get("allreduce")
+    ref_s = reference.time_to_allreduce_loss_s if reference and reference.ok else None
+    reached = {
+        h: r.time_to_allreduce_loss_s
+        for h, r in measured.items()
+        if r.ok and r.time_to_allreduce_loss_s is not None and hookset.recommendable(h)
+    }
+    if not ref_s or not reached:
+        out["text"] = "On it, measured: no answer (allreduce failed, or no hook reached its loss)."
+        return out
+    best = min(reached, key=lambda h: reached[h] or 0.0)
+    best_s = reached[best] or 0.0
+    if best_s / ref_s > _NOT_WORTH:
+        best, best_s = "allreduce", ref_s
+    ratio = best_s / ref_s
+    out.update(hook=best, time_to_allreduce_loss_s=best_s, time_to_loss_vs_allreduce=ratio)
+    out["text"] = (
+        f"On it, measured: use {best}; it reached allreduce's loss in {best_s:.1f}s, "
+        f"{ratio:.2f}x allreduce's {ref_s:.1f}s."
+        if best != "allreduce"
+        else f"On it, measured: allreduce ({ref_s:.1f}s to its loss); no hook reached it 5% sooner."
+    )
+    return out
 
 
 def _add_predictions(row: Row, model: Model, plan: Plan) -> None:
@@ -142,7 +219,7 @@ def _at_link(model: Model, bps: int, plan: Plan) -> dict[str, Any]:
     return {
         "bandwidth": bps,
         "world_size": world,
-        "latency_s": plan.latency_s,
+        "latency_s": model.latency_s,
         "hooks": {
             hook: {
                 "step_ms": model.step_s(hook, bps, world) * 1e3,

@@ -64,6 +64,8 @@ class RunSpec(Record):
         live_memory: a run for the peak memory only: glibc maps every allocation of 64 KiB or
             more afresh from before the task is built, so that the peak resident set is what
             the steps hold live (``bench.footprint``); its steps are slower for it.
+        model: ``package.module:factory`` of the user's model (``--model``), trained instead
+            of ``task`` when given (``bench.usermodel``).
     """
 
     hook: str
@@ -81,6 +83,7 @@ class RunSpec(Record):
     fsdp: bool = False
     measured_steps: int | None = None
     live_memory: bool = False
+    model: str | None = None
 
     @property
     def measured_end(self) -> int:
@@ -94,8 +97,14 @@ class RankResult(Record):
 
     Attributes:
         rank: the rank.
-        step_s: wall-clock seconds of each timed step (zero_grad, forward, backward with the
-            hook's communication, optimizer step, model averaging).
+        step_s: seconds of each timed step (zero_grad, forward, backward with the hook's
+            communication, optimizer step, model averaging) on the device's clock: the
+            host's on a CPU, CUDA events on a GPU.
+        host_step_s: seconds the host took to issue each timed step (on a CPU, where the host
+            does the work, about ``step_s``; on a GPU what Python and launching cost).
+        device: the device the rank trained on (``cpu``, ``cuda:0``...).
+        device_peak_memory_bytes: on a GPU, ``torch.cuda.max_memory_allocated`` over the
+            hook's run (model and optimizer included); ``None`` on a CPU.
         losses: per step, ``[step, training loss, seconds from the first step's start to this
             step's end]``.
         heldout_loss: the held-out loss of this rank's model after ``heldout_at`` steps.
@@ -121,6 +130,9 @@ class RankResult(Record):
     gradient_bytes: int
     task: dict[str, Any] = dataclasses.field(default_factory=dict)
     phases: dict[str, float] = dataclasses.field(default_factory=dict)
+    host_step_s: list[float] = dataclasses.field(default_factory=list)
+    device: str = "cpu"
+    device_peak_memory_bytes: int | None = None
 
     @property
     def timed_steps(self) -> int:

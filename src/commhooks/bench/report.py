@@ -80,6 +80,8 @@ _STEP: Column = ("ms/step", lambda r: _ms(r.step_ms_median))
 _SPREAD: Column = ("±", _spread)
 _SENT: Column = ("sent/step", _sent)
 _NOTE: Column = ("note", _note)
+_HOST: Column = ("host", lambda r: _ms(r.host_step_ms_median))
+_DEVICE_MEMORY: Column = ("dev mem", lambda r: format_bytes(r.device_peak_memory_bytes))
 LOOPBACK_COLUMNS: list[Column] = [
     _HOOK,
     _STEP,
@@ -113,6 +115,8 @@ WIDE_COLUMNS: list[Column] = [
     ("vs allreduce", lambda r: _fmt(r.heldout_loss_vs_allreduce, "+.3f")),
     ("reached", _reached),
     ("peak mem", lambda r: format_bytes(r.peak_memory_bytes)),
+    _HOST,
+    _DEVICE_MEMORY,
     ("predicted", _predicted),
     ("error", _error),
     _NOTE,
@@ -154,7 +158,7 @@ def table_lines(rows: list[Row], columns: list[Column]) -> list[str]:
     return _fitted([[name for name, _ in columns]] + [_cells(r, columns) for r in rows])
 
 
-def _footnotes(rows: list[Row]) -> list[str]:
+def _footnotes(rows: list[Row], network: str = "loopback") -> list[str]:
     out = []
     if any(r.ok and not r.wire for r in rows):
         out.append(
@@ -173,9 +177,15 @@ def _footnotes(rows: list[Row]) -> list[str]:
             f"their median (±) or step faster than noop (their reasons: --wide, or the JSON's "
             f"'noise'); {NOISE_SUGGESTION}."
         )
+    if _on_device(rows):
+        out.append(
+            "ms/step: the device's time per step (CUDA events); host: the ms the host took to "
+            "issue it; dev mem: the device's peak allocated memory."
+        )
     for r in rows:
         if not r.ok:
-            out.append(f"FAILED {r.hook} @ {format_rate(r.bandwidth)}: {r.error}")
+            where = network if r.bandwidth is None else format_rate(r.bandwidth)
+            out.append(f"FAILED {r.hook} @ {where}: {r.error}")
     return [wrapped for line in out for wrapped in textwrap.wrap(line, WIDTH)]
 
 
@@ -188,16 +198,25 @@ def _reasons(rows: list[Row]) -> list[str]:
     ]
 
 
-def results_lines(rows: list[Row], title: str, wide: bool) -> list[str]:
-    """The results tables (one per network, or one wide table) with their footnotes."""
+def _on_device(rows: list[Row]) -> bool:
+    return any(r.ok and (r.device or "cpu") != "cpu" for r in rows)
+
+
+def results_lines(rows: list[Row], title: str, wide: bool, network: str = "loopback") -> list[str]:
+    """The results tables (one per network, or one wide table) with their footnotes;
+    ``network``: what the rows without a link rate ran on. On GPUs the compact table also
+    shows the host's time per step and the device's peak memory, in place of the spread."""
     out = textwrap.wrap(title, WIDTH)
     if wide:
-        return out + table_lines(rows, WIDE_COLUMNS) + _footnotes(rows) + _reasons(rows)
+        return out + table_lines(rows, WIDE_COLUMNS) + _footnotes(rows, network) + _reasons(rows)
     for bandwidth, table in by_network(rows).items():
         columns = LOOPBACK_COLUMNS if bandwidth is None else LINK_COLUMNS
-        where = "loopback" if bandwidth is None else f"a {format_rate(bandwidth)} link"
+        if _on_device(rows):  # the spread gives way; a noisy row still says so in its note
+            kept = [c for c in columns[:-1] if c is not _SPREAD]
+            columns = [*kept, _HOST, _DEVICE_MEMORY, columns[-1]]
+        where = network if bandwidth is None else f"a {format_rate(bandwidth)} link"
         out += ["", f"measured on {where}:"] + table_lines(list(table.values()), columns)
-    return out + [""] + _footnotes(rows)
+    return out + [""] + _footnotes(rows, network)
 
 
 def _pays_below(r: Row) -> str:
@@ -237,20 +256,23 @@ def answer_lines(rows: list[Row], answer: dict[str, Any], steps: int) -> list[st
         return [answer.get("prediction_note", "")]
     predicted = [r for r in rows if r.bandwidth is None and r.predicted]
     rates = list(predicted[0].predicted) if predicted else []
-    world = answer["world_size"]
+    world, where = answer["world_size"], answer.get("measured_on", "loopback")
     out = textwrap.wrap(
-        f"Predicted for {world} ranks from the loopback run: ms per step and speedup over "
+        f"Predicted for {world} ranks from the run on {where}: ms per step and speedup over "
         "allreduce on each link; 'pays below': the link rate under which a hook steps faster "
         "than allreduce.",
         WIDTH,
     )
     out += _ladder_tables(predicted, rates) + [""]
+    if "link" in answer:
+        out += textwrap.wrap(answer["link"]["text"] + ".", WIDTH)
+        out += textwrap.wrap(answer["on_your_network"]["text"], WIDTH)
     out.append("Which hook on which link (predicted time to reach allreduce's loss):")
     out += ["  " + rec["text"] for rec in answer["recommendations"]]
     noisy = [r for r in predicted if r.noise.get("noisy")]
     if noisy:
         out += textwrap.wrap(
-            f"Caution: {len(noisy)} of the {len(predicted)} loopback rows every prediction "
+            f"Caution: {len(noisy)} of the {len(predicted)} rows on {where} every prediction "
             "comes from are noisy (see above); rerun with --repeat 3 --lockstep on a quiet "
             "machine before trusting these figures.",
             WIDTH,
@@ -293,10 +315,12 @@ def print_report(
     *,
     wide: bool,
     reach_steps: int,
+    network: str = "loopback",
 ) -> None:
     """Print the results tables (every column if ``wide``), a sweep's measured speedups, then
-    the answer, last; ``reach_steps``: how long the hooks had to reach allreduce's loss."""
-    print("\n".join(results_lines(rows, title, wide)))
+    the answer, last; ``reach_steps``: how long the hooks had to reach allreduce's loss;
+    ``network``: what the rows without a link rate ran on."""
+    print("\n".join(results_lines(rows, title, wide, network)))
     if "sweep" in comparisons:
         print("\n".join(["", *sweep_lines(comparisons["sweep"])]))
     print()

@@ -50,6 +50,11 @@ class Row(Record):
     step_ms: list[list[float]] = dataclasses.field(default_factory=list)
     timed_steps: int | None = None
     repeats: int = 1
+    # where the ranks trained, and the host's own time per step: on a GPU the step times above
+    # are the device's (CUDA events), and this is what Python and launching cost; on a CPU the
+    # host does the work and the two agree
+    device: str | None = None
+    host_step_ms_median: float | None = None
     # bytes
     payload_calls_per_step: dict[str, float] = dataclasses.field(default_factory=dict)
     payload_bytes_per_step: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -71,6 +76,8 @@ class Row(Record):
     peak_memory_bytes: int | None = None
     peak_memory_bytes_per_rank: list[int] = dataclasses.field(default_factory=list)
     peak_rss_bytes: int | None = None
+    # on a GPU: torch.cuda.max_memory_allocated over the hook's run, max over ranks
+    device_peak_memory_bytes: int | None = None
     losses: list[list[float]] = dataclasses.field(default_factory=list)
     # comparisons with the other rows (summary)
     time_vs_allreduce: float | None = None
@@ -111,11 +118,18 @@ def _pool_rank(per_run: tuple[RankResult, ...]) -> RankResult:
     return dataclasses.replace(
         first,
         step_s=[s for r in per_run for s in r.step_s],
+        host_step_s=[s for r in per_run for s in r.host_step_s],
         payload_calls=_sum_counts(r.payload_calls for r in per_run),
         payload_bytes=_sum_counts(r.payload_bytes for r in per_run),
         wire=_sum_counts(w for w in wires if w) if all(wires) else None,
         peak_memory_bytes=max(r.peak_memory_bytes for r in per_run),
+        device_peak_memory_bytes=_max_known(r.device_peak_memory_bytes for r in per_run),
     )
+
+
+def _max_known(values: Iterable[int | None]) -> int | None:
+    known = [v for v in values if v is not None]
+    return max(known) if known else None
 
 
 def pool_runs(runs: list[RunOutcome]) -> RunOutcome:
@@ -169,6 +183,7 @@ def make_row(
         row.log_tail = run.log[-_LOG_CHARS:]
         return row
     _add_step_times(row, run.ranks)
+    _add_device(row, run.ranks)
     row.repeats = run.repeats
     _add_bytes(row, run.ranks)
     ranks = run.ranks
@@ -202,6 +217,14 @@ def _add_step_times(row: Row, ranks: list[RankResult]) -> None:
     row.step_ms_mean = max(statistics.fmean(m) for m in per_rank_ms)
     row.step_ms = per_rank_ms
     row.timed_steps = ranks[0].timed_steps
+
+
+def _add_device(row: Row, ranks: list[RankResult]) -> None:
+    """Where the ranks trained, the slowest host's time per step, the device's peak memory."""
+    row.device = ranks[0].device
+    hosts = [statistics.median(r.host_step_s) for r in ranks if r.host_step_s]
+    row.host_step_ms_median = max(hosts) * 1e3 if hosts else None
+    row.device_peak_memory_bytes = _max_known(r.device_peak_memory_bytes for r in ranks)
 
 
 def _add_bytes(row: Row, ranks: list[RankResult]) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["TASKS", "Task", "make_task", "parse_params", "stdlib_corpus"]
+__all__ = ["TASKS", "Task", "make_task", "parse_params", "stdlib_corpus", "to_device"]
 
 TASKS = ("stdlib-lm", "synthetic")
 _CORPUS_BYTES = 1_500_000  # enough text for the short budgets here, quick to read
@@ -37,21 +37,43 @@ class Task:
     name: str
     model: nn.Module
     describe: dict[str, Any]
-    train_batch: Callable[[int, int], Batch]  # (rank, step) -> batch, a pure function
-    heldout_batches: list[Batch]
+    train_batch: Callable[[int, int], Any]  # (rank, step) -> batch, a pure function
+    heldout_batches: list[Any]
+    # (batch, model) -> loss, for a model of the user's (``--model``); the built-in tasks'
+    # batches are (inputs, classes), their loss the cross-entropy
+    loss_fn: Callable[[Any, nn.Module], torch.Tensor] | None = None
 
-    def loss(self, batch: Batch, model: nn.Module) -> torch.Tensor:
+    def loss(self, batch: Any, model: nn.Module) -> torch.Tensor:
+        """The training loss of ``model`` on ``batch``."""
+        if self.loss_fn is not None:
+            return self.loss_fn(batch, model)
         inputs, targets = batch
         out = model(inputs)
         return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), targets.reshape(-1))
 
     @torch.no_grad()
-    def heldout_loss(self, model: nn.Module) -> float:
-        """Mean loss over the fixed held-out batches (the same on every rank and hook)."""
+    def heldout_loss(self, model: nn.Module, device: torch.device | None = None) -> float:
+        """Mean loss over the fixed held-out batches (the same on every rank and hook), moved
+        to ``device`` when given."""
         model.eval()
-        losses = [float(self.loss(b, model)) for b in self.heldout_batches]
+        batches = (to_device(b, device) for b in self.heldout_batches)
+        losses = [float(self.loss(b, model)) for b in batches]
         model.train()
         return sum(losses) / len(losses)
+
+
+def to_device(batch: Any, device: torch.device | None) -> Any:
+    """``batch`` with every tensor in it (nested in tuples, lists and dicts) on ``device``;
+    dtypes unchanged. ``None``: ``batch`` as it is."""
+    if device is None:
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
 
 
 def parse_params(text: str) -> int:

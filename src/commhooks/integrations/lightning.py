@@ -15,6 +15,9 @@ Code written for ``DDPStrategy`` keeps its arguments: ``CommHookDDPStrategy(ddp_
 ddp_comm_hook=..., ddp_comm_wrapper=...)`` registers them as ``DDPStrategy`` would on CUDA, on
 any device.
 
+With ``"streaming_diloco"`` or ``"diloco"`` the strategy also attaches the averager the hook
+registers to the optimizer, and applies a fragment still in flight when training ends.
+
 Requires the optional extra: ``pip install "commhooks[lightning]"``.
 """
 
@@ -23,6 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from commhooks.averagers import ModelAverager
 from commhooks.config import CommHookType, HookConfig, register_from_config
 from commhooks.integrations.checkpoint import PerRankState
 from commhooks.state import StatelessState
@@ -79,6 +83,7 @@ class CommHookDDPStrategy(DDPStrategy):
         self._hook_group = hook_process_group
         self.hook_state: Any = None
         self._pending_hook_state: Mapping[str, Any] | None = None
+        self._averager_attached = False
 
     def configure_ddp(self) -> None:
         """Wrap the model in DDP (as ``DDPStrategy`` does), then register the hook."""
@@ -99,6 +104,41 @@ class CommHookDDPStrategy(DDPStrategy):
                     "none. Resume with the hook the checkpoint was trained with."
                 )
             per_rank.load_state_dict(pending)
+
+    def setup(self, trainer: Any) -> None:
+        """Set up as ``DDPStrategy`` does, then attach a model averager that is the hook's
+        state (DiLoCo's) to the optimizer, as ``DDPStrategy`` does for post-local SGD."""
+        super().setup(trainer)
+        self.attach_averager()
+
+    def attach_averager(self) -> None:
+        """Run the hook's model averager (``streaming_diloco``, ``diloco``) after every step
+        of the optimizer, its parameters named as in the DDP model's module; once.
+
+        Raises:
+            ValueError: more than one optimizer (each step would count as an inner step).
+        """
+        state = self.hook_state
+        if not isinstance(state, ModelAverager) or self._averager_attached:
+            return
+        optimizers = list(self.optimizers)
+        if len(optimizers) != 1:
+            raise ValueError(
+                f"hook '{self.hook_config.hook}' runs a model averager after each step of one "
+                f"optimizer, but the LightningModule configures {len(optimizers)}. Return one "
+                "optimizer from configure_optimizers."
+            )
+        inner = getattr(optimizers[0], "_optimizer", optimizers[0])  # a LightningOptimizer's
+        ddp: Any = self.model  # DistributedDataParallel once configure_ddp has run
+        state.attach(inner, ddp.module.named_parameters())
+        self._averager_attached = True
+
+    def on_train_end(self) -> None:
+        """Apply a DiLoCo fragment still in flight, on every rank, when training ends."""
+        finish = getattr(self.hook_state, "finish", None)
+        if isinstance(self.hook_state, ModelAverager) and callable(finish):
+            finish()
+        super().on_train_end()
 
     def _per_rank(self) -> PerRankState | None:
         state = self.hook_state

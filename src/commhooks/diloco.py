@@ -1,0 +1,801 @@
+"""Streaming DiLoCo: inner steps alone, then an outer step on the averaged change, by fragment.
+
+DiLoCo (Douillard et al. 2023) lets every worker take ``sync_every`` steps of its own optimizer
+(the inner steps) and then treats the change since the last sync, averaged over the workers,
+as a gradient for an outer optimizer (Nesterov SGD, lr 0.7, momentum 0.9 by default), which
+moves the shared (global) parameters. Streaming DiLoCo (arXiv 2501.18512) cuts the model into
+fragments, each synced every ``sync_every`` steps but at staggered steps, so that one fragment
+is in flight at a time; a fragment's collective is issued without waiting and applied
+``fragment_sync_delay`` inner steps later, hidden behind them, and its outer gradient may
+travel in 8 or 4 bits (the two-phase quantized average of :mod:`commhooks.hooks.quantized`,
+with error feedback on both sides, so what one sync leaves out is sent in the next).
+
+Use it as any averager, attached to the inner optimizer::
+
+    diloco = StreamingDiLoCo(sync_every=32, fragments=4, fragment_sync_delay=4, bits=4)
+    diloco.attach(optimizer, model.named_parameters())
+
+Each rank is its own worker by default (its gradients are not averaged with the others'). A
+worker of several ranks (a DDP group inside a machine) is given as ``worker_group`` (DDP's
+group, which averages gradients within it) with ``process_group`` the ranks that hold the same
+place in every worker, or as a 2-D ``mesh`` (across workers, within a worker), as for HSDP.
+:func:`commhooks.register` with ``"diloco"`` or ``"streaming_diloco"`` registers the DDP hook of
+that layout and returns the averager to attach.
+
+Checkpoints: :meth:`state_dict` holds the step, the global parameters, every outer optimizer,
+the quantized averages' error memories and a fragment in flight (its average, waited for), so
+a run resumed from it continues bit for bit.
+"""
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch.utils.hooks import RemovableHandle
+
+from commhooks import comm
+from commhooks.averagers import ModelAverager, OuterOptions, default_outer_optimizer
+from commhooks.hooks._bucket import GradBucket, gradient_buffer
+from commhooks.hooks.quantized import QuantizationState, quantized_hook
+from commhooks.options import count, option, real
+from commhooks.parameters import Named, averaged_views, named_in_groups
+from commhooks.state import StateDictError, check_count, check_optimizer_state, check_tensor
+
+__all__ = [
+    "DiLoCoOptions",
+    "cross_worker_group",
+    "diloco_hook",
+    "DiLoCoSyncError",
+    "StreamingDiLoCo",
+    "default_outer_optimizer",
+    "split_by_module",
+    "state_from_options",
+]
+
+OWNER = "StreamingDiLoCo"
+HOOK = "diloco_hook"
+Fragments = int | tuple[tuple[str, ...], ...]
+_KEEP: Any = object()
+
+
+def _check_fragments(owner: str, name: str, value: Any) -> Fragments:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return int(count(1)(owner, name, value))
+    given = value if isinstance(value, (list, tuple)) else None
+    if given and all(
+        isinstance(f, (list, tuple)) and f and all(isinstance(m, str) for m in f) for f in given
+    ):
+        return tuple(tuple(f) for f in given)
+    raise ValueError(
+        f"{owner}: {name} must be a number of fragments (cut by module, in order) or a list "
+        "of fragments, each a non-empty list of module or parameter names, e.g. "
+        f"[['embed', 'layers.0'], ['layers.1', 'head']]; got {value!r}."
+    )
+
+
+def _check_bits(owner: str, name: str, value: Any) -> int | None:
+    if value is None or (value in (8, 4) and not isinstance(value, bool)):
+        return None if value is None else int(value)
+    raise ValueError(
+        f"{owner}: {name} must be None (full precision), 8 or 4, got {value!r}. Pass bits=4 to "
+        "send outer gradients in 4 bits."
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiLoCoOptions(OuterOptions):
+    """The options of :class:`StreamingDiLoCo`; every rank must build it with the same."""
+
+    owner: ClassVar[str] = OWNER
+
+    sync_every: int = option(
+        reason="inner steps between two syncs of a fragment; longer sends less, drifts more",
+        check=count(1, "Pass sync_every=H to sync every fragment every H inner steps."),
+    )
+    fragments: Fragments = option(
+        1,
+        "how many fragments, cut by module in order, or the fragments as lists of module names; "
+        "one fragment is plain DiLoCo",
+        check=_check_fragments,
+    )
+    fragment_sync_delay: int = option(
+        0,
+        "inner steps between issuing a fragment's average and applying it (the overlap)",
+        check=count(0),
+    )
+    fragment_update_alpha: float = option(
+        0.0,
+        "weight of the local parameters against the global ones after a sync (0: global)",
+        check=real(0, 1),
+    )
+    bits: int | None = option(
+        None, "None sends outer gradients in float32; 8 or 4 quantizes them", check=_check_bits
+    )
+
+    @property
+    def fragment_count(self) -> int:
+        """How many fragments the model is cut into."""
+        return self.fragments if isinstance(self.fragments, int) else len(self.fragments)
+
+    @property
+    def spacing(self) -> int:
+        """Inner steps between the syncs of two consecutive fragments."""
+        return self.sync_every // self.fragment_count
+
+    def check_together(self) -> None:
+        super().check_together()
+        n, every = self.fragment_count, self.sync_every
+        if every % n:
+            raise ValueError(
+                f"{self.owner}: sync_every={every} must be a multiple of the number of "
+                f"fragments ({n}), so that their syncs are evenly spaced; use "
+                f"sync_every={every // n * n or n}."
+            )
+        if self.fragment_sync_delay >= every // n:
+            raise ValueError(
+                f"{self.owner}: fragment_sync_delay={self.fragment_sync_delay} must be less than "
+                f"sync_every / fragments = {every // n}, so that one fragment is in flight at a "
+                f"time; use fragment_sync_delay <= {every // n - 1} or fewer fragments."
+            )
+
+
+class DiLoCoSyncError(RuntimeError):
+    """A fragment's average failed (a peer lost or stopped); the parameters are as they were."""
+
+
+def split_by_module(named: Named, fragments: Fragments) -> list[list[str]]:
+    """The parameter names of each fragment.
+
+    A number cuts the modules (a parameter's name without its last part), in order, into that
+    many runs of about equal size; a module is never split. Given fragments match each
+    parameter to the one listing its name or a module containing it.
+
+    Raises:
+        ValueError: a parameter in no fragment or in two, an empty fragment, or more fragments
+            than modules.
+    """
+    if not isinstance(fragments, int):
+        return _match(named, fragments)
+    modules: dict[str, list[tuple[str, int]]] = {}
+    for name, p in named:
+        modules.setdefault(name.rpartition(".")[0], []).append((name, p.numel()))
+    if len(modules) < fragments:
+        raise ValueError(
+            f"{OWNER}: fragments={fragments} but the parameters belong to {len(modules)} "
+            f"modules; pass fragments <= {len(modules)} or list the fragments by name."
+        )
+    runs = list(modules.values())
+    total = sum(size for members in runs for _, size in members)
+    out: list[list[str]] = [[] for _ in range(fragments)]
+    done, last = 0, -1
+    for i, members in enumerate(runs):
+        size = sum(n for _, n in members)
+        # The fragment whose share of the elements holds this module's middle, kept in order,
+        # without a gap, and early enough that each later fragment still gets a module.
+        wanted = int((done + size / 2) * fragments / max(total, 1))
+        index = min(max(wanted, last, fragments - (len(runs) - i)), last + 1)
+        out[index] += [name for name, _ in members]
+        done, last = done + size, index
+    return _no_empty(out)
+
+
+def _match(named: Named, fragments: tuple[tuple[str, ...], ...]) -> list[list[str]]:
+    out: list[list[str]] = [[] for _ in fragments]
+    for name, _ in named:
+        owners = [
+            i
+            for i, prefixes in enumerate(fragments)
+            if any(name == m or name.startswith(m + ".") for m in prefixes)
+        ]
+        if len(owners) != 1:
+            where = "no fragment" if not owners else f"fragments {owners}"
+            raise ValueError(
+                f"{OWNER}: parameter {name!r} is in {where}; every parameter with a gradient "
+                "must be in exactly one fragment (list it, or a module containing it, once)."
+            )
+        out[owners[0]].append(name)
+    return _no_empty(out)
+
+
+def _no_empty(out: list[list[str]]) -> list[list[str]]:
+    empty = [i for i, names in enumerate(out) if not names]
+    if empty:
+        raise ValueError(
+            f"{OWNER}: fragment(s) {empty} hold no parameter with a gradient; give fewer "
+            "fragments or list parameters that train."
+        )
+    return out
+
+
+@dataclass
+class _InFlight:
+    """A fragment whose average was issued and is applied at inner step ``apply_at``."""
+
+    fragment: int
+    apply_at: int
+    flat: torch.Tensor
+
+
+class _FragmentBucket:
+    """A fragment's outer gradient with a gradient bucket's methods, for the quantized hook.
+
+    The hook keys its error memories by the parameters it is handed, so each fragment keeps
+    its memories from one sync to the next, as a bucket does from step to step.
+    """
+
+    def __init__(self, index: int, flat: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
+        self._index, self._buffer, self._params = index, flat, list(params)
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        views, offset = [], 0
+        for p in self._params:
+            views.append(self._buffer[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        return views
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self._params
+
+    def is_last(self) -> bool:
+        return True
+
+    def set_buffer(self, buffer: torch.Tensor) -> None:
+        self._buffer = buffer
+
+
+class StreamingDiLoCo(ModelAverager):
+    """Streaming DiLoCo as a model averager: attach it to the inner optimizer.
+
+    Inner steps are counted from the end of the warm-up. Fragment ``f`` (of ``n``) is applied
+    after inner steps ``(f + 1) * sync_every / n + k * sync_every`` and issued
+    ``fragment_sync_delay`` inner steps before, at the end of an inner step: its outer
+    gradient (the global parameters minus the local ones) is averaged over ``process_group``
+    by a collective that is not waited for; when it is applied, the local parameters of the
+    fragment go back to the global ones, the fragment's outer optimizer steps them with the
+    average, and they become the new global parameters, blended with the local ones by
+    ``fragment_update_alpha``. With one fragment and no delay this is DiLoCo.
+
+    The global parameters start as the parameters before the first inner step: taken by
+    :meth:`attach` (or :meth:`start`) before the first step, or after the last warm-up step,
+    when every rank holds the same (DDP makes them equal at construction, and the warm-up
+    averages gradients over every worker). Otherwise the first inner step's parameters are
+    averaged (one blocking allreduce) and start from there. After the last step, call
+    :meth:`finish` on every rank, so that no fragment is left in flight.
+
+    Args:
+        sync_every: inner steps between two syncs of a fragment.
+        warmup_steps: steps before the first inner step (with the DDP hook of
+            :func:`commhooks.register`, gradients are averaged over every worker meanwhile).
+        process_group: the ranks averaging a fragment, one per worker (``None``: the default
+            group, each rank its own worker).
+        worker_group: this rank's worker, when it has several ranks (DDP's group).
+        mesh: a 2-D device mesh ``(across workers, within a worker)``, instead of both groups.
+        **options: the other options of :class:`DiLoCoOptions` (``fragments``,
+            ``fragment_sync_delay``, ``fragment_update_alpha``, ``bits``, the outer optimizer's).
+
+    Raises:
+        ValueError: an option out of range or options that do not fit together, with the fix.
+    """
+
+    kind: ClassVar[str] = "streaming_diloco"
+    version: ClassVar[int] = 1
+    options_class = DiLoCoOptions
+    options: DiLoCoOptions
+    _transient: ClassVar[tuple[str, ...]] = (
+        "_checked",
+        "_worker_group",
+        "_in_flight_future",
+        "_last_seen",
+    )
+
+    def __init__(
+        self,
+        sync_every: int,
+        warmup_steps: int = 0,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        worker_group: dist.ProcessGroup | None = None,
+        mesh: Any = None,
+        **options: Any,
+    ) -> None:
+        settings = DiLoCoOptions.from_mapping(
+            {"sync_every": sync_every, "warmup_steps": warmup_steps, **options}
+        )
+        if mesh is not None:
+            process_group, worker_group = _mesh_groups(mesh, process_group, worker_group)
+        self._setup(settings, process_group)
+        self._worker_group = worker_group
+        self.outer_optimizer_factory = settings.factory()
+        self.snapshot: dict[str, torch.Tensor] | None = None
+        self.plan: list[list[str]] | None = None
+        self.outer_optimizers: list[torch.optim.Optimizer] = []
+        self.quantizers: list[QuantizationState] = []
+        self.in_flight: _InFlight | None = None
+        self._in_flight_future: torch.futures.Future[torch.Tensor] | None = None
+        self._last_seen: dict[str, torch.Tensor] = {}  # the parameters of the last step
+
+    def _restore_transient(self) -> None:
+        super()._restore_transient()
+        self._worker_group = None
+        self._in_flight_future = None
+        self._last_seen = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        self._settle()  # a pickle holds the fragment in flight as its average
+        return super().__getstate__()
+
+    def bind(
+        self, process_group: dist.ProcessGroup | None, worker_group: Any = _KEEP
+    ) -> "StreamingDiLoCo":
+        """Average fragments over ``process_group``, and be a worker of ``worker_group``
+        (``None``: this rank alone; left out: unchanged), from now on, e.g. after unpickling
+        (groups are not pickled)."""
+        if worker_group is _KEEP:
+            worker_group = self._worker_group
+        if worker_group is not None and not isinstance(worker_group, dist.ProcessGroup):
+            raise TypeError(
+                f"{OWNER}.bind: worker_group must be a ProcessGroup or None, got "
+                f"{type(worker_group).__name__}."
+            )
+        super().bind(process_group)
+        self._worker_group = worker_group
+        for state in self.quantizers:
+            state.bind(process_group)
+        return self
+
+    @property
+    def worker_group(self) -> dist.ProcessGroup | None:
+        """This rank's worker (``None``: the rank alone)."""
+        return self._worker_group
+
+    @property
+    def inner_step(self) -> int:
+        """Inner steps taken since the warm-up."""
+        return max(0, self.step - self.warmup_steps)
+
+    # -- attaching and starting -----------------------------------------------------------------
+    def attach(
+        self,
+        optimizer: torch.optim.Optimizer,
+        named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+    ) -> RemovableHandle:
+        """Run after every ``optimizer.step()`` (see :meth:`ModelAverager.attach` for names).
+
+        Attached before the first step of a run without warm-up, it takes the optimizer's
+        parameters as they are now as the global parameters (:meth:`start`).
+        """
+        named = None if named_parameters is None else list(named_parameters)
+        if self.snapshot is None and self.step == 0 and self.warmup_steps == 0:
+            names = None if named is None else {id(p): n for n, p in named}
+            self.start(named_in_groups(optimizer.param_groups, names, with_grad_only=False))
+        return super().attach(optimizer, named)
+
+    def start(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Take these parameters as the global ones (no collective): call it on every rank
+        before the first inner step, when every rank holds the same parameters.
+
+        Parameters that turn out to have no gradient at the first sync are dropped.
+        """
+        self.snapshot = {n: p.detach().clone() for n, p in named}
+        self.plan, self.outer_optimizers, self.quantizers = None, [], []
+
+    def finish(self) -> None:
+        """Apply the fragment in flight now: call it on every rank after the last step.
+
+        A rank that ends its run (or destroys its process group) while a fragment's average
+        is in flight leaves its peers' collective without a partner. After this, every rank
+        holds the same global parameters of that fragment. Nothing happens when nothing is in
+        flight.
+
+        Raises:
+            DiLoCoSyncError: the average failed (a peer was lost).
+        """
+        if self.in_flight is not None and self._last_seen:
+            self._finish(self._last_seen)
+        self._settle()  # loaded with a fragment in flight, no step since: nothing to apply to
+
+    # -- the schedule, on every rank at the same steps -------------------------------------------
+    def handshake_fields(self) -> dict[str, Any]:
+        """The schedule, the outer optimizer, the step and what is started or in flight."""
+        opts = self.options
+        fields = {n: getattr(opts, n) for n in DiLoCoOptions.names() if n not in _OUTER}
+        flight = self.in_flight
+        return {
+            **fields,
+            **opts.described(),
+            "step": self.step,
+            "started": self.snapshot is not None,
+            "in_flight": None if flight is None else [flight.fragment, flight.apply_at],
+        }
+
+    def _group_due(self) -> dist.ProcessGroup | None:
+        if self.step < self.warmup_steps:
+            return None
+        return comm.resolve_group(self.process_group, owner=OWNER)
+
+    def _between_syncs(self, named: Named) -> None:
+        if self.step == self.warmup_steps - 1:  # the warm-up kept every rank's parameters equal
+            self.start(named)
+
+    def _issue_due(self, inner: int) -> int | None:
+        """The fragment to issue after inner step ``inner`` (counted from 1), if any."""
+        opts = self.options
+        phase = (inner + opts.fragment_sync_delay) % opts.sync_every
+        if phase % opts.spacing:
+            return None
+        return (phase // opts.spacing - 1) % opts.fragment_count
+
+    def _average(self, named: Named, group: dist.ProcessGroup) -> None:
+        if not named:
+            return
+        inner = self.step - self.warmup_steps + 1
+        if self.snapshot is None:  # neither attached before the first step nor started
+            for p, avg in zip([p for _, p in named], averaged_views([p for _, p in named], group)):
+                with torch.no_grad():
+                    p.copy_(avg)
+            self.start(named)
+        lookup = self._last_seen = self._fit(named, group)
+        fragment = self._issue_due(inner)
+        if fragment is not None:
+            self._issue(fragment, lookup, group, inner)
+        if self.in_flight is not None and self.in_flight.apply_at == inner:
+            self._finish(lookup)
+
+    # -- one fragment: issue, then apply -------------------------------------------------------
+    def _issue(
+        self, fragment: int, lookup: dict[str, torch.Tensor], group: dist.ProcessGroup, inner: int
+    ) -> None:
+        """Start averaging the fragment's outer gradient; nothing waits for it here."""
+        assert self.plan is not None and self.snapshot is not None
+        if self.in_flight is not None:  # never with a valid schedule: finish it first
+            self._finish(lookup)
+        names = self.plan[fragment]
+        params = [lookup[n] for n in names]
+        with torch.no_grad():
+            flat = torch.cat(
+                [(self.snapshot[n] - p.detach()).reshape(-1).float() for n, p in zip(names, params)]
+            )
+        if self.options.bits is None:
+            future = comm.average(flat, group)
+        else:
+            # The quantized hook, on this fragment as on a bucket; its follow-up runs as soon
+            # as the first phase completes, not held for a later bucket.
+            hook: Callable[[Any, Any], torch.futures.Future[torch.Tensor]] = quantized_hook
+            with comm.unheld_follow_ups():
+                future = hook(self.quantizers[fragment], _FragmentBucket(fragment, flat, params))
+        self.in_flight = _InFlight(fragment, inner + self.options.fragment_sync_delay, flat)
+        self._in_flight_future = future
+
+    def _settle(self) -> None:
+        """Wait for the fragment in flight; its average is then in ``in_flight.flat``.
+
+        Raises:
+            DiLoCoSyncError: the average failed; the fragment is dropped, the parameters and
+                the global parameters are left as they were.
+        """
+        future, self._in_flight_future = self._in_flight_future, None
+        if future is None or self.in_flight is None:
+            return
+        try:
+            averaged = future.wait()
+        except RuntimeError as exc:
+            fragment, self.in_flight = self.in_flight.fragment, None
+            raise DiLoCoSyncError(
+                f"{OWNER}: averaging fragment {fragment} failed ({exc}). A peer was lost or "
+                "stopped; the parameters are as this rank's inner steps left them. Restart "
+                "every rank from the last checkpoint."
+            ) from exc
+        if averaged.data_ptr() != self.in_flight.flat.data_ptr():
+            self.in_flight.flat.copy_(averaged)
+
+    def _finish(self, lookup: dict[str, torch.Tensor]) -> None:
+        """The outer step of the fragment in flight, then local = blend of global and local."""
+        self._settle()
+        flight, self.in_flight = self.in_flight, None
+        assert flight is not None and self.plan is not None and self.snapshot is not None
+        names, alpha = self.plan[flight.fragment], self.options.fragment_update_alpha
+        snaps = [self.snapshot[n] for n in names]
+        outer = self.outer_optimizers[flight.fragment]
+        with torch.no_grad():
+            for snap, grad in zip(snaps, _split(flight.flat, snaps)):
+                snap.grad = grad.to(snap.dtype)
+            outer.step()
+            outer.zero_grad(set_to_none=True)
+            for name, snap in zip(names, snaps):
+                p = lookup[name]
+                p.copy_(snap if alpha == 0 else torch.lerp(snap, p, alpha))
+
+    # -- the plan: fragments, global parameters, outer optimizers --------------------------------
+    def _fit(self, named: Named, group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
+        """``{name: parameter}``, after making the fragments and outer optimizers if needed.
+
+        Raises:
+            ValueError: the parameters are not those of the global parameters (names, shapes,
+                dtypes); nothing was changed.
+        """
+        assert self.snapshot is not None
+        lookup = dict(named)
+        if self.plan is None:
+            plan = split_by_module(named, self.options.fragments)
+            self._check_snapshot(lookup, self.snapshot)
+            self.snapshot = {n: self.snapshot[n] for n in lookup}
+            self.plan = plan
+            self.outer_optimizers = [
+                self.outer_optimizer_factory([self.snapshot[n] for n in names]) for names in plan
+            ]
+            self.quantizers = self._new_quantizers(group, len(plan))
+        elif set(lookup) != set(self.snapshot):
+            self._check_snapshot(lookup, self.snapshot)
+        first = next(iter(lookup.values()))
+        if next(iter(self.snapshot.values())).device != first.device:
+            self._move_to(first.device)
+        return lookup
+
+    def _new_quantizers(
+        self, group: dist.ProcessGroup | None, count: int
+    ) -> list[QuantizationState]:
+        bits = self.options.bits
+        return [] if bits is None else [QuantizationState(group, bits=bits) for _ in range(count)]
+
+    def _check_snapshot(
+        self, lookup: Mapping[str, torch.Tensor], snapshot: Mapping[str, torch.Tensor]
+    ) -> None:
+        wrong = [
+            n
+            for n, p in lookup.items()
+            if n not in snapshot or snapshot[n].shape != p.shape or snapshot[n].dtype != p.dtype
+        ]
+        if wrong or (self.plan is not None and len(lookup) != len(snapshot)):
+            raise ValueError(
+                f"{OWNER}: the parameters with gradients ({len(lookup)}) do not match the global "
+                f"parameters ({len(snapshot)}; first differing: {wrong[:3]}); the set of "
+                "trained parameters changed, or a state dict of another model was loaded. "
+                "Nothing was changed; load the matching checkpoint."
+            )
+
+    def _move_to(self, device: torch.device) -> None:
+        # In place, so that each outer optimizer keeps its references; then its own state.
+        assert self.snapshot is not None
+        for snap in self.snapshot.values():
+            snap.data = snap.data.to(device)
+        for outer in self.outer_optimizers:
+            outer.load_state_dict(outer.state_dict())
+
+    # -- checkpoints: parse everything, then apply ----------------------------------------------
+    # Saved between two steps. A fragment in flight is waited for and saved as its average, to
+    # be applied at the same inner step after a resume: the collective's result does not
+    # depend on when it is read, so the resumed run is the uninterrupted one, bit for bit.
+    def _save(self) -> dict[str, Any]:
+        self._settle()
+        flight = self.in_flight
+        return {
+            **super()._save(),
+            **{n: _fragments_saved(getattr(self.options, n)) for n in _SCHEDULE},
+            "bits": self.options.bits,
+            "started": self.snapshot is not None,
+            "snapshot": {n: t.detach().clone() for n, t in (self.snapshot or {}).items()},
+            "plan": [list(names) for names in self.plan or []],
+            "outer_optimizers": [o.state_dict() for o in self.outer_optimizers],
+            "quantizers": [q.state_dict() for q in self.quantizers],
+            "in_flight": {}
+            if flight is None
+            else {"fragment": flight.fragment, "apply_at": flight.apply_at, "average": flight.flat},
+        }
+
+    def _parse(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+        values = super()._parse(state_dict)
+        for name in _SCHEDULE:
+            self._check_saved_option(
+                state_dict, name, _fragments_saved(getattr(self.options, name))
+            )
+        where = f"{OWNER}.load_state_dict:"
+        started, raw = state_dict.get("started"), state_dict.get("snapshot")
+        if not isinstance(started, bool) or not isinstance(raw, Mapping):
+            raise StateDictError(f"{where} 'started' or 'snapshot' is missing or malformed.")
+        snapshot = (
+            {
+                str(n): check_tensor(f"{where} 'snapshot'[{n!r}]", t, floating=True).clone()
+                for n, t in raw.items()
+            }
+            if started
+            else None
+        )
+        plan = _parse_plan(where, state_dict.get("plan"), snapshot)
+        outer = self._parse_outer(where, state_dict.get("outer_optimizers"), plan, snapshot)
+        quantizers = self._parse_quantizers(where, state_dict.get("quantizers"), plan)
+        flight = _parse_flight(where, state_dict.get("in_flight"), plan, snapshot)
+        return {
+            **values,
+            "snapshot": snapshot,
+            "plan": plan,
+            "outer": outer,
+            "quantizers": quantizers,
+            "in_flight": flight,
+        }
+
+    def _parse_outer(
+        self,
+        where: str,
+        raw: Any,
+        plan: list[list[str]] | None,
+        snapshot: dict[str, torch.Tensor] | None,
+    ) -> list[torch.optim.Optimizer]:
+        if not isinstance(raw, list) or len(raw) != len(plan or []):
+            raise StateDictError(f"{where} 'outer_optimizers' must hold one state per fragment.")
+        made = []
+        for i, (names, saved) in enumerate(zip(plan or [], raw)):
+            assert snapshot is not None
+            tensors = [snapshot[n] for n in names]
+            entry = f"{where} the outer optimizer of fragment {i}"
+            outer = self.outer_optimizer_factory(tensors)
+            try:
+                outer.load_state_dict(check_optimizer_state(entry, saved, tensors))
+            except (KeyError, ValueError, TypeError, IndexError) as exc:
+                raise StateDictError(f"{entry} does not fit {type(outer).__name__}: {exc}") from exc
+            made.append(outer)
+        return made
+
+    def _parse_quantizers(
+        self, where: str, raw: Any, plan: list[list[str]] | None
+    ) -> list[QuantizationState]:
+        want = 0 if self.options.bits is None or plan is None else len(plan)
+        if not isinstance(raw, list) or len(raw) != want:
+            raise StateDictError(
+                f"{where} 'quantizers' must hold one quantized average's state per fragment "
+                f"({want} with bits={self.options.bits}), got "
+                f"{len(raw) if isinstance(raw, list) else type(raw).__name__}."
+            )
+        made = self._new_quantizers(self.process_group, want)
+        for state, saved in zip(made, raw):
+            state.load_state_dict(saved)
+        return made
+
+    def _apply(self, values: dict[str, Any]) -> None:
+        super()._apply(values)
+        self.snapshot, self.plan = values["snapshot"], values["plan"]
+        self.outer_optimizers, self.quantizers = values["outer"], values["quantizers"]
+        self.in_flight, self._in_flight_future = values["in_flight"], None
+
+
+_SCHEDULE = ("sync_every", "fragments", "fragment_sync_delay")
+_OUTER = ("outer_lr", "outer_momentum", "nesterov", "outer_optimizer")
+
+
+def _split(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for t in like:
+        out.append(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+    return out
+
+
+def _mesh_groups(
+    mesh: Any, process_group: dist.ProcessGroup | None, worker_group: dist.ProcessGroup | None
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """``(across workers, within a worker)`` from a 2-D device mesh."""
+    if process_group is not None or worker_group is not None:
+        raise ValueError(f"{OWNER}: pass either mesh or process_group/worker_group, not both.")
+    if getattr(mesh, "ndim", None) != 2:
+        raise ValueError(
+            f"{OWNER}: mesh must be a 2-D DeviceMesh (across workers, within a worker), e.g. "
+            "init_device_mesh('cpu', (machines, ranks_per_machine)); got "
+            f"{type(mesh).__name__} with ndim={getattr(mesh, 'ndim', None)}."
+        )
+    return mesh.get_group(0), mesh.get_group(1)
+
+
+def _fragments_saved(value: Any) -> Any:
+    """An option as a state dict holds it: given fragments as lists, the rest as they are."""
+    return [list(f) for f in value] if isinstance(value, tuple) else value
+
+
+def _parse_plan(
+    where: str, raw: Any, snapshot: dict[str, torch.Tensor] | None
+) -> list[list[str]] | None:
+    """The saved fragments, each a list of names of the saved global parameters."""
+    if not isinstance(raw, list) or not all(
+        isinstance(f, list) and all(isinstance(n, str) for n in f) for f in raw
+    ):
+        raise StateDictError(f"{where} 'plan' must be a list of fragments, lists of names.")
+    if not raw:
+        return None
+    names = [n for f in raw for n in f]
+    if snapshot is None or sorted(names) != sorted(snapshot) or any(not f for f in raw):
+        raise StateDictError(
+            f"{where} 'plan' must name every global parameter once, in non-empty fragments."
+        )
+    return [list(f) for f in raw]
+
+
+def _parse_flight(
+    where: str, raw: Any, plan: list[list[str]] | None, snapshot: dict[str, torch.Tensor] | None
+) -> _InFlight | None:
+    """The saved fragment in flight: its number, the inner step to apply it, its average."""
+    if raw == {}:
+        return None
+    if not isinstance(raw, Mapping) or plan is None or snapshot is None:
+        raise StateDictError(f"{where} 'in_flight' is malformed or has no fragments to fit.")
+    fragment = check_count(f"{where} 'in_flight' 'fragment'", raw.get("fragment"))
+    apply_at = check_count(f"{where} 'in_flight' 'apply_at'", raw.get("apply_at"), minimum=1)
+    if fragment >= len(plan):
+        raise StateDictError(f"{where} 'in_flight' names fragment {fragment} of {len(plan)}.")
+    size = sum(snapshot[n].numel() for n in plan[fragment])
+    average = check_tensor(
+        f"{where} 'in_flight' 'average'", raw.get("average"), dtype=torch.float32
+    )
+    if average.dim() != 1 or average.numel() != size:
+        raise StateDictError(
+            f"{where} 'in_flight' 'average' must hold the {size} elements of fragment "
+            f"{fragment}, got shape {tuple(average.shape)}."
+        )
+    return _InFlight(fragment, apply_at, average.clone())
+
+
+def diloco_hook(state: StreamingDiLoCo, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The DDP hook of a DiLoCo worker: average gradients within the worker, not across.
+
+    A worker of one rank sends nothing; a worker of several ranks averages over
+    ``state.worker_group``. During the warm-up (``state.step < warmup_steps``) gradients are
+    averaged over the default group, every worker, so that the workers start DiLoCo with the
+    same parameters.
+    """
+    if not isinstance(state, StreamingDiLoCo):
+        raise TypeError(
+            f"{HOOK} needs a commhooks.StreamingDiLoCo as its state, got {type(state).__name__}; "
+            f"register it with commhooks.register(ddp_model, 'streaming_diloco', sync_every=...)."
+        )
+    buffer = gradient_buffer(bucket, HOOK)
+    worker = state.worker_group
+    if state.step < state.warmup_steps:
+        group = comm.resolve_group(None if worker is not None else state.process_group, owner=HOOK)
+    elif worker is None:
+        return comm.completed(buffer)
+    else:
+        group = worker
+    return comm.average(buffer, group)
+
+
+def cross_worker_group(worker_group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """The ranks holding this rank's place in every worker, given this rank's worker.
+
+    A collective over the default group (one gather, one group creation per place): call it on
+    every rank at the same point.
+
+    Raises:
+        ValueError: the workers differ in size or overlap.
+    """
+    workers: list[list[int]] = []
+    for ranks in comm.all_gather_objects(comm.global_ranks(worker_group)):
+        if ranks not in workers:
+            workers.append(ranks)
+    sizes = {len(w) for w in workers}
+    flat = [r for w in workers for r in w]
+    if len(sizes) != 1 or len(flat) != len(set(flat)):
+        raise ValueError(
+            f"{OWNER}: the workers' groups must be disjoint and of one size, got {workers}; "
+            "give every rank the group of its own machine (e.g. from a 2-D device mesh)."
+        )
+    places = [[w[i] for w in workers] for i in range(len(workers[0]))]
+    return next(g for g in comm.new_groups(places) if g is not None)
+
+
+def state_from_options(
+    group: dist.ProcessGroup | None, options: Mapping[str, Any]
+) -> StreamingDiLoCo:
+    """The averager :func:`commhooks.register` builds for a DDP model on ``group``.
+
+    DDP on the default group (``None``): each rank is its own worker. DDP on a smaller group:
+    that group is the worker, and the fragments are averaged with the ranks holding the same
+    place in every other worker (:func:`cross_worker_group`, a collective).
+    """
+    if group is None or comm.is_default_group(group):
+        return StreamingDiLoCo(process_group=group, **options)
+    return StreamingDiLoCo(process_group=cross_worker_group(group), worker_group=group, **options)

@@ -1,0 +1,380 @@
+"""Streaming DiLoCo: options, fragments, the schedule against a reference, overlap, quantized
+outer gradients, workers of several ranks, registration and checkpoints."""
+
+import copy
+import math
+import pickle
+
+import pytest
+import torch
+import torch.distributed as dist
+from ddp_utils import batches, make_ddp, make_mlp
+from torch import nn
+
+import commhooks
+from commhooks import comm
+from commhooks.diloco import DiLoCoOptions, split_by_module
+from commhooks.testing import run_on_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+
+# -- options and fragments (no processes) -------------------------------------------------------
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        ({"sync_every": 0}, "sync_every must be >= 1"),
+        ({"sync_every": 6, "fragments": 4}, "use sync_every=4"),
+        ({"sync_every": 8, "fragments": 2, "fragment_sync_delay": 4}, "fragment_sync_delay <= 3"),
+        ({"sync_every": 8, "bits": 2}, "None (full precision), 8 or 4"),
+        ({"sync_every": 8, "fragment_update_alpha": 1.5}, "in [0, 1]"),
+        ({"sync_every": 8, "fragments": [[]]}, "non-empty list of module"),
+        ({"sync_every": 8, "outer_momentum": 1.0}, "outer_momentum must be in [0, 1)"),
+    ],
+)
+def test_options_refuse_what_cannot_work_and_name_the_fix(options, says):
+    with pytest.raises(ValueError, match=re_escape(says)):
+        DiLoCoOptions(**options)
+
+
+def re_escape(text):
+    import re
+
+    return re.escape(text)
+
+
+def test_fragments_are_runs_of_whole_modules_in_order():
+    named = list(make_mlp().named_parameters())  # modules 0, 2, 4, 6: 2112, 4160, 2080, 264
+    assert split_by_module(named, 1) == [[n for n, _ in named]]
+    assert split_by_module(named, 2) == [
+        ["0.weight", "0.bias", "2.weight", "2.bias"],
+        ["4.weight", "4.bias", "6.weight", "6.bias"],
+    ]
+    four = split_by_module(named, 4)
+    assert [f[0].split(".")[0] for f in four] == ["0", "2", "4", "6"]
+    given = split_by_module(named, (("0", "6.bias"), ("2", "4", "6.weight")))
+    assert given == [
+        ["0.weight", "0.bias", "6.bias"],
+        ["2.weight", "2.bias", "4.weight", "4.bias", "6.weight"],
+    ]
+    with pytest.raises(ValueError, match="'6.bias' is in no fragment"):
+        split_by_module(named, (("0", "2", "4", "6.weight"),))
+    with pytest.raises(ValueError, match="in fragments"):
+        split_by_module(named, (("0", "2", "4", "6"), ("6",)))
+    with pytest.raises(ValueError, match="fragments <= 4"):
+        split_by_module(named, 5)
+
+
+def test_register_names_and_config():
+    config = commhooks.HookConfig.from_dict(
+        {"hook": "streaming_diloco", "sync_every": 8, "fragments": 2, "bits": 4}
+    )
+    assert commhooks.HookConfig.from_json(config.to_json()) == config
+    with pytest.raises(ValueError, match="use hook 'streaming_diloco'"):
+        commhooks.HookConfig("diloco", options={"sync_every": 8, "fragment_sync_delay": 1})
+    with pytest.raises(ValueError, match="sync_every"):
+        commhooks.HookConfig("diloco")
+
+
+# -- the schedule against a reference ------------------------------------------------------------
+def _delta(rank, step, name):
+    """The scripted change of an inner step: different per rank, step and parameter."""
+    return (rank + 1) * (step + 1) * 1e-2 * (1 + len(name) % 3)
+
+
+def _scripted(rank, world_size, options, steps):
+    model = make_mlp()
+    inner = torch.optim.SGD(model.parameters(), lr=1.0)
+    diloco = commhooks.StreamingDiLoCo(**options)
+    diloco.attach(inner, model.named_parameters())
+    for step in range(steps):
+        for name, p in model.named_parameters():
+            p.grad = torch.full_like(p, -_delta(rank, step, name))
+        inner.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, diloco.plan
+
+
+def _reference(world, options, steps, plan):
+    """Every rank's parameters, simulated in float64 from the paper's description."""
+    every, count = options["sync_every"], len(plan)
+    delay, alpha = options.get("fragment_sync_delay", 0), options.get("fragment_update_alpha", 0)
+    lr, momentum = 0.7, 0.9
+    start = {n: p.detach().double() for n, p in make_mlp().named_parameters()}
+    local = [copy.deepcopy(start) for _ in range(world)]
+    glob, buf = copy.deepcopy(start), {}
+    applies = {
+        f: {(f + 1) * every // count + k * every for k in range(steps)} for f in range(count)
+    }
+    flight = None
+    for step in range(steps):
+        for r in range(world):
+            for n in local[r]:
+                local[r][n] += _delta(r, step, n)
+        inner = step + 1
+        for f in range(count):
+            if inner + delay in applies[f]:
+                avg = {n: sum(glob[n] - local[r][n] for r in range(world)) / world for n in plan[f]}
+                flight = (f, inner + delay, avg)
+        if flight is not None and flight[1] == inner:
+            for n, g in flight[2].items():
+                buf[n] = g.clone() if n not in buf else momentum * buf[n] + g
+                glob[n] = glob[n] - lr * (g + momentum * buf[n])
+                for r in range(world):
+                    local[r][n] = glob[n] + alpha * (local[r][n] - glob[n])
+            flight = None
+    return local
+
+
+CASES = [
+    {"sync_every": 4},
+    {"sync_every": 6, "fragments": 2, "fragment_sync_delay": 2, "fragment_update_alpha": 0.5},
+    {"sync_every": 8, "fragments": 4, "fragment_sync_delay": 1},
+]
+
+
+@pytest.mark.parametrize("options", CASES)
+def test_schedule_overlap_outer_nesterov_and_blend_match_the_reference(options):
+    steps = 13
+    results = run_on_ranks(_scripted, 2, options, steps)
+    plan = results[0][1]
+    assert len(plan) == options.get("fragments", 1)
+    want = _reference(2, options, steps, plan)
+    for rank, (params, _) in enumerate(results):
+        for n, p in params.items():
+            torch.testing.assert_close(p.double(), want[rank][n], rtol=1e-5, atol=1e-5)
+
+
+# -- overlap: issued at one step, applied at a later one -------------------------------------------
+def _collectives_per_step(rank, world_size):
+    model = make_mlp()
+    inner = torch.optim.SGD(model.parameters(), lr=0.05)
+    diloco = commhooks.StreamingDiLoCo(sync_every=8, fragments=2, fragment_sync_delay=3, bits=4)
+    diloco.attach(inner, model.named_parameters())
+    calls, kept = [], []
+    for x, y in batches(rank, 9):
+        inner.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        with comm.observe_collectives() as seen:
+            inner.step()
+        first = {n: p.detach().clone() for n, p in model.named_parameters() if n.startswith("0.")}
+        calls.append(seen.calls.get("all_to_all_single", 0))  # a sync's first phase
+        kept.append((diloco.in_flight is not None, first))
+    diloco.finish()  # fragment 0 (issued after inner step 9) applied now, on every rank
+    assert diloco.in_flight is None
+    kept.append((False, {n: p.detach().clone() for n, p in model.named_parameters()}))
+    return calls, kept, {n: t.clone() for n, t in diloco.snapshot.items()}
+
+
+def test_a_fragment_is_issued_without_waiting_and_applied_delay_steps_later():
+    results = run_on_ranks(_collectives_per_step, 2)
+    # Fragment 0 is applied after inner steps 4 and 12 and issued after 1 and 9; fragment 1
+    # after 8 and 5. (The second phase starts whenever the first completes: not counted.)
+    for calls, kept, _ in results:
+        assert calls == [1, 0, 0, 0, 1, 0, 0, 0, 1]
+        flying = [True, True, True, False, True, True, True, False, True]
+        assert [f for f, _ in kept[:9]] == flying
+    (_, kept0, glob0), (_, kept1, glob1) = results
+    for n in glob0:
+        assert torch.equal(glob0[n], glob1[n])  # the global parameters are the same bits
+        if n.startswith("0."):
+            assert not torch.equal(kept0[2][1][n], kept1[2][1][n])  # in flight: still local
+            assert torch.equal(kept0[3][1][n], kept1[3][1][n])  # applied at step 4: global
+            assert not torch.equal(kept0[8][1][n], kept1[8][1][n])  # issued again at step 9
+            assert torch.equal(kept0[9][1][n], kept1[9][1][n])  # applied by finish()
+
+
+# -- quantized outer gradients and registration on DDP ------------------------------------------
+def _registered(rank, world_size, bits, steps):
+    ddp = make_ddp(make_mlp())
+    diloco = commhooks.register(
+        ddp, "streaming_diloco", sync_every=4, fragments=2, fragment_sync_delay=1, bits=bits
+    )
+    inner = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    diloco.attach(inner, ddp.module.named_parameters())
+    data = batches(rank, 4)
+    losses = []
+    with comm.observe_collectives() as seen:
+        for step in range(steps):
+            x, y = data[step % len(data)]
+            inner.zero_grad()
+            loss = nn.functional.mse_loss(ddp(x), y)
+            loss.backward()
+            inner.step()
+            losses.append(float(loss))
+    memories = [len(q.state_dict()["error"]) for q in diloco.quantizers]
+    size = sum(p.numel() for p in ddp.parameters())
+    return (
+        type(diloco).__name__,
+        losses,
+        sum(seen.bytes.values()),
+        size,
+        memories,
+        diloco.state_dict(),
+    )
+
+
+def test_int4_outer_gradients_send_an_eighth_and_train_like_full_precision():
+    steps = 24
+    quantized = run_on_ranks(_registered, 2, 4, steps)
+    plain = run_on_ranks(_registered, 2, None, steps)
+    name, losses, sent, size, memories, state = quantized[0]
+    assert name == "StreamingDiLoCo"
+    assert memories == [4, 4]  # each fragment keeps what its int4 average left out
+    syncs = steps // 4 * 2  # both fragments every 4 steps, each carrying half of the model
+    full = plain[0][2]
+    assert full == pytest.approx(syncs / 2 * size * 4, rel=0.01)  # float32: 4 bytes an element
+    # What each collective is handed: the all-to-all every row (this rank's own too), the
+    # all-gather one, at 4 bits plus a float32 scale every 256 elements, rows padded to whole
+    # blocks (6272 and 2344 elements into 2 x 3328 and 2 x 1280): 1.5 x 9216 x 4.125 / 8.
+    assert sent == syncs / 2 * 1.5 * 9216 * 4.125 / 8
+    assert state["snapshot"].keys() == {n for n, _ in make_mlp().named_parameters()}
+    for rank in (1,):
+        for n, t in quantized[rank][5]["snapshot"].items():
+            assert torch.equal(t, state["snapshot"][n])  # every rank holds the same global bits
+    for run in (quantized, plain):
+        early = sum(r[1][0] for r in run) / 2
+        late = sum(sum(r[1][-4:]) / 4 for r in run) / 2
+        assert late < 0.9 * early
+    q_late = sum(sum(r[1][-4:]) for r in quantized)
+    p_late = sum(sum(r[1][-4:]) for r in plain)
+    assert q_late == pytest.approx(p_late, rel=0.05)
+
+
+# -- workers of several ranks ------------------------------------------------------------------
+def _workers(rank, world_size, use_mesh):
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = pairs[rank // 2]
+    model = make_mlp()
+    if use_mesh:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("across", "within"))
+        diloco = commhooks.StreamingDiLoCo(
+            sync_every=4, fragments=2, fragment_sync_delay=1, mesh=mesh
+        )
+        groups = [comm.global_ranks(diloco.process_group), comm.global_ranks(diloco.worker_group)]
+        return groups, None
+    ddp = make_ddp(model, process_group=mine)
+    diloco = commhooks.register(
+        ddp, "streaming_diloco", sync_every=4, fragments=2, fragment_sync_delay=1
+    )
+    groups = [comm.global_ranks(diloco.process_group), comm.global_ranks(diloco.worker_group)]
+    inner = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    diloco.attach(inner, ddp.module.named_parameters())
+    history = []
+    for x, y in batches(rank, 6):
+        inner.zero_grad()
+        nn.functional.mse_loss(ddp(x), y).backward()
+        inner.step()
+        history.append(torch.cat([p.detach().reshape(-1) for p in ddp.parameters()]))
+    return groups, history
+
+
+def test_a_worker_of_two_ranks_averages_gradients_inside_and_fragments_across():
+    results = run_on_ranks(_workers, 4, False)
+    for rank, (groups, _) in enumerate(results):
+        assert groups == [[rank % 2, rank % 2 + 2], [rank // 2 * 2, rank // 2 * 2 + 1]]
+    history = [h for _, h in results]
+    first = 2112 + 4160  # fragment 0: modules 0 and 2, applied after inner steps 2 and 6
+    for step in range(6):
+        assert torch.equal(history[0][step], history[1][step])  # one worker, the same bits
+        assert torch.equal(history[2][step], history[3][step])
+    assert not torch.equal(history[0][0], history[2][0])  # workers train apart
+    assert torch.equal(history[0][1][:first], history[2][1][:first])  # until fragment 0 syncs
+    assert not torch.equal(history[0][1][first:], history[2][1][first:])
+    meshed = run_on_ranks(_workers, 4, True)
+    assert [g for g, _ in meshed] == [g for g, _ in results]
+
+
+# -- checkpoints: bitwise resume with a fragment in flight; hostile state refused ---------------
+def _train_some(ddp, inner, diloco, data, steps):
+    for step in steps:
+        x, y = data[step]
+        inner.zero_grad()
+        nn.functional.mse_loss(ddp(x), y).backward()
+        inner.step()
+
+
+def _build(bits):
+    ddp = make_ddp(make_mlp())
+    diloco = commhooks.register(
+        ddp, "streaming_diloco", sync_every=4, fragments=2, fragment_sync_delay=1, bits=bits
+    )
+    inner = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
+    diloco.attach(inner, ddp.module.named_parameters())
+    return ddp, inner, diloco
+
+
+def _resume(rank, world_size, bits, tmp):
+    data, cut, end = batches(rank, 14), 7, 14
+    ddp, inner, diloco = _build(bits)
+    _train_some(ddp, inner, diloco, data, range(cut))
+    assert diloco.in_flight is not None  # fragment 1, issued after inner step 7, applied at 8
+    pickled = pickle.loads(pickle.dumps(diloco))  # waits for the fragment, keeps its average
+    assert pickled.in_flight.apply_at == 8 and pickled.worker_group is None
+    path = f"{tmp}/rank{rank}.pt"
+    torch.save(
+        {
+            "model": ddp.module.state_dict(),
+            "inner": inner.state_dict(),
+            "diloco": diloco.state_dict(),
+        },
+        path,
+    )
+    _train_some(ddp, inner, diloco, data, range(cut, end))
+    straight = [p.detach().clone() for p in ddp.parameters()]
+    saved = torch.load(path, weights_only=True)
+    ddp2, inner2, diloco2 = _build(bits)
+    ddp2.module.load_state_dict(saved["model"])
+    inner2.load_state_dict(saved["inner"])
+    diloco2.load_state_dict(saved["diloco"])
+    _train_some(ddp2, inner2, diloco2, data, range(cut, end))
+    resumed = [p.detach().clone() for p in ddp2.parameters()]
+    return all(torch.equal(a, b) for a, b in zip(straight, resumed)), saved["diloco"]
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_resume_is_bitwise_with_a_fragment_in_flight(bits, tmp_path):
+    results = run_on_ranks(_resume, 2, bits, str(tmp_path))
+    for same, state in results:
+        assert same
+        assert state["in_flight"]["fragment"] == 1 and state["in_flight"]["apply_at"] == 8
+        assert len(state["quantizers"]) == (0 if bits is None else 2)
+    if bits is not None:
+        _refuses_hostile_state(results[0][1])
+
+
+def _fresh(bits=4):
+    return commhooks.StreamingDiLoCo(sync_every=4, fragments=2, fragment_sync_delay=1, bits=bits)
+
+
+def _refuses_hostile_state(good):
+    averager = _fresh()
+    averager.load_state_dict(good)
+    before = copy.deepcopy(averager.state_dict())
+    bad_entries = {
+        "kind": "periodic_model_averager",
+        "sync_every": 8,
+        "snapshot": {"0.weight": torch.full((64, 32), math.nan)},
+        "plan": [["0.weight"], ["nonexistent"]],
+        "in_flight": {"fragment": 1, "apply_at": 8, "average": torch.zeros(3)},
+        "outer_optimizers": [{}],
+        "quantizers": [],
+        "step": -1,
+    }
+    for key, value in bad_entries.items():
+        with pytest.raises(commhooks.StateDictError) as raised:
+            averager.load_state_dict({**good, key: value})
+        assert (
+            key in str(raised.value)
+            or "saved by" in str(raised.value)
+            or "snapshot" in str(raised.value)
+        ), (key, raised.value)
+        after = averager.state_dict()
+        assert after.keys() == before.keys() and after["step"] == before["step"]
+        for n, t in before["snapshot"].items():
+            assert torch.equal(after["snapshot"][n], t)
+    with pytest.raises(commhooks.StateDictError, match="sync_every=8"):
+        commhooks.StreamingDiLoCo(sync_every=8, fragments=2, bits=4).load_state_dict(good)
+    with pytest.raises(commhooks.StateDictError, match="with bits=None"):
+        _fresh(bits=None).load_state_dict(good)
