@@ -145,6 +145,14 @@ class DiLoCoSyncError(RuntimeError):
     """A fragment's average failed (a peer lost or stopped); the parameters are as they were."""
 
 
+def _sync_error(fragment: int, exc: BaseException) -> "DiLoCoSyncError":
+    return DiLoCoSyncError(
+        f"{OWNER}: averaging fragment {fragment} failed ({exc}). A peer was lost or stopped; "
+        "the parameters are as this rank's inner steps left them. Restart every rank from "
+        "the last checkpoint."
+    )
+
+
 def split_by_module(named: Named, fragments: Fragments) -> list[list[str]]:
     """The parameter names of each fragment.
 
@@ -463,14 +471,18 @@ class StreamingDiLoCo(ModelAverager):
             flat = torch.cat(
                 [(self.snapshot[n] - p.detach()).reshape(-1).float() for n, p in zip(names, params)]
             )
-        if self.options.bits is None:
-            future = comm.average(flat, group)
-        else:
-            # The quantized hook, on this fragment as on a bucket; its follow-up runs as soon
-            # as the first phase completes, not held for a later bucket.
-            hook: Callable[[Any, Any], torch.futures.Future[torch.Tensor]] = quantized_hook
-            with comm.unheld_follow_ups():
-                future = hook(self.quantizers[fragment], _FragmentBucket(fragment, flat, params))
+        try:  # a peer already gone can fail the issue itself, not only the wait
+            if self.options.bits is None:
+                future = comm.average(flat, group)
+            else:
+                # The quantized hook, on this fragment as on a bucket; its follow-up runs as
+                # soon as the first phase completes, not held for a later bucket.
+                hook: Callable[[Any, Any], torch.futures.Future[torch.Tensor]] = quantized_hook
+                with comm.unheld_follow_ups():
+                    bucket = _FragmentBucket(fragment, flat, params)
+                    future = hook(self.quantizers[fragment], bucket)
+        except RuntimeError as exc:
+            raise _sync_error(fragment, exc) from exc
         self.in_flight = _InFlight(fragment, inner + self.options.fragment_sync_delay, flat)
         self._in_flight_future = future
 
@@ -488,11 +500,7 @@ class StreamingDiLoCo(ModelAverager):
             averaged = future.wait()
         except RuntimeError as exc:
             fragment, self.in_flight = self.in_flight.fragment, None
-            raise DiLoCoSyncError(
-                f"{OWNER}: averaging fragment {fragment} failed ({exc}). A peer was lost or "
-                "stopped; the parameters are as this rank's inner steps left them. Restart "
-                "every rank from the last checkpoint."
-            ) from exc
+            raise _sync_error(fragment, exc) from exc
         if averaged.data_ptr() != self.in_flight.flat.data_ptr():
             self.in_flight.flat.copy_(averaged)
 
