@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from commhooks.bench import args, cli, report
+from commhooks.bench import args, conclusion, report
 from commhooks.bench.rows import Row
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,7 +90,7 @@ def test_the_bench_sample_is_what_the_report_prints_from_the_sample_run(
         rows,
         comparisons,
         document["answer"],
-        cli._title(plan),
+        conclusion.title(plan),
         wide=False,
         reach_steps=document["settings"]["reach_steps"],
     )

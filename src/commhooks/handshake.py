@@ -171,8 +171,9 @@ def _record(hook: str, wrapper: str | None, state: Any) -> dict[str, Any]:
 
 
 def _seen(group: dist.ProcessGroup, identity: tuple[str, str | None]) -> bool:
-    with _lock:
-        return identity in _checked.get(group, ())
+    # No lock: one dictionary lookup and one set membership, each atomic, and a stale
+    # answer only makes the caller check again (once a bucket, so it must stay cheap).
+    return identity in _checked.get(group, ())
 
 
 def _remember(group: dist.ProcessGroup, identity: tuple[str, str | None]) -> None:

@@ -15,7 +15,7 @@ uses NCCL, and then, every rank alike:
    timeout, the same), costs that hook's row, which says which rank failed first and why,
    and the run goes on with the next hook on every rank;
 4. rank 0 turns the gathered results into rows and prints the same tables, answer and JSON as
-   the local run (:func:`commhooks.bench.cli.conclude`), with the network's measured rate and
+   the local run (:func:`commhooks.bench.conclusion.conclude`), with the network's measured rate and
    latency.
 """
 
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from commhooks.bench import cli
+from commhooks.bench import conclusion, specs
 from commhooks.bench.args import Plan
 from commhooks.bench.clock import clock_for
 from commhooks.bench.linkprobe import measure_link
@@ -118,11 +118,11 @@ def run(plan: Plan, argv: list[str]) -> dict[str, Any] | None:
 
     try:
         if lead:
-            cli.print_notes(plan)
+            conclusion.print_notes(plan)
             print(f"measuring the network: allreduce sweep on {plan.ranks} ranks", flush=True)
         link = measure_link(None, device, clock_for(device))
         rows = _measure(plan, device, agreement)
-        document = cli.conclude(plan, argv, rows, started, link) if lead else None
+        document = conclusion.conclude(plan, argv, rows, started, link) if lead else None
         dist.barrier(group=agreement)  # every rank leaves once rank 0 has written its files
     finally:
         dist.destroy_process_group()
@@ -145,7 +145,7 @@ def _measure(plan: Plan, device: torch.device, agreement: Any) -> list[Row]:
                 print(
                     f"[{done}/{total}] {hook}{where}: {time.time() - t0:.1f}s {status}", flush=True
                 )
-    return [make_row(h, None, pool_runs(runs[h]), cli.row_context(plan, h)) for h in plan.hooks]
+    return [make_row(h, None, pool_runs(runs[h]), specs.row_context(plan, h)) for h in plan.hooks]
 
 
 def _run_hook(plan: Plan, hook: str, device: torch.device, agreement: Any) -> RunOutcome:
@@ -160,7 +160,7 @@ def _run_hook(plan: Plan, hook: str, device: torch.device, agreement: Any) -> Ru
             result = train_rank(
                 rank,
                 world,
-                cli.run_spec(plan, hook, None),
+                specs.run_spec(plan, hook, None),
                 group=group,
                 device=device,
                 shared_process=True,

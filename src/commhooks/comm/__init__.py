@@ -484,10 +484,11 @@ def allreduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.T
     """
     if _counters:  # an exchange is counted as the allreduce it stands for
         _observed("all_reduce", tensor)
-    summed = gloo_cpu.allreduce(tensor, group)
+    summed = gloo_cpu.allreduce(tensor, group) if tensor.is_cpu else None
     if summed is None:
-        summed = callbacks.then(_future_of(_all_reduce(tensor, group)), _first)
-    return _as_issued(summed)
+        issued: Future[list[torch.Tensor]] = _all_reduce(tensor, group).get_future()
+        summed = callbacks.then(issued, _first)
+    return _as_issued(summed) if _inline else summed
 
 
 _SUM = dist.AllreduceOptions()  # a sum issued without waiting: what every hook asks for
@@ -507,7 +508,8 @@ def _all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> Any:
 
 def _future_of(work: Any) -> "Future[list[torch.Tensor]]":
     """The future of an asynchronous collective's ``Work`` (typed: torch's stubs say ``Any``)."""
-    return cast("Future[list[torch.Tensor]]", work.get_future())
+    fut: Future[list[torch.Tensor]] = work.get_future()  # no typing.cast: a call a bucket
+    return fut
 
 
 def all_to_all(
@@ -657,10 +659,6 @@ class Issue:
 Round = Callable[[Any], "Finished[Any] | Issue"]
 
 
-def _nothing() -> None:
-    """The launch of a slot released unused."""
-
-
 class OrderedIssuer:
     """Issues follow-up collectives on a group of their own, in the order their slots were reserved.
 
@@ -679,7 +677,7 @@ class OrderedIssuer:
         self._lock = threading.RLock()
         self._reserved = 0
         self._next = 0
-        self._ready: dict[int, Callable[[], None]] = {}
+        self._ready: dict[int, Callable[[], None] | None] = {}  # None: released unused
         self._held: set[int] = set()
         self._draining = False
 
@@ -723,7 +721,8 @@ class OrderedIssuer:
             while self._next in self._ready and self._next not in self._held:
                 run = self._ready.pop(self._next)
                 self._next += 1
-                run()
+                if run is not None:
+                    run()
         finally:
             self._draining = False
 
@@ -856,8 +855,9 @@ class OrderedIssuer:
         """Let ``count`` slots from ``slot`` on pass without issuing anything."""
         with self._lock:
             for unused in range(slot, slot + count):
-                self._ready[unused] = _nothing
-            self._drain()
+                self._ready[unused] = None
+            if slot == self._next:  # else an earlier slot is still to start: nothing can run
+                self._drain()
 
     @property
     def pending(self) -> int:

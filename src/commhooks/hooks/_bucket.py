@@ -27,7 +27,14 @@ def group_state(state: Any, owner: str) -> dist.ProcessGroup:
     """
     if isinstance(state, StatelessState):
         state = state.process_group
-    if state is not None and not isinstance(state, (dist.ProcessGroup, int)):
+    # The usual cases first, without resolve_group's checks: they cannot fail for a group that
+    # exists (a GPU's host pays every call here once a bucket, while the device waits).
+    if state is None:
+        state = dist.group.WORLD  # None if torch.distributed is not initialised: checked below
+    if isinstance(state, dist.ProcessGroup):
+        handshake.once(state, owner)
+        return state
+    if state is not None and not isinstance(state, int):
         raise TypeError(
             f"{owner} expects a ProcessGroup or None as its state, got {type(state).__name__}. "
             f"Register it as ddp_model.register_comm_hook(None, {owner}) or pass a process group; "
