@@ -24,7 +24,7 @@ from ddp_utils import FakeBucket, batches, flat_params, make_ddp, make_mlp, trai
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_default
 
 import commhooks
-from commhooks import comm
+from commhooks import _reads, comm
 from commhooks.bench import footprint
 from commhooks.comm import gloo_cpu
 from commhooks.hooks import _half
@@ -150,10 +150,7 @@ def test_a_bucket_whose_total_overflows_is_still_averaged_as_pytorch_does():
 def _as_on_an_accelerator():
     """CPU tensors take an accelerator's paths: follow-ups (which read the checks) held until
     the last bucket, and no check read back in the wrappers."""
-    with (
-        mock.patch.object(comm, "holds_follow_ups", lambda devices: True),
-        mock.patch.object(_half, "reads_back_checks", lambda tensor: False),
-    ):
+    with mock.patch.object(comm, "holds_follow_ups", lambda devices: True), _reads.as_on_a_gpu():
         yield
 
 

@@ -24,7 +24,7 @@ from ddp_utils import (
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
 import commhooks
-from commhooks import PowerSGDState, batched_powerSGD_hook, lowrank, powerSGD_hook
+from commhooks import PowerSGDState, _reads, batched_powerSGD_hook, lowrank, powerSGD_hook
 from commhooks.error_feedback import LazyErrorFeedback
 from commhooks.testing import run_on_ranks
 
@@ -385,10 +385,7 @@ def _non_finite(rank, world_size, single_round, device="cpu"):
 @contextlib.contextmanager
 def _as_on_a_gpu():
     """CPU tensors take a GPU's paths: whole matrices, and no check read back to the host."""
-    with (
-        mock.patch.object(lowrank, "reads_back_checks", lambda memory: False),
-        mock.patch.object(lowrank, "_blocked", lambda matrix: False),
-    ):
+    with mock.patch.object(lowrank, "_blocked", lambda matrix: False), _reads.as_on_a_gpu():
         yield
 
 

@@ -10,6 +10,8 @@ from collections.abc import Sequence
 
 import torch
 
+from commhooks import _reads
+
 __all__ = [
     "accumulate_left_factor_",
     "accumulate_right_factor_",
@@ -236,9 +238,10 @@ def _row_blocks(matrix: torch.Tensor) -> list[slice]:
 def reads_back_checks(matrix: torch.Tensor) -> bool:
     """Whether a fused pass over ``matrix`` checks each block of its addend by reading a sum back.
 
-    Only on CPU, where that costs one sum a block; on a GPU it would stall the stream.
+    Only on CPU, where that costs one sum a block; on a GPU it would stall the stream
+    (:func:`commhooks._reads.are_free`).
     """
-    return matrix.device.type == "cpu"
+    return _reads.are_free(matrix)
 
 
 def _blocked(matrix: torch.Tensor) -> bool:

@@ -23,7 +23,7 @@ from typing import Any, Generic, TypeVar, cast
 import torch
 import torch.distributed as dist
 
-from commhooks import callbacks
+from commhooks import _reads, callbacks
 from commhooks.comm import gloo_cpu
 from commhooks.comm._futures import fail
 
@@ -278,7 +278,8 @@ def completing_inline() -> Iterator[None]:
     global _inline
     before, _inline = _inline, True
     try:
-        yield
+        with _reads.as_on_a_gpu():
+            yield
     finally:
         _inline = before
 

@@ -39,10 +39,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from commhooks import callbacks, comm, cpu_kernels
+from commhooks import _reads, callbacks, comm, cpu_kernels
 from commhooks._warnings import warn_once
 
-__all__ = ["all_finite", "average_in", "reads_back_checks", "saturating_cast"]
+__all__ = ["all_finite", "average_in", "saturating_cast"]
 
 Future = torch.futures.Future
 
@@ -296,11 +296,6 @@ def all_finite(tensor: torch.Tensor) -> bool:
     return math.isfinite(low.item()) and math.isfinite(high.item())
 
 
-def reads_back_checks(tensor: torch.Tensor) -> bool:
-    """Whether a check on ``tensor`` is read back on the spot: only on CPU, where it is free."""
-    return tensor.device.type == "cpu"
-
-
 def saturating_cast(buffer: torch.Tensor, dtype: torch.dtype, owner: str) -> torch.Tensor:
     """``buffer`` cast to ``dtype``, finite values beyond float16's range clipped to it.
 
@@ -311,7 +306,7 @@ def saturating_cast(buffer: torch.Tensor, dtype: torch.dtype, owner: str) -> tor
     low = buffer.to(dtype)
     if dtype != torch.float16:  # bfloat16 has float32's range
         return low
-    if reads_back_checks(low):
+    if _reads.are_free(low):
         if all_finite(low):
             return low
         clipped = int((torch.isinf(low) & torch.isfinite(buffer)).sum())

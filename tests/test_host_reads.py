@@ -1,0 +1,99 @@
+"""Where a hook reads a value back to the host, counted on the CPU as on a GPU.
+
+On a GPU a read (``.item()``, ``bool(tensor)``, ``float(tensor)``) makes the host wait until
+the device has caught up. Within the backward pass that wait stops the rest of the pass from
+being queued, and with it the overlap of communication and computation. Every such read goes
+through one operator, ``aten._local_scalar_dense``, which a dispatch mode sees on any device.
+Under :func:`commhooks.comm.completing_inline` the hooks take the GPU's control flow on the CPU
+(futures complete as they are issued, follow-ups held until the last bucket), so counting that
+operator per hook call shows where a GPU's host would wait:
+
+* ``allreduce_hook`` reads nothing in a whole step;
+* the hooks whose finite/non-finite decisions need a read (fp16, bf16, PowerSGD, int8, int4)
+  read nothing while any bucket but the last is handed to them: the decisions wait for the
+  last bucket, when the backward pass is queued whole, and read once a bucket there (on a GPU
+  the first read waits for the device, the others find their values copied already).
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import commhooks
+from commhooks import comm
+from commhooks.testing import run_on_ranks
+
+_READ = torch.ops.aten._local_scalar_dense.default
+_MANY_BUCKETS = (32,) + (8,) * 20  # 20 layers: 40 buckets, one a parameter
+
+
+class _Reads(TorchDispatchMode):
+    """Counts the reads to the host of tensor values, in the thread it is entered in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is _READ:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _counting(hook: Callable[..., Any], reads: _Reads, per_call: list[int]) -> Any:
+    """``hook``, recording how many reads each of its calls made before it returned."""
+
+    def counted(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        before = reads.count
+        fut = hook(state, bucket)
+        per_call.append(reads.count - before)
+        return fut
+
+    return counted
+
+
+def _hooks() -> dict[str, tuple[Callable[[], Any], Callable[..., Any]]]:
+    power = {"matrix_approximation_rank": 1, "start_powerSGD_iter": 2}
+    return {
+        "allreduce": (lambda: None, commhooks.allreduce_hook),
+        "fp16": (lambda: None, commhooks.fp16_compress_hook),
+        "bf16": (lambda: None, commhooks.bf16_compress_hook),
+        "power_sgd": (lambda: commhooks.PowerSGDState(None, **power), commhooks.powerSGD_hook),
+        "single_round": (
+            lambda: commhooks.PowerSGDState(None, single_round=True, **power),
+            commhooks.powerSGD_hook,
+        ),
+        "int8": (lambda: commhooks.QuantizationState(bits=8), commhooks.quantized_hook),
+        "int4": (lambda: commhooks.QuantizationState(bits=4), commhooks.quantized_hook),
+    }
+
+
+def _reads_in_a_step(rank: int, world_size: int) -> dict[str, list[int]]:
+    from ddp_utils import batches, make_ddp, make_mlp, train
+
+    out = {}
+    for name, (make_state, hook) in _hooks().items():
+        ddp = make_ddp(make_mlp(widths=_MANY_BUCKETS), bucket_cap_mb=0.00001)
+        reads, per_call = _Reads(), []
+        ddp.register_comm_hook(make_state(), _counting(hook, reads, per_call))
+        with comm.completing_inline():
+            train(ddp, batches(rank, 4))  # past the handshake, DDP's rebuild and PowerSGD's start
+            per_call.clear()
+            with reads:
+                train(ddp, batches(rank, 1))
+        out[name] = list(per_call)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_no_hook_reads_a_value_back_before_the_last_bucket_of_a_step():
+    for out in run_on_ranks(_reads_in_a_step, 2, timeout=110):
+        for name, per_call in out.items():
+            assert len(per_call) > 10, name  # many buckets, every one counted
+            assert per_call[:-1] == [0] * (len(per_call) - 1), (name, per_call)
+            assert per_call[-1] <= len(per_call), (name, per_call[-1])  # one a bucket at most
+        assert sum(out["allreduce"]) == 0  # its callbacks ran inside the calls, as with NCCL
