@@ -47,6 +47,8 @@ __all__ = [
     "quantize_",
     "quantize_affine",
     "requantize_sum_",
+    "ScalesCheck",
+    "decode_into_",
     "scales_finite",
 ]
 
@@ -150,8 +152,10 @@ def quantize_(
             elements of ``x`` (contiguous, row after row): the remembered error added to the
             gradient, in the same pass as the quantization where the fused kernels run.
     """
-    if rounding == NEAREST and _fused_quantize(x, packets, fmt, keep_error, add):
-        return
+    if rounding == NEAREST:
+        args = (x, packets, fmt.bits, fmt.block, keep_error, add)
+        if (x.is_cuda and triton_launch.quantize_rows(*args)) or cpu_kernels.quantize_rows(*args):
+            return
     if add is not None:
         torch.add(add[0], add[1], out=x.view(-1)[: add[0].numel()])
     rows, length = x.shape
@@ -171,38 +175,6 @@ def quantize_(
     _store_codes(levels, payload, fmt)
     if keep_error:
         blocks.addcmul_(steps, scales.unsqueeze(2), value=-1)
-
-
-def _fused_quantize(
-    x: torch.Tensor,
-    packets: torch.Tensor,
-    fmt: BlockFormat,
-    keep_error: bool,
-    add: tuple[torch.Tensor, torch.Tensor] | None,
-) -> bool:
-    """Quantize with nearest rounding in one kernel where one takes these tensors."""
-    args = (x, packets, fmt.bits, fmt.block, keep_error, add)
-    return cpu_kernels.quantize_rows(*args) or (x.is_cuda and triton_launch.quantize_rows(*args))
-
-
-def _fused_decode(
-    packets: torch.Tensor,
-    fmt: BlockFormat,
-    out: torch.Tensor,
-    length: int,
-    add_rows: bool,
-    nonfinite: torch.Tensor | None = None,
-) -> bool:
-    """Decode (or decode and sum) in one kernel where one takes these tensors, ``nonfinite``
-    set in the same launch on a GPU."""
-    args = (packets, fmt.bits, fmt.block, out)
-    if cpu_kernels.dequantize_rows(*args, length=length, add_rows=add_rows):
-        if nonfinite is not None:
-            _flag_non_finite(packets, fmt, length, out.shape[-1], nonfinite)
-        return True
-    return out.is_cuda and triton_launch.dequantize_rows(
-        *args, length=length, add_rows=add_rows, nonfinite=nonfinite
-    )
 
 
 def _flag_non_finite(
@@ -267,15 +239,30 @@ def dequantize_(
             stays on the device (computed in the decoding launch by the GPU kernels), which
             several calls may share.
     """
-    rows, columns = out.shape
+    columns = out.shape[1]
     length = columns if length is None else length
-    if _fused_decode(packets, fmt, out, length, add_rows=False, nonfinite=nonfinite):
+    args = (packets, fmt.bits, fmt.block, out)
+    if out.is_cuda and triton_launch.dequantize_rows(*args, length=length, nonfinite=nonfinite):
         return out
     if nonfinite is not None:
         _flag_non_finite(packets, fmt, length, columns, nonfinite)
+    if not cpu_kernels.dequantize_rows(*args, length=length):
+        _decode_eager(packets, fmt, out, length, scratch)
+    return out
+
+
+def _decode_eager(
+    packets: torch.Tensor,
+    fmt: BlockFormat,
+    out: torch.Tensor,
+    length: int,
+    scratch: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`dequantize_` in PyTorch's operations."""
+    rows, columns = out.shape
     if columns < length:
         whole = torch.empty(rows, length, device=out.device) if scratch is None else scratch
-        out.copy_(dequantize_(packets, fmt, whole)[:, :columns])
+        out.copy_(_decode_eager(packets, fmt, whole, length)[:, :columns])
         return out
     payload, scales = fmt.split(packets, length)
     out.copy_(_codes(payload, fmt, length))
@@ -298,9 +285,12 @@ def dequantize_sum(
         scratch: float32 of ``rows x length``, overwritten.
         out: float32 of ``length``.
     """
-    if _fused_decode(packets, fmt, out.view(1, -1), out.numel(), add_rows=True):
+    args = (packets, fmt.bits, fmt.block, out.view(1, -1))
+    if out.is_cuda and triton_launch.dequantize_rows(*args, add_rows=True):
         return out
-    return torch.sum(dequantize_(packets, fmt, scratch), 0, out=out)
+    if cpu_kernels.dequantize_rows(*args, length=out.numel(), add_rows=True):
+        return out
+    return torch.sum(_decode_eager(packets, fmt, scratch, out.numel()), 0, out=out)
 
 
 def requantize_sum_(
@@ -352,12 +342,64 @@ def requantize_sum_(
     )  # fmt: skip
 
 
+def decode_into_(
+    packets: torch.Tensor,
+    fmt: BlockFormat,
+    out: torch.Tensor,
+    scratch: torch.Tensor,
+    places: list[tuple[int, int, int, int]] | None = None,
+) -> None:
+    """Decode every row of ``packets`` into the flat ``out``: row after row (``places`` None:
+    ``out`` holds the rows' first elements, straight into it), or through ``scratch``
+    (float32, ``rows x length``), each ``(_, offset, size, source)`` of ``places`` taking
+    ``size`` elements from ``offset`` in the rows to ``source`` in ``out``."""
+    length = scratch.shape[1]
+    if places is not None:
+        decoded = dequantize_(packets, fmt, scratch).view(-1)
+        for _, offset, size, source in places:
+            out[source : source + size].copy_(decoded[offset : offset + size])
+        return
+    whole = out.numel() // length  # rows decoded straight into ``out``
+    dequantize_(packets[:whole], fmt, out[: whole * length].view(whole, length))
+    if whole < packets.shape[0]:  # ``out`` ends in row ``whole``: its first elements
+        end = out[whole * length :].view(1, -1)
+        ragged = packets[whole : whole + 1]
+        dequantize_(ragged, fmt, end, length=length, scratch=scratch[whole : whole + 1])
+
+
 def scales_finite(packets: torch.Tensor, fmt: BlockFormat, length: int) -> bool:
     """Whether every scale in ``packets`` is finite, i.e. no block held inf or NaN.
 
     Reads the result back to the host (a device sync on an accelerator).
     """
     return bool(torch.isfinite(fmt.split(packets, length)[1]).all())
+
+
+class ScalesCheck:
+    """:func:`scales_finite`, with no host read of a device tensor: on a CUDA device, the
+    reduction and the copy of its one value into pinned host memory are queued on the current
+    stream when the check is made (right behind the collective that filled the packets), and
+    :meth:`finite` waits only for that copy. Reads held until a step's last bucket then wait
+    for the device once, not once a bucket. On a CPU, :meth:`finite` reads the scales, which
+    waits for nothing.
+    """
+
+    def __init__(self, packets: torch.Tensor, fmt: BlockFormat, length: int) -> None:
+        self.scales = fmt.split(packets, length)[1]
+        self.copied: torch.cuda.Event | None = None
+        if self.scales.is_cuda:
+            self.host = torch.empty((), dtype=torch.bool, pin_memory=True)
+            self.host.copy_(torch.isfinite(self.scales).all(), non_blocking=True)
+            self.copied = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch's own
+            self.copied.record()
+
+    def finite(self) -> bool:
+        """Whether every scale is finite (on a GPU, as queued when the check was made)."""
+        if self.copied is None:
+            # A NaN is the maximum of any tensor holding one; every scale is positive.
+            return math.isfinite(float(self.scales.amax()))
+        self.copied.synchronize()
+        return bool(self.host)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -21,7 +21,6 @@ Hook modules must not use ``from __future__ import annotations``: DDP rejects st
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from commhooks import callbacks, comm
 from commhooks._warnings import warn_once
@@ -37,7 +36,6 @@ from commhooks.hooks.quantized.state import (
 __all__ = ["QuantizationOptions", "QuantizationState", "quantized_hook"]
 
 _HOOK = HOOK
-_OWN_ROW, _AVERAGE = 0, 1  # the two quantizations, each with its own random numbers
 
 
 def quantized_hook(
@@ -49,7 +47,8 @@ def quantized_hook(
     Plain allreduce for the first ``state.warmup_steps`` steps. Then the two phases of the
     module docstring: an all-to-all issued here, on DDP's thread, and an all-gather started
     when it completes, through the state's ordered issuer, so that many buckets issue their
-    collectives in the same order on every rank.
+    collectives in the same order on every rank. A group of one rank sends nothing: its
+    packets are what the collectives would hand back, and the same passes run on them.
 
     Accuracy: with nearest rounding, each element of the result is within
     ``(mean over ranks of a1 + a2) / (2 qmax)`` of the exact average of the compensated
@@ -71,27 +70,28 @@ def quantized_hook(
     """
     state = _check_state(state)
     buffer = float_buffer(bucket, _HOOK)
-    group = state.prepare()
-    if not state.compressing(bucket.is_last()):
-        return comm.average(buffer, group)
-    if buffer.numel() == 0:
-        return comm.completed(buffer)
-    world, rank = comm.world_size(group), comm.group_rank(group)
-    work = state.workspace(bucket.index(), state.layout(bucket, group), world, buffer.device)
-    addition = _compensate(state, work, buffer)
-    first = state.generator(buffer.device, rank, _OWN_ROW)
-    _quantize(state, work.rows, work.send, work.levels, first, addition)
-    exchanged = comm.all_to_all(work.received, work.send, group)
+    group, work = state.begin(bucket, buffer)
+    if work is None:
+        return comm.average(buffer, group) if buffer.numel() else comm.completed(buffer)
+    settings = state.settings
+    blocks.quantize_(
+        work.rows, work.send, settings.format, work.levels, rounding=settings.rounding,
+        generator=work.first, keep_error=settings.error_feedback, add=work.addition,
+    )  # fmt: skip
     issuer = state.issuer
-    assert issuer is not None, "prepare() made the issuer"
-    follow_up = comm.follow_up_options(buffer, bucket.is_last())
-    second = state.generator(buffer.device, rank, _AVERAGE)
+    assert issuer is not None, "begin() made the issuer"
+    devices, hold = comm.follow_up_options(buffer, bucket.is_last())
+    queued = comm.holds_follow_ups(devices)  # the checks' reads wait for a later bucket
+    if work.alone:  # the all-to-all would hand this rank its own packets back
+        exchanged = comm.completed(work.received)
+    else:
+        exchanged = comm.all_to_all(work.received, work.send, group)
     # Both rounds touch the state's memories: they run in their turns, one at a time.
     rounds = (
-        lambda _: comm.Issue(lambda: _reduce_and_share(state, work, second, issuer.group)),
-        lambda _: comm.Issue(lambda: _decode_or_resend(state, work, buffer, issuer.group)),
+        lambda _: comm.Issue(lambda: _reduce_and_share(state, work, queued)),
+        lambda _: comm.Issue(lambda: _decode_or_resend(state, work, buffer)),
     )
-    return issuer.rounds(exchanged, rounds, *follow_up)
+    return issuer.rounds(exchanged, rounds, devices, hold)
 
 
 def _check_state(state: Any) -> QuantizationState:
@@ -104,124 +104,53 @@ def _check_state(state: Any) -> QuantizationState:
     return state
 
 
-def _compensate(
-    state: QuantizationState, work: Workspace, buffer: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Fill ``work.rows`` with the gradient plus each parameter's remembered error, or return
-    the two tensors whose sum its start must become, for the quantizing pass to add.
-
-    Out of place: the bucket keeps the plain gradient, which a re-send needs.
-    """
-    flat, n, layout = work.rows.view(-1), buffer.numel(), work.layout
-    flat[n:].zero_()  # an abandoned step may have left inf or NaN in the padding
-    places = layout.places()
-    if not state.settings.error_feedback:
-        found: list[torch.Tensor | None] = [None] * len(places)
-    else:
-        found = [state.error.get(number, flat[o : o + size]) for number, o, size, _ in places]
-    if layout.in_order and all(r is None for r in found):
-        flat[:n].copy_(buffer)
-    elif layout.in_order and _left_in_place(found, work, places):
-        # The usual step: the last step's errors are still where it left them, in order.
-        return buffer, work.spare.view(-1)[:n]
-    else:
-        for residual, (_, offset, size, source) in zip(found, places):
-            row, grad = flat[offset : offset + size], buffer[source : source + size]
-            if residual is None:
-                row.copy_(grad)
-            else:
-                torch.add(grad, residual, out=row)
-    return None
-
-
-def _left_in_place(
-    found: list[torch.Tensor | None], work: Workspace, places: list[tuple[int, int, int, int]]
-) -> bool:
-    """Whether every error is a view of ``work.spare`` at its parameter's place in the rows."""
-    spare = work.spare.view(-1)
-    start, width = spare.data_ptr(), spare.element_size()
-    return all(
-        r is not None and r.data_ptr() == start + offset * width
-        for r, (_, offset, _, _) in zip(found, places)
-    )
-
-
-def _quantize(
-    state: QuantizationState,
-    rows: torch.Tensor,
-    packets: torch.Tensor,
-    levels: torch.Tensor,
-    generator: torch.Generator | None,
-    addition: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> None:
-    settings = state.settings
-    blocks.quantize_(
-        rows,
-        packets,
-        settings.format,
-        levels,
-        rounding=settings.rounding,
-        generator=generator,
-        keep_error=settings.error_feedback,
-        add=addition,
-    )
-
-
 def _reduce_and_share(
-    state: QuantizationState,
-    work: Workspace,
-    generator: torch.Generator | None,
-    group: dist.ProcessGroup | None,
+    state: QuantizationState, work: Workspace, queued: bool
 ) -> torch.futures.Future[torch.Tensor]:
-    """Phase 2, on the thread that completed the all-to-all: average this rank's row,
-    quantize it again, and start the all-gather on the issuer's group."""
-    assert group is not None, "the issuer has its follow-up group"
-    fmt = state.settings.format
-    blocks.dequantize_sum(work.received, fmt, work.levels, work.mine[0])
-    work.mine.div_(group.size())
-    if state.settings.error_feedback:
-        for key, start, stop in work.layout.pieces:
-            state.owner_error.compensate_(key, work.mine[0, start:stop])
-    _quantize(state, work.mine, work.own_packet, work.levels[:1], generator)
-    return comm.all_gather_into(work.gathered, work.own_packet, group)
+    """Phase 2, in its turn: average this rank's row, add the owner's remembered error,
+    quantize it again (one pass), and start the all-gather on the issuer's group; where the
+    follow-ups are held (on a GPU), queue the check of the gathered scales right behind it,
+    so that reading it later waits for nothing else."""
+    settings, memory = state.settings, state.owner_memory(work)
+    blocks.requantize_sum_(
+        work.received, settings.format, work.mine, work.own_packet, work.levels, work.world,
+        memory=memory, rounding=settings.rounding, generator=work.second,
+        keep_error=settings.error_feedback,
+    )  # fmt: skip
+    if work.alone:  # the all-gather would hand this rank its own packet back
+        gathered = comm.completed(work.gathered)
+    else:
+        assert state.issuer is not None, "begin() made the issuer"
+        gathered = comm.all_gather_into(work.gathered, work.own_packet, state.issuer.group)
+    if not queued:
+        return gathered
+    fmt, length = settings.format, work.layout.length
+
+    def queue_check(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+        work.check = blocks.ScalesCheck(fut.value(), fmt, length)
+        return fut.value()
+
+    return callbacks.then(gathered, queue_check)
 
 
 def _decode_or_resend(
-    state: QuantizationState,
-    work: Workspace,
-    buffer: torch.Tensor,
-    group: dist.ProcessGroup | None,
+    state: QuantizationState, work: Workspace, buffer: torch.Tensor
 ) -> "torch.futures.Future[torch.Tensor] | comm.Finished[torch.Tensor]":
     """Phase 3: decode every row into the bucket and keep the errors, or, if a scale is not
     finite (the same bytes, so the same answer, on every rank), send the bucket again plainly."""
-    assert group is not None, "the issuer has its follow-up group"
-    fmt, length = state.settings.format, work.layout.length
-    if not blocks.scales_finite(work.gathered, fmt, length):
-        return callbacks.then(comm.average(buffer, group), lambda fut: _warn_if_finite(fut.value()))
-    _decode(work, fmt, buffer)
-    state.commit(work)
-    return comm.Finished(buffer)
-
-
-def _decode(work: Workspace, fmt: blocks.BlockFormat, buffer: torch.Tensor) -> None:
-    """Decode the gathered rows into the bucket: straight into it when its order is the
-    layout's (rows entirely inside it), through scratch otherwise."""
-    layout, gathered, n = work.layout, work.gathered, buffer.numel()
-    whole = n // layout.length if layout.in_order else 0  # rows decoded straight into buffer
-    rows = buffer[: whole * layout.length].view(whole, layout.length)
-    blocks.dequantize_(gathered[:whole], fmt, rows)
-    if whole == gathered.shape[0]:
-        return
-    if layout.in_order:  # the bucket ends in row `whole`: its first elements, decoded in place
-        end = buffer[whole * layout.length :].view(1, -1)
-        scratch = work.levels[whole : whole + 1]
-        blocks.dequantize_(
-            gathered[whole : whole + 1], fmt, end, length=layout.length, scratch=scratch
-        )
-        return
-    decoded = blocks.dequantize_(gathered, fmt, work.levels).view(-1)
-    for _, offset, size, source in layout.places():
-        buffer[source : source + size].copy_(decoded[offset : offset + size])
+    fmt, layout = state.settings.format, work.layout
+    check, work.check = work.check, None
+    if check is None:
+        check = blocks.ScalesCheck(work.gathered, fmt, layout.length)
+    if check.finite():
+        places = None if layout.in_order else layout.places()
+        blocks.decode_into_(work.gathered, fmt, buffer, work.levels, places)
+        state.commit(work)
+        return comm.Finished(buffer)
+    work.clear_padding()
+    assert state.issuer is not None, "begin() made the issuer"
+    averaged = comm.average(buffer, state.issuer.group)
+    return callbacks.then(averaged, lambda fut: _warn_if_finite(fut.value()))
 
 
 def _warn_if_finite(averaged: torch.Tensor) -> torch.Tensor:
