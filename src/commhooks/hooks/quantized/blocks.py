@@ -333,7 +333,8 @@ def requantize_sum_(
     ):
         return
     dequantize_sum(packets, fmt, scratch, out[0])
-    out.div_(world)
+    if world != 1:  # x / 1 is x, bit for bit
+        out.div_(world)
     if memory is not None:
         out[0, : memory.numel()].add_(memory)
     quantize_(
@@ -360,7 +361,8 @@ def decode_into_(
             out[source : source + size].copy_(decoded[offset : offset + size])
         return
     whole = out.numel() // length  # rows decoded straight into ``out``
-    dequantize_(packets[:whole], fmt, out[: whole * length].view(whole, length))
+    if whole:
+        dequantize_(packets[:whole], fmt, out[: whole * length].view(whole, length))
     if whole < packets.shape[0]:  # ``out`` ends in row ``whole``: its first elements
         end = out[whole * length :].view(1, -1)
         ragged = packets[whole : whole + 1]

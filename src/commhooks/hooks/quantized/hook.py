@@ -78,10 +78,12 @@ def quantized_hook(
         work.rows, work.send, settings.format, work.levels, rounding=settings.rounding,
         generator=work.first, keep_error=settings.error_feedback, add=work.addition,
     )  # fmt: skip
-    issuer = state.issuer
-    assert issuer is not None, "begin() made the issuer"
     devices, hold = comm.follow_up_options(buffer, bucket.is_last())
     queued = comm.holds_follow_ups(devices)  # the checks' reads wait for a later bucket
+    if work.alone and not queued:
+        return _alone(state, work, buffer)
+    issuer = state.issuer
+    assert issuer is not None, "begin() made the issuer"
     if work.alone:  # the all-to-all would hand this rank its own packets back
         exchanged = comm.completed(work.received)
     else:
@@ -104,19 +106,36 @@ def _check_state(state: Any) -> QuantizationState:
     return state
 
 
-def _reduce_and_share(
-    state: QuantizationState, work: Workspace, queued: bool
+def _alone(
+    state: QuantizationState, work: Workspace, buffer: torch.Tensor
 ) -> torch.futures.Future[torch.Tensor]:
-    """Phase 2, in its turn: average this rank's row, add the owner's remembered error,
-    quantize it again (one pass), and start the all-gather on the issuer's group; where the
-    follow-ups are held (on a GPU), queue the check of the gathered scales right behind it,
-    so that reading it later waits for nothing else."""
+    """Both later phases at once, on DDP's thread, for a group of one rank whose follow-ups
+    are not held: nothing travels and nothing is waited for, so the issuer's turns (which
+    order collectives between ranks and keep the memories to one thread) have nothing to do;
+    the passes, and so the bits, are the two phases'."""
+    _reduce(state, work)
+    done = _decode_or_resend(state, work, buffer)
+    return comm.completed(done.value) if isinstance(done, comm.Finished) else done
+
+
+def _reduce(state: QuantizationState, work: Workspace) -> None:
+    """The owner's pass: average this rank's row, add its remembered error and quantize it
+    again, in one pass where a kernel takes it."""
     settings, memory = state.settings, state.owner_memory(work)
     blocks.requantize_sum_(
         work.received, settings.format, work.mine, work.own_packet, work.levels, work.world,
         memory=memory, rounding=settings.rounding, generator=work.second,
         keep_error=settings.error_feedback,
     )  # fmt: skip
+
+
+def _reduce_and_share(
+    state: QuantizationState, work: Workspace, queued: bool
+) -> torch.futures.Future[torch.Tensor]:
+    """Phase 2, in its turn: the owner's pass (:func:`_reduce`), then the all-gather on the
+    issuer's group; where the follow-ups are held (on a GPU), the check of the gathered scales
+    is queued right behind it, so that reading it later waits for nothing else."""
+    _reduce(state, work)
     if work.alone:  # the all-gather would hand this rank its own packet back
         gathered = comm.completed(work.gathered)
     else:
@@ -124,7 +143,7 @@ def _reduce_and_share(
         gathered = comm.all_gather_into(work.gathered, work.own_packet, state.issuer.group)
     if not queued:
         return gathered
-    fmt, length = settings.format, work.layout.length
+    fmt, length = state.settings.format, work.layout.length
 
     def queue_check(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
         work.check = blocks.ScalesCheck(fut.value(), fmt, length)

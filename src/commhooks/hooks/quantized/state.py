@@ -5,6 +5,7 @@ is :mod:`commhooks.hooks.quantized.hook`.
 """
 
 import dataclasses
+import functools
 import itertools
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -110,7 +111,7 @@ class BucketLayout:
     length: int
     pieces: tuple[tuple[str, int, int], ...]
 
-    @property
+    @functools.cached_property
     def in_order(self) -> bool:
         """Whether the rows hold the buffer as it is (the bucket's order is the layout's)."""
         return self.sources == self.offsets
@@ -182,6 +183,7 @@ class _Side:
         flat = rows.view(-1)
         self.params = tuple(flat[o : o + n] for o, n in zip(layout.offsets, layout.sizes))
         self.pieces = tuple(mine[0, start:stop] for _, start, stop in layout.pieces)
+        self.bucket = flat[: layout.numel]  # the rows' elements of the bucket, in order
 
 
 class Workspace:
@@ -490,18 +492,17 @@ class QuantizationState(HookState):
         bucket's order, the errors are first gathered where the last step leaves them (the
         kept side, zeros for a parameter without one): then the usual step is one pass.
         """
-        layout, n = work.layout, buffer.numel()
-        flat = work.rows.view(-1)
+        layout = work.layout
         if not self.settings.error_feedback:
             if layout.in_order:
-                flat[:n].copy_(buffer)
+                work.now.bucket.copy_(buffer)
             else:
                 _scatter(buffer, layout, work.now.params, None)
             return None
         found = [self.error.get(k, v) for k, v in zip(layout.numbers, work.kept.params)]
         if layout.in_order:
             _gather(found, work.kept.params)
-            return buffer, work.kept.rows.view(-1)[:n]
+            return buffer, work.kept.bucket
         _scatter(buffer, layout, work.now.params, found)
         return None
 
