@@ -285,12 +285,19 @@ def dequantize_sum(
         scratch: float32 of ``rows x length``, overwritten.
         out: float32 of ``length``.
     """
-    args = (packets, fmt.bits, fmt.block, out.view(1, -1))
+    return _sum_rows(packets, fmt, scratch, out.view(1, -1))[0]
+
+
+def _sum_rows(
+    packets: torch.Tensor, fmt: BlockFormat, scratch: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """:func:`dequantize_sum` into ``out`` of ``1 x length``."""
+    args = (packets, fmt.bits, fmt.block, out)
     if out.is_cuda and triton_launch.dequantize_rows(*args, add_rows=True):
         return out
-    if cpu_kernels.dequantize_rows(*args, length=out.numel(), add_rows=True):
+    if cpu_kernels.dequantize_rows(*args, add_rows=True):
         return out
-    return torch.sum(_decode_eager(packets, fmt, scratch, out.numel()), 0, out=out)
+    return torch.sum(_decode_eager(packets, fmt, scratch, out.shape[1]), 0, keepdim=True, out=out)
 
 
 def requantize_sum_(
@@ -321,7 +328,8 @@ def requantize_sum_(
         scratch: float32 ``rows x length``, overwritten.
         world: the divisor (the number of ranks averaged).
         memory: float32, contiguous, at most ``length`` elements: added to the mean's first
-            elements before quantizing (the owner's remembered error).
+            elements before quantizing (the owner's remembered error); of ``out``'s shape, to
+            all of it.
         rounding, generator, keep_error: as for :func:`quantize_`.
     """
     if (
@@ -332,15 +340,17 @@ def requantize_sum_(
         )
     ):
         return
-    dequantize_sum(packets, fmt, scratch, out[0])
+    _sum_rows(packets, fmt, scratch, out)
     if world != 1:  # x / 1 is x, bit for bit
         out.div_(world)
-    if memory is not None:
-        out[0, : memory.numel()].add_(memory)
+    if memory is not None and memory.shape == out.shape:
+        out.add_(memory)
+    elif memory is not None:
+        out.view(-1)[: memory.numel()].add_(memory.view(-1))
+    levels = scratch if scratch.shape[0] == 1 else scratch[:1]
     quantize_(
-        out, packet, fmt, scratch[:1], rounding=rounding, generator=generator,
-        keep_error=keep_error,
-    )  # fmt: skip
+        out, packet, fmt, levels, rounding=rounding, generator=generator, keep_error=keep_error
+    )
 
 
 def decode_into_(
@@ -360,13 +370,15 @@ def decode_into_(
         for _, offset, size, source in places:
             out[source : source + size].copy_(decoded[offset : offset + size])
         return
-    whole = out.numel() // length  # rows decoded straight into ``out``
+    rows, whole = packets.shape[0], out.numel() // length  # rows decoded straight into out
     if whole:
-        dequantize_(packets[:whole], fmt, out[: whole * length].view(whole, length))
-    if whole < packets.shape[0]:  # ``out`` ends in row ``whole``: its first elements
-        end = out[whole * length :].view(1, -1)
-        ragged = packets[whole : whole + 1]
-        dequantize_(ragged, fmt, end, length=length, scratch=scratch[whole : whole + 1])
+        straight = packets if whole == rows else packets[:whole]
+        dequantize_(straight, fmt, out[: whole * length].view(whole, length))
+    if whole < rows:  # ``out`` ends in row ``whole``: its first elements
+        end = out.view(1, -1) if whole == 0 else out[whole * length :].view(1, -1)
+        ragged = packets if rows == 1 else packets[whole : whole + 1]
+        spare = scratch if rows == 1 else scratch[whole : whole + 1]
+        dequantize_(ragged, fmt, end, length=length, scratch=spare)
 
 
 def scales_finite(packets: torch.Tensor, fmt: BlockFormat, length: int) -> bool:
@@ -386,8 +398,8 @@ class ScalesCheck:
     waits for nothing.
     """
 
-    def __init__(self, packets: torch.Tensor, fmt: BlockFormat, length: int) -> None:
-        self.scales = fmt.split(packets, length)[1]
+    def __init__(self, scales: torch.Tensor) -> None:
+        self.scales = scales  # the packets' (see BlockFormat.split)
         self.copied: torch.cuda.Event | None = None
         if self.scales.is_cuda:
             self.host = torch.empty((), dtype=torch.bool, pin_memory=True)

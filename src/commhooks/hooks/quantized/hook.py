@@ -143,11 +143,11 @@ def _reduce_and_share(
         gathered = comm.all_gather_into(work.gathered, work.own_packet, state.issuer.group)
     if not queued:
         return gathered
-    fmt, length = state.settings.format, work.layout.length
 
     def queue_check(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-        work.check = blocks.ScalesCheck(fut.value(), fmt, length)
-        return fut.value()
+        gathered = fut.value()  # raises here if the all-gather failed
+        work.check = blocks.ScalesCheck(work.scales)
+        return gathered
 
     return callbacks.then(gathered, queue_check)
 
@@ -160,7 +160,7 @@ def _decode_or_resend(
     fmt, layout = state.settings.format, work.layout
     check, work.check = work.check, None
     if check is None:
-        check = blocks.ScalesCheck(work.gathered, fmt, layout.length)
+        check = blocks.ScalesCheck(work.scales)
     if check.finite():
         places = None if layout.in_order else layout.places()
         blocks.decode_into_(work.gathered, fmt, buffer, work.levels, places)

@@ -82,6 +82,9 @@ class QuantizationOptions(Options):
         return blocks.BlockFormat(self.bits, self.block_size)
 
 
+_OPTION_NAMES = frozenset(QuantizationOptions.names())  # read-only attributes of the state
+
+
 @dataclasses.dataclass(frozen=True)
 class BucketLayout:
     """Where each parameter of a bucket goes, and how the bucket is cut into one row per rank.
@@ -229,6 +232,7 @@ class Workspace:
         self.send, self.own_packet = packets(world), packets(1)
         self.received = self.send if world == 1 else packets(world)
         self.gathered = self.own_packet if world == 1 else packets(world)
+        self.scales = fmt.split(self.gathered, length)[1]  # of the gathered rows
         self.group: dist.ProcessGroup | None = None
         self.addition: tuple[torch.Tensor, torch.Tensor] | None = None
         self.first: torch.Generator | None = None
@@ -344,12 +348,12 @@ class QuantizationState(HookState):
         return state
 
     def __getattr__(self, name: str) -> Any:
-        if name != "settings" and name in QuantizationOptions.names():
+        if name != "settings" and name in _OPTION_NAMES:
             return getattr(self.settings, name)
         raise AttributeError(f"'{OWNER}' object has no attribute '{name}'")
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in QuantizationOptions.names():
+        if name in _OPTION_NAMES:
             raise AttributeError(
                 f"{OWNER}.{name} is read-only: the ranks must agree on it, and the memories were "
                 f"made with it. Build a new QuantizationState(..., {name}={value!r}) instead."
@@ -507,9 +511,10 @@ class QuantizationState(HookState):
         return None
 
     def owner_memory(self, work: Workspace) -> torch.Tensor | None:
-        """The owner's remembered error of this rank's row, contiguous from its start (gathered
-        where the last step leaves it, zeros for a piece without one), for the owner's pass to
-        add; ``None`` without error feedback or without pieces. Call in the step's turn.
+        """The owner's remembered error of this rank's row, as a row (gathered where the last
+        step leaves it, zeros for a piece without one and past the pieces), for the owner's
+        pass to add; ``None`` without error feedback or without pieces. Call in the step's
+        turn.
 
         At the first use after a load, each piece is compared with the averaged row first.
         """
@@ -521,7 +526,7 @@ class QuantizationState(HookState):
             self._check_loaded_owner(work)
         kept = work.kept.pieces
         _gather([memory.get(key, v) for (key, _, _), v in zip(pieces, kept)], kept)
-        return work.kept.mine[0, : pieces[-1][2]]
+        return work.kept.mine  # zeros past the pieces, as the rows' padding leaves them
 
     # -- used by the hook, once the step's result is known --------------------------------------
     def commit(self, work: Workspace) -> None:
