@@ -243,11 +243,11 @@ def dequantize_(
     length = columns if length is None else length
     args = (packets, fmt.bits, fmt.block, out)
     if out.is_cuda and triton_launch.dequantize_rows(*args, length=length, nonfinite=nonfinite):
-        return out
-    if nonfinite is not None:
-        _flag_non_finite(packets, fmt, length, columns, nonfinite)
+        return out  # the flag set in the same launch
     if not cpu_kernels.dequantize_rows(*args, length=length):
         _decode_eager(packets, fmt, out, length, scratch)
+    if nonfinite is not None:
+        _flag_non_finite(packets, fmt, length, columns, nonfinite)
     return out
 
 
@@ -293,9 +293,9 @@ def _sum_rows(
 ) -> torch.Tensor:
     """:func:`dequantize_sum` into ``out`` of ``1 x length``."""
     args = (packets, fmt.bits, fmt.block, out)
-    if out.is_cuda and triton_launch.dequantize_rows(*args, add_rows=True):
-        return out
-    if cpu_kernels.dequantize_rows(*args, add_rows=True):
+    if (out.is_cuda and triton_launch.dequantize_rows(*args, add_rows=True)) or (
+        cpu_kernels.dequantize_rows(*args, add_rows=True)
+    ):
         return out
     return torch.sum(_decode_eager(packets, fmt, scratch, out.shape[1]), 0, keepdim=True, out=out)
 
@@ -340,7 +340,10 @@ def requantize_sum_(
         )
     ):
         return
-    _sum_rows(packets, fmt, scratch, out)
+    # Where the owner's kernel does not run, neither does the GPU's decoding kernel (stochastic
+    # rounding aside, which is PyTorch's operations anyway).
+    if not cpu_kernels.dequantize_rows(packets, fmt.bits, fmt.block, out, add_rows=True):
+        torch.sum(_decode_eager(packets, fmt, scratch, out.shape[1]), 0, keepdim=True, out=out)
     if world != 1:  # x / 1 is x, bit for bit
         out.div_(world)
     if memory is not None and memory.shape == out.shape:
@@ -365,20 +368,30 @@ def decode_into_(
     (float32, ``rows x length``), each ``(_, offset, size, source)`` of ``places`` taking
     ``size`` elements from ``offset`` in the rows to ``source`` in ``out``."""
     length = scratch.shape[1]
-    if places is not None:
-        decoded = dequantize_(packets, fmt, scratch).view(-1)
-        for _, offset, size, source in places:
-            out[source : source + size].copy_(decoded[offset : offset + size])
-        return
-    rows, whole = packets.shape[0], out.numel() // length  # rows decoded straight into out
-    if whole:
-        straight = packets if whole == rows else packets[:whole]
-        dequantize_(straight, fmt, out[: whole * length].view(whole, length))
-    if whole < rows:  # ``out`` ends in row ``whole``: its first elements
-        end = out.view(1, -1) if whole == 0 else out[whole * length :].view(1, -1)
-        ragged = packets if rows == 1 else packets[whole : whole + 1]
-        spare = scratch if rows == 1 else scratch[whole : whole + 1]
-        dequantize_(ragged, fmt, end, length=length, scratch=spare)
+    through = places is not None
+    parts = [(packets, scratch, scratch)] if through else _decoded_parts(packets, out, scratch)
+    for part, target, spare in parts:
+        dequantize_(part, fmt, target, length=length, scratch=spare)
+    decoded = scratch.view(-1)
+    for _, offset, size, source in places or ():
+        out[source : source + size].copy_(decoded[offset : offset + size])
+
+
+def _decoded_parts(
+    packets: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The rows of ``packets`` that decode straight into the flat ``out``, then the row in
+    which ``out`` ends (its first elements): each with its target and its eager scratch."""
+    rows, length = scratch.shape
+    whole = out.numel() // length
+    if whole == rows:
+        return [(packets, out.view(rows, length), scratch)]
+    if whole == 0 and rows == 1:
+        return [(packets, out.view(1, -1), scratch)]
+    straight = [(packets[:whole], out[: whole * length].view(whole, length), scratch[:whole])]
+    end = out[whole * length :].view(1, -1)
+    ragged = (packets[whole : whole + 1], end, scratch[whole : whole + 1])
+    return [*straight, ragged] if whole else [ragged]
 
 
 def scales_finite(packets: torch.Tensor, fmt: BlockFormat, length: int) -> bool:

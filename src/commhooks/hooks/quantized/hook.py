@@ -70,7 +70,10 @@ def quantized_hook(
     """
     state = _check_state(state)
     buffer = float_buffer(bucket, _HOOK)
-    group, work = state.begin(bucket, buffer)
+    group = state.prepare()
+    work = state.begin(bucket, buffer)
+    devices, hold = comm.follow_up_options(buffer, bucket.is_last())
+    queued = comm.holds_follow_ups(devices)  # the checks' reads wait for a later bucket
     if work is None:
         return comm.average(buffer, group) if buffer.numel() else comm.completed(buffer)
     settings = state.settings
@@ -78,8 +81,6 @@ def quantized_hook(
         work.rows, work.send, settings.format, work.levels, rounding=settings.rounding,
         generator=work.first, keep_error=settings.error_feedback, add=work.addition,
     )  # fmt: skip
-    devices, hold = comm.follow_up_options(buffer, bucket.is_last())
-    queued = comm.holds_follow_ups(devices)  # the checks' reads wait for a later bucket
     if work.alone and not queued:
         return _alone(state, work, buffer)
     issuer = state.issuer

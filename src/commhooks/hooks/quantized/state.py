@@ -104,6 +104,7 @@ class BucketLayout:
         pieces: this rank's row, as ``(key, start, stop)``: the parts of parameters it holds,
             keyed ``"number:first-stop"`` by the elements of the parameter, at ``[start, stop)``
             in the row. The second error memory is kept under those keys.
+        piece_sources: where each piece's first element lies in the bucket's buffer.
     """
 
     numbers: tuple[int, ...]
@@ -113,6 +114,7 @@ class BucketLayout:
     numel: int
     length: int
     pieces: tuple[tuple[str, int, int], ...]
+    piece_sources: tuple[int, ...]
 
     @functools.cached_property
     def in_order(self) -> bool:
@@ -129,12 +131,13 @@ class BucketLayout:
         sizes = tuple(sizes[i] for i in order)
         offsets = _starts(sizes)
         row_start, row_stop = rank * length, (rank + 1) * length
-        pieces = []
+        pieces, piece_sources = [], []
         for i, offset, size in zip(order, offsets, sizes):
             start, stop = max(offset, row_start), min(offset + size, row_stop)
             if start < stop:
                 key = piece_key(numbers[i], start - offset, stop - offset)
                 pieces.append((key, start - row_start, stop - row_start))
+                piece_sources.append(in_buffer[i] + start - offset)
         return BucketLayout(
             tuple(numbers[i] for i in order),
             offsets,
@@ -143,6 +146,7 @@ class BucketLayout:
             sum(sizes),
             length,
             tuple(pieces),
+            tuple(piece_sources),
         )
 
     def places(self) -> list[tuple[int, int, int, int]]:
@@ -398,27 +402,25 @@ class QuantizationState(HookState):
             self.iter += 1
         return compressing
 
-    def begin(
-        self, bucket: GradBucket, buffer: torch.Tensor
-    ) -> tuple[dist.ProcessGroup, Workspace | None]:
-        """What the hook needs of the state for ``bucket``'s step, in one call: the group, and
-        the bucket's :class:`Workspace` with its rows compensated (or the addition the
-        quantizing pass makes, :attr:`Workspace.addition`) and the step's generators; no
-        workspace for a step averaged plainly (the warm-up) or an empty bucket.
+    def begin(self, bucket: GradBucket, buffer: torch.Tensor) -> Workspace | None:
+        """What the hook needs of the state for ``bucket``'s step, in one call, once
+        :meth:`prepare` has given it the group: the bucket's :class:`Workspace` with its rows
+        compensated (or the addition the quantizing pass makes, :attr:`Workspace.addition`),
+        its group and the step's generators; ``None`` for a step averaged plainly (the warm-up)
+        or an empty bucket.
 
         Counts the step on the last bucket. Raises ``ValueError`` if the bucket's gradients do
         not tile its buffer.
         """
-        group = self.prepare()
         if not self.compressing(bucket.is_last()) or buffer.numel() == 0:
-            return group, None
+            return None
         numbers = self._numbering.numbers(bucket.parameters())
         work = self._workspace(bucket, buffer, numbers)
-        work.group, work.first, work.second = group, *self._generators_on(buffer.device)
-        if self.error.awaits_check:  # the first steps after a load only
-            self._check_loaded_errors(numbers, bucket)
+        work.group, (work.first, work.second) = self._checked, self._generators_on(buffer.device)
+        if self.error.awaits_check or self.owner_error.awaits_check:  # after a load only
+            self._check_loaded(numbers, bucket, buffer, work.layout)
         work.addition = self._compensate(work, buffer)
-        return group, work
+        return work
 
     def _workspace(
         self, bucket: GradBucket, buffer: torch.Tensor, numbers: tuple[int, ...]
@@ -514,16 +516,12 @@ class QuantizationState(HookState):
         """The owner's remembered error of this rank's row, as a row (gathered where the last
         step leaves it, zeros for a piece without one and past the pieces), for the owner's
         pass to add; ``None`` without error feedback or without pieces. Call in the step's
-        turn.
-
-        At the first use after a load, each piece is compared with the averaged row first.
+        turn. (A loaded piece met its check in :meth:`begin`.)
         """
         pieces = work.layout.pieces
         if not self.settings.error_feedback or not pieces:
             return None
         memory = self.owner_error
-        if memory.awaits_check:
-            self._check_loaded_owner(work)
         kept = work.kept.pieces
         _gather([memory.get(key, v) for (key, _, _), v in zip(pieces, kept)], kept)
         return work.kept.mine  # zeros past the pieces, as the rows' padding leaves them
@@ -549,19 +547,21 @@ class QuantizationState(HookState):
         """An empty error memory; what it loads is checked against this format's residuals."""
         return ErrorFeedback(OWNER, _describe, self.settings.format.plausible_residual)
 
-    def _check_loaded_errors(self, numbers: tuple[int, ...], bucket: GradBucket) -> None:
-        """At the first step after a load, compare each loaded error with its gradient."""
+    def _check_loaded(
+        self,
+        numbers: tuple[int, ...],
+        bucket: GradBucket,
+        buffer: torch.Tensor,
+        layout: BucketLayout,
+    ) -> None:
+        """At the first step after a load, compare each loaded error with the gradient of its
+        elements: a parameter's with its gradient, a piece of the owner's with this rank's
+        gradient of the piece's elements (the average it is added to is of the same scale, and
+        the bound is a thousand times looser than quantization allows)."""
         for number, gradient in zip(numbers, bucket.gradients()):
             self.error.check_loaded_(number, gradient)
-
-    def _check_loaded_owner(self, work: Workspace) -> None:
-        """At the first step after a load, compare each loaded piece of the owner's error with
-        the averaged row it is added to (decoded once more here for that)."""
-        mean = work.mine[0]
-        blocks.dequantize_sum(work.received, self.settings.format, work.levels, mean)
-        mean.div_(work.world)
-        for (key, _, _), piece in zip(work.layout.pieces, work.now.pieces):
-            self.owner_error.check_loaded_(key, piece)
+        for (key, start, stop), source in zip(layout.pieces, layout.piece_sources):
+            self.owner_error.check_loaded_(key, buffer[source : source + stop - start])
 
     def _drop_stale_pieces(self, layout: BucketLayout) -> None:
         """Forget second-memory pieces of this layout's parameters that it does not hold."""
