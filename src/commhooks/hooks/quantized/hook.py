@@ -11,6 +11,11 @@ Per bucket, in two phases (the scheme of ZeRO++'s qgZ and torchft's quantized al
    an all-gather hands everyone every row. Every rank decodes the same bytes, so the result is
    the same on every rank, bit for bit.
 
+A block holding inf or NaN gives the gathered result a scale that is not finite; deciding that
+reads a check back to the host, which on a GPU waits for the device: the check is queued right
+behind the all-gather and read by a decision held until the step's last bucket
+(:func:`commhooks.comm.holds_follow_ups`), so that the host waits once a step, not once a bucket.
+
 Each rank sends ``2 (p - 1) / p`` of the bucket at ``bits`` per element plus a float32 scale
 per block: with the default 256-element blocks, 0.254 (int8) or 0.129 (int4) of what a
 float32 ring allreduce sends, at any world size.
@@ -47,8 +52,9 @@ def quantized_hook(
     Plain allreduce for the first ``state.warmup_steps`` steps. Then the two phases of the
     module docstring: an all-to-all issued here, on DDP's thread, and an all-gather started
     when it completes, through the state's ordered issuer, so that many buckets issue their
-    collectives in the same order on every rank. A group of one rank sends nothing: its
-    packets are what the collectives would hand back, and the same passes run on them.
+    collectives in the same order on every rank (where collectives complete as they are
+    queued, as NCCL's do, at once, here). A group of one rank sends nothing: its packets are
+    what the collectives would hand back, and the same passes run on them.
 
     Accuracy: with nearest rounding, each element of the result is within
     ``(mean over ranks of a1 + a2) / (2 qmax)`` of the exact average of the compensated
@@ -81,20 +87,39 @@ def quantized_hook(
         work.rows, work.send, settings.format, work.levels, rounding=settings.rounding,
         generator=work.first, keep_error=settings.error_feedback, add=work.addition,
     )  # fmt: skip
-    if work.alone and not queued:
-        return _alone(state, work, buffer)
     issuer = state.issuer
-    assert issuer is not None, "begin() made the issuer"
+    assert issuer is not None, "prepare() made the issuer"
     if work.alone:  # the all-to-all would hand this rank its own packets back
         exchanged = comm.completed(work.received)
     else:
         exchanged = comm.all_to_all(work.received, work.send, group)
-    # Both rounds touch the state's memories: they run in their turns, one at a time.
-    rounds = (
-        lambda _: comm.Issue(lambda: _reduce_and_share(state, work, queued)),
-        lambda _: comm.Issue(lambda: _decode_or_resend(state, work, buffer)),
-    )
-    return issuer.rounds(exchanged, rounds, devices, hold)
+
+    # Both phases touch the state's memories: where they wait for their turns, one at a time.
+    def share(_: object = None) -> torch.futures.Future[torch.Tensor]:
+        return _reduce_and_share(state, work, queued)
+
+    def decide() -> "torch.futures.Future[torch.Tensor] | comm.Finished[torch.Tensor]":
+        return _decode_or_resend(state, work, buffer)
+
+    if work.alone and not queued:  # nothing travels and nothing waits: both phases now
+        share()
+        return _as_future(decide())
+    if work.alone or issuer.group is group:
+        # The all-to-all is complete (comm gives follow-ups the hook's own group only where
+        # collectives complete as they are queued, as NCCL's do): the owner's pass and the
+        # all-gather follow at once, on DDP's thread, in bucket order, and only the decision,
+        # which reads the check, waits for its turn.
+        exchanged.wait()  # the current stream waits for the all-to-all's
+        gathered = share()
+    else:
+        gathered = issuer.then(exchanged, share, devices, hold)
+    return issuer.rounds(gathered, (lambda _: comm.Issue(decide),), devices, hold)
+
+
+def _as_future(
+    done: "torch.futures.Future[torch.Tensor] | comm.Finished[torch.Tensor]",
+) -> torch.futures.Future[torch.Tensor]:
+    return comm.completed(done.value) if isinstance(done, comm.Finished) else done
 
 
 def _check_state(state: Any) -> QuantizationState:
@@ -105,18 +130,6 @@ def _check_state(state: Any) -> QuantizationState:
             f"ddp_model.register_comm_hook(QuantizationState(None, bits=8), {_HOOK})."
         )
     return state
-
-
-def _alone(
-    state: QuantizationState, work: Workspace, buffer: torch.Tensor
-) -> torch.futures.Future[torch.Tensor]:
-    """Both later phases at once, on DDP's thread, for a group of one rank whose follow-ups
-    are not held: nothing travels and nothing is waited for, so the issuer's turns (which
-    order collectives between ranks and keep the memories to one thread) have nothing to do;
-    the passes, and so the bits, are the two phases'."""
-    _reduce(state, work)
-    done = _decode_or_resend(state, work, buffer)
-    return comm.completed(done.value) if isinstance(done, comm.Finished) else done
 
 
 def _reduce(state: QuantizationState, work: Workspace) -> None:
@@ -133,9 +146,9 @@ def _reduce(state: QuantizationState, work: Workspace) -> None:
 def _reduce_and_share(
     state: QuantizationState, work: Workspace, queued: bool
 ) -> torch.futures.Future[torch.Tensor]:
-    """Phase 2, in its turn: the owner's pass (:func:`_reduce`), then the all-gather on the
-    issuer's group; where the follow-ups are held (on a GPU), the check of the gathered scales
-    is queued right behind it, so that reading it later waits for nothing else."""
+    """Phase 2: the owner's pass (:func:`_reduce`), then the all-gather on the issuer's group;
+    where the follow-ups are held (on a GPU), the check of the gathered scales is queued right
+    behind it, so that the held decision reads it without waiting for anything else."""
     _reduce(state, work)
     if work.alone:  # the all-gather would hand this rank its own packet back
         gathered = comm.completed(work.gathered)
