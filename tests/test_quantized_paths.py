@@ -102,9 +102,9 @@ def _held(rank: int, world_size: int) -> dict:
             events.append("queued")
             super().__init__(scales)
 
-        def finite(self) -> bool:
+        def finite(self, latest=None) -> bool:
             events.append("read")
-            return super().finite()
+            return super().finite(latest)
 
     blocks.ScalesCheck = Spy
     out: dict = {}

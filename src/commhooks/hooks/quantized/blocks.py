@@ -406,9 +406,8 @@ class ScalesCheck:
     """:func:`scales_finite`, with no host read of a device tensor: on a CUDA device, the
     reduction and the copy of its one value into pinned host memory are queued on the current
     stream when the check is made (right behind the collective that filled the packets), and
-    :meth:`finite` waits only for that copy. Reads held until a step's last bucket then wait
-    for the device once, not once a bucket. On a CPU, :meth:`finite` reads the scales, which
-    waits for nothing.
+    :meth:`finite` waits, if at all, for that copy alone. On a CPU, :meth:`finite` reads the
+    scales, which waits for nothing.
     """
 
     def __init__(self, scales: torch.Tensor) -> None:
@@ -420,13 +419,28 @@ class ScalesCheck:
             self.copied = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch's own
             self.copied.record()
 
-    def finite(self) -> bool:
-        """Whether every scale is finite (on a GPU, as queued when the check was made)."""
+    def finite(self, latest: "ScalesCheck | None" = None) -> bool:
+        """Whether every scale is finite (on a GPU, as queued when the check was made).
+
+        Args:
+            latest: the check queued last. Where this one's copy is not done yet, that one's is
+                waited for first: on one stream it completes after every earlier one, so that
+                the reads of a step's checks wait for the device once, not once each.
+        """
         if self.copied is None:
             # A NaN is the maximum of any tensor holding one; every scale is positive.
             return math.isfinite(float(self.scales.amax()))
-        self.copied.synchronize()
+        if not _reached(self.copied):
+            if latest is not None and latest.copied is not None:
+                latest.copied.synchronize()
+            if not _reached(self.copied):  # on another stream than ``latest``
+                self.copied.synchronize()
         return bool(self.host)
+
+
+def _reached(event: torch.cuda.Event) -> bool:
+    """Whether the device has passed ``event`` (asking waits for nothing)."""
+    return bool(event.query())  # type: ignore[no-untyped-call]  # torch's own
 
 
 # ----------------------------------------------------------------------------------------------

@@ -160,7 +160,7 @@ def _reduce_and_share(
 
     def queue_check(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
         gathered = fut.value()  # raises here if the all-gather failed
-        work.check = blocks.ScalesCheck(work.scales)
+        work.check = state.latest_check = blocks.ScalesCheck(work.scales)
         return gathered
 
     return callbacks.then(gathered, queue_check)
@@ -175,7 +175,7 @@ def _decode_or_resend(
     check, work.check = work.check, None
     if check is None:
         check = blocks.ScalesCheck(work.scales)
-    if check.finite():
+    if check.finite(state.latest_check):
         places = None if layout.in_order else layout.places()
         blocks.decode_into_(work.gathered, fmt, buffer, work.levels, places)
         state.commit(work)

@@ -320,6 +320,7 @@ class QuantizationState(HookState):
         "_generators",
         "_world",
         "_rank",
+        "latest_check",
     )
 
     def __init__(
@@ -342,6 +343,9 @@ class QuantizationState(HookState):
         self._reloaded: str | None = None  # how a load mid-run changed the handshake's fields
         self._generators: list[torch.Generator] = []
         self._world, self._rank = 1, 0  # the checked group's, set by prepare()
+        # The scales check the hook queued last (where its decisions are held): the first of a
+        # step's decisions to find its own check not done yet waits for this one instead.
+        self.latest_check: blocks.ScalesCheck | None = None
         self.error.check_before_use()  # unpickled memories are checked as loaded ones are
         self.owner_error.check_before_use()
 
