@@ -205,7 +205,7 @@ class Workspace:
     the all-gather: with one rank, the same tensors, since nothing travels. Without error
     feedback there is no error to keep, and both sides are one.
 
-    Set by :meth:`QuantizationState.begin` for each step: ``group``, ``world``, ``addition``
+    Set by :meth:`QuantizationState.begin` for each step: ``addition``
     (what the quantizing pass adds, or ``None`` when ``rows`` is filled already), ``first``
     and ``second`` (the generators of the two quantizations, ``None`` with nearest rounding);
     by the hook, ``check``: the check of the gathered scales, where it was queued.
@@ -237,7 +237,6 @@ class Workspace:
         self.received = self.send if world == 1 else packets(world)
         self.gathered = self.own_packet if world == 1 else packets(world)
         self.scales = fmt.split(self.gathered, length)[1]  # of the gathered rows
-        self.group: dist.ProcessGroup | None = None
         self.addition: tuple[torch.Tensor, torch.Tensor] | None = None
         self.first: torch.Generator | None = None
         self.second: torch.Generator | None = None
@@ -409,18 +408,19 @@ class QuantizationState(HookState):
     def begin(self, bucket: GradBucket, buffer: torch.Tensor) -> Workspace | None:
         """What the hook needs of the state for ``bucket``'s step, in one call, once
         :meth:`prepare` has given it the group: the bucket's :class:`Workspace` with its rows
-        compensated (or the addition the quantizing pass makes, :attr:`Workspace.addition`),
-        its group and the step's generators; ``None`` for a step averaged plainly (the warm-up)
+        compensated (or the addition the quantizing pass makes, :attr:`Workspace.addition`)
+        and the step's generators; ``None`` for a step averaged plainly (the warm-up)
         or an empty bucket.
 
-        Counts the step on the last bucket. Raises ``ValueError`` if the bucket's gradients do
-        not tile its buffer.
+        Counts the step on the last bucket. At the first step after a load, compares the loaded
+        memories with the gradient (:meth:`_check_loaded`). Raises ``ValueError`` if the
+        bucket's gradients do not tile its buffer.
         """
         if not self.compressing(bucket.is_last()) or buffer.numel() == 0:
             return None
         numbers = self._numbering.numbers(bucket.parameters())
         work = self._workspace(bucket, buffer, numbers)
-        work.group, (work.first, work.second) = self._checked, self._generators_on(buffer.device)
+        work.first, work.second = self._generators_on(buffer.device)
         if self.error.awaits_check or self.owner_error.awaits_check:  # after a load only
             self._check_loaded(numbers, bucket, buffer, work.layout)
         work.addition = self._compensate(work, buffer)
