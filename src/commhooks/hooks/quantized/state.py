@@ -261,12 +261,8 @@ class Workspace:
         """Whether these buffers serve ``layout`` (the same rows, in any bucket order)."""
         same_rows = (self.layout.numbers, self.layout.sizes) == (layout.numbers, layout.sizes)
         same_place = self.layout.pieces == layout.pieces and self.world == world
-        return (
-            same_rows
-            and same_place
-            and self.layout.length == layout.length
-            and (self.device == device)
-        )
+        same_length = self.layout.length == layout.length
+        return same_rows and same_place and same_length and self.device == device
 
     def swap(self) -> None:
         """Make the side written this step the kept one (its errors are the memories now)."""
