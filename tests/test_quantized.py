@@ -469,6 +469,6 @@ def test_an_absurd_loaded_memory_is_reset_at_the_first_step_naming_the_key(absur
     first = {k for k in ranks[0]["keys"] if ":" not in k}
     assert first <= named  # every filled memory of a parameter was reset, each named
     # The second memory's pieces that DDP's first-step buckets cut otherwise are dropped
-    # unused; the others are reset as they meet their row's average.
+    # unused; the others are reset as they meet this rank's gradient of their elements.
     assert named - first
     assert not any("out of all proportion" in w for w in ranks[1]["warnings"])

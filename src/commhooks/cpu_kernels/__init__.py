@@ -214,32 +214,28 @@ def _packets_fit(packets: torch.Tensor, rows: int, length: int, bits: int, block
 
 def _plain_rows(t: torch.Tensor, dtype: torch.dtype, rows: int, length: int) -> bool:
     """``rows x length`` of ``dtype`` on the CPU, 4-byte aligned, each row contiguous and none
-    overlapping another: what the kernels read through a pointer and a row stride."""
-    return (
-        t.device.type == "cpu"
-        and t.dtype == dtype
-        and t.dim() == 2
-        and tuple(t.shape) == (rows, length)
-        and (t.stride(1) == 1 or length <= 1)
-        and t.stride(0) >= length
-        and t.data_ptr() % 4 == 0
-        and not t.requires_grad
-    )
+    overlapping another: what the kernels read through a pointer and a row stride. (Checked
+    on every call, a few attribute reads: the shape and strides are read once each.)"""
+    if not t.is_cpu or t.dtype != dtype or t.requires_grad or t.shape != (rows, length):
+        return False
+    row_stride, column_stride = t.stride()
+    return (column_stride == 1 or length <= 1) and row_stride >= length and t.data_ptr() % 4 == 0
 
 
 def _addends_fit(x: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> bool:
     """Two contiguous CPU float32 tensors of one length, at most ``x``'s, ``x`` contiguous."""
+    n = first.numel()
     return (
         x.is_contiguous()
+        and n <= x.numel()
         and all(
-            t.device.type == "cpu"
+            t.is_cpu
             and t.dtype == torch.float32
             and t.is_contiguous()
             and not t.requires_grad
-            and t.numel() == first.numel()
+            and t.numel() == n
             for t in (first, second)
         )
-        and first.numel() <= x.numel()
     )
 
 

@@ -47,6 +47,8 @@ __all__ = [
     "quantize_",
     "quantize_affine",
     "requantize_sum_",
+    "ScalesCheck",
+    "decode_into_",
     "scales_finite",
 ]
 
@@ -150,8 +152,10 @@ def quantize_(
             elements of ``x`` (contiguous, row after row): the remembered error added to the
             gradient, in the same pass as the quantization where the fused kernels run.
     """
-    if rounding == NEAREST and _fused_quantize(x, packets, fmt, keep_error, add):
-        return
+    if rounding == NEAREST:
+        args = (x, packets, fmt.bits, fmt.block, keep_error, add)
+        if (x.is_cuda and triton_launch.quantize_rows(*args)) or cpu_kernels.quantize_rows(*args):
+            return
     if add is not None:
         torch.add(add[0], add[1], out=x.view(-1)[: add[0].numel()])
     rows, length = x.shape
@@ -171,38 +175,6 @@ def quantize_(
     _store_codes(levels, payload, fmt)
     if keep_error:
         blocks.addcmul_(steps, scales.unsqueeze(2), value=-1)
-
-
-def _fused_quantize(
-    x: torch.Tensor,
-    packets: torch.Tensor,
-    fmt: BlockFormat,
-    keep_error: bool,
-    add: tuple[torch.Tensor, torch.Tensor] | None,
-) -> bool:
-    """Quantize with nearest rounding in one kernel where one takes these tensors."""
-    args = (x, packets, fmt.bits, fmt.block, keep_error, add)
-    return cpu_kernels.quantize_rows(*args) or (x.is_cuda and triton_launch.quantize_rows(*args))
-
-
-def _fused_decode(
-    packets: torch.Tensor,
-    fmt: BlockFormat,
-    out: torch.Tensor,
-    length: int,
-    add_rows: bool,
-    nonfinite: torch.Tensor | None = None,
-) -> bool:
-    """Decode (or decode and sum) in one kernel where one takes these tensors, ``nonfinite``
-    set in the same launch on a GPU."""
-    args = (packets, fmt.bits, fmt.block, out)
-    if cpu_kernels.dequantize_rows(*args, length=length, add_rows=add_rows):
-        if nonfinite is not None:
-            _flag_non_finite(packets, fmt, length, out.shape[-1], nonfinite)
-        return True
-    return out.is_cuda and triton_launch.dequantize_rows(
-        *args, length=length, add_rows=add_rows, nonfinite=nonfinite
-    )
 
 
 def _flag_non_finite(
@@ -267,15 +239,30 @@ def dequantize_(
             stays on the device (computed in the decoding launch by the GPU kernels), which
             several calls may share.
     """
-    rows, columns = out.shape
+    columns = out.shape[1]
     length = columns if length is None else length
-    if _fused_decode(packets, fmt, out, length, add_rows=False, nonfinite=nonfinite):
-        return out
+    args = (packets, fmt.bits, fmt.block, out)
+    if out.is_cuda and triton_launch.dequantize_rows(*args, length=length, nonfinite=nonfinite):
+        return out  # the flag set in the same launch
+    if not cpu_kernels.dequantize_rows(*args, length=length):
+        _decode_eager(packets, fmt, out, length, scratch)
     if nonfinite is not None:
         _flag_non_finite(packets, fmt, length, columns, nonfinite)
+    return out
+
+
+def _decode_eager(
+    packets: torch.Tensor,
+    fmt: BlockFormat,
+    out: torch.Tensor,
+    length: int,
+    scratch: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`dequantize_` in PyTorch's operations."""
+    rows, columns = out.shape
     if columns < length:
         whole = torch.empty(rows, length, device=out.device) if scratch is None else scratch
-        out.copy_(dequantize_(packets, fmt, whole)[:, :columns])
+        out.copy_(_decode_eager(packets, fmt, whole, length)[:, :columns])
         return out
     payload, scales = fmt.split(packets, length)
     out.copy_(_codes(payload, fmt, length))
@@ -298,9 +285,19 @@ def dequantize_sum(
         scratch: float32 of ``rows x length``, overwritten.
         out: float32 of ``length``.
     """
-    if _fused_decode(packets, fmt, out.view(1, -1), out.numel(), add_rows=True):
+    return _sum_rows(packets, fmt, scratch, out.view(1, -1))[0]
+
+
+def _sum_rows(
+    packets: torch.Tensor, fmt: BlockFormat, scratch: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """:func:`dequantize_sum` into ``out`` of ``1 x length``."""
+    args = (packets, fmt.bits, fmt.block, out)
+    if (out.is_cuda and triton_launch.dequantize_rows(*args, add_rows=True)) or (
+        cpu_kernels.dequantize_rows(*args, add_rows=True)
+    ):
         return out
-    return torch.sum(dequantize_(packets, fmt, scratch), 0, out=out)
+    return torch.sum(_decode_eager(packets, fmt, scratch, out.shape[1]), 0, keepdim=True, out=out)
 
 
 def requantize_sum_(
@@ -331,7 +328,8 @@ def requantize_sum_(
         scratch: float32 ``rows x length``, overwritten.
         world: the divisor (the number of ranks averaged).
         memory: float32, contiguous, at most ``length`` elements: added to the mean's first
-            elements before quantizing (the owner's remembered error).
+            elements before quantizing (the owner's remembered error); of ``out``'s shape, to
+            all of it.
         rounding, generator, keep_error: as for :func:`quantize_`.
     """
     if (
@@ -342,14 +340,58 @@ def requantize_sum_(
         )
     ):
         return
-    dequantize_sum(packets, fmt, scratch, out[0])
-    out.div_(world)
-    if memory is not None:
-        out[0, : memory.numel()].add_(memory)
+    # Where the owner's kernel does not run, neither does the GPU's decoding kernel (stochastic
+    # rounding aside, which is PyTorch's operations anyway).
+    if not cpu_kernels.dequantize_rows(packets, fmt.bits, fmt.block, out, add_rows=True):
+        torch.sum(_decode_eager(packets, fmt, scratch, out.shape[1]), 0, keepdim=True, out=out)
+    if world != 1:  # x / 1 is x, bit for bit
+        out.div_(world)
+    if memory is not None and memory.shape == out.shape:
+        out.add_(memory)
+    elif memory is not None:
+        out.view(-1)[: memory.numel()].add_(memory.view(-1))
+    levels = scratch if scratch.shape[0] == 1 else scratch[:1]
     quantize_(
-        out, packet, fmt, scratch[:1], rounding=rounding, generator=generator,
-        keep_error=keep_error,
-    )  # fmt: skip
+        out, packet, fmt, levels, rounding=rounding, generator=generator, keep_error=keep_error
+    )
+
+
+def decode_into_(
+    packets: torch.Tensor,
+    fmt: BlockFormat,
+    out: torch.Tensor,
+    scratch: torch.Tensor,
+    places: list[tuple[int, int, int, int]] | None = None,
+) -> None:
+    """Decode every row of ``packets`` into the flat ``out``: row after row (``places`` None:
+    ``out`` holds the rows' first elements, straight into it), or through ``scratch``
+    (float32, ``rows x length``), each ``(_, offset, size, source)`` of ``places`` taking
+    ``size`` elements from ``offset`` in the rows to ``source`` in ``out``."""
+    length = scratch.shape[1]
+    through = places is not None
+    parts = [(packets, scratch, scratch)] if through else _decoded_parts(packets, out, scratch)
+    for part, target, spare in parts:
+        dequantize_(part, fmt, target, length=length, scratch=spare)
+    decoded = scratch.view(-1)
+    for _, offset, size, source in places or ():
+        out[source : source + size].copy_(decoded[offset : offset + size])
+
+
+def _decoded_parts(
+    packets: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The rows of ``packets`` that decode straight into the flat ``out``, then the row in
+    which ``out`` ends (its first elements): each with its target and its eager scratch."""
+    rows, length = scratch.shape
+    whole = out.numel() // length
+    if whole == rows:
+        return [(packets, out.view(rows, length), scratch)]
+    if whole == 0 and rows == 1:
+        return [(packets, out.view(1, -1), scratch)]
+    straight = [(packets[:whole], out[: whole * length].view(whole, length), scratch[:whole])]
+    end = out[whole * length :].view(1, -1)
+    ragged = (packets[whole : whole + 1], end, scratch[whole : whole + 1])
+    return [*straight, ragged] if whole else [ragged]
 
 
 def scales_finite(packets: torch.Tensor, fmt: BlockFormat, length: int) -> bool:
@@ -358,6 +400,47 @@ def scales_finite(packets: torch.Tensor, fmt: BlockFormat, length: int) -> bool:
     Reads the result back to the host (a device sync on an accelerator).
     """
     return bool(torch.isfinite(fmt.split(packets, length)[1]).all())
+
+
+class ScalesCheck:
+    """:func:`scales_finite`, with no host read of a device tensor: on a CUDA device, the
+    reduction and the copy of its one value into pinned host memory are queued on the current
+    stream when the check is made (right behind the collective that filled the packets), and
+    :meth:`finite` waits, if at all, for that copy alone. On a CPU, :meth:`finite` reads the
+    scales, which waits for nothing.
+    """
+
+    def __init__(self, scales: torch.Tensor) -> None:
+        self.scales = scales  # the packets' (see BlockFormat.split)
+        self.copied: torch.cuda.Event | None = None
+        if self.scales.is_cuda:
+            self.host = torch.empty((), dtype=torch.bool, pin_memory=True)
+            self.host.copy_(torch.isfinite(self.scales).all(), non_blocking=True)
+            self.copied = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch's own
+            self.copied.record()
+
+    def finite(self, latest: "ScalesCheck | None" = None) -> bool:
+        """Whether every scale is finite (on a GPU, as queued when the check was made).
+
+        Args:
+            latest: the check queued last. Where this one's copy is not done yet, that one's is
+                waited for first: on one stream it completes after every earlier one, so that
+                the reads of a step's checks wait for the device once, not once each.
+        """
+        if self.copied is None:
+            # A NaN is the maximum of any tensor holding one; every scale is positive.
+            return math.isfinite(float(self.scales.amax()))
+        if not _reached(self.copied):
+            if latest is not None and latest.copied is not None:
+                latest.copied.synchronize()
+            if not _reached(self.copied):  # on another stream than ``latest``
+                self.copied.synchronize()
+        return bool(self.host)
+
+
+def _reached(event: torch.cuda.Event) -> bool:
+    """Whether the device has passed ``event`` (asking waits for nothing)."""
+    return bool(event.query())  # type: ignore[no-untyped-call]  # torch's own
 
 
 # ----------------------------------------------------------------------------------------------

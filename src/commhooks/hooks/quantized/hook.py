@@ -11,6 +11,11 @@ Per bucket, in two phases (the scheme of ZeRO++'s qgZ and torchft's quantized al
    an all-gather hands everyone every row. Every rank decodes the same bytes, so the result is
    the same on every rank, bit for bit.
 
+A block holding inf or NaN gives the gathered result a scale that is not finite; deciding that
+reads a check back to the host, which on a GPU waits for the device: the check is queued right
+behind the all-gather and read by a decision held until the step's last bucket
+(:func:`commhooks.comm.holds_follow_ups`), so that the host waits once a step, not once a bucket.
+
 Each rank sends ``2 (p - 1) / p`` of the bucket at ``bits`` per element plus a float32 scale
 per block: with the default 256-element blocks, 0.254 (int8) or 0.129 (int4) of what a
 float32 ring allreduce sends, at any world size.
@@ -21,7 +26,6 @@ Hook modules must not use ``from __future__ import annotations``: DDP rejects st
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from commhooks import callbacks, comm
 from commhooks._warnings import warn_once
@@ -37,7 +41,6 @@ from commhooks.hooks.quantized.state import (
 __all__ = ["QuantizationOptions", "QuantizationState", "quantized_hook"]
 
 _HOOK = HOOK
-_OWN_ROW, _AVERAGE = 0, 1  # the two quantizations, each with its own random numbers
 
 
 def quantized_hook(
@@ -49,7 +52,9 @@ def quantized_hook(
     Plain allreduce for the first ``state.warmup_steps`` steps. Then the two phases of the
     module docstring: an all-to-all issued here, on DDP's thread, and an all-gather started
     when it completes, through the state's ordered issuer, so that many buckets issue their
-    collectives in the same order on every rank.
+    collectives in the same order on every rank (where collectives complete as they are
+    queued, as NCCL's do, at once, here). A group of one rank sends nothing: its packets are
+    what the collectives would hand back, and the same passes run on them.
 
     Accuracy: with nearest rounding, each element of the result is within
     ``(mean over ranks of a1 + a2) / (2 qmax)`` of the exact average of the compensated
@@ -72,26 +77,49 @@ def quantized_hook(
     state = _check_state(state)
     buffer = float_buffer(bucket, _HOOK)
     group = state.prepare()
-    if not state.compressing(bucket.is_last()):
-        return comm.average(buffer, group)
-    if buffer.numel() == 0:
-        return comm.completed(buffer)
-    world, rank = comm.world_size(group), comm.group_rank(group)
-    work = state.workspace(bucket.index(), state.layout(bucket, group), world, buffer.device)
-    addition = _compensate(state, work, buffer)
-    first = state.generator(buffer.device, rank, _OWN_ROW)
-    _quantize(state, work.rows, work.send, work.levels, first, addition)
-    exchanged = comm.all_to_all(work.received, work.send, group)
+    work = state.begin(bucket, buffer)
+    devices, hold = comm.follow_up_options(buffer, bucket.is_last())
+    queued = comm.holds_follow_ups(devices)  # the checks' reads wait for a later bucket
+    if work is None:
+        return comm.average(buffer, group) if buffer.numel() else comm.completed(buffer)
+    settings = state.settings
+    blocks.quantize_(
+        work.rows, work.send, settings.format, work.levels, rounding=settings.rounding,
+        generator=work.first, keep_error=settings.error_feedback, add=work.addition,
+    )  # fmt: skip
     issuer = state.issuer
     assert issuer is not None, "prepare() made the issuer"
-    follow_up = comm.follow_up_options(buffer, bucket.is_last())
-    second = state.generator(buffer.device, rank, _AVERAGE)
-    # Both rounds touch the state's memories: they run in their turns, one at a time.
-    rounds = (
-        lambda _: comm.Issue(lambda: _reduce_and_share(state, work, second, issuer.group)),
-        lambda _: comm.Issue(lambda: _decode_or_resend(state, work, buffer, issuer.group)),
-    )
-    return issuer.rounds(exchanged, rounds, *follow_up)
+    if work.alone:  # the all-to-all would hand this rank its own packets back
+        exchanged = comm.completed(work.received)
+    else:
+        exchanged = comm.all_to_all(work.received, work.send, group)
+
+    # Both phases touch the state's memories: where they wait for their turns, one at a time.
+    def share(_: object = None) -> torch.futures.Future[torch.Tensor]:
+        return _reduce_and_share(state, work, queued)
+
+    def decide() -> "torch.futures.Future[torch.Tensor] | comm.Finished[torch.Tensor]":
+        return _decode_or_resend(state, work, buffer)
+
+    if work.alone and not queued:  # nothing travels and nothing waits: both phases now
+        share()
+        return _as_future(decide())
+    if work.alone or issuer.group is group:
+        # The all-to-all is complete (comm gives follow-ups the hook's own group only where
+        # collectives complete as they are queued, as NCCL's do): the owner's pass and the
+        # all-gather follow at once, on DDP's thread, in bucket order, and only the decision,
+        # which reads the check, waits for its turn.
+        exchanged.wait()  # the current stream waits for the all-to-all's
+        gathered = share()
+    else:
+        gathered = issuer.then(exchanged, share, devices, hold)
+    return issuer.rounds(gathered, (lambda _: comm.Issue(decide),), devices, hold)
+
+
+def _as_future(
+    done: "torch.futures.Future[torch.Tensor] | comm.Finished[torch.Tensor]",
+) -> torch.futures.Future[torch.Tensor]:
+    return comm.completed(done.value) if isinstance(done, comm.Finished) else done
 
 
 def _check_state(state: Any) -> QuantizationState:
@@ -104,124 +132,58 @@ def _check_state(state: Any) -> QuantizationState:
     return state
 
 
-def _compensate(
-    state: QuantizationState, work: Workspace, buffer: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Fill ``work.rows`` with the gradient plus each parameter's remembered error, or return
-    the two tensors whose sum its start must become, for the quantizing pass to add.
-
-    Out of place: the bucket keeps the plain gradient, which a re-send needs.
-    """
-    flat, n, layout = work.rows.view(-1), buffer.numel(), work.layout
-    flat[n:].zero_()  # an abandoned step may have left inf or NaN in the padding
-    places = layout.places()
-    if not state.settings.error_feedback:
-        found: list[torch.Tensor | None] = [None] * len(places)
-    else:
-        found = [state.error.get(number, flat[o : o + size]) for number, o, size, _ in places]
-    if layout.in_order and all(r is None for r in found):
-        flat[:n].copy_(buffer)
-    elif layout.in_order and _left_in_place(found, work, places):
-        # The usual step: the last step's errors are still where it left them, in order.
-        return buffer, work.spare.view(-1)[:n]
-    else:
-        for residual, (_, offset, size, source) in zip(found, places):
-            row, grad = flat[offset : offset + size], buffer[source : source + size]
-            if residual is None:
-                row.copy_(grad)
-            else:
-                torch.add(grad, residual, out=row)
-    return None
-
-
-def _left_in_place(
-    found: list[torch.Tensor | None], work: Workspace, places: list[tuple[int, int, int, int]]
-) -> bool:
-    """Whether every error is a view of ``work.spare`` at its parameter's place in the rows."""
-    spare = work.spare.view(-1)
-    start, width = spare.data_ptr(), spare.element_size()
-    return all(
-        r is not None and r.data_ptr() == start + offset * width
-        for r, (_, offset, _, _) in zip(found, places)
-    )
-
-
-def _quantize(
-    state: QuantizationState,
-    rows: torch.Tensor,
-    packets: torch.Tensor,
-    levels: torch.Tensor,
-    generator: torch.Generator | None,
-    addition: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> None:
-    settings = state.settings
-    blocks.quantize_(
-        rows,
-        packets,
-        settings.format,
-        levels,
-        rounding=settings.rounding,
-        generator=generator,
+def _reduce(state: QuantizationState, work: Workspace) -> None:
+    """The owner's pass: average this rank's row, add its remembered error and quantize it
+    again, in one pass where a kernel takes it."""
+    settings, memory = state.settings, state.owner_memory(work)
+    blocks.requantize_sum_(
+        work.received, settings.format, work.mine, work.own_packet, work.levels, work.world,
+        memory=memory, rounding=settings.rounding, generator=work.second,
         keep_error=settings.error_feedback,
-        add=addition,
-    )
+    )  # fmt: skip
 
 
 def _reduce_and_share(
-    state: QuantizationState,
-    work: Workspace,
-    generator: torch.Generator | None,
-    group: dist.ProcessGroup | None,
+    state: QuantizationState, work: Workspace, queued: bool
 ) -> torch.futures.Future[torch.Tensor]:
-    """Phase 2, on the thread that completed the all-to-all: average this rank's row,
-    quantize it again, and start the all-gather on the issuer's group."""
-    assert group is not None, "the issuer has its follow-up group"
-    fmt = state.settings.format
-    blocks.dequantize_sum(work.received, fmt, work.levels, work.mine[0])
-    work.mine.div_(group.size())
-    if state.settings.error_feedback:
-        for key, start, stop in work.layout.pieces:
-            state.owner_error.compensate_(key, work.mine[0, start:stop])
-    _quantize(state, work.mine, work.own_packet, work.levels[:1], generator)
-    return comm.all_gather_into(work.gathered, work.own_packet, group)
+    """Phase 2: the owner's pass (:func:`_reduce`), then the all-gather on the issuer's group;
+    where the follow-ups are held (on a GPU), the check of the gathered scales is queued right
+    behind it, so that the held decision reads it without waiting for anything else."""
+    _reduce(state, work)
+    if work.alone:  # the all-gather would hand this rank its own packet back
+        gathered = comm.completed(work.gathered)
+    else:
+        assert state.issuer is not None, "begin() made the issuer"
+        gathered = comm.all_gather_into(work.gathered, work.own_packet, state.issuer.group)
+    if not queued:
+        return gathered
+
+    def queue_check(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+        gathered = fut.value()  # raises here if the all-gather failed
+        work.check = state.latest_check = blocks.ScalesCheck(work.scales)
+        return gathered
+
+    return callbacks.then(gathered, queue_check)
 
 
 def _decode_or_resend(
-    state: QuantizationState,
-    work: Workspace,
-    buffer: torch.Tensor,
-    group: dist.ProcessGroup | None,
+    state: QuantizationState, work: Workspace, buffer: torch.Tensor
 ) -> "torch.futures.Future[torch.Tensor] | comm.Finished[torch.Tensor]":
     """Phase 3: decode every row into the bucket and keep the errors, or, if a scale is not
     finite (the same bytes, so the same answer, on every rank), send the bucket again plainly."""
-    assert group is not None, "the issuer has its follow-up group"
-    fmt, length = state.settings.format, work.layout.length
-    if not blocks.scales_finite(work.gathered, fmt, length):
-        return callbacks.then(comm.average(buffer, group), lambda fut: _warn_if_finite(fut.value()))
-    _decode(work, fmt, buffer)
-    state.commit(work)
-    return comm.Finished(buffer)
-
-
-def _decode(work: Workspace, fmt: blocks.BlockFormat, buffer: torch.Tensor) -> None:
-    """Decode the gathered rows into the bucket: straight into it when its order is the
-    layout's (rows entirely inside it), through scratch otherwise."""
-    layout, gathered, n = work.layout, work.gathered, buffer.numel()
-    whole = n // layout.length if layout.in_order else 0  # rows decoded straight into buffer
-    rows = buffer[: whole * layout.length].view(whole, layout.length)
-    blocks.dequantize_(gathered[:whole], fmt, rows)
-    if whole == gathered.shape[0]:
-        return
-    if layout.in_order:  # the bucket ends in row `whole`: its first elements, decoded in place
-        end = buffer[whole * layout.length :].view(1, -1)
-        scratch = work.levels[whole : whole + 1]
-        blocks.dequantize_(
-            gathered[whole : whole + 1], fmt, end, length=layout.length, scratch=scratch
-        )
-        return
-    decoded = blocks.dequantize_(gathered, fmt, work.levels).view(-1)
-    for _, offset, size, source in layout.places():
-        buffer[source : source + size].copy_(decoded[offset : offset + size])
+    fmt, layout = state.settings.format, work.layout
+    check, work.check = work.check, None
+    if check is None:
+        check = blocks.ScalesCheck(work.scales)
+    if check.finite(state.latest_check):
+        places = None if layout.in_order else layout.places()
+        blocks.decode_into_(work.gathered, fmt, buffer, work.levels, places)
+        state.commit(work)
+        return comm.Finished(buffer)
+    work.clear_padding()
+    assert state.issuer is not None, "begin() made the issuer"
+    averaged = comm.average(buffer, state.issuer.group)
+    return callbacks.then(averaged, lambda fut: _warn_if_finite(fut.value()))
 
 
 def _warn_if_finite(averaged: torch.Tensor) -> torch.Tensor:

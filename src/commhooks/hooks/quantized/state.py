@@ -5,6 +5,7 @@ is :mod:`commhooks.hooks.quantized.hook`.
 """
 
 import dataclasses
+import functools
 import itertools
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -81,6 +82,9 @@ class QuantizationOptions(Options):
         return blocks.BlockFormat(self.bits, self.block_size)
 
 
+_OPTION_NAMES = frozenset(QuantizationOptions.names())  # read-only attributes of the state
+
+
 @dataclasses.dataclass(frozen=True)
 class BucketLayout:
     """Where each parameter of a bucket goes, and how the bucket is cut into one row per rank.
@@ -100,6 +104,7 @@ class BucketLayout:
         pieces: this rank's row, as ``(key, start, stop)``: the parts of parameters it holds,
             keyed ``"number:first-stop"`` by the elements of the parameter, at ``[start, stop)``
             in the row. The second error memory is kept under those keys.
+        piece_sources: where each piece's first element lies in the bucket's buffer.
     """
 
     numbers: tuple[int, ...]
@@ -109,8 +114,9 @@ class BucketLayout:
     numel: int
     length: int
     pieces: tuple[tuple[str, int, int], ...]
+    piece_sources: tuple[int, ...]
 
-    @property
+    @functools.cached_property
     def in_order(self) -> bool:
         """Whether the rows hold the buffer as it is (the bucket's order is the layout's)."""
         return self.sources == self.offsets
@@ -125,12 +131,13 @@ class BucketLayout:
         sizes = tuple(sizes[i] for i in order)
         offsets = _starts(sizes)
         row_start, row_stop = rank * length, (rank + 1) * length
-        pieces = []
+        pieces, piece_sources = [], []
         for i, offset, size in zip(order, offsets, sizes):
             start, stop = max(offset, row_start), min(offset + size, row_stop)
             if start < stop:
                 key = piece_key(numbers[i], start - offset, stop - offset)
                 pieces.append((key, start - row_start, stop - row_start))
+                piece_sources.append(in_buffer[i] + start - offset)
         return BucketLayout(
             tuple(numbers[i] for i in order),
             offsets,
@@ -139,6 +146,7 @@ class BucketLayout:
             sum(sizes),
             length,
             tuple(pieces),
+            tuple(piece_sources),
         )
 
     def places(self) -> list[tuple[int, int, int, int]]:
@@ -171,15 +179,36 @@ def _describe(key: Key) -> str:
     return f"parameter #{key} (counted from DDP's last parameter, 0 being the last)"
 
 
-class Workspace:
-    """The buffers one bucket reuses from step to step (allocating them costs page faults).
+class _Side:
+    """One of a workspace's two error buffers: the rows (the compensated gradient, then its
+    error) and this rank's averaged row (then its error), with a view of each parameter's
+    elements in the rows and of each piece's in the row, made once (slicing on every step
+    costs host time per bucket)."""
 
-    ``rows`` is the compensated gradient cut into one row per rank, then its error; ``spare``
-    the other error buffer (the error memory points into one of them, see
-    :meth:`QuantizationState.commit`); ``levels`` scratch; ``send``/``received`` the packets
-    of the all-to-all; ``mine``/``mine_spare`` this rank's averaged row and the other buffer
-    of its error; ``own_packet``/``gathered`` the packets of the all-gather. Without error
-    feedback there is no error to keep, and each spare is the buffer itself.
+    def __init__(self, rows: torch.Tensor, mine: torch.Tensor, layout: BucketLayout) -> None:
+        self.rows, self.mine = rows, mine
+        flat = rows.view(-1)
+        self.params = tuple(flat[o : o + n] for o, n in zip(layout.offsets, layout.sizes))
+        self.pieces = tuple(mine[0, start:stop] for _, start, stop in layout.pieces)
+        self.bucket = flat[: layout.numel]  # the rows' elements of the bucket, in order
+
+
+class Workspace:
+    """The buffers one bucket reuses from step to step (allocating them costs page faults),
+    and what the hook needs of the state for this bucket's step.
+
+    ``rows`` is the compensated gradient cut into one row per rank, then its error; ``mine``
+    this rank's averaged row, then its error; both belong to ``now``, the side written this
+    step, while ``kept`` holds the error memories when they are where the last step left them
+    (:meth:`QuantizationState.commit` swaps the sides). ``levels`` is scratch;
+    ``send``/``received`` the packets of the all-to-all, ``own_packet``/``gathered`` those of
+    the all-gather: with one rank, the same tensors, since nothing travels. Without error
+    feedback there is no error to keep, and both sides are one.
+
+    Set by :meth:`QuantizationState.begin` for each step: ``addition``
+    (what the quantizing pass adds, or ``None`` when ``rows`` is filled already), ``first``
+    and ``second`` (the generators of the two quantizations, ``None`` with nearest rounding);
+    by the hook, ``check``: the check of the gathered scales, where it was queued.
     """
 
     def __init__(
@@ -190,7 +219,8 @@ class Workspace:
         device: torch.device,
         error_feedback: bool,
     ) -> None:
-        self.layout, self.device = layout, device
+        self.layout, self.device, self.world = layout, device, world
+        self.order = layout.numbers  # the parameters' numbers in the bucket's order
         length, packet = layout.length, fmt.packet_bytes(layout.length)
 
         def floats(rows: int) -> torch.Tensor:
@@ -200,21 +230,48 @@ class Workspace:
         def packets(rows: int) -> torch.Tensor:
             return torch.empty(rows, packet, dtype=torch.uint8, device=device)
 
-        self.rows, self.levels, self.mine = floats(world), floats(world), floats(1)
-        self.spare = floats(world) if error_feedback else self.rows
-        self.mine_spare = floats(1) if error_feedback else self.mine
-        self.send, self.received = packets(world), packets(world)
-        self.own_packet, self.gathered = packets(1), packets(world)
+        self.levels = floats(world)
+        self.now = _Side(floats(world), floats(1), layout)
+        self.kept = _Side(floats(world), floats(1), layout) if error_feedback else self.now
+        self.send, self.own_packet = packets(world), packets(1)
+        self.received = self.send if world == 1 else packets(world)
+        self.gathered = self.own_packet if world == 1 else packets(world)
+        self.scales = fmt.split(self.gathered, length)[1]  # of the gathered rows
+        self.addition: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.first: torch.Generator | None = None
+        self.second: torch.Generator | None = None
+        self.check: blocks.ScalesCheck | None = None  # queued behind the all-gather, if held
 
-    def fits(self, layout: BucketLayout, device: torch.device) -> bool:
+    @property
+    def rows(self) -> torch.Tensor:
+        """The rows quantized this step (then their error)."""
+        return self.now.rows
+
+    @property
+    def mine(self) -> torch.Tensor:
+        """This rank's averaged row this step (then its error)."""
+        return self.now.mine
+
+    @property
+    def alone(self) -> bool:
+        """Whether the group has one rank: the exchanges are then the packets themselves."""
+        return self.world == 1
+
+    def fits(self, layout: BucketLayout, world: int, device: torch.device) -> bool:
         """Whether these buffers serve ``layout`` (the same rows, in any bucket order)."""
         same_rows = (self.layout.numbers, self.layout.sizes) == (layout.numbers, layout.sizes)
-        return same_rows and self.layout.length == layout.length and self.device == device
+        same_place = self.layout.pieces == layout.pieces and self.world == world
+        same_length = self.layout.length == layout.length
+        return same_rows and same_place and same_length and self.device == device
 
-    def adopt(self, layout: BucketLayout) -> "Workspace":
-        """These buffers, for ``layout`` (which :meth:`fits`), the bucket order it describes."""
-        self.layout = layout
-        return self
+    def swap(self) -> None:
+        """Make the side written this step the kept one (its errors are the memories now)."""
+        self.now, self.kept = self.kept, self.now
+
+    def clear_padding(self) -> None:
+        """Zero the rows past the bucket's end, which an abandoned step may have left inf or
+        NaN in (a finite step leaves zeros there)."""
+        self.now.rows.view(-1)[self.layout.numel :].zero_()
 
 
 class QuantizationState(HookState):
@@ -256,6 +313,9 @@ class QuantizationState(HookState):
         "_checked",
         "_reloaded",
         "_generators",
+        "_world",
+        "_rank",
+        "latest_check",
     )
 
     def __init__(
@@ -277,6 +337,10 @@ class QuantizationState(HookState):
         self._checked: dist.ProcessGroup | None = None
         self._reloaded: str | None = None  # how a load mid-run changed the handshake's fields
         self._generators: list[torch.Generator] = []
+        self._world, self._rank = 1, 0  # the checked group's, set by prepare()
+        # The scales check the hook queued last (where its decisions are held): the first of a
+        # step's decisions to find its own check not done yet waits for this one instead.
+        self.latest_check: blocks.ScalesCheck | None = None
         self.error.check_before_use()  # unpickled memories are checked as loaded ones are
         self.owner_error.check_before_use()
 
@@ -287,12 +351,12 @@ class QuantizationState(HookState):
         return state
 
     def __getattr__(self, name: str) -> Any:
-        if name != "settings" and name in QuantizationOptions.names():
+        if name != "settings" and name in _OPTION_NAMES:
             return getattr(self.settings, name)
         raise AttributeError(f"'{OWNER}' object has no attribute '{name}'")
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in QuantizationOptions.names():
+        if name in _OPTION_NAMES:
             raise AttributeError(
                 f"{OWNER}.{name} is read-only: the ranks must agree on it, and the memories were "
                 f"made with it. Build a new QuantizationState(..., {name}={value!r}) instead."
@@ -320,6 +384,7 @@ class QuantizationState(HookState):
             self._layouts.clear()
             self._workspaces.clear()
             self._checked = group
+            self._world, self._rank = comm.world_size(group), comm.group_rank(group)
         if self._saved_place is not None:  # the first step after a load
             self._forget_if_moved(_place_here(group, self.mesh_place))
         return group
@@ -336,58 +401,76 @@ class QuantizationState(HookState):
             self.iter += 1
         return compressing
 
-    def layout(
-        self,
-        bucket: GradBucket,
-        group: dist.ProcessGroup,
-    ) -> BucketLayout:
-        """The layout of ``bucket``, made once per set of parameters.
+    def begin(self, bucket: GradBucket, buffer: torch.Tensor) -> Workspace | None:
+        """What the hook needs of the state for ``bucket``'s step, in one call, once
+        :meth:`prepare` has given it the group: the bucket's :class:`Workspace` with its rows
+        compensated (or the addition the quantizing pass makes, :attr:`Workspace.addition`)
+        and the step's generators; ``None`` for a step averaged plainly (the warm-up)
+        or an empty bucket.
 
-        Raises:
-            ValueError: the bucket's gradients do not tile its buffer.
+        Counts the step on the last bucket. At the first step after a load, compares the loaded
+        memories with the gradient (:meth:`_check_loaded`). Raises ``ValueError`` if the
+        bucket's gradients do not tile its buffer.
         """
+        if not self.compressing(bucket.is_last()) or buffer.numel() == 0:
+            return None
         numbers = self._numbering.numbers(bucket.parameters())
-        if self.error.awaits_check:  # the first steps after a load only
-            self._check_loaded_errors(numbers, bucket)
-        sizes = _piece_sizes(bucket.gradients(), bucket.buffer())
-        found = self._layouts.get((numbers, sizes))
-        if found is not None:
-            return found
-        world, rank = comm.world_size(group), comm.group_rank(group)
-        length = self.settings.format.row_length(sum(sizes), world)
-        made = BucketLayout.build(numbers, sizes, length, rank)
-        self._drop_stale_pieces(made)
-        self._layouts[(numbers, sizes)] = made
-        return made
+        work = self._workspace(bucket, buffer, numbers)
+        work.first, work.second = self._generators_on(buffer.device)
+        if self.error.awaits_check or self.owner_error.awaits_check:  # after a load only
+            self._check_loaded(numbers, bucket, buffer, work.layout)
+        work.addition = self._compensate(work, buffer)
+        return work
 
-    def workspace(
-        self, index: int, layout: BucketLayout, world: int, device: torch.device
+    def _workspace(
+        self, bucket: GradBucket, buffer: torch.Tensor, numbers: tuple[int, ...]
     ) -> Workspace:
-        """The buffers of bucket ``index``, made again when its layout or device changes."""
-        found = self._workspaces.get(index)
-        if found is None or not found.fits(layout, device):
+        """The buffers of ``bucket``: last step's, when it holds the same parameters in the
+        same order (then its gradients tiled its buffer already); made again when its layout
+        or device changes."""
+        found = self._workspaces.get(bucket.index())
+        same = found is not None and found.order == numbers and found.device == buffer.device
+        if same and found is not None and found.layout.numel == buffer.numel():
+            return found
+        layout = self._layout(numbers, _piece_sizes(bucket.gradients(), buffer))
+        if found is None or not found.fits(layout, self._world, buffer.device):
             settings = self.settings
-            found = Workspace(layout, settings.format, world, device, settings.error_feedback)
-            self._workspaces[index] = found
-        return found.adopt(layout)
+            found = Workspace(
+                layout, settings.format, self._world, buffer.device, settings.error_feedback
+            )
+            self._workspaces[bucket.index()] = found
+        found.layout, found.order = layout, numbers
+        return found
 
-    def generator(self, device: torch.device, rank: int, phase: int = 0) -> torch.Generator | None:
+    def _layout(self, numbers: tuple[int, ...], sizes: tuple[int, ...]) -> BucketLayout:
+        """The layout of a bucket holding parameters ``numbers`` of ``sizes``, made once."""
+        found = self._layouts.get((numbers, sizes))
+        if found is None:
+            length = self.settings.format.row_length(sum(sizes), self._world)
+            found = BucketLayout.build(numbers, sizes, length, self._rank)
+            self._drop_stale_pieces(found)
+            self._layouts[(numbers, sizes)] = found
+        return found
+
+    def _generators_on(
+        self, device: torch.device
+    ) -> tuple[torch.Generator | None, torch.Generator | None]:
         """The random numbers of stochastic rounding (``None`` with nearest rounding).
 
-        One generator per quantization (``phase`` 0: a rank's own gradient, on DDP's thread;
-        1: the average of its row, in the order the issuer runs follow-ups), so that each is
-        drawn from in the same order in every run, seeded ``random_seed + 2 rank + phase``.
+        One generator per quantization (a rank's own gradient, on DDP's thread; the average of
+        its row, in the order the issuer runs follow-ups), so that each is drawn from in the
+        same order in every run, seeded ``random_seed + 2 rank`` and ``+ 2 rank + 1``.
         """
         if self.settings.rounding != blocks.STOCHASTIC:
-            return None
+            return None, None
         if not self._generators or self._generators[0].device != device:
             self._generators = [torch.Generator(device=device) for _ in _PHASES]
             for i, made in enumerate(self._generators):
-                made.manual_seed(self.settings.random_seed + 2 * rank + i)
+                made.manual_seed(self.settings.random_seed + 2 * self._rank + i)
             if self._generator_states is not None:
-                self._resume_generators(self._generator_states, device, rank)
+                self._resume_generators(self._generator_states, device, self._rank)
             self._generator_states = None
-        return self._generators[phase]
+        return self._generators[0], self._generators[1]
 
     def _resume_generators(self, states: torch.Tensor, device: torch.device, rank: int) -> None:
         """Set the loaded generator states; where they are another device's (a CUDA run's
@@ -405,6 +488,44 @@ class QuantizationState(HookState):
                 "again from its seeds.",
             )
 
+    def _compensate(
+        self, work: Workspace, buffer: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Fill ``work.rows`` with the gradient plus each parameter's remembered error, or
+        return the two tensors whose sum its start must become, for the quantizing pass to add.
+
+        Out of place: the bucket keeps the plain gradient, which a re-send needs. In the
+        bucket's order, the errors are first gathered where the last step leaves them (the
+        kept side, zeros for a parameter without one): then the usual step is one pass.
+        """
+        layout = work.layout
+        if not self.settings.error_feedback:
+            if layout.in_order:
+                work.now.bucket.copy_(buffer)
+            else:
+                _scatter(buffer, layout, work.now.params, None)
+            return None
+        found = [self.error.get(k, v) for k, v in zip(layout.numbers, work.kept.params)]
+        if layout.in_order:
+            _gather(found, work.kept.params)
+            return buffer, work.kept.bucket
+        _scatter(buffer, layout, work.now.params, found)
+        return None
+
+    def owner_memory(self, work: Workspace) -> torch.Tensor | None:
+        """The owner's remembered error of this rank's row, as a row (gathered where the last
+        step leaves it, zeros for a piece without one and past the pieces), for the owner's
+        pass to add; ``None`` without error feedback or without pieces. Call in the step's
+        turn. (A loaded piece met its check in :meth:`begin`.)
+        """
+        pieces = work.layout.pieces
+        if not self.settings.error_feedback or not pieces:
+            return None
+        memory = self.owner_error
+        kept = work.kept.pieces
+        _gather([memory.get(key, v) for (key, _, _), v in zip(pieces, kept)], kept)
+        return work.kept.mine  # zeros past the pieces, as the rows' padding leaves them
+
     # -- used by the hook, once the step's result is known --------------------------------------
     def commit(self, work: Workspace) -> None:
         """Keep the errors this step left in ``work`` as the memories; swap the buffers.
@@ -414,23 +535,33 @@ class QuantizationState(HookState):
         """
         if not self.settings.error_feedback:
             return
-        layout, flat = work.layout, work.rows.view(-1)
-        for number, offset, size, _ in layout.places():
-            self.error.record(number, flat[offset : offset + size])
-        for key, start, stop in layout.pieces:
-            self.owner_error.record(key, work.mine[0, start:stop])
-        work.rows, work.spare = work.spare, work.rows
-        work.mine, work.mine_spare = work.mine_spare, work.mine
+        layout, now = work.layout, work.now
+        for number, view in zip(layout.numbers, now.params):
+            self.error.record(number, view)
+        for (key, _, _), view in zip(layout.pieces, now.pieces):
+            self.owner_error.record(key, view)
+        work.swap()
 
     # -- internal -------------------------------------------------------------------------------
     def _memory(self) -> ErrorFeedback:
         """An empty error memory; what it loads is checked against this format's residuals."""
         return ErrorFeedback(OWNER, _describe, self.settings.format.plausible_residual)
 
-    def _check_loaded_errors(self, numbers: tuple[int, ...], bucket: GradBucket) -> None:
-        """At the first step after a load, compare each loaded error with its gradient."""
+    def _check_loaded(
+        self,
+        numbers: tuple[int, ...],
+        bucket: GradBucket,
+        buffer: torch.Tensor,
+        layout: BucketLayout,
+    ) -> None:
+        """At the first step after a load, compare each loaded error with the gradient of its
+        elements: a parameter's with its gradient, a piece of the owner's with this rank's
+        gradient of the piece's elements (the average it is added to is of the same scale, and
+        the bound is a thousand times looser than quantization allows)."""
         for number, gradient in zip(numbers, bucket.gradients()):
             self.error.check_loaded_(number, gradient)
+        for (key, start, stop), source in zip(layout.pieces, layout.piece_sources):
+            self.owner_error.check_loaded_(key, buffer[source : source + stop - start])
 
     def _drop_stale_pieces(self, layout: BucketLayout) -> None:
         """Forget second-memory pieces of this layout's parameters that it does not hold."""
@@ -567,6 +698,33 @@ def _place(group: dist.ProcessGroup | None) -> tuple[int, int]:
 # Pickles and reprs name the public module, whichever module defines the class.
 QuantizationState.__module__ = "commhooks.hooks.quantized"
 QuantizationOptions.__module__ = "commhooks.hooks.quantized"
+
+
+def _gather(found: list[torch.Tensor | None], places: tuple[torch.Tensor, ...]) -> None:
+    """Put each remembered error in its place (zeros where there is none), unless it is
+    there already, as the last step's errors are."""
+    for residual, spot in zip(found, places):
+        if residual is None:
+            spot.zero_()
+        elif residual is not spot:
+            spot.copy_(residual)
+
+
+def _scatter(
+    buffer: torch.Tensor,
+    layout: BucketLayout,
+    places: tuple[torch.Tensor, ...],
+    found: list[torch.Tensor | None] | None,
+) -> None:
+    """Put each parameter's gradient (plus its remembered error, if any) in its place in the
+    rows: for a bucket whose order is not the layout's."""
+    for i, (source, size, spot) in enumerate(zip(layout.sources, layout.sizes, places)):
+        gradient = buffer[source : source + size]
+        residual = None if found is None else found[i]
+        if residual is None:
+            spot.copy_(gradient)
+        else:
+            torch.add(gradient, residual, out=spot)
 
 
 def _piece_sizes(gradients: list[torch.Tensor], buffer: torch.Tensor) -> tuple[int, ...]:

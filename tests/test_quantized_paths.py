@@ -1,0 +1,149 @@
+"""The quantized hook's shortcuts keep the two phases' bits: a group of one rank sends nothing,
+and where collectives complete as they are queued (NCCL's way, here through
+``comm.completing_inline``) the check of the gathered scales is queued behind the all-gather
+and read only by the decisions held until the step's last bucket."""
+
+import pytest
+import torch
+from ddp_utils import FakeBucket
+
+from commhooks import QuantizationState, comm, quantized_hook
+from commhooks.testing import run_on_ranks
+
+BLOCK = 64
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
+def _grad(rank: int, n: int, step: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(100 * step + 10 * rank + n)
+    return torch.randn(n, generator=gen) * torch.linspace(0.01, 3, n)
+
+
+def _two_phases_alone(grad, first, second, bits):
+    """The two phases on one rank, written out with the math's functions: the applied result,
+    and the two errors left."""
+    from commhooks.hooks.quantized import blocks
+
+    fmt, n = blocks.BlockFormat(bits, BLOCK), grad.numel()
+    length = fmt.row_length(n, 1)
+    rows, scratch = torch.zeros(1, length), torch.zeros(1, length)
+    sent = torch.empty(1, fmt.packet_bytes(length), dtype=torch.uint8)
+    rows[0, :n] = grad + first
+    blocks.quantize_(rows, sent, fmt, scratch)
+    mine = blocks.dequantize_sum(sent, fmt, scratch, torch.zeros(length)).view(1, length)
+    mine[0, :n] += second
+    gathered = torch.empty_like(sent)
+    blocks.quantize_(mine, gathered, fmt, scratch)
+    applied = blocks.dequantize_(gathered, fmt, torch.zeros(1, length))[0, :n]
+    return applied, rows[0, :n].clone(), mine[0, :n].clone()
+
+
+def _alone(rank: int, world_size: int) -> dict:
+    out: dict = {}
+    for inline in (False, True):
+        for bits in (8, 4):
+            state = QuantizationState(None, bits=bits, block_size=BLOCK)
+            bucket = FakeBucket([torch.zeros(300)])
+            steps = []
+            with comm.observe_collectives() as counter:
+                for step in range(4):
+                    grad = _grad(rank, 300, step)
+                    if step == 2:
+                        grad[7], grad[100] = float("nan"), float("inf")
+                    before = {k: t.clone() for k, t in state.error.items()}
+                    before_owner = {k: t.clone() for k, t in state.owner_error.items()}
+                    bucket.set_buffer(grad.clone())
+                    with comm.completing_inline() if inline else _nothing():
+                        applied = quantized_hook(state, bucket).wait().clone()
+                    steps.append((grad, applied, before, before_owner, state.state_dict()))
+            out[inline, bits] = (steps, counter.calls)
+    return out
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+@pytest.mark.timeout(120)
+def test_one_rank_sends_nothing_and_applies_the_two_phases_bits():
+    [out] = run_on_ranks(_alone, 1, env=ENV, timeout=100)
+    for (inline, bits), (steps, calls) in out.items():
+        # Nothing travels, but the plain average of the step with inf and NaN.
+        assert calls == {"all_reduce": 1}, (inline, bits)
+        for step, (grad, applied, before, before_owner, after) in enumerate(steps):
+            first = before.get(0, torch.zeros(300))
+            second = before_owner.get("0:0-300", torch.zeros(300))
+            if step == 2:  # inf and NaN: the plain average of one rank, memories spared
+                assert torch.equal(applied.isnan(), grad.isnan())
+                assert torch.equal(applied.nan_to_num(), grad.nan_to_num())
+                assert torch.equal(after["error"]["0"], first)
+                assert torch.equal(after["owner_error"]["0:0-300"], second)
+                continue
+            expected, error, owner_error = _two_phases_alone(grad, first, second, bits)
+            assert torch.equal(applied, expected), (inline, bits, step)
+            assert torch.equal(after["error"]["0"], error)
+            assert torch.equal(after["owner_error"]["0:0-300"], owner_error)
+    for bits in (8, 4):  # held or not, the same bits
+        for ours, theirs in zip(out[False, bits][0], out[True, bits][0]):
+            assert torch.equal(ours[1].nan_to_num(), theirs[1].nan_to_num())
+
+
+def _held(rank: int, world_size: int) -> dict:
+    from commhooks.hooks.quantized import blocks
+
+    events: list[str] = []
+
+    class Spy(blocks.ScalesCheck):
+        def __init__(self, scales: torch.Tensor) -> None:
+            events.append("queued")
+            super().__init__(scales)
+
+        def finite(self, latest=None) -> bool:
+            events.append("read")
+            return super().finite(latest)
+
+    blocks.ScalesCheck = Spy
+    out: dict = {}
+    for inline in (False, True):
+        state = QuantizationState(None, bits=8, block_size=BLOCK)
+        buckets = [FakeBucket([torch.zeros(100 + 50 * i)], index=i, last=i == 3) for i in range(4)]
+        for step in range(2):
+            grads = [_grad(rank, b.buffer().numel(), step) for b in buckets]
+            if step == 1:
+                grads[1][5 + rank] = float("nan")
+            before = state.state_dict()
+            futures, seen = [], []
+            events.clear()
+            with comm.completing_inline() if inline else _nothing():
+                for bucket, grad in zip(buckets, grads):
+                    bucket.set_buffer(grad.clone())
+                    futures.append(quantized_hook(state, bucket))
+                    seen.append((events.count("queued"), events.count("read")))
+            applied = [f.wait().clone() for f in futures]
+            out[inline, step] = (grads, applied, seen, before, state.state_dict())
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_held_checks_are_queued_behind_the_all_gather_and_read_at_the_last_bucket():
+    ranks = run_on_ranks(_held, 2, env=ENV, timeout=100)
+    for out in ranks:
+        for step in range(2):
+            grads, applied, seen, before, after = out[True, step]
+            # Each bucket's check is queued as its hook returns; none is read before the last.
+            assert seen[:3] == [(1, 0), (2, 0), (3, 0)], seen
+            assert seen[3] == (4, 4), seen
+            _, applied_gloo, _, _, after_gloo = out[False, step]
+            for ours, gloo in zip(applied, applied_gloo):
+                assert torch.equal(ours.nan_to_num(), gloo.nan_to_num())
+            if step == 1:  # the NaN bucket comes back as plain allreduce puts it
+                assert applied[1].isnan().sum() == 2
+                assert all(torch.isfinite(a).all() for i, a in enumerate(applied) if i != 1)
+                number = 1  # bucket 1's parameter: numbered as the buckets came
+                assert torch.equal(after["error"][str(number)], before["error"][str(number)])
+    plain = ranks[0][True, 1][0][1] * 0.5 + ranks[1][True, 1][0][1] * 0.5
+    assert torch.equal(ranks[0][True, 1][1][1].nan_to_num(), plain.nan_to_num())
