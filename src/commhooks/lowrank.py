@@ -24,15 +24,21 @@ __all__ = [
     "left_factor_into",
     "orthogonalize_",
     "pack_into",
+    "Product",
     "product_into",
+    "products_into",
+    "project_",
     "reads_back_checks",
     "reconstruct_",
+    "Reconstruction",
+    "reconstruct_all_",
     "scratch_elements",
     "right_factor_into",
     "should_compress",
     "square_side",
     "subtract_product_",
     "unpack_from",
+    "unpack_remembering_",
 ]
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -208,6 +214,33 @@ def right_factor_into(matrices: torch.Tensor, p: torch.Tensor, out: torch.Tensor
         torch.bmm(p.transpose(1, 2), matrices, out=out.transpose(1, 2))
     else:
         torch.bmm(matrices.transpose(1, 2), p, out=out)
+
+
+Product = tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]
+"""``(matrices, factor, out, right)``: ``out = M factor``, or with ``right`` ``out = Mᵀ factor``
+(see :func:`left_factor_into` and :func:`right_factor_into`)."""
+
+
+def project_(
+    starts: Sequence[torch.Tensor],
+    products: Sequence[Product],
+    epsilon: float = 0.0,
+    method: str = "auto",
+    exact: bool = True,
+) -> None:
+    """One half of a power iteration: orthogonalise each stack of ``starts``, then form each
+    product of ``products`` from them.
+
+    A bucket's compression is this sequence over many small matrices; one call here keeps the
+    whole of it, in order, in the module that owns the arithmetic.
+    """
+    for stack in starts:
+        orthogonalize_(stack, epsilon, method)
+    for matrices, factor, out, right in products:
+        if right:
+            right_factor_into(matrices, factor, out)
+        else:
+            left_factor_into(matrices, factor, out, exact=exact)
 
 
 def approximate_into(p: torch.Tensor, q: torch.Tensor, out: torch.Tensor) -> None:
@@ -462,6 +495,77 @@ def reconstruct_(
         if error is not None:
             torch.sub(block, approx, out=error[start : start + rows])
         block.copy_(approx)
+
+
+Reconstruction = tuple[
+    Sequence[torch.Tensor], torch.Tensor, torch.Tensor, Sequence[torch.Tensor] | None
+]
+"""``(matrices, P, Qᵀ, errors)``: 2-D matrices of one shape, the stacks of their factors
+``(batch, n, r)`` and ``(batch, r, m)``, and where to write each error (or ``None``)."""
+
+
+def reconstruct_all_(groups: Sequence[Reconstruction], scratch: torch.Tensor) -> None:
+    """:func:`reconstruct_` of each matrix of each group from its ``P`` and ``Qᵀ``.
+
+    Matrices that fit one block of rows on a CPU are approximated with one batched product
+    (whose kernel computes each matrix's product exactly as one product per matrix does) and
+    their errors and results written with one batched operation each: per matrix, a step would
+    otherwise pay three operations' fixed cost, which on small matrices is most of the work.
+    """
+    for matrices, p, qt, errors in groups:
+        if not matrices:
+            continue
+        first = matrices[0]
+        if len(matrices) == 1 or not _blocked(first) or _block_rows(first) < first.shape[0]:
+            for i, matrix in enumerate(matrices):
+                error = None if errors is None else errors[i]
+                reconstruct_(matrix, p[i], qt[i], error, scratch)
+            continue
+        _reconstruct_small_(list(matrices), p, qt, None if errors is None else list(errors))
+
+
+def _reconstruct_small_(
+    matrices: list[torch.Tensor],
+    p: torch.Tensor,
+    qt: torch.Tensor,
+    errors: list[torch.Tensor] | None,
+) -> None:
+    # Chunks of a few blocks' bytes bound the batched product's memory.
+    first = matrices[0]
+    chunk = max(1, 4 * _BLOCK_BYTES // max(1, first.numel() * first.element_size()))
+    for start in range(0, len(matrices), chunk):
+        end = min(start + chunk, len(matrices))
+        approx = list(torch.bmm(p[start:end], qt[start:end]).unbind(0))
+        if errors is not None:
+            torch._foreach_copy_(errors[start:end], matrices[start:end])
+            torch._foreach_sub_(errors[start:end], approx)
+        torch._foreach_copy_(matrices[start:end], approx)
+
+
+def products_into(
+    outs: Sequence[torch.Tensor], p: Sequence[torch.Tensor], qt: Sequence[torch.Tensor]
+) -> None:
+    """:func:`product_into` of each ``outs[i] = p[i] qt[i]``."""
+    for out, pi, qti in zip(outs, p, qt):
+        product_into(out, pi, qti)
+
+
+def unpack_remembering_(
+    flat: torch.Tensor, tensors: Sequence[torch.Tensor], errors: Sequence[torch.Tensor] | None
+) -> None:
+    """:func:`unpack_from`, and first ``errors[i] = tensors[i] - `` its new value, if given.
+
+    The error feedback of the tensors sent as they are (their value minus the average), with
+    one batched operation per pass instead of one per tensor.
+    """
+    if not tensors:
+        return
+    sizes = [t.numel() for t in tensors]
+    means = [m.view_as(t) for m, t in zip(flat[: sum(sizes)].split_with_sizes(sizes), tensors)]
+    if errors is not None:
+        torch._foreach_copy_(list(errors), list(tensors))
+        torch._foreach_sub_(list(errors), means)
+    torch._foreach_copy_(list(tensors), means)
 
 
 def scratch_elements(matrix: torch.Tensor, rank: int = 0) -> int:

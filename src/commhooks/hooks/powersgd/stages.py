@@ -31,21 +31,22 @@ __all__ = [
     "Batch",
     "BucketStep",
     "Matrix",
-    "compensate_matrices",
-    "compensate_vectors",
-    "decompress",
+    "Run",
+    "compensate",
+    "decompress_all",
+    "factor_view",
     "fall_back",
+    "finish_single",
+    "first_factors",
     "form_batches",
+    "keep_factors",
     "kinds",
     "known_shape",
-    "lay_out_known",
-    "lay_out_sent",
-    "orthogonalize_all",
+    "lay_out",
+    "second_factors",
     "sends_q",
-    "sent_factor",
     "sent_numel",
     "sent_shape",
-    "start_factors",
     "starts_from_q",
     "unpack_vectors",
 ]
@@ -84,6 +85,33 @@ class Batch:
         """A single-round step that computes ``Q = Mᵀ P`` from the last ``P``."""
         return self.matrices[0].step == Q_STEP
 
+    def dims(self) -> tuple[int, int, int, int]:
+        """``(matrices, rows, cols, rank)``."""
+        count, n, m = self.stack.shape
+        return count, n, m, self.matrices[0].rank
+
+
+@dataclass
+class Run:
+    """Consecutive batches of one shape, rank and step: their factors are one stack in each
+    flat buffer, so that the work on all of them is one batched call."""
+
+    batches: list[Batch]
+    known: torch.Tensor = field(init=False)  # every batch's ``known``, in order, (count, ., r)
+    sent: torch.Tensor = field(init=False)  # every batch's ``sent``, in order
+
+    @property
+    def refines_q(self) -> bool:
+        return self.batches[0].refines_q
+
+    def matrices(self) -> list[Matrix]:
+        return [m for b in self.batches for m in b.matrices]
+
+    def dims(self) -> tuple[int, int, int, int]:
+        """``(matrices, rows, cols, rank)``."""
+        _, n, m, rank = self.batches[0].dims()
+        return sum(len(b.matrices) for b in self.batches), n, m, rank
+
 
 @dataclass
 class BucketStep:
@@ -98,6 +126,7 @@ class BucketStep:
     vector_keys: list[Key]
     writeback: Callable[[], object] | None = None  # copies the matrices' results into ``buffer``
     batches: list[Batch] = field(default_factory=list)
+    runs: list[Run] = field(default_factory=list)
     _scratch: torch.Tensor | None = None
     _made: list[torch.Tensor] = field(default_factory=list)
 
@@ -147,29 +176,33 @@ class BucketStep:
 
 
 # -- error feedback ------------------------------------------------------------------------------
-def compensate_vectors(step: BucketStep) -> None:
-    """Add the remembered error to each tensor sent as it is."""
-    if step.state.settings.use_error_feedback:
-        for key, t in zip(step.vector_keys, step.vectors):
-            step.state.memory.compensate_(key, t)
+def compensate(step: BucketStep, stacked_only: bool = False) -> torch.Tensor:
+    """Add the remembered error to each tensor sent as it is and to each matrix, in place
+    (M = gradient + previous error), in one call to the memory; return the tensors sent as
+    they are, packed into one flat buffer.
 
-
-def compensate_matrices(step: BucketStep, matrices: list[Matrix]) -> None:
-    """Add the remembered error to each matrix in place, so M = gradient + previous error."""
+    With ``stacked_only`` (single round) only matrices compressed with others are compensated:
+    stacking copies them, so M must be formed first; one alone has its gradient absorbed into
+    the memory instead (see :meth:`LazyErrorFeedback.absorb_`).
+    """
+    matrices = step.matrices
+    if stacked_only:
+        matrices = [m for ms in kinds(step) if len(ms) > 1 for m in ms]
     if step.state.settings.use_error_feedback:
-        for m in matrices:
-            m.compensated = step.state.memory.compensate_(m.key, m.view)
+        keys = [*step.vector_keys, *(m.key for m in matrices)]
+        tensors = [*step.vectors, *(m.view for m in matrices)]
+        added = step.state.memory.compensate_all_(keys, tensors)
+        for m, was in zip(matrices, added[len(step.vectors) :]):
+            m.compensated = was
+    return lowrank.pack_into(step.vectors, step.new_flat(step.vector_numel()))
 
 
 def unpack_vectors(step: BucketStep, averaged: torch.Tensor) -> None:
     """Copy the averages back; remember ``local - mean`` (error feedback, as PyTorch does)."""
-    remember, offset = step.state.settings.use_error_feedback, 0
-    for key, t in zip(step.vector_keys, step.vectors):
-        mean = averaged[offset : offset + t.numel()].view_as(t)
-        offset += t.numel()
-        if remember:
-            torch.sub(t, mean, out=step.state.memory.slot(key, t))
-        t.copy_(mean)
+    errors = None
+    if step.state.settings.use_error_feedback:
+        errors = step.state.memory.slots(step.vector_keys, step.vectors)
+    lowrank.unpack_remembering_(averaged, step.vectors, errors)
 
 
 def fall_back(step: BucketStep) -> "torch.futures.Future[torch.Tensor]":
@@ -180,14 +213,10 @@ def fall_back(step: BucketStep) -> "torch.futures.Future[torch.Tensor]":
     sees inf/NaN exactly where plain allreduce puts them. A follow-up collective: call it in
     the issuer's slot. A memory that was not finite is reset, with a warning.
     """
-    memory = step.state.memory
-    for key, t in zip(step.vector_keys, step.vectors):
-        memory.withdraw_(key, t)
-    for m in step.matrices:
-        if m.compensated:
-            memory.withdraw_(m.key, m.view)
-        if m.absorbed is not None:
-            memory.roll_back_(m.absorbed)
+    withdrawn = list(zip(step.vector_keys, step.vectors))
+    withdrawn += [(m.key, m.view) for m in step.matrices if m.compensated]
+    absorbed = [m.absorbed for m in step.matrices if m.absorbed is not None]
+    step.state.memory.abandon_(withdrawn, absorbed)
     return comm.average(step.buffer, step.state.issuer.group)
 
 
@@ -203,56 +232,65 @@ def kinds(step: BucketStep) -> list[list[Matrix]]:
 
 
 def form_batches(step: BucketStep, kinds: list[list[Matrix]]) -> None:
+    """One :class:`Batch` per kind, and the runs of consecutive batches of one shape."""
     for matrices in kinds:
         if len(matrices) > 1:
             stack = step.made(torch.stack([m.view for m in matrices]))
         else:
             stack = matrices[0].view.unsqueeze(0)
         step.batches.append(Batch(matrices, stack))
+    for b in step.batches:
+        last = step.runs[-1] if step.runs else None
+        if last is not None and _same_kind(last.batches[-1], b):
+            last.batches.append(b)
+        else:
+            step.runs.append(Run([b]))
 
 
-def known_shape(b: Batch) -> Shape:
+def _same_kind(a: Batch, b: Batch) -> bool:
+    return a.stack.shape[1:] == b.stack.shape[1:] and (a.matrices[0].rank, a.matrices[0].step) == (
+        b.matrices[0].rank,
+        b.matrices[0].step,
+    )
+
+
+def known_shape(b: Batch | Run) -> Shape:
     """The factor a step starts from: ``P`` (B, n, r) for a Q step, else ``Q`` (B, m, r)."""
-    count, n, m = b.stack.shape
-    return (count, n, b.matrices[0].rank) if b.refines_q else (count, m, b.matrices[0].rank)
+    count, n, m, rank = b.dims()
+    return (count, n, rank) if b.refines_q else (count, m, rank)
 
 
-def sent_shape(b: Batch) -> Shape:
+def sent_shape(b: Batch | Run) -> Shape:
     """The factor a step computes and sends first: ``Q`` for a Q step, else ``P``."""
-    count, n, m = b.stack.shape
-    return (count, m, b.matrices[0].rank) if b.refines_q else (count, n, b.matrices[0].rank)
+    count, n, m, rank = b.dims()
+    return (count, m, rank) if b.refines_q else (count, n, rank)
 
 
-def lay_out_known(step: BucketStep) -> torch.Tensor:
-    """A flat buffer for the factor each batch starts from, each batch's ``known`` a view."""
-    flat = step.new_flat(sum(math.prod(known_shape(b)) for b in step.batches))
-    for b, view in zip(step.batches, _views(step.batches, flat, known_shape, starts_from_q)):
-        b.known = view
-    return flat
+def lay_out(step: BucketStep, leading: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat buffers for the factors each batch starts from and sends, and their views.
+
+    Returns ``(known, send)``; ``send`` begins with ``leading`` elements for the caller (the
+    tensors sent as they are), then every batch's sent factor. A run's factors are one stack
+    in each buffer; its batches' factors are views of that stack.
+    """
+    known = step.new_flat(sum(math.prod(known_shape(r)) for r in step.runs))
+    send = step.new_flat(leading + sum(math.prod(sent_shape(r)) for r in step.runs))
+    k, s = 0, leading
+    for run in step.runs:
+        shape, shape_sent = known_shape(run), sent_shape(run)
+        run.known = factor_view(known[k : k + math.prod(shape)], shape, starts_from_q(run))
+        run.sent = factor_view(send[s : s + math.prod(shape_sent)], shape_sent, sends_q(run))
+        k, s = k + math.prod(shape), s + math.prod(shape_sent)
+        counts = [len(b.matrices) for b in run.batches]
+        for b, kv, sv in zip(
+            run.batches, run.known.split_with_sizes(counts), run.sent.split_with_sizes(counts)
+        ):
+            b.known, b.sent = kv, sv
+    return known, send
 
 
 def sent_numel(step: BucketStep) -> int:
     return sum(math.prod(sent_shape(b)) for b in step.batches)
-
-
-def lay_out_sent(step: BucketStep, flat: torch.Tensor) -> None:
-    """Each batch's ``sent`` factor, a view into ``flat`` (of :func:`sent_numel` elements)."""
-    for b, view in zip(step.batches, _views(step.batches, flat, sent_shape, sends_q)):
-        b.sent = view
-
-
-def _views(
-    batches: list[Batch],
-    flat: torch.Tensor,
-    shape_of: Callable[[Batch], Shape],
-    is_q: Callable[[Batch], bool],
-) -> list[torch.Tensor]:
-    views, offset = [], 0
-    for b in batches:
-        shape = shape_of(b)
-        views.append(factor_view(flat[offset : offset + math.prod(shape)], shape, is_q(b)))
-        offset += math.prod(shape)
-    return views
 
 
 def factor_view(flat: torch.Tensor, shape: Shape, is_q: bool) -> torch.Tensor:
@@ -267,18 +305,79 @@ def factor_view(flat: torch.Tensor, shape: Shape, is_q: bool) -> torch.Tensor:
     return flat.view(batch, rank, rows).transpose(1, 2)
 
 
-def starts_from_q(b: Batch) -> bool:
+def starts_from_q(b: Batch | Run) -> bool:
     """Whether the factor a batch starts from is a ``Q``: it is, except on a Q step."""
     return not b.refines_q
 
 
-def sends_q(b: Batch) -> bool:
+def sends_q(b: Batch | Run) -> bool:
     """Whether the factor a batch sends first is a ``Q``: only on a Q step."""
     return b.refines_q
 
 
+def _merged(runs: list[Run], known: bool) -> list[torch.Tensor]:
+    """The runs' known (or sent) factors, consecutive stacks of one shape and layout joined.
+
+    A bucket's layers mostly share a few widths: each joined stack is orthogonalised with
+    one batched call, which saves many small operations on the critical path.
+    """
+    stacks: list[torch.Tensor] = []
+    for run in runs:
+        stack = run.known if known else run.sent
+        last = stacks[-1] if stacks else None
+        if (
+            last is not None
+            and last.shape[1:] == stack.shape[1:]
+            and last.stride() == stack.stride()
+            and last.data_ptr() + last.numel() * last.element_size() == stack.data_ptr()
+        ):
+            stacks[-1] = last.as_strided(
+                (last.shape[0] + stack.shape[0], *stack.shape[1:]),
+                stack.stride(),
+                last.storage_offset(),
+            )
+        else:
+            stacks.append(stack)
+    return stacks
+
+
 # -- the factors -------------------------------------------------------------------------------
-def start_factors(step: BucketStep, known: torch.Tensor) -> None:
+def first_factors(
+    step: BucketStep, leading: torch.Tensor | None, absorbing: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch the matrices, fill each batch's starting factor (stored or random, orthogonalised)
+    and form from it the factor it sends: ``P = M Q``, or ``Q = Mᵀ P`` on a Q step.
+
+    Returns the flat buffers ``(known, send)``; ``send`` begins with ``leading`` (the tensors
+    sent as they are), if given. With ``absorbing`` (single round, error feedback), a matrix
+    alone has its factor formed by the memory as it adds the gradient in
+    (:meth:`LazyErrorFeedback.absorb_`).
+    """
+    form_batches(step, kinds(step))
+    known, send = lay_out(step, 0 if leading is None else leading.numel())
+    if leading is not None:
+        send[: leading.numel()].copy_(leading)
+    _fill_starts(step, known)
+    settings = step.state.settings
+    alone = absorbing and settings.use_error_feedback
+    products = [
+        (b.stack, b.known, b.sent, b.refines_q) for b in step.batches if b.stacked or not alone
+    ]
+    singles = [b for b in step.batches if alone and not b.stacked]
+    steps = [(b.matrices[0].key, b.matrices[0].view, b.known[0], b.sent[0]) for b in singles]
+    method = "qr" if settings.single_round else "auto"  # its own numerics: the faster QR
+    starts = _merged(step.runs, known=True)
+    scratch = step.scratch()
+    eps = settings.orthogonalization_epsilon
+    lowrank.project_(starts, products, eps, method, exact=not settings.single_round)
+    if singles:
+        refines = [b.refines_q for b in singles]
+        for b, each in zip(singles, step.state.memory.absorb_all_(steps, refines, scratch)):
+            b.matrices[0].absorbed = each
+    return known, send
+
+
+def _fill_starts(step: BucketStep, known: torch.Tensor) -> None:
     """Fill each batch's starting factor: the stored one (warm start) or a random projection.
 
     A bucket call that needs any random projection draws one seed from the state's numpy
@@ -286,81 +385,172 @@ def start_factors(step: BucketStep, known: torch.Tensor) -> None:
     every rank, PyTorch's sequence, and the global RNG untouched. A call draws its seed
     wherever PyTorch's hook does (every step without warm start, and on the first step that
     compresses), even with nothing to sample, so that every later bucket draws the seed it
-    would draw there: a bucket of vectors only still takes its turn.
+    would draw there: a bucket of vectors only still takes its turn. A run whose factors are
+    all stored is copied with one batched operation.
     """
     state, settings = step.state, step.state.settings
     warm = settings.warm_start or settings.single_round
     first = state.iter == settings.start_powerSGD_iter
     gen = _seeded(state) if not warm or first else None
-    for b in step.batches:
-        shape = known_shape(b)
-        which = P_STEP if b.refines_q else Q_STEP
+    for run in step.runs:
+        shape = known_shape(run)
+        which = P_STEP if run.refines_q else Q_STEP
         stored = [
             state.factors.start(which, m.key, shape[1:], known) if warm else None
-            for m in b.matrices
+            for m in run.matrices()
         ]
-        if any(t is None for t in stored) and gen is None:
-            gen = _seeded(state)
-        if all(t is None for t in stored):
-            b.known.copy_(torch.randn(shape, generator=gen, dtype=known.dtype))
+        if all(t is not None for t in stored):
+            found = [t.reshape(shape[1:]) for t in stored if t is not None]
+            torch._foreach_copy_(list(run.known.unbind(0)), found)
             continue
-        for i, t in enumerate(stored):
+        gen = _random_starts(state, run, stored, gen)
+
+
+def _random_starts(
+    state: PowerSGDState,
+    run: Run,
+    stored: list[torch.Tensor | None],
+    gen: torch.Generator | None,
+) -> torch.Generator:
+    """Fill a run's starting factors batch by batch, drawing where none is stored."""
+    if gen is None:
+        gen = _seeded(state)
+    at = 0
+    for b in run.batches:
+        mine, at = stored[at : at + len(b.matrices)], at + len(b.matrices)
+        shape = known_shape(b)
+        if all(t is None for t in mine):
+            b.known.copy_(torch.randn(shape, generator=gen, dtype=b.known.dtype))
+            continue
+        for i, t in enumerate(mine):
             if t is None:
-                t = torch.randn((1, *shape[1:]), generator=gen, dtype=known.dtype)
+                t = torch.randn((1, *shape[1:]), generator=gen, dtype=b.known.dtype)
             b.known[i].copy_(t.reshape(shape[1:]))
-    orthogonalize_all(step, known, known_shape, starts_from_q)
+    return gen
 
 
 def _seeded(state: PowerSGDState) -> torch.Generator:
     return torch.Generator().manual_seed(int(state.rng.randint(1_000_000_000)))
 
 
-def orthogonalize_all(
-    step: BucketStep,
-    flat: torch.Tensor,
-    shape_of: Callable[[Batch], Shape],
-    is_q: Callable[[Batch], bool],
-) -> None:
-    """Orthogonalise every batch's factor in ``flat``, laid out one batch after another.
+def second_factors(step: BucketStep, packed: torch.Tensor, q: torch.Tensor) -> torch.Tensor | None:
+    """After the first round: the tensors sent as they are take their average (their error
+    remembered), each summed ``P`` is orthogonalised and ``Q = Mᵀ P`` written over the
+    starting ``Q`` in ``q``, the buffer sent next.
 
-    Consecutive batches whose factors have the same shape and layout are one stack in
-    ``flat``: they are orthogonalised with one batched call each (a bucket's layers mostly
-    share a few widths), which saves many small per-layer operations on the critical path.
+    Returns a copy of the starting ``Q`` with warm start (a direction the new ``Q`` loses is
+    taken from it, see :func:`keep_factors`), else ``None``.
     """
-    runs: list[list[int]] = []  # [start, end, batch, rows, rank, is_q]
-    offset = 0
-    for b in step.batches:
-        count, rows, rank = shape_of(b)
-        end, q = offset + count * rows * rank, int(is_q(b))
-        last = runs[-1] if runs else None
-        if last is not None and last[1] == offset and last[3:] == [rows, rank, q]:
-            last[1], last[2] = end, last[2] + count
-        else:
-            runs.append([offset, end, count, rows, rank, q])
-        offset = end
-    # The single-round variant has numerics of its own: it takes the faster QR.
-    method = "qr" if step.state.settings.single_round else "auto"
-    epsilon = step.state.settings.orthogonalization_epsilon
-    for start, end, count, rows, rank, q in runs:
-        stack = factor_view(flat[start:end], (count, rows, rank), bool(q))
-        lowrank.orthogonalize_(stack, epsilon, method)
+    settings = step.state.settings
+    starts = step.made(q.clone()) if settings.warm_start else None
+    products = [(b.stack, b.sent, b.known, True) for b in step.batches]
+    stacks = _merged(step.runs, known=False)
+    errors = None
+    if settings.use_error_feedback:
+        errors = step.state.memory.slots(step.vector_keys, step.vectors)
+    lowrank.unpack_remembering_(packed, step.vectors, errors)
+    eps = settings.orthogonalization_epsilon
+    lowrank.project_(stacks, products, eps, "auto")
+    return starts
 
 
-def sent_factor(step: BucketStep, b: Batch) -> None:
-    """``P = M Q``, or ``Q = Mᵀ P`` on a Q step: from the batch's known factor into ``sent``."""
-    if b.refines_q:
-        lowrank.right_factor_into(b.stack, b.known, b.sent)
-    else:
-        exact = not step.state.settings.single_round
-        lowrank.left_factor_into(b.stack, b.known, b.sent, exact=exact)
+def approximate(step: BucketStep, q: torch.Tensor, starts: torch.Tensor | None) -> None:
+    """After the second round: ``P Qᵀ`` into each matrix, ``M - P Qᵀ`` remembered as its error,
+    and each averaged ``Q`` kept for the next step's warm start (see :func:`keep_factors`)."""
+    keep_factors(step, q, starts)
+    decompress_all(step, step.runs)
 
 
-def decompress(step: BucketStep, b: Batch, p: torch.Tensor, q: torch.Tensor) -> None:
-    """Write ``P Qᵀ`` into each matrix of ``b``; remember ``M - P Qᵀ`` as its error."""
-    memory = step.state.memory if step.state.settings.use_error_feedback else None
-    for i, m in enumerate(b.matrices):
-        error = memory.slot(m.key, m.view) if memory is not None else None
-        # Q factors are stored as Qᵀ, so q[i].t() is the contiguous (rank, cols) matrix.
-        lowrank.reconstruct_(b.stack[i], p[i], q[i].t(), error, step.scratch())
-        if b.stacked:
-            m.view.copy_(b.stack[i])
+def keep_factors(step: BucketStep, q: torch.Tensor, starts: torch.Tensor | None) -> None:
+    """Keep each matrix's averaged ``Q`` (in ``q``) for the next step's warm start.
+
+    A zero column of Q (a zero gradient, or one of lower rank) would stay zero at every later
+    step: M·0 = 0. Its previous direction, from ``starts`` (laid out as ``q``), is kept instead.
+    """
+    if starts is None:
+        return
+    factors = step.state.factors
+    for run in step.runs:
+        known = run.known
+        start = starts.as_strided(
+            known.shape, known.stride(), known.storage_offset() - q.storage_offset()
+        )
+        kept = lowrank.keep_nonzero_columns(known, start)
+        for m, factor in zip(run.matrices(), kept.unbind(0)):
+            factors.keep(m.key, None, factor)
+
+
+def decompress_all(step: BucketStep, runs: list["Run"]) -> None:
+    """Write ``P Qᵀ`` into each matrix of ``runs``; remember ``M - P Qᵀ`` as its error.
+
+    Every error slot is taken from the memory at once, then every product is written in one
+    call.
+    """
+    matrices = [m for run in runs for m in run.matrices()]
+    errors: list[torch.Tensor] | None = None
+    if step.state.settings.use_error_feedback:
+        errors = step.state.memory.slots([m.key for m in matrices], [m.view for m in matrices])
+    lowrank.reconstruct_all_(_reconstructions(runs, errors), step.scratch())
+
+
+def _reconstructions(
+    runs: list["Run"], errors: list[torch.Tensor] | None
+) -> list[lowrank.Reconstruction]:
+    """Each run's matrices, ``P``, ``Qᵀ`` and error slots (``errors`` in the runs' order)."""
+    groups: list[lowrank.Reconstruction] = []
+    at = 0
+    for run in runs:
+        p, q = (run.known, run.sent) if run.refines_q else (run.sent, run.known)
+        views = [m.view for m in run.matrices()]
+        mine = None if errors is None else errors[at : at + len(views)]
+        # Q factors are stored as Qᵀ, so the transpose of a Q stack is contiguous.
+        groups.append((views, p, q.transpose(1, 2), mine))
+        at += len(views)
+    return groups
+
+
+def finish_single(step: BucketStep, averaged: torch.Tensor) -> None:
+    """After the single round: the averages into the tensors sent as they are, ``P Qᵀ`` into
+    each matrix, and both factors kept with the step each matrix made.
+
+    A matrix compressed with others remembers ``M - P Qᵀ``; one alone had its gradient
+    absorbed into the memory, which keeps ``P Qᵀ`` to subtract later.
+    """
+    settings = step.state.settings
+    stacked = [run for run in step.runs if run.batches[0].stacked]
+    alone = [run for run in step.runs if not run.batches[0].stacked]
+    matrices = [m for run in stacked for m in run.matrices()]
+    singles = [m for run in alone for m in run.matrices()]
+    p, qt = _factors_of(alone)
+    errors = None
+    if settings.use_error_feedback:
+        memory = step.state.memory
+        deferred = [(m.key, pi, qi) for m, pi, qi in zip(singles, p, qt) if m.absorbed is not None]
+        memory.defer_all_(deferred)
+        keys = [*step.vector_keys, *(m.key for m in matrices)]
+        errors = memory.slots(keys, [*step.vectors, *(m.view for m in matrices)])
+    lowrank.unpack_remembering_(averaged, step.vectors, errors)
+    rest = None if errors is None else errors[len(step.vectors) :]
+    lowrank.reconstruct_all_(_reconstructions(stacked, rest), step.scratch())
+    lowrank.products_into([m.view for m in singles], p, qt)
+    _keep_both(step)
+
+
+def _factors_of(runs: list["Run"]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each matrix's ``P`` (n, r) and ``Qᵀ`` (r, m) in ``runs``, in order."""
+    p: list[torch.Tensor] = []
+    qt: list[torch.Tensor] = []
+    for run in runs:
+        pr, qr = (run.known, run.sent) if run.refines_q else (run.sent, run.known)
+        p += pr.unbind(0)
+        qt += qr.transpose(1, 2).unbind(0)
+    return p, qt
+
+
+def _keep_both(step: BucketStep) -> None:
+    """Keep copies of both factors of every matrix, and which one its step refined."""
+    factors = step.state.factors
+    for run in step.runs:
+        p, q = (run.known, run.sent) if run.refines_q else (run.sent, run.known)
+        for m, pi, qi in zip(run.matrices(), p.clone().unbind(0), q.clone().unbind(0)):
+            factors.keep(m.key, pi, qi, m.step)

@@ -31,18 +31,10 @@ def two_rounds(step: BucketStep) -> "Future[torch.Tensor]":
     issuer, in slot order.
     """
     group = step.group
+    packed = stages.compensate(step)  # M = gradient + remembered error
     # The uncompressed tensors need no compression work: their average starts first.
-    stages.compensate_vectors(step)
-    packed = lowrank.pack_into(step.vectors, step.new_flat(step.vector_numel()))
     plain = _sum_then_mean(packed, group) if packed.numel() else comm.completed(packed)
-    stages.compensate_matrices(step, step.matrices)  # M = gradient + remembered error
-    stages.form_batches(step, stages.kinds(step))
-    q = stages.lay_out_known(step)
-    p = step.new_flat(stages.sent_numel(step))
-    stages.lay_out_sent(step, p)
-    stages.start_factors(step, q)  # Q: warm start or random, orthogonalised
-    for batch in step.batches:
-        stages.sent_factor(step, batch)  # P = M Q
+    q, p = stages.first_factors(step, None, absorbing=False)  # P = M Q
     # P is orthogonalised after the sum, so it needs no division by the world size.
     p_sum = comm.allreduce(p, group)
     firsts = torch.futures.collect_all([plain, p_sum])
@@ -63,15 +55,7 @@ def _second_round(
         first.wait()
     if not lowrank.is_finite(packed, p):  # reduced data: every rank decides alike
         return stages.fall_back(step)
-    stages.unpack_vectors(step, packed)
-    stages.orthogonalize_all(step, p, stages.sent_shape, lambda batch: False)
-    # A direction the new Q loses is taken from the old one.
-    starts = (
-        [step.made(b.known.clone()) for b in step.batches] if step.state.settings.warm_start else []
-    )
-    for b in step.batches:
-        # Q = Mᵀ P overwrites the starting Q, in the buffer that is sent next.
-        lowrank.right_factor_into(b.stack, b.sent, b.known)
+    starts = stages.second_factors(step, packed, q)  # Q = Mᵀ P over the starting Q
     q_sum = comm.allreduce(q, step.state.issuer.group)
     return callbacks.then(q_sum, lambda done: _approximate(step, done, q, starts))
 
@@ -80,19 +64,12 @@ def _approximate(
     step: BucketStep,
     done: "Future[torch.Tensor]",
     q: torch.Tensor,
-    starts: list[torch.Tensor],
+    starts: torch.Tensor | None,
 ) -> torch.Tensor:
     """``M ≈ P Qᵀ`` into the gradients, ``M - P Qᵀ`` into the memory; keep ``Q``."""
     done.wait()
     q.div_(step.group.size())
-    for b in step.batches:
-        stages.decompress(step, b, b.sent, b.known)
-    for b, start in zip(step.batches, starts):
-        # A zero column of Q (a zero gradient, or one of lower rank) would stay zero at every
-        # later step: M·0 = 0. Its previous direction is kept instead.
-        kept = lowrank.keep_nonzero_columns(b.known, start)
-        for i, m in enumerate(b.matrices):
-            step.state.factors.keep(m.key, None, kept[i])
+    stages.approximate(step, q, starts)
     return step.write_back()
 
 
