@@ -185,6 +185,7 @@ def compensate(step: BucketStep, stacked_only: bool = False) -> torch.Tensor:
     stacking copies them, so M must be formed first; one alone has its gradient absorbed into
     the memory instead (see :meth:`LazyErrorFeedback.absorb_`).
     """
+    packed = step.new_flat(step.vector_numel())
     matrices = step.matrices
     if stacked_only:
         matrices = [m for ms in kinds(step) if len(ms) > 1 for m in ms]
@@ -194,7 +195,7 @@ def compensate(step: BucketStep, stacked_only: bool = False) -> torch.Tensor:
         added = step.state.memory.compensate_all_(keys, tensors)
         for m, was in zip(matrices, added[len(step.vectors) :]):
             m.compensated = was
-    return lowrank.pack_into(step.vectors, step.new_flat(step.vector_numel()))
+    return lowrank.pack_into(step.vectors, packed)
 
 
 def unpack_vectors(step: BucketStep, averaged: torch.Tensor) -> None:

@@ -9,7 +9,6 @@ Hook modules must not use ``from __future__ import annotations``: DDP rejects st
 """
 
 import torch
-import torch.distributed as dist
 
 from commhooks import callbacks, comm, lowrank
 
@@ -31,9 +30,13 @@ def two_rounds(step: BucketStep) -> "Future[torch.Tensor]":
     issuer, in slot order.
     """
     group = step.group
+    world = group.size()
     packed = stages.compensate(step)  # M = gradient + remembered error
     # The uncompressed tensors need no compression work: their average starts first.
-    plain = _sum_then_mean(packed, group) if packed.numel() else comm.completed(packed)
+    plain = comm.completed(packed)
+    if packed.numel():
+        # PyTorch's order (sum, then divide) rather than DDP's, for the same numerics as its hook.
+        plain = callbacks.then(comm.allreduce(packed, group), lambda fut: fut.value().div_(world))
     q, p = stages.first_factors(step, None, absorbing=False)  # P = M Q
     # P is orthogonalised after the sum, so it needs no division by the world size.
     p_sum = comm.allreduce(p, group)
@@ -71,9 +74,3 @@ def _approximate(
     q.div_(step.group.size())
     stages.approximate(step, q, starts)
     return step.write_back()
-
-
-def _sum_then_mean(packed: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.Tensor]":
-    # PyTorch's order (sum, then divide) rather than DDP's, for the same numerics as its hook.
-    world = group.size()
-    return callbacks.then(comm.allreduce(packed, group), lambda fut: fut.value().div_(world))
