@@ -497,31 +497,36 @@ def reconstruct_(
         block.copy_(approx)
 
 
-Reconstruction = tuple[
-    Sequence[torch.Tensor], torch.Tensor, torch.Tensor, Sequence[torch.Tensor] | None
-]
-"""``(matrices, P, Qᵀ, errors)``: 2-D matrices of one shape, the stacks of their factors
-``(batch, n, r)`` and ``(batch, r, m)``, and where to write each error (or ``None``)."""
+Reconstruction = tuple[Sequence[torch.Tensor], torch.Tensor, torch.Tensor]
+"""``(matrices, P, Qᵀ)``: 2-D matrices of one shape and the stacks of their factors,
+``(batch, n, r)`` and ``(batch, r, m)``."""
 
 
-def reconstruct_all_(groups: Sequence[Reconstruction], scratch: torch.Tensor) -> None:
-    """:func:`reconstruct_` of each matrix of each group from its ``P`` and ``Qᵀ``.
+def reconstruct_all_(
+    groups: Sequence[Reconstruction],
+    errors: Sequence[torch.Tensor] | None,
+    scratch: torch.Tensor,
+) -> None:
+    """:func:`reconstruct_` of each matrix of each group from its ``P`` and ``Qᵀ``; ``errors``
+    (if given) has one tensor per matrix, in the groups' order.
 
     Matrices that fit one block of rows on a CPU are approximated with one batched product
     (whose kernel computes each matrix's product exactly as one product per matrix does) and
     their errors and results written with one batched operation each: per matrix, a step would
     otherwise pay three operations' fixed cost, which on small matrices is most of the work.
     """
-    for matrices, p, qt, errors in groups:
+    at = 0
+    for matrices, p, qt in groups:
+        mine = None if errors is None else list(errors[at : at + len(matrices)])
+        at += len(matrices)
         if not matrices:
             continue
         first = matrices[0]
         if len(matrices) == 1 or not _blocked(first) or _block_rows(first) < first.shape[0]:
             for i, matrix in enumerate(matrices):
-                error = None if errors is None else errors[i]
-                reconstruct_(matrix, p[i], qt[i], error, scratch)
+                reconstruct_(matrix, p[i], qt[i], None if mine is None else mine[i], scratch)
             continue
-        _reconstruct_small_(list(matrices), p, qt, None if errors is None else list(errors))
+        _reconstruct_small_(list(matrices), p, qt, mine)
 
 
 def _reconstruct_small_(

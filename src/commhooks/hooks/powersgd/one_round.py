@@ -44,7 +44,8 @@ def _unless_finite(step: BucketStep, averaged: torch.Tensor) -> "Future[torch.Te
     """
     if lowrank.is_finite(averaged):
         return comm.completed(averaged)
-    return callbacks.then(stages.fall_back(step), _nothing)
+    sent = stages.fall_back(step)
+    return callbacks.then(sent, _nothing)
 
 
 def _nothing(sent: "Future[torch.Tensor]") -> None:

@@ -33,13 +33,11 @@ __all__ = [
     "Matrix",
     "Run",
     "compensate",
-    "decompress_all",
     "factor_view",
     "fall_back",
     "finish_single",
     "first_factors",
     "form_batches",
-    "keep_factors",
     "kinds",
     "known_shape",
     "lay_out",
@@ -440,7 +438,7 @@ def second_factors(step: BucketStep, packed: torch.Tensor, q: torch.Tensor) -> t
     starting ``Q`` in ``q``, the buffer sent next.
 
     Returns a copy of the starting ``Q`` with warm start (a direction the new ``Q`` loses is
-    taken from it, see :func:`keep_factors`), else ``None``.
+    taken from it, see :func:`approximate`), else ``None``.
     """
     settings = step.state.settings
     starts = step.made(q.clone()) if settings.warm_start else None
@@ -457,56 +455,40 @@ def second_factors(step: BucketStep, packed: torch.Tensor, q: torch.Tensor) -> t
 
 def approximate(step: BucketStep, q: torch.Tensor, starts: torch.Tensor | None) -> None:
     """After the second round: ``P Qᵀ`` into each matrix, ``M - P Qᵀ`` remembered as its error,
-    and each averaged ``Q`` kept for the next step's warm start (see :func:`keep_factors`)."""
-    keep_factors(step, q, starts)
-    decompress_all(step, step.runs)
-
-
-def keep_factors(step: BucketStep, q: torch.Tensor, starts: torch.Tensor | None) -> None:
-    """Keep each matrix's averaged ``Q`` (in ``q``) for the next step's warm start.
+    and each averaged ``Q`` (in ``q``) kept for the next step's warm start.
 
     A zero column of Q (a zero gradient, or one of lower rank) would stay zero at every later
     step: M·0 = 0. Its previous direction, from ``starts`` (laid out as ``q``), is kept instead.
+    Every error slot is taken from the memory at once, then every product written in one call.
     """
-    if starts is None:
-        return
-    factors = step.state.factors
-    for run in step.runs:
-        known = run.known
-        start = starts.as_strided(
-            known.shape, known.stride(), known.storage_offset() - q.storage_offset()
-        )
-        kept = lowrank.keep_nonzero_columns(known, start)
-        for m, factor in zip(run.matrices(), kept.unbind(0)):
-            factors.keep(m.key, None, factor)
-
-
-def decompress_all(step: BucketStep, runs: list["Run"]) -> None:
-    """Write ``P Qᵀ`` into each matrix of ``runs``; remember ``M - P Qᵀ`` as its error.
-
-    Every error slot is taken from the memory at once, then every product is written in one
-    call.
-    """
-    matrices = [m for run in runs for m in run.matrices()]
+    matrices = [m for run in step.runs for m in run.matrices()]
+    groups = _reconstructions(step.runs)
+    previous = []
+    if starts is not None:
+        at = starts.storage_offset() - q.storage_offset()
+        previous = [
+            starts.as_strided(r.known.shape, r.known.stride(), r.known.storage_offset() + at)
+            for r in step.runs
+        ]
+    scratch = step.scratch()
     errors: list[torch.Tensor] | None = None
     if step.state.settings.use_error_feedback:
         errors = step.state.memory.slots([m.key for m in matrices], [m.view for m in matrices])
-    lowrank.reconstruct_all_(_reconstructions(runs, errors), step.scratch())
+    lowrank.reconstruct_all_(groups, errors, scratch)
+    kept = [lowrank.keep_nonzero_columns(r.known, old) for r, old in zip(step.runs, previous)]
+    factors = step.state.factors
+    for run, new in zip(step.runs, kept):
+        for m, factor in zip(run.matrices(), new.unbind(0)):
+            factors.keep(m.key, None, factor)
 
 
-def _reconstructions(
-    runs: list["Run"], errors: list[torch.Tensor] | None
-) -> list[lowrank.Reconstruction]:
-    """Each run's matrices, ``P``, ``Qᵀ`` and error slots (``errors`` in the runs' order)."""
+def _reconstructions(runs: list["Run"]) -> list[lowrank.Reconstruction]:
+    """Each run's matrices with the stacks of their ``P`` and ``Qᵀ``."""
     groups: list[lowrank.Reconstruction] = []
-    at = 0
     for run in runs:
         p, q = (run.known, run.sent) if run.refines_q else (run.sent, run.known)
-        views = [m.view for m in run.matrices()]
-        mine = None if errors is None else errors[at : at + len(views)]
         # Q factors are stored as Qᵀ, so the transpose of a Q stack is contiguous.
-        groups.append((views, p, q.transpose(1, 2), mine))
-        at += len(views)
+        groups.append(([m.view for m in run.matrices()], p, q.transpose(1, 2)))
     return groups
 
 
@@ -517,24 +499,36 @@ def finish_single(step: BucketStep, averaged: torch.Tensor) -> None:
     A matrix compressed with others remembers ``M - P Qᵀ``; one alone had its gradient
     absorbed into the memory, which keeps ``P Qᵀ`` to subtract later.
     """
-    settings = step.state.settings
     stacked = [run for run in step.runs if run.batches[0].stacked]
     alone = [run for run in step.runs if not run.batches[0].stacked]
     matrices = [m for run in stacked for m in run.matrices()]
     singles = [m for run in alone for m in run.matrices()]
     p, qt = _factors_of(alone)
+    groups = _reconstructions(stacked)
+    copies = [
+        (run.known.clone().unbind(0), run.sent.clone().unbind(0))
+        if run.refines_q
+        else (run.sent.clone().unbind(0), run.known.clone().unbind(0))
+        for run in step.runs
+    ]
+    scratch = step.scratch()
     errors = None
-    if settings.use_error_feedback:
+    if step.state.settings.use_error_feedback:
         memory = step.state.memory
-        deferred = [(m.key, pi, qi) for m, pi, qi in zip(singles, p, qt) if m.absorbed is not None]
-        memory.defer_all_(deferred)
+        memory.defer_all_(
+            [(m.key, pi, qi) for m, pi, qi in zip(singles, p, qt) if m.absorbed is not None]
+        )
         keys = [*step.vector_keys, *(m.key for m in matrices)]
         errors = memory.slots(keys, [*step.vectors, *(m.view for m in matrices)])
     lowrank.unpack_remembering_(averaged, step.vectors, errors)
-    rest = None if errors is None else errors[len(step.vectors) :]
-    lowrank.reconstruct_all_(_reconstructions(stacked, rest), step.scratch())
+    lowrank.reconstruct_all_(
+        groups, None if errors is None else errors[len(step.vectors) :], scratch
+    )
     lowrank.products_into([m.view for m in singles], p, qt)
-    _keep_both(step)
+    factors = step.state.factors
+    for run, (ps, qs) in zip(step.runs, copies):
+        for m, pi, qi in zip(run.matrices(), ps, qs):
+            factors.keep(m.key, pi, qi, m.step)
 
 
 def _factors_of(runs: list["Run"]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -546,12 +540,3 @@ def _factors_of(runs: list["Run"]) -> tuple[list[torch.Tensor], list[torch.Tenso
         p += pr.unbind(0)
         qt += qr.transpose(1, 2).unbind(0)
     return p, qt
-
-
-def _keep_both(step: BucketStep) -> None:
-    """Keep copies of both factors of every matrix, and which one its step refined."""
-    factors = step.state.factors
-    for run in step.runs:
-        p, q = (run.known, run.sent) if run.refines_q else (run.sent, run.known)
-        for m, pi, qi in zip(run.matrices(), p.clone().unbind(0), q.clone().unbind(0)):
-            factors.keep(m.key, pi, qi, m.step)

@@ -33,10 +33,12 @@ def two_rounds(step: BucketStep) -> "Future[torch.Tensor]":
     world = group.size()
     packed = stages.compensate(step)  # M = gradient + remembered error
     # The uncompressed tensors need no compression work: their average starts first.
-    plain = comm.completed(packed)
-    if packed.numel():
-        # PyTorch's order (sum, then divide) rather than DDP's, for the same numerics as its hook.
-        plain = callbacks.then(comm.allreduce(packed, group), lambda fut: fut.value().div_(world))
+    # PyTorch's order (sum, then divide) rather than DDP's, for the same numerics as its hook.
+    plain = (
+        callbacks.then(comm.allreduce(packed, group), lambda fut: fut.value().div_(world))
+        if packed.numel()
+        else comm.completed(packed)
+    )
     q, p = stages.first_factors(step, None, absorbing=False)  # P = M Q
     # P is orthogonalised after the sum, so it needs no division by the world size.
     p_sum = comm.allreduce(p, group)
