@@ -12,7 +12,7 @@ Hook modules must not use ``from __future__ import annotations``: DDP rejects st
 
 import torch
 
-from commhooks import callbacks, comm, lowrank
+from commhooks import callbacks, comm
 
 from . import stages
 from .stages import BucketStep
@@ -32,7 +32,7 @@ def one_round(step: BucketStep) -> "Future[torch.Tensor]":
     unc = packed.numel()
     _, send = stages.first_factors(step, packed, absorbing=True)
     averaged = comm.average(send, step.group)
-    checked = step.follow_up(averaged, lambda result: _unless_finite(step, result))
+    checked = step.follow_up(averaged, lambda result: _unless_finite(step, result), (send,))
     return callbacks.then(checked, lambda done: _approximate(step, done, unc))
 
 
@@ -42,7 +42,7 @@ def _unless_finite(step: BucketStep, averaged: torch.Tensor) -> "Future[torch.Te
     Every rank sees the same result, so every rank then does what the two-round variant does
     after its first round (:func:`~.stages.fall_back`): a second collective on that step only.
     """
-    if lowrank.is_finite(averaged):
+    if step.finite(averaged):
         return comm.completed(averaged)
     sent = stages.fall_back(step)
     return callbacks.then(sent, _nothing)

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from commhooks import comm, lowrank
+from commhooks import callbacks, comm, finiteness, lowrank
 from commhooks.error_feedback import Absorbed, Key
 from commhooks.factors import P_STEP, Q_STEP
 
@@ -127,6 +127,7 @@ class BucketStep:
     runs: list[Run] = field(default_factory=list)
     _scratch: torch.Tensor | None = None
     _made: list[torch.Tensor] = field(default_factory=list)
+    _finite: finiteness.QueuedFiniteness | None = None
 
     def scratch(self) -> torch.Tensor:
         """One block's worth of working memory for the blocked products, made once per call."""
@@ -148,16 +149,43 @@ class BucketStep:
         return sum(t.numel() for t in self.vectors)
 
     def follow_up(
-        self, after: "torch.futures.Future[Any]", then: "Callable[[Any], torch.futures.Future[T]]"
+        self,
+        after: "torch.futures.Future[Any]",
+        then: "Callable[[Any], torch.futures.Future[T]]",
+        check: tuple[torch.Tensor, ...] = (),
     ) -> "torch.futures.Future[T]":
         """Run ``then(after's value)`` in the state's issuer, in a slot reserved now (see
         :meth:`commhooks.comm.OrderedIssuer.then`); it may issue one collective, on the
         issuer's group. Call on DDP's thread; it counts the step once the last bucket's
-        first round is issued."""
+        first round is issued.
+
+        ``then`` asks :meth:`finite` whether ``check`` (what ``after`` reduces) is finite. On
+        a GPU that total is queued as soon as ``after`` completes (right behind the
+        collective), so that the follow-up, held until the step's last bucket, only waits for
+        a copy already on its way (see :mod:`commhooks.finiteness`).
+        """
         options = comm.follow_up_options(self.buffer, self.bucket.is_last())
+        if check and finiteness.queues(check[0]):
+            after = callbacks.then(after, lambda done: self._queue_check(done, check))
         done = self.state.issuer.then(after, then, *options)
         self.state.maybe_increase_iter(self.bucket)
         return done
+
+    def _queue_check(
+        self, done: "torch.futures.Future[Any]", check: tuple[torch.Tensor, ...]
+    ) -> Any:
+        value = done.wait()
+        # A list of collectives' futures knows no streams: each makes this stream wait for it.
+        for each in value if isinstance(value, list) else []:
+            each.wait()
+        self._finite = finiteness.QueuedFiniteness(*check)
+        return value
+
+    def finite(self, *tensors: torch.Tensor) -> bool:
+        """Whether ``tensors`` (reduced: the same on every rank) are all finite: from the total
+        :meth:`follow_up` queued, if it did, else read now (on a CPU, where that is free)."""
+        queued, self._finite = self._finite, None
+        return (queued or finiteness.QueuedFiniteness(*tensors)).all_finite()
 
     def write_back(self) -> torch.Tensor:
         """Finish the step: the bucket holds the result; return it.

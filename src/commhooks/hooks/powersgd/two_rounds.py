@@ -10,7 +10,7 @@ Hook modules must not use ``from __future__ import annotations``: DDP rejects st
 
 import torch
 
-from commhooks import callbacks, comm, lowrank
+from commhooks import callbacks, comm
 
 from . import stages
 from .stages import BucketStep
@@ -43,7 +43,7 @@ def two_rounds(step: BucketStep) -> "Future[torch.Tensor]":
     # P is orthogonalised after the sum, so it needs no division by the world size.
     p_sum = comm.allreduce(p, group)
     firsts = torch.futures.collect_all([plain, p_sum])
-    return step.follow_up(firsts, lambda done: _second_round(step, done, packed, p, q))
+    return step.follow_up(firsts, lambda done: _second_round(step, done, packed, p, q), (packed, p))
 
 
 def _second_round(
@@ -58,7 +58,7 @@ def _second_round(
         # Re-raises a failed collective; on a GPU, also makes this stream wait for its result
         # (the list gathering them knows no streams).
         first.wait()
-    if not lowrank.is_finite(packed, p):  # reduced data: every rank decides alike
+    if not step.finite(packed, p):  # reduced data: every rank decides alike
         return stages.fall_back(step)
     starts = stages.second_factors(step, packed, q)  # Q = Mᵀ P over the starting Q
     q_sum = comm.allreduce(q, step.state.issuer.group)
