@@ -547,12 +547,29 @@ def _reconstruct_small_(
         torch._foreach_copy_(matrices[start:end], approx)
 
 
-def products_into(
-    outs: Sequence[torch.Tensor], p: Sequence[torch.Tensor], qt: Sequence[torch.Tensor]
-) -> None:
-    """:func:`product_into` of each ``outs[i] = p[i] qt[i]``."""
-    for out, pi, qti in zip(outs, p, qt):
-        product_into(out, pi, qti)
+def products_into(groups: Sequence[Reconstruction]) -> None:
+    """:func:`product_into` of each matrix of each group: ``matrix = P Qᵀ``.
+
+    Matrices that fit one block of rows on a CPU are written from one batched pass over the
+    group's stacks, which computes each element as :func:`product_into` does (the same sum of
+    outer products for a thin ``P``, or the same product), then copied with one operation.
+    """
+    for matrices, p, qt in groups:
+        if not matrices:
+            continue
+        first = matrices[0]
+        if len(matrices) == 1 or not _blocked(first) or _block_rows(first) < first.shape[0]:
+            for i, matrix in enumerate(matrices):
+                product_into(matrix, p[i], qt[i])
+            continue
+        rank = p.shape[2]
+        if rank > _OUTER_RANK:
+            approx = torch.bmm(p, qt)
+        else:
+            approx = torch.mul(p[:, :, :1], qt[:, :1])
+            for k in range(1, rank):
+                approx.addcmul_(p[:, :, k : k + 1], qt[:, k : k + 1])
+        torch._foreach_copy_(list(matrices), list(approx.unbind(0)))
 
 
 def unpack_remembering_(

@@ -97,6 +97,10 @@ class Run:
     batches: list[Batch]
     known: torch.Tensor = field(init=False)  # every batch's ``known``, in order, (count, ., r)
     sent: torch.Tensor = field(init=False)  # every batch's ``sent``, in order
+    count: int = 0  # matrices in all its batches
+    # Matrices alone, laid out at a regular stride in one buffer (a bucket's layers of one
+    # width usually are): a (count, n, m) view of them all, for batched products; else None.
+    stack: torch.Tensor | None = None
 
     @property
     def refines_q(self) -> bool:
@@ -108,7 +112,21 @@ class Run:
     def dims(self) -> tuple[int, int, int, int]:
         """``(matrices, rows, cols, rank)``."""
         _, n, m, rank = self.batches[0].dims()
-        return sum(len(b.matrices) for b in self.batches), n, m, rank
+        return self.count, n, m, rank
+
+    def products(self, right: bool) -> list[lowrank.Product]:
+        """The products of this run's factors: ``M known -> sent`` (``Mᵀ`` where the run
+        refines ``Q``), or with ``right`` ``Mᵀ sent -> known``. ``Mᵀ P`` is one batched product
+        over a strided stack (its kernel computes each matrix's product as one product per
+        matrix does); ``M Q`` is one product per batch, whose bits a batched kernel does not
+        keep for thin factors."""
+        if right and self.stack is not None:
+            return [(self.stack, self.sent, self.known, True)]
+        if right:
+            return [(b.stack, b.sent, b.known, True) for b in self.batches]
+        if self.refines_q and self.stack is not None:
+            return [(self.stack, self.known, self.sent, True)]
+        return [(b.stack, b.known, b.sent, b.refines_q) for b in self.batches]
 
 
 @dataclass
@@ -132,7 +150,9 @@ class BucketStep:
     def scratch(self) -> torch.Tensor:
         """One block's worth of working memory for the blocked products, made once per call."""
         if self._scratch is None:
-            sizes = (lowrank.scratch_elements(b.stack[0], b.matrices[0].rank) for b in self.batches)
+            sizes = (
+                lowrank.scratch_elements(r.batches[0].stack[0], r.dims()[3]) for r in self.runs
+            )
             self._scratch = self.made(self.buffer.new_empty(max(sizes, default=0)))
         return self._scratch
 
@@ -272,6 +292,24 @@ def form_batches(step: BucketStep, kinds: list[list[Matrix]]) -> None:
             last.batches.append(b)
         else:
             step.runs.append(Run([b]))
+    for run in step.runs:
+        run.count = sum(len(b.matrices) for b in run.batches)
+        if len(run.batches) > 1 and run.count == len(run.batches):
+            run.stack = _strided([b.matrices[0].view for b in run.batches])
+
+
+def _strided(views: list[torch.Tensor]) -> torch.Tensor | None:
+    """One ``(len(views), n, m)`` view of same-shaped contiguous ``views``, if they lie at one
+    stride from each other in one storage; else ``None``."""
+    first = views[0]
+    offsets = [v.storage_offset() for v in views]
+    delta = offsets[1] - offsets[0]
+    storage = first.untyped_storage().data_ptr()
+    if delta < first.numel() or any(b - a != delta for a, b in zip(offsets, offsets[1:])):
+        return None
+    if not all(v.is_contiguous() and v.untyped_storage().data_ptr() == storage for v in views):
+        return None
+    return first.as_strided((len(views), *first.shape), (delta, *first.stride()), offsets[0])
 
 
 def _same_kind(a: Batch, b: Batch) -> bool:
@@ -388,7 +426,10 @@ def first_factors(
     settings = step.state.settings
     alone = absorbing and settings.use_error_feedback
     products = [
-        (b.stack, b.known, b.sent, b.refines_q) for b in step.batches if b.stacked or not alone
+        product
+        for run in step.runs
+        if run.batches[0].stacked or not alone
+        for product in run.products(right=False)
     ]
     singles = [b for b in step.batches if alone and not b.stacked]
     steps = [(b.matrices[0].key, b.matrices[0].view, b.known[0], b.sent[0]) for b in singles]
@@ -470,7 +511,7 @@ def second_factors(step: BucketStep, packed: torch.Tensor, q: torch.Tensor) -> t
     """
     settings = step.state.settings
     starts = step.made(q.clone()) if settings.warm_start else None
-    products = [(b.stack, b.sent, b.known, True) for b in step.batches]
+    products = [product for run in step.runs for product in run.products(right=True)]
     stacks = _merged(step.runs, known=False)
     errors = None
     if settings.use_error_feedback:
@@ -532,7 +573,7 @@ def finish_single(step: BucketStep, averaged: torch.Tensor) -> None:
     matrices = [m for run in stacked for m in run.matrices()]
     singles = [m for run in alone for m in run.matrices()]
     p, qt = _factors_of(alone)
-    groups = _reconstructions(stacked)
+    groups, alone_groups = _reconstructions(stacked), _reconstructions(alone)
     copies = [
         (run.known.clone().unbind(0), run.sent.clone().unbind(0))
         if run.refines_q
@@ -552,7 +593,7 @@ def finish_single(step: BucketStep, averaged: torch.Tensor) -> None:
     lowrank.reconstruct_all_(
         groups, None if errors is None else errors[len(step.vectors) :], scratch
     )
-    lowrank.products_into([m.view for m in singles], p, qt)
+    lowrank.products_into(alone_groups)
     factors = step.state.factors
     for run, (ps, qs) in zip(step.runs, copies):
         for m, pi, qi in zip(run.matrices(), ps, qs):
