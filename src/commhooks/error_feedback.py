@@ -379,6 +379,7 @@ class LazyErrorFeedback(ErrorFeedback):
         sent: torch.Tensor,
         refine_q: bool,
         scratch: torch.Tensor,
+        finite: bool = False,
     ) -> Absorbed:
         """``memory += gradient`` and ``sent`` = the factor of the memory, in one pass.
 
@@ -387,7 +388,8 @@ class LazyErrorFeedback(ErrorFeedback):
         pending products accounted for. If ``gradient`` is not finite, neither is ``sent``, and
         its non-finite part never enters the memory: on CPU a block that is not finite is not
         added, nor any after it (one sum read back per block); on a GPU, where reading back
-        would stall the stream, non-finite elements are added as zeros.
+        would stall the stream, non-finite elements are added as zeros. ``finite`` says the
+        caller found ``gradient`` finite already: it is not checked again.
         """
         if self._unchecked:
             self.check_loaded_(key, gradient)
@@ -401,12 +403,12 @@ class LazyErrorFeedback(ErrorFeedback):
         folded = pending if folds else None
         check = lowrank.reads_back_checks(memory)
         if refine_q:
-            args = (memory, gradient, folded, known, sent.t(), scratch, check)
+            args = (memory, gradient, folded, known, sent.t(), scratch, check, finite)
             written = lowrank.accumulate_right_factor_(*args)
             if pending is not None and not folds:
                 lowrank.deduct_pending_right_(sent.t(), pending, known)
         else:
-            args = (memory, gradient, folded, known.t(), sent, scratch, check)
+            args = (memory, gradient, folded, known.t(), sent, scratch, check, finite)
             written = lowrank.accumulate_left_factor_(*args)
             if pending is not None and not folds:
                 lowrank.deduct_pending_left_(sent, pending, known.t())
@@ -421,11 +423,13 @@ class LazyErrorFeedback(ErrorFeedback):
         steps: Sequence[tuple[Key, torch.Tensor, torch.Tensor, torch.Tensor]],
         refine_q: Sequence[bool],
         scratch: torch.Tensor,
+        finite: bool = False,
     ) -> list[Absorbed]:
         """:meth:`absorb_` of each ``(key, gradient, known, sent)``, refining ``Q`` where
-        ``refine_q`` says so: a bucket's matrices alone, in one call to the memory."""
+        ``refine_q`` says so: a bucket's matrices alone, in one call to the memory. ``finite``:
+        the caller found every gradient finite (one check for them all)."""
         return [
-            self.absorb_(key, gradient, known, sent, refines, scratch)
+            self.absorb_(key, gradient, known, sent, refines, scratch, finite)
             for (key, gradient, known, sent), refines in zip(steps, refine_q)
         ]
 

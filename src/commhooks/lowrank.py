@@ -292,6 +292,7 @@ def accumulate_left_factor_(
     out: torch.Tensor,
     scratch: torch.Tensor,
     check: bool = True,
+    finite: bool = False,
 ) -> int:
     """``memory += matrix - P₀ Q₀ᵀ`` and ``out = memory Q``, in one pass of row blocks.
 
@@ -299,18 +300,21 @@ def accumulate_left_factor_(
     after it (their sums are formed in ``scratch`` for ``out`` only): a non-finite gradient
     never enters the memory. ``out`` is complete either way, and then not finite. Without
     ``check`` (on a GPU, where reading a block's sum back would stall the stream), non-finite
-    elements are added as zeros and ``out`` may be finite: the caller marks it. Returns the
-    rows of the memory updated.
+    elements are added as zeros and ``out`` may be finite: the caller marks it. ``finite``
+    says the caller found ``matrix`` finite already (one check for many matrices): nothing is
+    checked. Returns the rows of the memory updated.
     """
     if not _blocked(memory):
-        formed, written = _accumulated_whole(memory, matrix, pending, check)
+        formed, written = _accumulated_whole(memory, matrix, pending, check, finite)
         torch.mm(formed, qt.t(), out=out)
         return written
     rank = qt.shape[0]
     written = memory.shape[0]
     thin = scratch[2 * _block_elements(memory) :]  # after the rooms _accumulated_block uses
     for rows in _row_blocks(memory):
-        formed, written = _accumulated_block(memory, matrix, pending, rows, scratch, written, check)
+        formed, written = _accumulated_block(
+            memory, matrix, pending, rows, scratch, written, check, finite
+        )
         count = formed.shape[0]
         block_t = thin[: rank * count].view(rank, count)
         torch.mm(qt, formed.t(), out=block_t)
@@ -326,18 +330,21 @@ def accumulate_right_factor_(
     out_t: torch.Tensor,
     scratch: torch.Tensor,
     check: bool = True,
+    finite: bool = False,
 ) -> int:
     """``memory += matrix - P₀ Q₀ᵀ`` and ``out_t = Pᵀ memory``, in one pass of row blocks.
 
     As :func:`accumulate_left_factor_`. Returns the rows of the memory updated.
     """
     if not _blocked(memory):
-        formed, written = _accumulated_whole(memory, matrix, pending, check)
+        formed, written = _accumulated_whole(memory, matrix, pending, check, finite)
         torch.mm(p.t(), formed, out=out_t)
         return written
     written = memory.shape[0]
     for rows in _row_blocks(memory):
-        formed, written = _accumulated_block(memory, matrix, pending, rows, scratch, written, check)
+        formed, written = _accumulated_block(
+            memory, matrix, pending, rows, scratch, written, check, finite
+        )
         if rows.start == 0:
             torch.mm(p[rows].t(), formed, out=out_t)
         else:
@@ -370,10 +377,13 @@ def _accumulated_whole(
     matrix: torch.Tensor,
     pending: tuple[torch.Tensor, torch.Tensor] | None,
     check: bool,
+    finite: bool = False,
 ) -> tuple[torch.Tensor, int]:
     """:func:`_accumulated_block` over the whole matrix at once (a GPU's way)."""
     written = memory.shape[0]
-    if not check:
+    if finite:
+        formed = memory.add_(matrix)
+    elif not check:
         # As for a block: a non-finite element is added as zero, and nothing is read back.
         formed = memory.add_(matrix.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0))
     elif is_finite(matrix):
@@ -394,6 +404,7 @@ def _accumulated_block(
     scratch: torch.Tensor,
     written: int,
     check: bool,
+    finite: bool = False,
 ) -> tuple[torch.Tensor, int]:
     """One block of ``memory + matrix - P₀ Q₀ᵀ``: in the memory, or in ``scratch`` once a
     block of ``matrix`` was found not finite. Returns it and the rows updated so far.
@@ -403,8 +414,8 @@ def _accumulated_block(
     """
     block, addend = memory[rows], matrix[rows]
     room = _block_elements(memory)
-    if written == memory.shape[0] and (not check or is_finite(addend)):
-        if not check:
+    if written == memory.shape[0] and (finite or not check or is_finite(addend)):
+        if not check and not finite:
             # Unchecked (nothing is read back), a non-finite element is added as zero: the
             # memory keeps its value there, and the caller marks the factor as not finite.
             addend = torch.nan_to_num(

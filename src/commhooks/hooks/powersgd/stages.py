@@ -433,14 +433,21 @@ def first_factors(
     ]
     singles = [b for b in step.batches if alone and not b.stacked]
     steps = [(b.matrices[0].key, b.matrices[0].view, b.known[0], b.sent[0]) for b in singles]
+    # On a CPU the memory checks each gradient it absorbs (one sum read back each); a run's
+    # gradients at a regular stride are checked together first, with one sum.
+    together = [r.stack for r in step.runs if r.stack is not None and not r.batches[0].stacked]
+    apart = [b.stack for r in step.runs if r.stack is None for b in r.batches if not b.stacked]
     method = "qr" if settings.single_round else "auto"  # its own numerics: the faster QR
     starts = _merged(step.runs, known=True)
     scratch = step.scratch()
     eps = settings.orthogonalization_epsilon
+    checks = bool(singles) and lowrank.reads_back_checks(singles[0].stack)
+    finite = checks and lowrank.is_finite(*together, *apart)
     lowrank.project_(starts, products, eps, method, exact=not settings.single_round)
     if singles:
         refines = [b.refines_q for b in singles]
-        for b, each in zip(singles, step.state.memory.absorb_all_(steps, refines, scratch)):
+        absorbed = step.state.memory.absorb_all_(steps, refines, scratch, finite)
+        for b, each in zip(singles, absorbed):
             b.matrices[0].absorbed = each
     return known, send
 
