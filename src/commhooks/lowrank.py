@@ -593,8 +593,7 @@ def unpack_remembering_(
     """
     if not tensors:
         return
-    sizes = [t.numel() for t in tensors]
-    means = [m.view_as(t) for m, t in zip(flat[: sum(sizes)].split_with_sizes(sizes), tensors)]
+    means = _slices(flat, tensors)
     if errors is not None:
         torch._foreach_copy_(list(errors), list(tensors))
         torch._foreach_sub_(list(errors), means)
@@ -618,22 +617,27 @@ def _block_elements(matrix: torch.Tensor) -> int:
 
 
 def pack_into(tensors: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-    """Copy ``tensors`` one after another into the flat ``out``; returns ``out``."""
-    offset = 0
-    for t in tensors:
-        n = t.numel()
-        out[offset : offset + n].view_as(t).copy_(t)
-        offset += n
+    """Copy ``tensors`` one after another into the flat ``out``; returns ``out``.
+
+    One batched copy: a bucket's many small tensors (biases, norms) would otherwise cost one
+    operation each.
+    """
+    if tensors:
+        torch._foreach_copy_(_slices(out, tensors), list(tensors))
     return out
 
 
 def unpack_from(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
     """Inverse of :func:`pack_into`: copy consecutive slices of ``flat`` back into ``tensors``."""
-    offset = 0
-    for t in tensors:
-        n = t.numel()
-        t.copy_(flat[offset : offset + n].view_as(t))
-        offset += n
+    if tensors:
+        torch._foreach_copy_(list(tensors), _slices(flat, tensors))
+
+
+def _slices(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Consecutive slices of ``flat``, each viewed as the tensor of ``tensors`` it stands for."""
+    sizes = [t.numel() for t in tensors]
+    parts = flat[: sum(sizes)].split_with_sizes(sizes)
+    return [part.view(t.shape) for part, t in zip(parts, tensors)]
 
 
 RESIDUAL_SLACK = 1000.0

@@ -32,6 +32,7 @@ __all__ = [
     "BucketStep",
     "Matrix",
     "Run",
+    "approximate",
     "compensate",
     "factor_view",
     "fall_back",
@@ -43,10 +44,8 @@ __all__ = [
     "lay_out",
     "second_factors",
     "sends_q",
-    "sent_numel",
     "sent_shape",
     "starts_from_q",
-    "unpack_vectors",
 ]
 
 Shape = tuple[int, int, int]
@@ -244,14 +243,6 @@ def compensate(step: BucketStep, stacked_only: bool = False) -> torch.Tensor:
     return lowrank.pack_into(step.vectors, packed)
 
 
-def unpack_vectors(step: BucketStep, averaged: torch.Tensor) -> None:
-    """Copy the averages back; remember ``local - mean`` (error feedback, as PyTorch does)."""
-    errors = None
-    if step.state.settings.use_error_feedback:
-        errors = step.state.memory.slots(step.vector_keys, step.vectors)
-    lowrank.unpack_remembering_(averaged, step.vectors, errors)
-
-
 def fall_back(step: BucketStep) -> "torch.futures.Future[torch.Tensor]":
     """Send the bucket as plain allreduce would, with the memory as it was before the step.
 
@@ -352,10 +343,6 @@ def lay_out(step: BucketStep, leading: int) -> tuple[torch.Tensor, torch.Tensor]
         ):
             b.known, b.sent = kv, sv
     return known, send
-
-
-def sent_numel(step: BucketStep) -> int:
-    return sum(math.prod(sent_shape(b)) for b in step.batches)
 
 
 def factor_view(flat: torch.Tensor, shape: Shape, is_q: bool) -> torch.Tensor:
