@@ -330,7 +330,8 @@ class LazyErrorFeedback(ErrorFeedback):
 
     # -- plain residuals for everyone else ---------------------------------------------------
     def get(self, key: Key, like: torch.Tensor) -> torch.Tensor | None:
-        self._materialize(key)
+        if key in self._pending:
+            self._materialize(key)
         return super().get(key, like)
 
     def items(self) -> list[tuple[Key, torch.Tensor]]:

@@ -637,7 +637,7 @@ def _slices(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.T
     """Consecutive slices of ``flat``, each viewed as the tensor of ``tensors`` it stands for."""
     sizes = [t.numel() for t in tensors]
     parts = flat[: sum(sizes)].split_with_sizes(sizes)
-    return [part.view(t.shape) for part, t in zip(parts, tensors)]
+    return [part if t.dim() == 1 else part.view(t.shape) for part, t in zip(parts, tensors)]
 
 
 RESIDUAL_SLACK = 1000.0

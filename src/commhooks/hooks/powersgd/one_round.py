@@ -28,9 +28,8 @@ def one_round(step: BucketStep) -> "Future[torch.Tensor]":
     The collective is issued here, on DDP's thread; the check of its result in the state's
     issuer, in slot order, since a result that is not finite sends the bucket again.
     """
-    packed = stages.compensate(step, stacked_only=True)
-    unc = packed.numel()
-    _, send = stages.first_factors(step, packed, absorbing=True)
+    unc = step.vector_numel()
+    _, send = stages.first_factors(step, single=True)  # compensated, then factors
     averaged = comm.average(send, step.group)
     checked = step.follow_up(averaged, lambda result: _unless_finite(step, result), (send,))
     return callbacks.then(checked, lambda done: _approximate(step, done, unc))

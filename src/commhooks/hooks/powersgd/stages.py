@@ -221,19 +221,22 @@ class BucketStep:
 
 
 # -- error feedback ------------------------------------------------------------------------------
-def compensate(step: BucketStep, stacked_only: bool = False) -> torch.Tensor:
+def compensate(
+    step: BucketStep, stacked_only: bool = False, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Add the remembered error to each tensor sent as it is and to each matrix, in place
     (M = gradient + previous error), in one call to the memory; return the tensors sent as
-    they are, packed into one flat buffer.
+    they are, packed into ``out`` (by default a new flat buffer).
 
     With ``stacked_only`` (single round) only matrices compressed with others are compensated:
-    stacking copies them, so M must be formed first; one alone has its gradient absorbed into
-    the memory instead (see :meth:`LazyErrorFeedback.absorb_`).
+    one alone has its gradient absorbed into the memory instead (see
+    :meth:`LazyErrorFeedback.absorb_`). Stacked copies are filled after this (see
+    :func:`first_factors`), from M.
     """
-    packed = step.new_flat(step.vector_numel())
+    packed = step.new_flat(step.vector_numel()) if out is None else out
     matrices = step.matrices
     if stacked_only:
-        matrices = [m for ms in kinds(step) if len(ms) > 1 for m in ms]
+        matrices = [m for b in step.batches if b.stacked for m in b.matrices]
     if step.state.settings.use_error_feedback:
         keys = [*step.vector_keys, *(m.key for m in matrices)]
         tensors = [*step.vectors, *(m.view for m in matrices)]
@@ -272,8 +275,9 @@ def kinds(step: BucketStep) -> list[list[Matrix]]:
 def form_batches(step: BucketStep, kinds: list[list[Matrix]]) -> None:
     """One :class:`Batch` per kind, and the runs of consecutive batches of one shape."""
     for matrices in kinds:
-        if len(matrices) > 1:
-            stack = step.made(torch.stack([m.view for m in matrices]))
+        if len(matrices) > 1:  # a copy, filled once M is formed (see first_factors)
+            first = matrices[0].view
+            stack = step.made(first.new_empty((len(matrices), *first.shape)))
         else:
             stack = matrices[0].view.unsqueeze(0)
         step.batches.append(Batch(matrices, stack))
@@ -394,24 +398,20 @@ def _merged(runs: list[Run], known: bool) -> list[torch.Tensor]:
 
 
 # -- the factors -------------------------------------------------------------------------------
-def first_factors(
-    step: BucketStep, leading: torch.Tensor | None, absorbing: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
+def first_factors(step: BucketStep, single: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Batch the matrices, fill each batch's starting factor (stored or random, orthogonalised)
     and form from it the factor it sends: ``P = M Q``, or ``Q = Mᵀ P`` on a Q step.
 
-    Returns the flat buffers ``(known, send)``; ``send`` begins with ``leading`` (the tensors
-    sent as they are), if given. With ``absorbing`` (single round, error feedback), a matrix
-    alone has its factor formed by the memory as it adds the gradient in
-    (:meth:`LazyErrorFeedback.absorb_`).
+    Returns the flat buffers ``(known, send)``. For the ``single`` round, ``send`` begins with
+    the tensors sent as they are, compensated here (:func:`compensate`), and with error
+    feedback a matrix alone has its factor formed by the memory as it adds the gradient in
+    (:meth:`LazyErrorFeedback.absorb_`). For two rounds, call :func:`compensate` first.
     """
     form_batches(step, kinds(step))
-    known, send = lay_out(step, 0 if leading is None else leading.numel())
-    if leading is not None:
-        send[: leading.numel()].copy_(leading)
+    known, send = lay_out(step, step.vector_numel() if single else 0)
     _fill_starts(step, known)
     settings = step.state.settings
-    alone = absorbing and settings.use_error_feedback
+    alone = single and settings.use_error_feedback
     products = [
         product
         for run in step.runs
@@ -428,6 +428,12 @@ def first_factors(
     starts = _merged(step.runs, known=True)
     scratch = step.scratch()
     eps = settings.orthogonalization_epsilon
+    unc = step.vector_numel()
+    if single:
+        compensate(step, stacked_only=True, out=send[:unc])
+    for b in step.batches:
+        if b.stacked:  # a copy of M, now formed
+            torch.stack([m.view for m in b.matrices], out=b.stack)
     checks = bool(singles) and lowrank.reads_back_checks(singles[0].stack)
     finite = checks and lowrank.is_finite(*together, *apart)
     lowrank.project_(starts, products, eps, method, exact=not settings.single_round)

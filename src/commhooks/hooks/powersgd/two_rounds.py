@@ -39,7 +39,7 @@ def two_rounds(step: BucketStep) -> "Future[torch.Tensor]":
         if packed.numel()
         else comm.completed(packed)
     )
-    q, p = stages.first_factors(step, None, absorbing=False)  # P = M Q
+    q, p = stages.first_factors(step, single=False)  # P = M Q
     # P is orthogonalised after the sum, so it needs no division by the world size.
     p_sum = comm.allreduce(p, group)
     firsts = torch.futures.collect_all([plain, p_sum])
