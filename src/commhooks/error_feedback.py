@@ -21,7 +21,7 @@ sends some steps later, in a pass it makes anyway (PowerSGD's single-round varia
 """
 
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -158,6 +158,21 @@ class ErrorFeedback:
         tensor.add_(residual)
         return True
 
+    def compensate_all_(self, keys: Sequence[Key], tensors: Sequence[torch.Tensor]) -> list[bool]:
+        """:meth:`compensate_` of each ``(key, tensor)`` pair; returns whether each had a residual.
+
+        A bucket holds many small tensors: their additions are one batched call (the same
+        elementwise sums), so a step pays one operation here rather than one per tensor.
+        """
+        if self._unchecked:
+            for key, tensor in zip(keys, tensors):
+                self.check_loaded_(key, tensor)
+        residuals = [self.get(key, tensor) for key, tensor in zip(keys, tensors)]
+        pairs = [(t, r) for t, r in zip(tensors, residuals) if r is not None]
+        if pairs:
+            torch._foreach_add_([t for t, _ in pairs], [r for _, r in pairs])
+        return [r is not None for r in residuals]
+
     def withdraw_(self, key: Key, tensor: torch.Tensor) -> None:
         """Undo :meth:`compensate_`: ``tensor -= residual`` (a step abandoned before recording).
 
@@ -191,6 +206,10 @@ class ErrorFeedback:
         ):
             residual = self._residuals[key] = torch.empty_like(like)
         return residual
+
+    def slots(self, keys: Sequence[Key], likes: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """:meth:`slot` of each key: where a step writes the new residuals of all its tensors."""
+        return [self.slot(key, like) for key, like in zip(keys, likes)]
 
     def record(self, key: Key, residual: torch.Tensor) -> None:
         """Keep ``residual`` (not a copy) as what compression left out of ``key``."""
@@ -311,7 +330,8 @@ class LazyErrorFeedback(ErrorFeedback):
 
     # -- plain residuals for everyone else ---------------------------------------------------
     def get(self, key: Key, like: torch.Tensor) -> torch.Tensor | None:
-        self._materialize(key)
+        if key in self._pending:
+            self._materialize(key)
         return super().get(key, like)
 
     def items(self) -> list[tuple[Key, torch.Tensor]]:
@@ -360,6 +380,7 @@ class LazyErrorFeedback(ErrorFeedback):
         sent: torch.Tensor,
         refine_q: bool,
         scratch: torch.Tensor,
+        finite: bool = False,
     ) -> Absorbed:
         """``memory += gradient`` and ``sent`` = the factor of the memory, in one pass.
 
@@ -368,7 +389,8 @@ class LazyErrorFeedback(ErrorFeedback):
         pending products accounted for. If ``gradient`` is not finite, neither is ``sent``, and
         its non-finite part never enters the memory: on CPU a block that is not finite is not
         added, nor any after it (one sum read back per block); on a GPU, where reading back
-        would stall the stream, non-finite elements are added as zeros.
+        would stall the stream, non-finite elements are added as zeros. ``finite`` says the
+        caller found ``gradient`` finite already: it is not checked again.
         """
         if self._unchecked:
             self.check_loaded_(key, gradient)
@@ -382,12 +404,12 @@ class LazyErrorFeedback(ErrorFeedback):
         folded = pending if folds else None
         check = lowrank.reads_back_checks(memory)
         if refine_q:
-            args = (memory, gradient, folded, known, sent.t(), scratch, check)
+            args = (memory, gradient, folded, known, sent.t(), scratch, check, finite)
             written = lowrank.accumulate_right_factor_(*args)
             if pending is not None and not folds:
                 lowrank.deduct_pending_right_(sent.t(), pending, known)
         else:
-            args = (memory, gradient, folded, known.t(), sent, scratch, check)
+            args = (memory, gradient, folded, known.t(), sent, scratch, check, finite)
             written = lowrank.accumulate_left_factor_(*args)
             if pending is not None and not folds:
                 lowrank.deduct_pending_left_(sent, pending, known.t())
@@ -396,6 +418,26 @@ class LazyErrorFeedback(ErrorFeedback):
         if folds:
             del self._pending[key]  # now in the memory (roll_back_ restores that)
         return Absorbed(key, gradient, memory, created, folded, written)
+
+    def absorb_all_(
+        self,
+        steps: Sequence[tuple[Key, torch.Tensor, torch.Tensor, torch.Tensor]],
+        refine_q: Sequence[bool],
+        scratch: torch.Tensor,
+        finite: bool = False,
+    ) -> list[Absorbed]:
+        """:meth:`absorb_` of each ``(key, gradient, known, sent)``, refining ``Q`` where
+        ``refine_q`` says so: a bucket's matrices alone, in one call to the memory. ``finite``:
+        the caller found every gradient finite (one check for them all)."""
+        return [
+            self.absorb_(key, gradient, known, sent, refines, scratch, finite)
+            for (key, gradient, known, sent), refines in zip(steps, refine_q)
+        ]
+
+    def defer_all_(self, products: Sequence[tuple[Key, torch.Tensor, torch.Tensor]]) -> None:
+        """:meth:`defer_` of each ``(key, P, Qᵀ)``."""
+        for key, p, qt in products:
+            self.defer_(key, p, qt)
 
     def defer_(self, key: Key, p: torch.Tensor, qt: torch.Tensor) -> None:
         """The step of :meth:`absorb_` completed and sent ``P Qᵀ``: it joins the products that
@@ -425,6 +467,16 @@ class LazyErrorFeedback(ErrorFeedback):
             p0, q0t = absorbed.folded
             lowrank.subtract_product_(memory[written:], p0[written:], q0t)
         self.drop_non_finite([key])  # pending products are finite: the residual decides
+
+    def abandon_(
+        self, withdrawn: Sequence[tuple[Key, torch.Tensor]], absorbed: Sequence[Absorbed]
+    ) -> None:
+        """Undo a whole abandoned step: :meth:`withdraw_` each compensated ``(key, tensor)``,
+        :meth:`roll_back_` each absorbed gradient; the memory is as it was before the step."""
+        for key, tensor in withdrawn:
+            self.withdraw_(key, tensor)
+        for each in absorbed:
+            self.roll_back_(each)
 
     # -- pending products --------------------------------------------------------------------
     def _fitting_pending(self, key: Key) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -26,15 +26,21 @@ __all__ = [
     "left_factor_into",
     "orthogonalize_",
     "pack_into",
+    "Product",
     "product_into",
+    "products_into",
+    "project_",
     "reads_back_checks",
     "reconstruct_",
+    "Reconstruction",
+    "reconstruct_all_",
     "scratch_elements",
     "right_factor_into",
     "should_compress",
     "square_side",
     "subtract_product_",
     "unpack_from",
+    "unpack_remembering_",
 ]
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -212,6 +218,33 @@ def right_factor_into(matrices: torch.Tensor, p: torch.Tensor, out: torch.Tensor
         torch.bmm(matrices.transpose(1, 2), p, out=out)
 
 
+Product = tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]
+"""``(matrices, factor, out, right)``: ``out = M factor``, or with ``right`` ``out = Mᵀ factor``
+(see :func:`left_factor_into` and :func:`right_factor_into`)."""
+
+
+def project_(
+    starts: Sequence[torch.Tensor],
+    products: Sequence[Product],
+    epsilon: float = 0.0,
+    method: str = "auto",
+    exact: bool = True,
+) -> None:
+    """One half of a power iteration: orthogonalise each stack of ``starts``, then form each
+    product of ``products`` from them.
+
+    A bucket's compression is this sequence over many small matrices; one call here keeps the
+    whole of it, in order, in the module that owns the arithmetic.
+    """
+    for stack in starts:
+        orthogonalize_(stack, epsilon, method)
+    for matrices, factor, out, right in products:
+        if right:
+            right_factor_into(matrices, factor, out)
+        else:
+            left_factor_into(matrices, factor, out, exact=exact)
+
+
 def approximate_into(p: torch.Tensor, q: torch.Tensor, out: torch.Tensor) -> None:
     """``M ≈ P Qᵀ``, written into ``out`` (a ``(batch, n, m)`` stack)."""
     torch.bmm(p, q.transpose(1, 2), out=out)
@@ -262,6 +295,7 @@ def accumulate_left_factor_(
     out: torch.Tensor,
     scratch: torch.Tensor,
     check: bool = True,
+    finite: bool = False,
 ) -> int:
     """``memory += matrix - P₀ Q₀ᵀ`` and ``out = memory Q``, in one pass of row blocks.
 
@@ -269,18 +303,21 @@ def accumulate_left_factor_(
     after it (their sums are formed in ``scratch`` for ``out`` only): a non-finite gradient
     never enters the memory. ``out`` is complete either way, and then not finite. Without
     ``check`` (on a GPU, where reading a block's sum back would stall the stream), non-finite
-    elements are added as zeros and ``out`` may be finite: the caller marks it. Returns the
-    rows of the memory updated.
+    elements are added as zeros and ``out`` may be finite: the caller marks it. ``finite``
+    says the caller found ``matrix`` finite already (one check for many matrices): nothing is
+    checked. Returns the rows of the memory updated.
     """
     if not _blocked(memory):
-        formed, written = _accumulated_whole(memory, matrix, pending, check)
+        formed, written = _accumulated_whole(memory, matrix, pending, check, finite)
         torch.mm(formed, qt.t(), out=out)
         return written
     rank = qt.shape[0]
     written = memory.shape[0]
     thin = scratch[2 * _block_elements(memory) :]  # after the rooms _accumulated_block uses
     for rows in _row_blocks(memory):
-        formed, written = _accumulated_block(memory, matrix, pending, rows, scratch, written, check)
+        formed, written = _accumulated_block(
+            memory, matrix, pending, rows, scratch, written, check, finite
+        )
         count = formed.shape[0]
         block_t = thin[: rank * count].view(rank, count)
         torch.mm(qt, formed.t(), out=block_t)
@@ -296,18 +333,21 @@ def accumulate_right_factor_(
     out_t: torch.Tensor,
     scratch: torch.Tensor,
     check: bool = True,
+    finite: bool = False,
 ) -> int:
     """``memory += matrix - P₀ Q₀ᵀ`` and ``out_t = Pᵀ memory``, in one pass of row blocks.
 
     As :func:`accumulate_left_factor_`. Returns the rows of the memory updated.
     """
     if not _blocked(memory):
-        formed, written = _accumulated_whole(memory, matrix, pending, check)
+        formed, written = _accumulated_whole(memory, matrix, pending, check, finite)
         torch.mm(p.t(), formed, out=out_t)
         return written
     written = memory.shape[0]
     for rows in _row_blocks(memory):
-        formed, written = _accumulated_block(memory, matrix, pending, rows, scratch, written, check)
+        formed, written = _accumulated_block(
+            memory, matrix, pending, rows, scratch, written, check, finite
+        )
         if rows.start == 0:
             torch.mm(p[rows].t(), formed, out=out_t)
         else:
@@ -340,10 +380,13 @@ def _accumulated_whole(
     matrix: torch.Tensor,
     pending: tuple[torch.Tensor, torch.Tensor] | None,
     check: bool,
+    finite: bool = False,
 ) -> tuple[torch.Tensor, int]:
     """:func:`_accumulated_block` over the whole matrix at once (a GPU's way)."""
     written = memory.shape[0]
-    if not check:
+    if finite:
+        formed = memory.add_(matrix)
+    elif not check:
         # As for a block: a non-finite element is added as zero, and nothing is read back.
         formed = memory.add_(matrix.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0))
     elif is_finite(matrix):
@@ -364,6 +407,7 @@ def _accumulated_block(
     scratch: torch.Tensor,
     written: int,
     check: bool,
+    finite: bool = False,
 ) -> tuple[torch.Tensor, int]:
     """One block of ``memory + matrix - P₀ Q₀ᵀ``: in the memory, or in ``scratch`` once a
     block of ``matrix`` was found not finite. Returns it and the rows updated so far.
@@ -373,8 +417,8 @@ def _accumulated_block(
     """
     block, addend = memory[rows], matrix[rows]
     room = _block_elements(memory)
-    if written == memory.shape[0] and (not check or is_finite(addend)):
-        if not check:
+    if written == memory.shape[0] and (finite or not check or is_finite(addend)):
+        if not check and not finite:
             # Unchecked (nothing is read back), a non-finite element is added as zero: the
             # memory keeps its value there, and the caller marks the factor as not finite.
             addend = torch.nan_to_num(
@@ -467,6 +511,98 @@ def reconstruct_(
         block.copy_(approx)
 
 
+Reconstruction = tuple[Sequence[torch.Tensor], torch.Tensor, torch.Tensor]
+"""``(matrices, P, Qᵀ)``: 2-D matrices of one shape and the stacks of their factors,
+``(batch, n, r)`` and ``(batch, r, m)``."""
+
+
+def reconstruct_all_(
+    groups: Sequence[Reconstruction],
+    errors: Sequence[torch.Tensor] | None,
+    scratch: torch.Tensor,
+) -> None:
+    """:func:`reconstruct_` of each matrix of each group from its ``P`` and ``Qᵀ``; ``errors``
+    (if given) has one tensor per matrix, in the groups' order.
+
+    Matrices that fit one block of rows on a CPU are approximated with one batched product
+    (whose kernel computes each matrix's product exactly as one product per matrix does) and
+    their errors and results written with one batched operation each: per matrix, a step would
+    otherwise pay three operations' fixed cost, which on small matrices is most of the work.
+    """
+    at = 0
+    for matrices, p, qt in groups:
+        mine = None if errors is None else list(errors[at : at + len(matrices)])
+        at += len(matrices)
+        if not matrices:
+            continue
+        first = matrices[0]
+        if len(matrices) == 1 or not _blocked(first) or _block_rows(first) < first.shape[0]:
+            for i, matrix in enumerate(matrices):
+                reconstruct_(matrix, p[i], qt[i], None if mine is None else mine[i], scratch)
+            continue
+        _reconstruct_small_(list(matrices), p, qt, mine)
+
+
+def _reconstruct_small_(
+    matrices: list[torch.Tensor],
+    p: torch.Tensor,
+    qt: torch.Tensor,
+    errors: list[torch.Tensor] | None,
+) -> None:
+    # Chunks of a few blocks' bytes bound the batched product's memory.
+    first = matrices[0]
+    chunk = max(1, 4 * _BLOCK_BYTES // max(1, first.numel() * first.element_size()))
+    for start in range(0, len(matrices), chunk):
+        end = min(start + chunk, len(matrices))
+        approx = list(torch.bmm(p[start:end], qt[start:end]).unbind(0))
+        if errors is not None:
+            torch._foreach_copy_(errors[start:end], matrices[start:end])
+            torch._foreach_sub_(errors[start:end], approx)
+        torch._foreach_copy_(matrices[start:end], approx)
+
+
+def products_into(groups: Sequence[Reconstruction]) -> None:
+    """:func:`product_into` of each matrix of each group: ``matrix = P Qᵀ``.
+
+    Matrices that fit one block of rows on a CPU are written from one batched pass over the
+    group's stacks, which computes each element as :func:`product_into` does (the same sum of
+    outer products for a thin ``P``, or the same product), then copied with one operation.
+    """
+    for matrices, p, qt in groups:
+        if not matrices:
+            continue
+        first = matrices[0]
+        if len(matrices) == 1 or not _blocked(first) or _block_rows(first) < first.shape[0]:
+            for i, matrix in enumerate(matrices):
+                product_into(matrix, p[i], qt[i])
+            continue
+        rank = p.shape[2]
+        if rank > _OUTER_RANK:
+            approx = torch.bmm(p, qt)
+        else:
+            approx = torch.mul(p[:, :, :1], qt[:, :1])
+            for k in range(1, rank):
+                approx.addcmul_(p[:, :, k : k + 1], qt[:, k : k + 1])
+        torch._foreach_copy_(list(matrices), list(approx.unbind(0)))
+
+
+def unpack_remembering_(
+    flat: torch.Tensor, tensors: Sequence[torch.Tensor], errors: Sequence[torch.Tensor] | None
+) -> None:
+    """:func:`unpack_from`, and first ``errors[i] = tensors[i] - `` its new value, if given.
+
+    The error feedback of the tensors sent as they are (their value minus the average), with
+    one batched operation per pass instead of one per tensor.
+    """
+    if not tensors:
+        return
+    means = _slices(flat, tensors)
+    if errors is not None:
+        torch._foreach_copy_(list(errors), list(tensors))
+        torch._foreach_sub_(list(errors), means)
+    torch._foreach_copy_(list(tensors), means)
+
+
 def scratch_elements(matrix: torch.Tensor, rank: int = 0) -> int:
     """Elements of the ``scratch`` that the blocked routines here need for a 2-D ``matrix``.
 
@@ -484,22 +620,27 @@ def _block_elements(matrix: torch.Tensor) -> int:
 
 
 def pack_into(tensors: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-    """Copy ``tensors`` one after another into the flat ``out``; returns ``out``."""
-    offset = 0
-    for t in tensors:
-        n = t.numel()
-        out[offset : offset + n].view_as(t).copy_(t)
-        offset += n
+    """Copy ``tensors`` one after another into the flat ``out``; returns ``out``.
+
+    One batched copy: a bucket's many small tensors (biases, norms) would otherwise cost one
+    operation each.
+    """
+    if tensors:
+        torch._foreach_copy_(_slices(out, tensors), list(tensors))
     return out
 
 
 def unpack_from(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
     """Inverse of :func:`pack_into`: copy consecutive slices of ``flat`` back into ``tensors``."""
-    offset = 0
-    for t in tensors:
-        n = t.numel()
-        t.copy_(flat[offset : offset + n].view_as(t))
-        offset += n
+    if tensors:
+        torch._foreach_copy_(list(tensors), _slices(flat, tensors))
+
+
+def _slices(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Consecutive slices of ``flat``, each viewed as the tensor of ``tensors`` it stands for."""
+    sizes = [t.numel() for t in tensors]
+    parts = flat[: sum(sizes)].split_with_sizes(sizes)
+    return [part if t.dim() == 1 else part.view(t.shape) for part, t in zip(parts, tensors)]
 
 
 RESIDUAL_SLACK = 1000.0

@@ -75,8 +75,9 @@ def powerSGD_hook(
     """
     state, buffer, group = _begin(state, bucket, LAYERWISE)
     numbers = state.numbering.numbers(bucket.parameters())
-    if not state.compressing():
-        return _warm_up(state, bucket, buffer, group)
+    if not state.compressing():  # plain allreduce, before compression starts
+        state.maybe_increase_iter(bucket)
+        return comm.average(buffer, group)
     grads = bucket.gradients()
     plan = state.plan(numbers, grads)
     single = state.settings.single_round
@@ -111,8 +112,9 @@ def batched_powerSGD_hook(
     """
     state, buffer, group = _begin(state, bucket, BATCHED)
     numbers = state.numbering.numbers(bucket.parameters())
-    if not state.compressing():
-        return _warm_up(state, bucket, buffer, group)
+    if not state.compressing():  # plain allreduce, before compression starts
+        state.maybe_increase_iter(bucket)
+        return comm.average(buffer, group)
     key = f"bucket{bucket.index()}"
     order = state.bucket_order(key, numbers)
     length = buffer.numel()
@@ -160,14 +162,6 @@ def _begin(
         )
     buffer = float_buffer(bucket, hook)  # refuses a sparse gradient, naming the hooks to use
     return state, buffer, state.prepare(hook)
-
-
-def _warm_up(
-    state: PowerSGDState, bucket: dist.GradBucket, buffer: torch.Tensor, group: dist.ProcessGroup
-) -> "Future[torch.Tensor]":
-    """Plain allreduce, before compression starts."""
-    state.maybe_increase_iter(bucket)
-    return comm.average(buffer, group)
 
 
 def _run(step: BucketStep) -> "Future[torch.Tensor]":

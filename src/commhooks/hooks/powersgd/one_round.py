@@ -12,10 +12,10 @@ Hook modules must not use ``from __future__ import annotations``: DDP rejects st
 
 import torch
 
-from commhooks import callbacks, comm, lowrank
+from commhooks import callbacks, comm
 
 from . import stages
-from .stages import Batch, BucketStep, Matrix
+from .stages import BucketStep
 
 __all__ = ["one_round"]
 
@@ -28,47 +28,23 @@ def one_round(step: BucketStep) -> "Future[torch.Tensor]":
     The collective is issued here, on DDP's thread; the check of its result in the state's
     issuer, in slot order, since a result that is not finite sends the bucket again.
     """
-    stages.compensate_vectors(step)
-    together = stages.kinds(step)
-    for matrices in together:
-        if len(matrices) > 1:
-            stages.compensate_matrices(step, matrices)  # stacking copies M: it must be formed first
-    stages.form_batches(step, together)
-    known = stages.lay_out_known(step)
     unc = step.vector_numel()
-    send = step.new_flat(unc + stages.sent_numel(step))
-    lowrank.pack_into(step.vectors, send[:unc])
-    stages.lay_out_sent(step, send[unc:])
-    stages.start_factors(step, known)  # the last step's other factor, orthogonalised
-    for batch in step.batches:
-        if batch.stacked:
-            stages.sent_factor(step, batch)
-        else:
-            _absorb(step, batch)
+    _, send = stages.first_factors(step, single=True)  # compensated, then factors
     averaged = comm.average(send, step.group)
-    checked = step.follow_up(averaged, lambda result: _unless_finite(step, result))
+    checked = step.follow_up(averaged, lambda result: _unless_finite(step, result), (send,))
     return callbacks.then(checked, lambda done: _approximate(step, done, unc))
-
-
-def _absorb(step: BucketStep, b: Batch) -> None:
-    """A matrix on its own: its factor, of the memory with the gradient added in (one pass)."""
-    m = b.matrices[0]
-    if not step.state.settings.use_error_feedback:
-        stages.sent_factor(step, b)
-        return
-    memory = step.state.memory
-    m.absorbed = memory.absorb_(m.key, m.view, b.known[0], b.sent[0], b.refines_q, step.scratch())
 
 
 def _unless_finite(step: BucketStep, averaged: torch.Tensor) -> "Future[torch.Tensor | None]":
     """The averaged factors; or, if they are not finite, ``None`` once the bucket was sent again.
 
     Every rank sees the same result, so every rank then does what the two-round variant does
-    after its first round (:func:`~.step.fall_back`): a second collective on that step only.
+    after its first round (:func:`~.stages.fall_back`): a second collective on that step only.
     """
-    if lowrank.is_finite(averaged):
+    if step.finite(averaged):
         return comm.completed(averaged)
-    return callbacks.then(stages.fall_back(step), _nothing)
+    sent = stages.fall_back(step)
+    return callbacks.then(sent, _nothing)
 
 
 def _nothing(sent: "Future[torch.Tensor]") -> None:
@@ -80,20 +56,5 @@ def _approximate(step: BucketStep, done: "Future[torch.Tensor | None]", unc: int
     averaged = done.wait()
     if averaged is None:  # sent again as plain allreduce would: the bucket holds its average
         return step.buffer
-    stages.unpack_vectors(step, averaged[:unc])
-    for b in step.batches:
-        p, q = (b.known, b.sent) if b.refines_q else (b.sent, b.known)
-        if b.stacked:
-            stages.decompress(step, b, p, q)
-        else:
-            _write_alone(step, b.matrices[0], p[0], q[0].t())
-        for i, m in enumerate(b.matrices):
-            step.state.factors.keep(m.key, p[i].clone(), q[i].clone(), m.step)
+    stages.finish_single(step, averaged[:unc])
     return step.write_back()
-
-
-def _write_alone(step: BucketStep, m: Matrix, p: torch.Tensor, qt: torch.Tensor) -> None:
-    """The gradient becomes ``P Qᵀ``, which joins the products pending on the memory."""
-    if m.absorbed is not None:
-        step.state.memory.defer_(m.key, p, qt)
-    lowrank.product_into(m.view, p, qt)

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from commhooks import comm, lowrank
+from commhooks import callbacks, comm, finiteness, lowrank
 from commhooks.error_feedback import Absorbed, Key
 from commhooks.factors import P_STEP, Q_STEP
 
@@ -31,23 +31,21 @@ __all__ = [
     "Batch",
     "BucketStep",
     "Matrix",
-    "compensate_matrices",
-    "compensate_vectors",
-    "decompress",
+    "Run",
+    "approximate",
+    "compensate",
+    "factor_view",
     "fall_back",
+    "finish_single",
+    "first_factors",
     "form_batches",
     "kinds",
     "known_shape",
-    "lay_out_known",
-    "lay_out_sent",
-    "orthogonalize_all",
+    "lay_out",
+    "second_factors",
     "sends_q",
-    "sent_factor",
-    "sent_numel",
     "sent_shape",
-    "start_factors",
     "starts_from_q",
-    "unpack_vectors",
 ]
 
 Shape = tuple[int, int, int]
@@ -84,6 +82,51 @@ class Batch:
         """A single-round step that computes ``Q = Mᵀ P`` from the last ``P``."""
         return self.matrices[0].step == Q_STEP
 
+    def dims(self) -> tuple[int, int, int, int]:
+        """``(matrices, rows, cols, rank)``."""
+        count, n, m = self.stack.shape
+        return count, n, m, self.matrices[0].rank
+
+
+@dataclass
+class Run:
+    """Consecutive batches of one shape, rank and step: their factors are one stack in each
+    flat buffer, so that the work on all of them is one batched call."""
+
+    batches: list[Batch]
+    known: torch.Tensor = field(init=False)  # every batch's ``known``, in order, (count, ., r)
+    sent: torch.Tensor = field(init=False)  # every batch's ``sent``, in order
+    count: int = 0  # matrices in all its batches
+    # Matrices alone, laid out at a regular stride in one buffer (a bucket's layers of one
+    # width usually are): a (count, n, m) view of them all, for batched products; else None.
+    stack: torch.Tensor | None = None
+
+    @property
+    def refines_q(self) -> bool:
+        return self.batches[0].refines_q
+
+    def matrices(self) -> list[Matrix]:
+        return [m for b in self.batches for m in b.matrices]
+
+    def dims(self) -> tuple[int, int, int, int]:
+        """``(matrices, rows, cols, rank)``."""
+        _, n, m, rank = self.batches[0].dims()
+        return self.count, n, m, rank
+
+    def products(self, right: bool) -> list[lowrank.Product]:
+        """The products of this run's factors: ``M known -> sent`` (``Mᵀ`` where the run
+        refines ``Q``), or with ``right`` ``Mᵀ sent -> known``. ``Mᵀ P`` is one batched product
+        over a strided stack (its kernel computes each matrix's product as one product per
+        matrix does); ``M Q`` is one product per batch, whose bits a batched kernel does not
+        keep for thin factors."""
+        if right and self.stack is not None:
+            return [(self.stack, self.sent, self.known, True)]
+        if right:
+            return [(b.stack, b.sent, b.known, True) for b in self.batches]
+        if self.refines_q and self.stack is not None:
+            return [(self.stack, self.known, self.sent, True)]
+        return [(b.stack, b.known, b.sent, b.refines_q) for b in self.batches]
+
 
 @dataclass
 class BucketStep:
@@ -98,13 +141,17 @@ class BucketStep:
     vector_keys: list[Key]
     writeback: Callable[[], object] | None = None  # copies the matrices' results into ``buffer``
     batches: list[Batch] = field(default_factory=list)
+    runs: list[Run] = field(default_factory=list)
     _scratch: torch.Tensor | None = None
     _made: list[torch.Tensor] = field(default_factory=list)
+    _finite: finiteness.QueuedFiniteness | None = None
 
     def scratch(self) -> torch.Tensor:
         """One block's worth of working memory for the blocked products, made once per call."""
         if self._scratch is None:
-            sizes = (lowrank.scratch_elements(b.stack[0], b.matrices[0].rank) for b in self.batches)
+            sizes = (
+                lowrank.scratch_elements(r.batches[0].stack[0], r.dims()[3]) for r in self.runs
+            )
             self._scratch = self.made(self.buffer.new_empty(max(sizes, default=0)))
         return self._scratch
 
@@ -121,16 +168,43 @@ class BucketStep:
         return sum(t.numel() for t in self.vectors)
 
     def follow_up(
-        self, after: "torch.futures.Future[Any]", then: "Callable[[Any], torch.futures.Future[T]]"
+        self,
+        after: "torch.futures.Future[Any]",
+        then: "Callable[[Any], torch.futures.Future[T]]",
+        check: tuple[torch.Tensor, ...] = (),
     ) -> "torch.futures.Future[T]":
         """Run ``then(after's value)`` in the state's issuer, in a slot reserved now (see
         :meth:`commhooks.comm.OrderedIssuer.then`); it may issue one collective, on the
         issuer's group. Call on DDP's thread; it counts the step once the last bucket's
-        first round is issued."""
+        first round is issued.
+
+        ``then`` asks :meth:`finite` whether ``check`` (what ``after`` reduces) is finite. On
+        a GPU that total is queued as soon as ``after`` completes (right behind the
+        collective), so that the follow-up, held until the step's last bucket, only waits for
+        a copy already on its way (see :mod:`commhooks.finiteness`).
+        """
         options = comm.follow_up_options(self.buffer, self.bucket.is_last())
+        if check and finiteness.queues(check[0]):
+            after = callbacks.then(after, lambda done: self._queue_check(done, check))
         done = self.state.issuer.then(after, then, *options)
         self.state.maybe_increase_iter(self.bucket)
         return done
+
+    def _queue_check(
+        self, done: "torch.futures.Future[Any]", check: tuple[torch.Tensor, ...]
+    ) -> Any:
+        value = done.wait()
+        # A list of collectives' futures knows no streams: each makes this stream wait for it.
+        for each in value if isinstance(value, list) else []:
+            each.wait()
+        self._finite = finiteness.QueuedFiniteness(*check)
+        return value
+
+    def finite(self, *tensors: torch.Tensor) -> bool:
+        """Whether ``tensors`` (reduced: the same on every rank) are all finite: from the total
+        :meth:`follow_up` queued, if it did, else read now (on a CPU, where that is free)."""
+        queued, self._finite = self._finite, None
+        return (queued or finiteness.QueuedFiniteness(*tensors)).all_finite()
 
     def write_back(self) -> torch.Tensor:
         """Finish the step: the bucket holds the result; return it.
@@ -147,29 +221,29 @@ class BucketStep:
 
 
 # -- error feedback ------------------------------------------------------------------------------
-def compensate_vectors(step: BucketStep) -> None:
-    """Add the remembered error to each tensor sent as it is."""
+def compensate(
+    step: BucketStep, stacked_only: bool = False, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Add the remembered error to each tensor sent as it is and to each matrix, in place
+    (M = gradient + previous error), in one call to the memory; return the tensors sent as
+    they are, packed into ``out`` (by default a new flat buffer).
+
+    With ``stacked_only`` (single round) only matrices compressed with others are compensated:
+    one alone has its gradient absorbed into the memory instead (see
+    :meth:`LazyErrorFeedback.absorb_`). Stacked copies are filled after this (see
+    :func:`first_factors`), from M.
+    """
+    packed = step.new_flat(step.vector_numel()) if out is None else out
+    matrices = step.matrices
+    if stacked_only:
+        matrices = [m for b in step.batches if b.stacked for m in b.matrices]
     if step.state.settings.use_error_feedback:
-        for key, t in zip(step.vector_keys, step.vectors):
-            step.state.memory.compensate_(key, t)
-
-
-def compensate_matrices(step: BucketStep, matrices: list[Matrix]) -> None:
-    """Add the remembered error to each matrix in place, so M = gradient + previous error."""
-    if step.state.settings.use_error_feedback:
-        for m in matrices:
-            m.compensated = step.state.memory.compensate_(m.key, m.view)
-
-
-def unpack_vectors(step: BucketStep, averaged: torch.Tensor) -> None:
-    """Copy the averages back; remember ``local - mean`` (error feedback, as PyTorch does)."""
-    remember, offset = step.state.settings.use_error_feedback, 0
-    for key, t in zip(step.vector_keys, step.vectors):
-        mean = averaged[offset : offset + t.numel()].view_as(t)
-        offset += t.numel()
-        if remember:
-            torch.sub(t, mean, out=step.state.memory.slot(key, t))
-        t.copy_(mean)
+        keys = [*step.vector_keys, *(m.key for m in matrices)]
+        tensors = [*step.vectors, *(m.view for m in matrices)]
+        added = step.state.memory.compensate_all_(keys, tensors)
+        for m, was in zip(matrices, added[len(step.vectors) :]):
+            m.compensated = was
+    return lowrank.pack_into(step.vectors, packed)
 
 
 def fall_back(step: BucketStep) -> "torch.futures.Future[torch.Tensor]":
@@ -180,14 +254,10 @@ def fall_back(step: BucketStep) -> "torch.futures.Future[torch.Tensor]":
     sees inf/NaN exactly where plain allreduce puts them. A follow-up collective: call it in
     the issuer's slot. A memory that was not finite is reset, with a warning.
     """
-    memory = step.state.memory
-    for key, t in zip(step.vector_keys, step.vectors):
-        memory.withdraw_(key, t)
-    for m in step.matrices:
-        if m.compensated:
-            memory.withdraw_(m.key, m.view)
-        if m.absorbed is not None:
-            memory.roll_back_(m.absorbed)
+    withdrawn = list(zip(step.vector_keys, step.vectors))
+    withdrawn += [(m.key, m.view) for m in step.matrices if m.compensated]
+    absorbed = [m.absorbed for m in step.matrices if m.absorbed is not None]
+    step.state.memory.abandon_(withdrawn, absorbed)
     return comm.average(step.buffer, step.state.issuer.group)
 
 
@@ -203,56 +273,80 @@ def kinds(step: BucketStep) -> list[list[Matrix]]:
 
 
 def form_batches(step: BucketStep, kinds: list[list[Matrix]]) -> None:
+    """One :class:`Batch` per kind, and the runs of consecutive batches of one shape."""
     for matrices in kinds:
-        if len(matrices) > 1:
-            stack = step.made(torch.stack([m.view for m in matrices]))
+        if len(matrices) > 1:  # a copy, filled once M is formed (see first_factors)
+            first = matrices[0].view
+            stack = step.made(first.new_empty((len(matrices), *first.shape)))
         else:
             stack = matrices[0].view.unsqueeze(0)
         step.batches.append(Batch(matrices, stack))
+    for b in step.batches:
+        last = step.runs[-1] if step.runs else None
+        if last is not None and _same_kind(last.batches[-1], b):
+            last.batches.append(b)
+        else:
+            step.runs.append(Run([b]))
+    for run in step.runs:
+        run.count = sum(len(b.matrices) for b in run.batches)
+        if len(run.batches) > 1 and run.count == len(run.batches):
+            run.stack = _strided([b.matrices[0].view for b in run.batches])
 
 
-def known_shape(b: Batch) -> Shape:
+def _strided(views: list[torch.Tensor]) -> torch.Tensor | None:
+    """One ``(len(views), n, m)`` view of same-shaped contiguous ``views``, if they lie at one
+    stride from each other in one storage; else ``None``."""
+    first = views[0]
+    offsets = [v.storage_offset() for v in views]
+    delta = offsets[1] - offsets[0]
+    storage = first.untyped_storage().data_ptr()
+    if delta < first.numel() or any(b - a != delta for a, b in zip(offsets, offsets[1:])):
+        return None
+    if not all(v.is_contiguous() and v.untyped_storage().data_ptr() == storage for v in views):
+        return None
+    return first.as_strided((len(views), *first.shape), (delta, *first.stride()), offsets[0])
+
+
+def _same_kind(a: Batch, b: Batch) -> bool:
+    return a.stack.shape[1:] == b.stack.shape[1:] and (a.matrices[0].rank, a.matrices[0].step) == (
+        b.matrices[0].rank,
+        b.matrices[0].step,
+    )
+
+
+def known_shape(b: Batch | Run) -> Shape:
     """The factor a step starts from: ``P`` (B, n, r) for a Q step, else ``Q`` (B, m, r)."""
-    count, n, m = b.stack.shape
-    return (count, n, b.matrices[0].rank) if b.refines_q else (count, m, b.matrices[0].rank)
+    count, n, m, rank = b.dims()
+    return (count, n, rank) if b.refines_q else (count, m, rank)
 
 
-def sent_shape(b: Batch) -> Shape:
+def sent_shape(b: Batch | Run) -> Shape:
     """The factor a step computes and sends first: ``Q`` for a Q step, else ``P``."""
-    count, n, m = b.stack.shape
-    return (count, m, b.matrices[0].rank) if b.refines_q else (count, n, b.matrices[0].rank)
+    count, n, m, rank = b.dims()
+    return (count, m, rank) if b.refines_q else (count, n, rank)
 
 
-def lay_out_known(step: BucketStep) -> torch.Tensor:
-    """A flat buffer for the factor each batch starts from, each batch's ``known`` a view."""
-    flat = step.new_flat(sum(math.prod(known_shape(b)) for b in step.batches))
-    for b, view in zip(step.batches, _views(step.batches, flat, known_shape, starts_from_q)):
-        b.known = view
-    return flat
+def lay_out(step: BucketStep, leading: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat buffers for the factors each batch starts from and sends, and their views.
 
-
-def sent_numel(step: BucketStep) -> int:
-    return sum(math.prod(sent_shape(b)) for b in step.batches)
-
-
-def lay_out_sent(step: BucketStep, flat: torch.Tensor) -> None:
-    """Each batch's ``sent`` factor, a view into ``flat`` (of :func:`sent_numel` elements)."""
-    for b, view in zip(step.batches, _views(step.batches, flat, sent_shape, sends_q)):
-        b.sent = view
-
-
-def _views(
-    batches: list[Batch],
-    flat: torch.Tensor,
-    shape_of: Callable[[Batch], Shape],
-    is_q: Callable[[Batch], bool],
-) -> list[torch.Tensor]:
-    views, offset = [], 0
-    for b in batches:
-        shape = shape_of(b)
-        views.append(factor_view(flat[offset : offset + math.prod(shape)], shape, is_q(b)))
-        offset += math.prod(shape)
-    return views
+    Returns ``(known, send)``; ``send`` begins with ``leading`` elements for the caller (the
+    tensors sent as they are), then every batch's sent factor. A run's factors are one stack
+    in each buffer; its batches' factors are views of that stack.
+    """
+    known = step.new_flat(sum(math.prod(known_shape(r)) for r in step.runs))
+    send = step.new_flat(leading + sum(math.prod(sent_shape(r)) for r in step.runs))
+    k, s = 0, leading
+    for run in step.runs:
+        shape, shape_sent = known_shape(run), sent_shape(run)
+        run.known = factor_view(known[k : k + math.prod(shape)], shape, starts_from_q(run))
+        run.sent = factor_view(send[s : s + math.prod(shape_sent)], shape_sent, sends_q(run))
+        k, s = k + math.prod(shape), s + math.prod(shape_sent)
+        counts = [len(b.matrices) for b in run.batches]
+        for b, kv, sv in zip(
+            run.batches, run.known.split_with_sizes(counts), run.sent.split_with_sizes(counts)
+        ):
+            b.known, b.sent = kv, sv
+    return known, send
 
 
 def factor_view(flat: torch.Tensor, shape: Shape, is_q: bool) -> torch.Tensor:
@@ -267,18 +361,91 @@ def factor_view(flat: torch.Tensor, shape: Shape, is_q: bool) -> torch.Tensor:
     return flat.view(batch, rank, rows).transpose(1, 2)
 
 
-def starts_from_q(b: Batch) -> bool:
+def starts_from_q(b: Batch | Run) -> bool:
     """Whether the factor a batch starts from is a ``Q``: it is, except on a Q step."""
     return not b.refines_q
 
 
-def sends_q(b: Batch) -> bool:
+def sends_q(b: Batch | Run) -> bool:
     """Whether the factor a batch sends first is a ``Q``: only on a Q step."""
     return b.refines_q
 
 
+def _merged(runs: list[Run], known: bool) -> list[torch.Tensor]:
+    """The runs' known (or sent) factors, consecutive stacks of one shape and layout joined.
+
+    A bucket's layers mostly share a few widths: each joined stack is orthogonalised with
+    one batched call, which saves many small operations on the critical path.
+    """
+    stacks: list[torch.Tensor] = []
+    for run in runs:
+        stack = run.known if known else run.sent
+        last = stacks[-1] if stacks else None
+        if (
+            last is not None
+            and last.shape[1:] == stack.shape[1:]
+            and last.stride() == stack.stride()
+            and last.data_ptr() + last.numel() * last.element_size() == stack.data_ptr()
+        ):
+            stacks[-1] = last.as_strided(
+                (last.shape[0] + stack.shape[0], *stack.shape[1:]),
+                stack.stride(),
+                last.storage_offset(),
+            )
+        else:
+            stacks.append(stack)
+    return stacks
+
+
 # -- the factors -------------------------------------------------------------------------------
-def start_factors(step: BucketStep, known: torch.Tensor) -> None:
+def first_factors(step: BucketStep, single: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch the matrices, fill each batch's starting factor (stored or random, orthogonalised)
+    and form from it the factor it sends: ``P = M Q``, or ``Q = Mᵀ P`` on a Q step.
+
+    Returns the flat buffers ``(known, send)``. For the ``single`` round, ``send`` begins with
+    the tensors sent as they are, compensated here (:func:`compensate`), and with error
+    feedback a matrix alone has its factor formed by the memory as it adds the gradient in
+    (:meth:`LazyErrorFeedback.absorb_`). For two rounds, call :func:`compensate` first.
+    """
+    form_batches(step, kinds(step))
+    known, send = lay_out(step, step.vector_numel() if single else 0)
+    _fill_starts(step, known)
+    settings = step.state.settings
+    alone = single and settings.use_error_feedback
+    products = [
+        product
+        for run in step.runs
+        if run.batches[0].stacked or not alone
+        for product in run.products(right=False)
+    ]
+    singles = [b for b in step.batches if alone and not b.stacked]
+    steps = [(b.matrices[0].key, b.matrices[0].view, b.known[0], b.sent[0]) for b in singles]
+    # On a CPU the memory checks each gradient it absorbs (one sum read back each); a run's
+    # gradients at a regular stride are checked together first, with one sum.
+    together = [r.stack for r in step.runs if r.stack is not None and not r.batches[0].stacked]
+    apart = [b.stack for r in step.runs if r.stack is None for b in r.batches if not b.stacked]
+    method = "qr" if settings.single_round else "auto"  # its own numerics: the faster QR
+    starts = _merged(step.runs, known=True)
+    scratch = step.scratch()
+    eps = settings.orthogonalization_epsilon
+    unc = step.vector_numel()
+    if single:
+        compensate(step, stacked_only=True, out=send[:unc])
+    for b in step.batches:
+        if b.stacked:  # a copy of M, now formed
+            torch.stack([m.view for m in b.matrices], out=b.stack)
+    checks = bool(singles) and lowrank.reads_back_checks(singles[0].stack)
+    finite = checks and lowrank.is_finite(*together, *apart)
+    lowrank.project_(starts, products, eps, method, exact=not settings.single_round)
+    if singles:
+        refines = [b.refines_q for b in singles]
+        absorbed = step.state.memory.absorb_all_(steps, refines, scratch, finite)
+        for b, each in zip(singles, absorbed):
+            b.matrices[0].absorbed = each
+    return known, send
+
+
+def _fill_starts(step: BucketStep, known: torch.Tensor) -> None:
     """Fill each batch's starting factor: the stored one (warm start) or a random projection.
 
     A bucket call that needs any random projection draws one seed from the state's numpy
@@ -286,81 +453,159 @@ def start_factors(step: BucketStep, known: torch.Tensor) -> None:
     every rank, PyTorch's sequence, and the global RNG untouched. A call draws its seed
     wherever PyTorch's hook does (every step without warm start, and on the first step that
     compresses), even with nothing to sample, so that every later bucket draws the seed it
-    would draw there: a bucket of vectors only still takes its turn.
+    would draw there: a bucket of vectors only still takes its turn. A run whose factors are
+    all stored is copied with one batched operation.
     """
     state, settings = step.state, step.state.settings
     warm = settings.warm_start or settings.single_round
     first = state.iter == settings.start_powerSGD_iter
     gen = _seeded(state) if not warm or first else None
-    for b in step.batches:
-        shape = known_shape(b)
-        which = P_STEP if b.refines_q else Q_STEP
+    for run in step.runs:
+        shape = known_shape(run)
+        which = P_STEP if run.refines_q else Q_STEP
         stored = [
             state.factors.start(which, m.key, shape[1:], known) if warm else None
-            for m in b.matrices
+            for m in run.matrices()
         ]
-        if any(t is None for t in stored) and gen is None:
-            gen = _seeded(state)
-        if all(t is None for t in stored):
-            b.known.copy_(torch.randn(shape, generator=gen, dtype=known.dtype))
+        if all(t is not None for t in stored):
+            found = [t.reshape(shape[1:]) for t in stored if t is not None]
+            torch._foreach_copy_(list(run.known.unbind(0)), found)
             continue
-        for i, t in enumerate(stored):
+        gen = _random_starts(state, run, stored, gen)
+
+
+def _random_starts(
+    state: PowerSGDState,
+    run: Run,
+    stored: list[torch.Tensor | None],
+    gen: torch.Generator | None,
+) -> torch.Generator:
+    """Fill a run's starting factors batch by batch, drawing where none is stored."""
+    if gen is None:
+        gen = _seeded(state)
+    at = 0
+    for b in run.batches:
+        mine, at = stored[at : at + len(b.matrices)], at + len(b.matrices)
+        shape = known_shape(b)
+        if all(t is None for t in mine):
+            b.known.copy_(torch.randn(shape, generator=gen, dtype=b.known.dtype))
+            continue
+        for i, t in enumerate(mine):
             if t is None:
-                t = torch.randn((1, *shape[1:]), generator=gen, dtype=known.dtype)
+                t = torch.randn((1, *shape[1:]), generator=gen, dtype=b.known.dtype)
             b.known[i].copy_(t.reshape(shape[1:]))
-    orthogonalize_all(step, known, known_shape, starts_from_q)
+    return gen
 
 
 def _seeded(state: PowerSGDState) -> torch.Generator:
     return torch.Generator().manual_seed(int(state.rng.randint(1_000_000_000)))
 
 
-def orthogonalize_all(
-    step: BucketStep,
-    flat: torch.Tensor,
-    shape_of: Callable[[Batch], Shape],
-    is_q: Callable[[Batch], bool],
-) -> None:
-    """Orthogonalise every batch's factor in ``flat``, laid out one batch after another.
+def second_factors(step: BucketStep, packed: torch.Tensor, q: torch.Tensor) -> torch.Tensor | None:
+    """After the first round: the tensors sent as they are take their average (their error
+    remembered), each summed ``P`` is orthogonalised and ``Q = Mᵀ P`` written over the
+    starting ``Q`` in ``q``, the buffer sent next.
 
-    Consecutive batches whose factors have the same shape and layout are one stack in
-    ``flat``: they are orthogonalised with one batched call each (a bucket's layers mostly
-    share a few widths), which saves many small per-layer operations on the critical path.
+    Returns a copy of the starting ``Q`` with warm start (a direction the new ``Q`` loses is
+    taken from it, see :func:`approximate`), else ``None``.
     """
-    runs: list[list[int]] = []  # [start, end, batch, rows, rank, is_q]
-    offset = 0
-    for b in step.batches:
-        count, rows, rank = shape_of(b)
-        end, q = offset + count * rows * rank, int(is_q(b))
-        last = runs[-1] if runs else None
-        if last is not None and last[1] == offset and last[3:] == [rows, rank, q]:
-            last[1], last[2] = end, last[2] + count
-        else:
-            runs.append([offset, end, count, rows, rank, q])
-        offset = end
-    # The single-round variant has numerics of its own: it takes the faster QR.
-    method = "qr" if step.state.settings.single_round else "auto"
-    epsilon = step.state.settings.orthogonalization_epsilon
-    for start, end, count, rows, rank, q in runs:
-        stack = factor_view(flat[start:end], (count, rows, rank), bool(q))
-        lowrank.orthogonalize_(stack, epsilon, method)
+    settings = step.state.settings
+    starts = step.made(q.clone()) if settings.warm_start else None
+    products = [product for run in step.runs for product in run.products(right=True)]
+    stacks = _merged(step.runs, known=False)
+    errors = None
+    if settings.use_error_feedback:
+        errors = step.state.memory.slots(step.vector_keys, step.vectors)
+    lowrank.unpack_remembering_(packed, step.vectors, errors)
+    eps = settings.orthogonalization_epsilon
+    lowrank.project_(stacks, products, eps, "auto")
+    return starts
 
 
-def sent_factor(step: BucketStep, b: Batch) -> None:
-    """``P = M Q``, or ``Q = Mᵀ P`` on a Q step: from the batch's known factor into ``sent``."""
-    if b.refines_q:
-        lowrank.right_factor_into(b.stack, b.known, b.sent)
-    else:
-        exact = not step.state.settings.single_round
-        lowrank.left_factor_into(b.stack, b.known, b.sent, exact=exact)
+def approximate(step: BucketStep, q: torch.Tensor, starts: torch.Tensor | None) -> None:
+    """After the second round: ``P Qᵀ`` into each matrix, ``M - P Qᵀ`` remembered as its error,
+    and each averaged ``Q`` (in ``q``) kept for the next step's warm start.
+
+    A zero column of Q (a zero gradient, or one of lower rank) would stay zero at every later
+    step: M·0 = 0. Its previous direction, from ``starts`` (laid out as ``q``), is kept instead.
+    Every error slot is taken from the memory at once, then every product written in one call.
+    """
+    matrices = [m for run in step.runs for m in run.matrices()]
+    groups = _reconstructions(step.runs)
+    previous = []
+    if starts is not None:
+        at = starts.storage_offset() - q.storage_offset()
+        previous = [
+            starts.as_strided(r.known.shape, r.known.stride(), r.known.storage_offset() + at)
+            for r in step.runs
+        ]
+    scratch = step.scratch()
+    errors: list[torch.Tensor] | None = None
+    if step.state.settings.use_error_feedback:
+        errors = step.state.memory.slots([m.key for m in matrices], [m.view for m in matrices])
+    lowrank.reconstruct_all_(groups, errors, scratch)
+    kept = [lowrank.keep_nonzero_columns(r.known, old) for r, old in zip(step.runs, previous)]
+    factors = step.state.factors
+    for run, new in zip(step.runs, kept):
+        for m, factor in zip(run.matrices(), new.unbind(0)):
+            factors.keep(m.key, None, factor)
 
 
-def decompress(step: BucketStep, b: Batch, p: torch.Tensor, q: torch.Tensor) -> None:
-    """Write ``P Qᵀ`` into each matrix of ``b``; remember ``M - P Qᵀ`` as its error."""
-    memory = step.state.memory if step.state.settings.use_error_feedback else None
-    for i, m in enumerate(b.matrices):
-        error = memory.slot(m.key, m.view) if memory is not None else None
-        # Q factors are stored as Qᵀ, so q[i].t() is the contiguous (rank, cols) matrix.
-        lowrank.reconstruct_(b.stack[i], p[i], q[i].t(), error, step.scratch())
-        if b.stacked:
-            m.view.copy_(b.stack[i])
+def _reconstructions(runs: list["Run"]) -> list[lowrank.Reconstruction]:
+    """Each run's matrices with the stacks of their ``P`` and ``Qᵀ``."""
+    groups: list[lowrank.Reconstruction] = []
+    for run in runs:
+        p, q = (run.known, run.sent) if run.refines_q else (run.sent, run.known)
+        # Q factors are stored as Qᵀ, so the transpose of a Q stack is contiguous.
+        groups.append(([m.view for m in run.matrices()], p, q.transpose(1, 2)))
+    return groups
+
+
+def finish_single(step: BucketStep, averaged: torch.Tensor) -> None:
+    """After the single round: the averages into the tensors sent as they are, ``P Qᵀ`` into
+    each matrix, and both factors kept with the step each matrix made.
+
+    A matrix compressed with others remembers ``M - P Qᵀ``; one alone had its gradient
+    absorbed into the memory, which keeps ``P Qᵀ`` to subtract later.
+    """
+    stacked = [run for run in step.runs if run.batches[0].stacked]
+    alone = [run for run in step.runs if not run.batches[0].stacked]
+    matrices = [m for run in stacked for m in run.matrices()]
+    singles = [m for run in alone for m in run.matrices()]
+    p, qt = _factors_of(alone)
+    groups, alone_groups = _reconstructions(stacked), _reconstructions(alone)
+    copies = [
+        (run.known.clone().unbind(0), run.sent.clone().unbind(0))
+        if run.refines_q
+        else (run.sent.clone().unbind(0), run.known.clone().unbind(0))
+        for run in step.runs
+    ]
+    scratch = step.scratch()
+    errors = None
+    if step.state.settings.use_error_feedback:
+        memory = step.state.memory
+        memory.defer_all_(
+            [(m.key, pi, qi) for m, pi, qi in zip(singles, p, qt) if m.absorbed is not None]
+        )
+        keys = [*step.vector_keys, *(m.key for m in matrices)]
+        errors = memory.slots(keys, [*step.vectors, *(m.view for m in matrices)])
+    lowrank.unpack_remembering_(averaged, step.vectors, errors)
+    lowrank.reconstruct_all_(
+        groups, None if errors is None else errors[len(step.vectors) :], scratch
+    )
+    lowrank.products_into(alone_groups)
+    factors = step.state.factors
+    for run, (ps, qs) in zip(step.runs, copies):
+        for m, pi, qi in zip(run.matrices(), ps, qs):
+            factors.keep(m.key, pi, qi, m.step)
+
+
+def _factors_of(runs: list["Run"]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each matrix's ``P`` (n, r) and ``Qᵀ`` (r, m) in ``runs``, in order."""
+    p: list[torch.Tensor] = []
+    qt: list[torch.Tensor] = []
+    for run in runs:
+        pr, qr = (run.known, run.sent) if run.refines_q else (run.sent, run.known)
+        p += pr.unbind(0)
+        qt += qr.transpose(1, 2).unbind(0)
+    return p, qt

@@ -9,9 +9,8 @@ Hook modules must not use ``from __future__ import annotations``: DDP rejects st
 """
 
 import torch
-import torch.distributed as dist
 
-from commhooks import callbacks, comm, lowrank
+from commhooks import callbacks, comm
 
 from . import stages
 from .stages import BucketStep
@@ -31,22 +30,20 @@ def two_rounds(step: BucketStep) -> "Future[torch.Tensor]":
     issuer, in slot order.
     """
     group = step.group
+    world = group.size()
+    packed = stages.compensate(step)  # M = gradient + remembered error
     # The uncompressed tensors need no compression work: their average starts first.
-    stages.compensate_vectors(step)
-    packed = lowrank.pack_into(step.vectors, step.new_flat(step.vector_numel()))
-    plain = _sum_then_mean(packed, group) if packed.numel() else comm.completed(packed)
-    stages.compensate_matrices(step, step.matrices)  # M = gradient + remembered error
-    stages.form_batches(step, stages.kinds(step))
-    q = stages.lay_out_known(step)
-    p = step.new_flat(stages.sent_numel(step))
-    stages.lay_out_sent(step, p)
-    stages.start_factors(step, q)  # Q: warm start or random, orthogonalised
-    for batch in step.batches:
-        stages.sent_factor(step, batch)  # P = M Q
+    # PyTorch's order (sum, then divide) rather than DDP's, for the same numerics as its hook.
+    plain = (
+        callbacks.then(comm.allreduce(packed, group), lambda fut: fut.value().div_(world))
+        if packed.numel()
+        else comm.completed(packed)
+    )
+    q, p = stages.first_factors(step, single=False)  # P = M Q
     # P is orthogonalised after the sum, so it needs no division by the world size.
     p_sum = comm.allreduce(p, group)
     firsts = torch.futures.collect_all([plain, p_sum])
-    return step.follow_up(firsts, lambda done: _second_round(step, done, packed, p, q))
+    return step.follow_up(firsts, lambda done: _second_round(step, done, packed, p, q), (packed, p))
 
 
 def _second_round(
@@ -61,17 +58,9 @@ def _second_round(
         # Re-raises a failed collective; on a GPU, also makes this stream wait for its result
         # (the list gathering them knows no streams).
         first.wait()
-    if not lowrank.is_finite(packed, p):  # reduced data: every rank decides alike
+    if not step.finite(packed, p):  # reduced data: every rank decides alike
         return stages.fall_back(step)
-    stages.unpack_vectors(step, packed)
-    stages.orthogonalize_all(step, p, stages.sent_shape, lambda batch: False)
-    # A direction the new Q loses is taken from the old one.
-    starts = (
-        [step.made(b.known.clone()) for b in step.batches] if step.state.settings.warm_start else []
-    )
-    for b in step.batches:
-        # Q = Mᵀ P overwrites the starting Q, in the buffer that is sent next.
-        lowrank.right_factor_into(b.stack, b.sent, b.known)
+    starts = stages.second_factors(step, packed, q)  # Q = Mᵀ P over the starting Q
     q_sum = comm.allreduce(q, step.state.issuer.group)
     return callbacks.then(q_sum, lambda done: _approximate(step, done, q, starts))
 
@@ -80,23 +69,10 @@ def _approximate(
     step: BucketStep,
     done: "Future[torch.Tensor]",
     q: torch.Tensor,
-    starts: list[torch.Tensor],
+    starts: torch.Tensor | None,
 ) -> torch.Tensor:
     """``M ≈ P Qᵀ`` into the gradients, ``M - P Qᵀ`` into the memory; keep ``Q``."""
     done.wait()
     q.div_(step.group.size())
-    for b in step.batches:
-        stages.decompress(step, b, b.sent, b.known)
-    for b, start in zip(step.batches, starts):
-        # A zero column of Q (a zero gradient, or one of lower rank) would stay zero at every
-        # later step: M·0 = 0. Its previous direction is kept instead.
-        kept = lowrank.keep_nonzero_columns(b.known, start)
-        for i, m in enumerate(b.matrices):
-            step.state.factors.keep(m.key, None, kept[i])
+    stages.approximate(step, q, starts)
     return step.write_back()
-
-
-def _sum_then_mean(packed: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.Tensor]":
-    # PyTorch's order (sum, then divide) rather than DDP's, for the same numerics as its hook.
-    world = group.size()
-    return callbacks.then(comm.allreduce(packed, group), lambda fut: fut.value().div_(world))

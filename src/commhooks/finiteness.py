@@ -1,0 +1,76 @@
+"""Whether reduced tensors are finite, asked where the reduction is queued and answered later.
+
+A hook that falls back to plain allreduce when some rank's gradient held inf or NaN must read
+one number per bucket back to the host. On a CPU that read is free. On a GPU, reading it in the
+bucket's follow-up would make each follow-up launch a reduction and wait for it, one bucket
+after another once the backward pass is queued: a round trip per bucket with the device idle.
+:class:`QueuedFiniteness` instead queues the reduction right behind the collective, with a copy
+of its one value into pinned host memory, so that the follow-up (held until the step's last
+bucket on a GPU) only waits for that copy: the first bucket's wait finds the device busy, the
+others find their totals already on the host.
+
+Nothing here communicates.
+"""
+
+import math
+
+import torch
+
+__all__ = ["QueuedFiniteness", "queues"]
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def queues(tensor: torch.Tensor) -> bool:
+    """Whether the finiteness of ``tensor`` is queued when it is reduced, rather than read in
+    the follow-up: on a CUDA device, where a read waits for the device."""
+    return tensor.is_cuda
+
+
+class QueuedFiniteness:
+    """Whether every element of ``tensors`` is finite, their total formed at construction.
+
+    The total is a sum per tensor (half precision summed in float32, where a sum of float16
+    values cannot overflow), all added together: one pass with a scalar result. On a CUDA
+    device it is copied to pinned host memory without waiting, and an event marks the copy.
+    :meth:`all_finite` reads it; only where it is not finite (an inf or NaN, or finite values
+    whose sum overflows) are the elements themselves checked, on a device through the same
+    pinned copy (a step whose result is not finite falls back to a slower path anyway).
+    """
+
+    def __init__(self, *tensors: torch.Tensor) -> None:
+        self.tensors = tensors
+        sums = [t.sum(dtype=torch.float32) if t.dtype in _HALF else t.sum() for t in tensors]
+        self._total = _queued(sum(sums[1:], sums[0])) if sums else None
+
+    def all_finite(self) -> bool:
+        """Whether every element is finite; waits for the queued total, if not there yet."""
+        if self._total is None:
+            return True
+        if math.isfinite(_read(self._total)):
+            return True
+        flags = torch.stack([torch.isfinite(t).all() for t in self.tensors]).all()
+        return _read(_queued(flags)) != 0
+
+
+class _Queued:
+    """A one-element tensor on its way to the host: pinned memory and the event of its copy."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.host = torch.empty((), dtype=value.dtype, pin_memory=True)
+        self.host.copy_(value, non_blocking=True)
+        self.copied = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch's own
+        self.copied.record()
+
+
+def _queued(value: torch.Tensor) -> "torch.Tensor | _Queued":
+    """``value`` itself on a CPU; on CUDA its copy to the host, queued now."""
+    return _Queued(value) if value.is_cuda else value
+
+
+def _read(value: "torch.Tensor | _Queued") -> float:
+    """The number ``value`` holds; for a queued copy, once the copy is done."""
+    if isinstance(value, _Queued):
+        value.copied.synchronize()
+        return float(value.host)
+    return float(value)

@@ -1,0 +1,128 @@
+"""PowerSGD's finiteness check as on a GPU: queued behind the collective, read in the follow-up.
+
+On CUDA the total that decides whether a bucket falls back to plain allreduce is formed (and
+copied to pinned host memory) when the collective's future completes, and read by the
+follow-up, which is held until the step's last bucket. Here CPU tensors take that path
+(``finiteness.queues`` answers yes) under ``comm.completing_inline()``, which completes futures
+and holds follow-ups as NCCL does.
+"""
+
+import contextlib
+from unittest import mock
+
+import pytest
+import torch
+from ddp_utils import IN, OUT, FakeBucket, batches, flat_params, make_ddp, make_mlp, train
+
+import commhooks
+from commhooks import PowerSGDState, comm, finiteness, powerSGD_hook
+from commhooks.testing import run_on_ranks
+
+_WIDTHS = (IN, 48, 48, 48, OUT)  # matrices to compress, one bucket a parameter
+
+
+@contextlib.contextmanager
+def _queued_as_on_a_gpu(events: list[str]):
+    """Queue every check; record when each is made and read."""
+
+    class Recorded(finiteness.QueuedFiniteness):
+        def __init__(self, *tensors: torch.Tensor) -> None:
+            super().__init__(*tensors)
+            events.append("made")
+
+        def all_finite(self) -> bool:
+            events.append("read")
+            return super().all_finite()
+
+    with (
+        comm.completing_inline(),
+        mock.patch.object(finiteness, "queues", lambda tensor: True),
+        mock.patch.object(finiteness, "QueuedFiniteness", Recorded),
+    ):
+        yield
+
+
+def _train(rank, world_size, single, queued):
+    ddp = make_ddp(make_mlp(widths=_WIDTHS), bucket_cap_mb=0.00001)
+    name = "power_sgd_single_round" if single else "power_sgd"
+    state = commhooks.register(ddp, name, start_powerSGD_iter=1)
+    events: list[str] = []
+    steps = []
+    for x, y in batches(rank, 4):
+        events.clear()
+        with _queued_as_on_a_gpu(events) if queued else comm.completing_inline():
+            train(ddp, [(x, y)])
+        steps.append(list(events))
+    memory = {k: v.clone() for k, v in state.error_dict.items()}
+    return flat_params(ddp.module), memory, steps
+
+
+def _non_finite(rank, world_size, single, queued):
+    gen = torch.Generator().manual_seed(rank)
+    bucket = FakeBucket([torch.randn(16, 12, generator=gen), torch.randn(12, generator=gen)])
+    state = PowerSGDState(None, start_powerSGD_iter=0, single_round=single)
+    events: list[str] = []
+    with _queued_as_on_a_gpu(events) if queued else comm.completing_inline():
+        powerSGD_hook(state, bucket).wait()
+        saved = {k: v.clone() for k, v in state.error_dict.items()}
+        factors = {k: v.clone() for k, v in state.q_memory_dict.items()}
+        local = torch.randn(bucket.buffer().shape, generator=gen)
+        if rank == 0:
+            local[3] = float("inf")
+        bucket.buffer().copy_(local)
+        out = powerSGD_hook(state, bucket).wait().clone()
+    exact = saved.keys() == state.error_dict.keys() and all(
+        torch.equal(saved[k], state.error_dict[k]) for k in saved
+    )
+    kept = all(torch.equal(factors[k], state.q_memory_dict[k]) for k in factors)
+    return out, exact or (single and rank == 1), kept, events
+
+
+def _both(rank, world_size):
+    return {
+        (kind, single, queued): fn(rank, world_size, single, queued)
+        for kind, fn in (("train", _train), ("non-finite", _non_finite))
+        for single in (False, True)
+        for queued in (False, True)
+    }
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_on_ranks(_both, 2, timeout=100)
+
+
+@pytest.mark.timeout(120)
+def test_every_bucket_queues_its_check_before_the_step_s_first_follow_up_reads_one(results):
+    for per_rank in results:
+        for single in (False, True):
+            _, _, steps = per_rank["train", single, True]
+            compressing = steps[1:]  # the first step is plain allreduce
+            for events in compressing:
+                buckets = events.count("made")
+                assert buckets >= 3, events  # several buckets, each with its own check
+                # Held until the last bucket: every check queued before any is read.
+                assert events == ["made"] * buckets + ["read"] * buckets, events
+
+
+@pytest.mark.timeout(120)
+def test_a_queued_check_trains_as_one_read_at_once(results):
+    for per_rank in results:
+        for single in (False, True):
+            params, memory, _ = per_rank["train", single, True]
+            plain_params, plain_memory, _ = per_rank["train", single, False]
+            assert torch.equal(params, plain_params)
+            assert memory.keys() == plain_memory.keys()
+            assert all(torch.equal(memory[k], plain_memory[k]) for k in memory)
+
+
+@pytest.mark.timeout(120)
+def test_a_queued_check_falls_back_to_plain_allreduce_with_memory_and_factors_untouched(results):
+    for per_rank in results:
+        for single in (False, True):
+            out, exact, kept, events = per_rank["non-finite", single, True]
+            plain_out, _, _, _ = per_rank["non-finite", single, False]
+            assert events == ["made", "read"] * 2  # each call queued its check, then read it
+            assert exact and kept
+            assert torch.isinf(out[3]) and torch.isfinite(torch.cat([out[:3], out[4:]])).all()
+            assert torch.equal(out, plain_out)
