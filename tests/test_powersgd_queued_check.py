@@ -30,15 +30,11 @@ def _queued_as_on_a_gpu(events: list[str]):
             super().__init__(*tensors)
             events.append("made")
 
-        def all_finite(self) -> bool:
+        def all_finite(self, latest=None) -> bool:
             events.append("read")
-            return super().all_finite()
+            return super().all_finite(latest)
 
-    with (
-        comm.completing_inline(),
-        mock.patch.object(finiteness, "queues", lambda tensor: True),
-        mock.patch.object(finiteness, "QueuedFiniteness", Recorded),
-    ):
+    with comm.completing_inline(), mock.patch.object(finiteness, "QueuedFiniteness", Recorded):
         yield
 
 
@@ -50,7 +46,7 @@ def _train(rank, world_size, single, queued):
     steps = []
     for x, y in batches(rank, 4):
         events.clear()
-        with _queued_as_on_a_gpu(events) if queued else comm.completing_inline():
+        with _queued_as_on_a_gpu(events) if queued else contextlib.nullcontext():
             train(ddp, [(x, y)])
         steps.append(list(events))
     memory = {k: v.clone() for k, v in state.error_dict.items()}
@@ -62,7 +58,7 @@ def _non_finite(rank, world_size, single, queued):
     bucket = FakeBucket([torch.randn(16, 12, generator=gen), torch.randn(12, generator=gen)])
     state = PowerSGDState(None, start_powerSGD_iter=0, single_round=single)
     events: list[str] = []
-    with _queued_as_on_a_gpu(events) if queued else comm.completing_inline():
+    with _queued_as_on_a_gpu(events) if queued else contextlib.nullcontext():
         powerSGD_hook(state, bucket).wait()
         saved = {k: v.clone() for k, v in state.error_dict.items()}
         factors = {k: v.clone() for k, v in state.q_memory_dict.items()}
@@ -71,8 +67,11 @@ def _non_finite(rank, world_size, single, queued):
             local[3] = float("inf")
         bucket.buffer().copy_(local)
         out = powerSGD_hook(state, bucket).wait().clone()
+    # The single round adds the gradient into the memory as it forms its factor and takes
+    # it back out: on a GPU (queued), to the rounding of that addition.
+    same = torch.allclose if single and queued else torch.equal
     exact = saved.keys() == state.error_dict.keys() and all(
-        torch.equal(saved[k], state.error_dict[k]) for k in saved
+        same(saved[k], state.error_dict[k]) for k in saved
     )
     kept = all(torch.equal(factors[k], state.q_memory_dict[k]) for k in factors)
     return out, exact or (single and rank == 1), kept, events

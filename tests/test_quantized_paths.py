@@ -93,20 +93,20 @@ def test_one_rank_sends_nothing_and_applies_the_two_phases_bits():
 
 
 def _held(rank: int, world_size: int) -> dict:
-    from commhooks.hooks.quantized import blocks
+    from commhooks import finiteness
 
     events: list[str] = []
 
-    class Spy(blocks.ScalesCheck):
-        def __init__(self, scales: torch.Tensor) -> None:
+    class Spy(finiteness.QueuedFiniteness):
+        def __init__(self, *tensors: torch.Tensor) -> None:
             events.append("queued")
-            super().__init__(scales)
+            super().__init__(*tensors)
 
-        def finite(self, latest=None) -> bool:
+        def all_finite(self, latest=None) -> bool:
             events.append("read")
-            return super().finite(latest)
+            return super().all_finite(latest)
 
-    blocks.ScalesCheck = Spy
+    finiteness.QueuedFiniteness = Spy
     out: dict = {}
     for inline in (False, True):
         state = QuantizationState(None, bits=8, block_size=BLOCK)

@@ -16,6 +16,8 @@ import math
 
 import torch
 
+from commhooks import _reads
+
 __all__ = ["QueuedFiniteness", "queues"]
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -23,8 +25,9 @@ _HALF = (torch.float16, torch.bfloat16)
 
 def queues(tensor: torch.Tensor) -> bool:
     """Whether the finiteness of ``tensor`` is queued when it is reduced, rather than read in
-    the follow-up: on a CUDA device, where a read waits for the device."""
-    return tensor.is_cuda
+    the follow-up: on a GPU, where a read waits for the device (and on a CPU inside
+    :func:`commhooks._reads.as_on_a_gpu`, so that tests run that order)."""
+    return not _reads.are_free(tensor)
 
 
 class QueuedFiniteness:
@@ -43,11 +46,19 @@ class QueuedFiniteness:
         sums = [t.sum(dtype=torch.float32) if t.dtype in _HALF else t.sum() for t in tensors]
         self._total = _queued(sum(sums[1:], sums[0])) if sums else None
 
-    def all_finite(self) -> bool:
-        """Whether every element is finite; waits for the queued total, if not there yet."""
+    def all_finite(self, latest: "QueuedFiniteness | None" = None) -> bool:
+        """Whether every element is finite; waits for the queued total, if not there yet.
+
+        Args:
+            latest: the check queued last, if known. Where this one's copy is not done yet,
+                that one's is waited for first: on one stream it completes after every
+                earlier one, so that reading a step's checks one after another waits for the
+                device once, not once each.
+        """
         if self._total is None:
             return True
-        if math.isfinite(_read(self._total)):
+        after = latest._total if latest is not None else None
+        if math.isfinite(_read(self._total, after)):
             return True
         flags = torch.stack([torch.isfinite(t).all() for t in self.tensors]).all()
         return _read(_queued(flags)) != 0
@@ -68,9 +79,19 @@ def _queued(value: torch.Tensor) -> "torch.Tensor | _Queued":
     return _Queued(value) if value.is_cuda else value
 
 
-def _read(value: "torch.Tensor | _Queued") -> float:
-    """The number ``value`` holds; for a queued copy, once the copy is done."""
-    if isinstance(value, _Queued):
-        value.copied.synchronize()
-        return float(value.host)
-    return float(value)
+def _read(value: "torch.Tensor | _Queued", latest: "torch.Tensor | _Queued | None" = None) -> float:
+    """The number ``value`` holds; for a queued copy, once the copy is done (asking first, and
+    waiting for ``latest``'s copy before its own: see :meth:`QueuedFiniteness.all_finite`)."""
+    if not isinstance(value, _Queued):
+        return float(value)
+    if not _reached(value.copied):
+        if isinstance(latest, _Queued):
+            latest.copied.synchronize()
+        if not _reached(value.copied):  # queued on another stream than ``latest``
+            value.copied.synchronize()
+    return float(value.host)
+
+
+def _reached(event: torch.cuda.Event) -> bool:
+    """Whether the device has passed ``event`` (asking waits for nothing)."""
+    return bool(event.query())  # type: ignore[no-untyped-call]  # torch's own

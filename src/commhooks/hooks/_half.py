@@ -24,11 +24,12 @@ the hook is called.
 
 Per element on an accelerator: the cast, the division, the collective, the finiteness
 reduction and the copy back, all queued on the stream; the reduction is queued right behind the
-collective, and its one value copied to the host without waiting (:class:`_QueuedTotal`). The
-host reads those values only in the follow-ups, which an accelerator holds until the step's last
-bucket (:func:`commhooks.comm.holds_follow_ups`): the host waits for the device once a step, not
-once a bucket, and then finds every bucket's value already there. Until then each bucket keeps
-its reduced-precision sum, which the decision needs.
+collective, and its one value copied to the host without waiting
+(:class:`commhooks.finiteness.QueuedFiniteness`). The host reads those values only in the
+follow-ups, which an accelerator holds until the step's last bucket
+(:func:`commhooks.comm.holds_follow_ups`): the host waits for the device once a step, not once
+a bucket, and then finds every bucket's value already there. Until then each bucket keeps its
+reduced-precision sum, which the decision needs.
 
 Hook modules must not use ``from __future__ import annotations``: DDP rejects string annotations.
 """
@@ -39,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from commhooks import _reads, callbacks, comm, cpu_kernels
+from commhooks import _reads, callbacks, comm, cpu_kernels, finiteness
 from commhooks._warnings import warn_once
 
 __all__ = ["all_finite", "average_in", "saturating_cast"]
@@ -70,7 +71,7 @@ def average_in(
     repair = _Repair(buffer, group.size(), issuer.group, owner, flagged)
     devices, hold = comm.follow_up_options(buffer, last_bucket)
     sums = comm.allreduce(low, group)
-    if buffer.is_cuda and not flagged:
+    if finiteness.queues(buffer) and not flagged:
         sums = callbacks.then(sums, repair.queue_check)
     done = issuer.rounds(sums, (repair.resend_overflowed, repair.resend_bucket), devices, hold)
     # ``done`` is completed by hand. A future derived from it with ``then`` fails as a real
@@ -150,30 +151,6 @@ def _scale_down(flat: torch.Tensor, values: torch.Tensor, world: int) -> bool:
 _INVERSE = {world: torch.full((1,), 1.0 / world, dtype=torch.float32) for world in (1, 2)}
 
 
-class _QueuedTotal:
-    """The total of a CUDA tensor, reduced on the current stream and copied into pinned host
-    memory, both queued at once, so that reading it later costs no kernel launch.
-
-    Reduced only when read, the held follow-ups of a step each launched a reduction and
-    waited for it, one bucket after another, once the device had finished the backward pass:
-    a round trip per bucket with the device idle. With 25 MB buckets of 256 MiB of gradients
-    the fp16 and bf16 hooks' steps took 1.14-1.23x PyTorch's on an H100 and an H200 that way,
-    and 1.04-1.14x (once 1.20x) with the totals queued (``examples/gpu_step_time.py``).
-    """
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-        self.host = torch.empty((), dtype=tensor.dtype, pin_memory=True)
-        self.host.copy_(tensor.sum(), non_blocking=True)
-        self.copied = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch's own
-        self.copied.record()
-
-    def all_finite(self) -> bool:
-        """:func:`all_finite` of the tensor, from the queued total where it is finite."""
-        self.copied.synchronize()
-        return math.isfinite(float(self.host)) or all_finite(self.tensor)
-
-
 class _Repair:
     """What one bucket needs if its reduced-precision sum is not finite everywhere.
 
@@ -194,12 +171,12 @@ class _Repair:
         self.flagged = flagged
         self.sums: torch.Tensor | None = None
         self.where: torch.Tensor | None = None
-        self.total: _QueuedTotal | None = None
+        self.total: finiteness.QueuedFiniteness | None = None
 
     def queue_check(self, fut: "Future[torch.Tensor]") -> torch.Tensor:
         """Queue the finiteness reduction of the sum right behind the collective (on CUDA)."""
         summed = fut.value()
-        self.total = _QueuedTotal(summed[: self.buffer.numel()])
+        self.total = finiteness.QueuedFiniteness(summed[: self.buffer.numel()])
         return summed
 
     def _finite(self, summed: torch.Tensor) -> bool:

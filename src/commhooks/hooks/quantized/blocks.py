@@ -47,7 +47,6 @@ __all__ = [
     "quantize_",
     "quantize_affine",
     "requantize_sum_",
-    "ScalesCheck",
     "decode_into_",
     "scales_finite",
 ]
@@ -400,47 +399,6 @@ def scales_finite(packets: torch.Tensor, fmt: BlockFormat, length: int) -> bool:
     Reads the result back to the host (a device sync on an accelerator).
     """
     return bool(torch.isfinite(fmt.split(packets, length)[1]).all())
-
-
-class ScalesCheck:
-    """:func:`scales_finite`, with no host read of a device tensor: on a CUDA device, the
-    reduction and the copy of its one value into pinned host memory are queued on the current
-    stream when the check is made (right behind the collective that filled the packets), and
-    :meth:`finite` waits, if at all, for that copy alone. On a CPU, :meth:`finite` reads the
-    scales, which waits for nothing.
-    """
-
-    def __init__(self, scales: torch.Tensor) -> None:
-        self.scales = scales  # the packets' (see BlockFormat.split)
-        self.copied: torch.cuda.Event | None = None
-        if self.scales.is_cuda:
-            self.host = torch.empty((), dtype=torch.bool, pin_memory=True)
-            self.host.copy_(torch.isfinite(self.scales).all(), non_blocking=True)
-            self.copied = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch's own
-            self.copied.record()
-
-    def finite(self, latest: "ScalesCheck | None" = None) -> bool:
-        """Whether every scale is finite (on a GPU, as queued when the check was made).
-
-        Args:
-            latest: the check queued last. Where this one's copy is not done yet, that one's is
-                waited for first: on one stream it completes after every earlier one, so that
-                the reads of a step's checks wait for the device once, not once each.
-        """
-        if self.copied is None:
-            # A NaN is the maximum of any tensor holding one; every scale is positive.
-            return math.isfinite(float(self.scales.amax()))
-        if not _reached(self.copied):
-            if latest is not None and latest.copied is not None:
-                latest.copied.synchronize()
-            if not _reached(self.copied):  # on another stream than ``latest``
-                self.copied.synchronize()
-        return bool(self.host)
-
-
-def _reached(event: torch.cuda.Event) -> bool:
-    """Whether the device has passed ``event`` (asking waits for nothing)."""
-    return bool(event.query())  # type: ignore[no-untyped-call]  # torch's own
 
 
 # ----------------------------------------------------------------------------------------------

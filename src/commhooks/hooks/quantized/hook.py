@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from commhooks import callbacks, comm
+from commhooks import callbacks, comm, finiteness
 from commhooks._warnings import warn_once
 from commhooks.hooks._bucket import GradBucket, float_buffer
 from commhooks.hooks.quantized import blocks
@@ -160,7 +160,7 @@ def _reduce_and_share(
 
     def queue_check(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
         gathered = fut.value()  # raises here if the all-gather failed
-        work.check = state.latest_check = blocks.ScalesCheck(work.scales)
+        work.check = state.latest_check = finiteness.QueuedFiniteness(work.scales)
         return gathered
 
     return callbacks.then(gathered, queue_check)
@@ -174,8 +174,8 @@ def _decode_or_resend(
     fmt, layout = state.settings.format, work.layout
     check, work.check = work.check, None
     if check is None:
-        check = blocks.ScalesCheck(work.scales)
-    if check.finite(state.latest_check):
+        check = finiteness.QueuedFiniteness(work.scales)
+    if check.all_finite(state.latest_check):
         places = None if layout.in_order else layout.places()
         blocks.decode_into_(work.gathered, fmt, buffer, work.levels, places)
         state.commit(work)

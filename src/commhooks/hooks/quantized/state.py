@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from commhooks import comm, handshake, place
+from commhooks import comm, finiteness, handshake, place
 from commhooks._warnings import warn_once
 from commhooks.error_feedback import ErrorFeedback, Key
 from commhooks.hooks._bucket import GradBucket
@@ -240,7 +240,9 @@ class Workspace:
         self.addition: tuple[torch.Tensor, torch.Tensor] | None = None
         self.first: torch.Generator | None = None
         self.second: torch.Generator | None = None
-        self.check: blocks.ScalesCheck | None = None  # queued behind the all-gather, if held
+        self.check: finiteness.QueuedFiniteness | None = (
+            None  # queued behind the all-gather, if held
+        )
 
     @property
     def rows(self) -> torch.Tensor:
@@ -340,7 +342,7 @@ class QuantizationState(HookState):
         self._world, self._rank = 1, 0  # the checked group's, set by prepare()
         # The scales check the hook queued last (where its decisions are held): the first of a
         # step's decisions to find its own check not done yet waits for this one instead.
-        self.latest_check: blocks.ScalesCheck | None = None
+        self.latest_check: finiteness.QueuedFiniteness | None = None
         self.error.check_before_use()  # unpickled memories are checked as loaded ones are
         self.owner_error.check_before_use()
 
