@@ -43,14 +43,17 @@ class _Reads(TorchDispatchMode):
             self.count += 1
         return func(*args, **(kwargs or {}))
 
+    def total(self) -> int:
+        return self.count
 
-def _counting(hook: Callable[..., Any], reads: _Reads, per_call: list[int]) -> Any:
-    """``hook``, recording how many reads each of its calls made before it returned."""
+
+def _counting(hook: Callable[..., Any], count: Callable[[], int], per_call: list[int]) -> Any:
+    """``hook``, recording by how much each of its calls raised ``count()`` before returning."""
 
     def counted(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        before = reads.count
+        before = count()
         fut = hook(state, bucket)
-        per_call.append(reads.count - before)
+        per_call.append(count() - before)
         return fut
 
     return counted
@@ -79,7 +82,7 @@ def _reads_in_a_step(rank: int, world_size: int) -> dict[str, list[int]]:
     for name, (make_state, hook) in _hooks().items():
         ddp = make_ddp(make_mlp(widths=_MANY_BUCKETS), bucket_cap_mb=0.00001)
         reads, per_call = _Reads(), []
-        ddp.register_comm_hook(make_state(), _counting(hook, reads, per_call))
+        ddp.register_comm_hook(make_state(), _counting(hook, reads.total, per_call))
         with comm.completing_inline():
             train(ddp, batches(rank, 4))  # past the handshake, DDP's rebuild and PowerSGD's start
             per_call.clear()
@@ -97,3 +100,32 @@ def test_no_hook_reads_a_value_back_before_the_last_bucket_of_a_step():
             assert per_call[:-1] == [0] * (len(per_call) - 1), (name, per_call)
             assert per_call[-1] <= len(per_call), (name, per_call[-1])  # one a bucket at most
         assert sum(out["allreduce"]) == 0  # its callbacks ran inside the calls, as with NCCL
+
+
+def _collectives_per_call(rank: int, world_size: int) -> dict[str, list[int]]:
+    from ddp_utils import batches, make_ddp, make_mlp, train
+
+    out = {}
+    for name in ("power_sgd", "int8"):
+        make_state, hook = _hooks()[name]
+        ddp = make_ddp(make_mlp(widths=_MANY_BUCKETS), bucket_cap_mb=0.00001)
+        per_call: list[int] = []
+        with comm.completing_inline(), comm.observe_collectives() as counter:
+            issued = _counting(hook, lambda c=counter: sum(c.calls.values()), per_call)
+            ddp.register_comm_hook(make_state(), issued)
+            train(ddp, batches(rank, 4))
+            per_call.clear()
+            train(ddp, batches(rank, 1))
+        out[name] = per_call
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_second_collectives_are_issued_within_the_hook_call_where_collectives_complete_at_once():
+    # As on NCCL: PowerSGD's Q round and the quantized gather overlap the backward pass as the
+    # first collective does; only the decisions that read wait for the last bucket.
+    for out in run_on_ranks(_collectives_per_call, 2, timeout=110):
+        firsts = {"power_sgd": 1, "int8": 1}  # P (vectors ride with it or alone), all-to-all
+        for name, per_call in out.items():
+            assert len(per_call) > 10, name
+            assert all(n > firsts[name] for n in per_call[:-1]), (name, per_call)

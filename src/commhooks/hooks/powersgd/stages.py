@@ -42,7 +42,9 @@ __all__ = [
     "kinds",
     "known_shape",
     "lay_out",
+    "project",
     "second_factors",
+    "take_vectors",
     "sends_q",
     "sent_shape",
     "starts_from_q",
@@ -199,6 +201,10 @@ class BucketStep:
             each.wait()
         self._finite = finiteness.QueuedFiniteness(*check)
         return value
+
+    def queue_check(self, *tensors: torch.Tensor) -> None:
+        """Form the total :meth:`finite` reads next, now (see :mod:`commhooks.finiteness`)."""
+        self._finite = finiteness.QueuedFiniteness(*tensors)
 
     def finite(self, *tensors: torch.Tensor) -> bool:
         """Whether ``tensors`` (reduced: the same on every rank) are all finite: from the total
@@ -503,8 +509,24 @@ def _seeded(state: PowerSGDState) -> torch.Generator:
 
 def second_factors(step: BucketStep, packed: torch.Tensor, q: torch.Tensor) -> torch.Tensor | None:
     """After the first round: the tensors sent as they are take their average (their error
-    remembered), each summed ``P`` is orthogonalised and ``Q = Mᵀ P`` written over the
-    starting ``Q`` in ``q``, the buffer sent next.
+    remembered), then :func:`project`.
+    """
+    take_vectors(step, packed)
+    return project(step, q)
+
+
+def take_vectors(step: BucketStep, packed: torch.Tensor) -> None:
+    """The tensors sent as they are take their average, ``packed``; their error is remembered."""
+    errors = None
+    if step.state.settings.use_error_feedback:
+        errors = step.state.memory.slots(step.vector_keys, step.vectors)
+    lowrank.unpack_remembering_(packed, step.vectors, errors)
+
+
+def project(step: BucketStep, q: torch.Tensor) -> torch.Tensor | None:
+    """Each summed ``P`` orthogonalised and ``Q = Mᵀ P`` written over the starting ``Q`` in
+    ``q``, the buffer sent next. Touches neither the bucket nor the memory, so a step that
+    turns out not finite can still fall back (:func:`fall_back`).
 
     Returns a copy of the starting ``Q`` with warm start (a direction the new ``Q`` loses is
     taken from it, see :func:`approximate`), else ``None``.
@@ -513,10 +535,6 @@ def second_factors(step: BucketStep, packed: torch.Tensor, q: torch.Tensor) -> t
     starts = step.made(q.clone()) if settings.warm_start else None
     products = [product for run in step.runs for product in run.products(right=True)]
     stacks = _merged(step.runs, known=False)
-    errors = None
-    if settings.use_error_feedback:
-        errors = step.state.memory.slots(step.vector_keys, step.vectors)
-    lowrank.unpack_remembering_(packed, step.vectors, errors)
     eps = settings.orthogonalization_epsilon
     lowrank.project_(stacks, products, eps, "auto")
     return starts

@@ -43,7 +43,45 @@ def two_rounds(step: BucketStep) -> "Future[torch.Tensor]":
     # P is orthogonalised after the sum, so it needs no division by the world size.
     p_sum = comm.allreduce(p, group)
     firsts = torch.futures.collect_all([plain, p_sum])
+    if step.state.issuer.group is group:
+        return _second_round_at_once(step, firsts, packed, p, q)
     return step.follow_up(firsts, lambda done: _second_round(step, done, packed, p, q), (packed, p))
+
+
+def _second_round_at_once(
+    step: BucketStep,
+    firsts: "Future[list[Future[torch.Tensor]]]",
+    packed: torch.Tensor,
+    p: torch.Tensor,
+    q: torch.Tensor,
+) -> "Future[torch.Tensor]":
+    """The second round on DDP's thread, right after the first: where collectives complete as
+    they are queued (NCCL's; comm gives the issuer the hook's own group only there), ``P``'s
+    sum is ready, so ``Q = Mᵀ P`` and its sum are queued at once, in bucket order, and overlap
+    the rest of the backward pass as the first round does. The check of ``P`` is queued before
+    ``P`` is orthogonalised; only the decision waits for its turn (the step's last bucket, on a
+    GPU): a step that was not finite sent a ``Q`` for nothing and falls back, the bucket and the
+    memory untouched until then.
+    """
+    for first in firsts.wait():
+        first.wait()  # re-raises a failed collective; this stream waits for its result
+    step.queue_check(packed, p)
+    starts = stages.project(step, q)
+    q_sum = comm.allreduce(q, step.group)
+    return step.follow_up(q_sum, lambda summed: _decide(step, packed, summed, starts))
+
+
+def _decide(
+    step: BucketStep, packed: torch.Tensor, q: torch.Tensor, starts: torch.Tensor | None
+) -> "Future[torch.Tensor]":
+    """In the issuer's slot, with ``Q`` summed: fall back if the first round was not finite,
+    else finish as :func:`_approximate` does."""
+    if not step.finite():
+        return stages.fall_back(step)
+    stages.take_vectors(step, packed)
+    q.div_(step.group.size())
+    stages.approximate(step, q, starts)
+    return comm.completed(step.write_back())
 
 
 def _second_round(
