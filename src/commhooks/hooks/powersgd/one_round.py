@@ -12,7 +12,7 @@ Hook modules must not use ``from __future__ import annotations``: DDP rejects st
 
 import torch
 
-from commhooks import callbacks, comm
+from commhooks import callbacks, comm, finiteness
 
 from . import stages
 from .stages import BucketStep
@@ -31,8 +31,16 @@ def one_round(step: BucketStep) -> "Future[torch.Tensor]":
     unc = step.vector_numel()
     _, send = stages.first_factors(step, single=True)  # compensated, then factors
     averaged = comm.average(send, step.group)
-    checked = step.follow_up(averaged, lambda result: _unless_finite(step, result), (send,))
+    if finiteness.queues(send):  # on a GPU: the check queued behind the collective
+        averaged = callbacks.then(averaged, lambda done: _queue_check(step, done))
+    checked = step.follow_up(averaged, lambda result: _unless_finite(step, result))
     return callbacks.then(checked, lambda done: _approximate(step, done, unc))
+
+
+def _queue_check(step: BucketStep, done: "Future[torch.Tensor]") -> torch.Tensor:
+    averaged = done.wait()
+    step.queue_check(averaged)
+    return averaged
 
 
 def _unless_finite(step: BucketStep, averaged: torch.Tensor) -> "Future[torch.Tensor | None]":

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from commhooks import callbacks, comm, finiteness, lowrank
+from commhooks import comm, finiteness, lowrank
 from commhooks.error_feedback import Absorbed, Key
 from commhooks.factors import P_STEP, Q_STEP
 
@@ -43,7 +43,6 @@ __all__ = [
     "known_shape",
     "lay_out",
     "project",
-    "second_factors",
     "take_vectors",
     "sends_q",
     "sent_shape",
@@ -146,6 +145,7 @@ class BucketStep:
     runs: list[Run] = field(default_factory=list)
     _scratch: torch.Tensor | None = None
     _made: list[torch.Tensor] = field(default_factory=list)
+    starts: torch.Tensor | None = None  # the starting Q, with warm start (see project)
     _finite: finiteness.QueuedFiniteness | None = None
 
     def scratch(self) -> torch.Tensor:
@@ -173,34 +173,17 @@ class BucketStep:
         self,
         after: "torch.futures.Future[Any]",
         then: "Callable[[Any], torch.futures.Future[T]]",
-        check: tuple[torch.Tensor, ...] = (),
     ) -> "torch.futures.Future[T]":
         """Run ``then(after's value)`` in the state's issuer, in a slot reserved now (see
         :meth:`commhooks.comm.OrderedIssuer.then`); it may issue one collective, on the
         issuer's group. Call on DDP's thread; it counts the step once the last bucket's
-        first round is issued.
-
-        ``then`` asks :meth:`finite` whether ``check`` (what ``after`` reduces) is finite. On
-        a GPU that total is queued as soon as ``after`` completes (right behind the
-        collective), so that the follow-up, held until the step's last bucket, only waits for
-        a copy already on its way (see :mod:`commhooks.finiteness`).
+        first round is issued. On a GPU the follow-up is held until the step's last bucket;
+        a check it reads (:meth:`finite`) is best queued before (:meth:`queue_check`).
         """
         options = comm.follow_up_options(self.buffer, self.bucket.is_last())
-        if check and finiteness.queues(check[0]):
-            after = callbacks.then(after, lambda done: self._queue_check(done, check))
         done = self.state.issuer.then(after, then, *options)
         self.state.maybe_increase_iter(self.bucket)
         return done
-
-    def _queue_check(
-        self, done: "torch.futures.Future[Any]", check: tuple[torch.Tensor, ...]
-    ) -> Any:
-        value = done.wait()
-        # A list of collectives' futures knows no streams: each makes this stream wait for it.
-        for each in value if isinstance(value, list) else []:
-            each.wait()
-        self._finite = finiteness.QueuedFiniteness(*check)
-        return value
 
     def queue_check(self, *tensors: torch.Tensor) -> None:
         """Form the total :meth:`finite` reads next, now (see :mod:`commhooks.finiteness`)."""
@@ -208,7 +191,7 @@ class BucketStep:
 
     def finite(self, *tensors: torch.Tensor) -> bool:
         """Whether ``tensors`` (reduced: the same on every rank) are all finite: from the total
-        :meth:`follow_up` queued, if it did, else read now (on a CPU, where that is free)."""
+        :meth:`queue_check` formed, if it did, else read now (on a CPU, where that is free)."""
         queued, self._finite = self._finite, None
         return (queued or finiteness.QueuedFiniteness(*tensors)).all_finite()
 
@@ -507,14 +490,6 @@ def _seeded(state: PowerSGDState) -> torch.Generator:
     return torch.Generator().manual_seed(int(state.rng.randint(1_000_000_000)))
 
 
-def second_factors(step: BucketStep, packed: torch.Tensor, q: torch.Tensor) -> torch.Tensor | None:
-    """After the first round: the tensors sent as they are take their average (their error
-    remembered), then :func:`project`.
-    """
-    take_vectors(step, packed)
-    return project(step, q)
-
-
 def take_vectors(step: BucketStep, packed: torch.Tensor) -> None:
     """The tensors sent as they are take their average, ``packed``; their error is remembered."""
     errors = None
@@ -523,34 +498,34 @@ def take_vectors(step: BucketStep, packed: torch.Tensor) -> None:
     lowrank.unpack_remembering_(packed, step.vectors, errors)
 
 
-def project(step: BucketStep, q: torch.Tensor) -> torch.Tensor | None:
+def project(step: BucketStep, q: torch.Tensor) -> None:
     """Each summed ``P`` orthogonalised and ``Q = Mᵀ P`` written over the starting ``Q`` in
     ``q``, the buffer sent next. Touches neither the bucket nor the memory, so a step that
     turns out not finite can still fall back (:func:`fall_back`).
 
-    Returns a copy of the starting ``Q`` with warm start (a direction the new ``Q`` loses is
-    taken from it, see :func:`approximate`), else ``None``.
+    With warm start, a copy of the starting ``Q`` is kept as ``step.starts``: a direction the
+    new ``Q`` loses is taken from it (see :func:`approximate`).
     """
     settings = step.state.settings
-    starts = step.made(q.clone()) if settings.warm_start else None
+    step.starts = step.made(q.clone()) if settings.warm_start else None
     products = [product for run in step.runs for product in run.products(right=True)]
     stacks = _merged(step.runs, known=False)
     eps = settings.orthogonalization_epsilon
     lowrank.project_(stacks, products, eps, "auto")
-    return starts
 
 
-def approximate(step: BucketStep, q: torch.Tensor, starts: torch.Tensor | None) -> None:
+def approximate(step: BucketStep, q: torch.Tensor) -> None:
     """After the second round: ``P Qᵀ`` into each matrix, ``M - P Qᵀ`` remembered as its error,
     and each averaged ``Q`` (in ``q``) kept for the next step's warm start.
 
     A zero column of Q (a zero gradient, or one of lower rank) would stay zero at every later
-    step: M·0 = 0. Its previous direction, from ``starts`` (laid out as ``q``), is kept instead.
+    step: M·0 = 0. Its previous direction, from ``step.starts`` (laid out as ``q``), is kept
+    instead.
     Every error slot is taken from the memory at once, then every product written in one call.
     """
     matrices = [m for run in step.runs for m in run.matrices()]
     groups = _reconstructions(step.runs)
-    previous = []
+    previous, starts = [], step.starts
     if starts is not None:
         at = starts.storage_offset() - q.storage_offset()
         previous = [
