@@ -4,10 +4,9 @@ On a GPU the host must keep ahead of the device: every Python call and kernel la
 makes per bucket is paid on the host while the device waits for work. With one gloo rank and a
 model whose compute is negligible (``--layers`` layers of ``Linear(--width, --width)``), a
 step's time over DDP's own step without a hook is that host cost, and many small buckets
-(``--bucket-cap-mb``) multiply it. In each of ``--rounds`` rounds every hook gets a fresh
-DDP model, all are warmed up past DDP's bucket rebuild (and PowerSGD's start), then one step
-of each runs in turn, ``--steps`` times; the medians of the pooled steps are compared within
-this one run::
+(``--bucket-cap-mb``) multiply it. Every hook runs ``--rounds`` times in turn with a fresh
+DDP model, ``--steps`` timed steps each after a warm-up past DDP's bucket rebuild (and
+PowerSGD's start); the medians of the pooled steps are compared within this one run::
 
     python examples/host_cost.py --json host_cost.json
 
@@ -100,47 +99,35 @@ def _model(layers: int, width: int) -> nn.Module:
     return nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
 
 
-class Stepper:
-    """One hook's DDP model (fresh) and batch: :meth:`step` runs and times one step."""
-
-    def __init__(self, name: str, cap: float, args: argparse.Namespace) -> None:
-        self.ddp = DDP(_model(args.layers, args.width), bucket_cap_mb=cap)
-        attach = HOOKS[name]
-        if attach is not None:
-            attach(self.ddp)
-        self.batch = torch.randn(args.batch, args.width)
-        self.clock = CLOCKS[args.clock]
-
-    def step(self) -> float:
-        """Seconds of one forward and backward pass (the gradients dropped after)."""
-        start = self.clock()
-        self.ddp(self.batch).sum().backward()
-        took = self.clock() - start
-        for p in self.ddp.parameters():
+def time_steps(name: str, cap: float, args: argparse.Namespace) -> list[float]:
+    """Seconds per step of hook ``name`` (a fresh DDP model), after a warm-up."""
+    ddp = DDP(_model(args.layers, args.width), bucket_cap_mb=cap)
+    attach = HOOKS[name]
+    if attach is not None:
+        attach(ddp)
+    batch = torch.randn(args.batch, args.width)
+    times = []
+    clock = CLOCKS[args.clock]
+    for step in range(args.warmup + args.steps):
+        start = clock()
+        ddp(batch).sum().backward()
+        if step >= args.warmup:
+            times.append(clock() - start)
+        for p in ddp.parameters():
             p.grad = None
-        return took
+    return times
 
 
 def measure(rows: list[Row], args: argparse.Namespace) -> dict[tuple[str, float], float]:
-    """Median step time of every (hook, bucket size) the rows need.
-
-    Each round builds every hook's model afresh, warms them all up (past DDP's bucket rebuild
-    and PowerSGD's start), then times one step of each in turn, ``--steps`` times over: a
-    machine that slows down for a moment slows every hook's steps alike.
-    """
+    """Median step time of every (hook, bucket size) the rows need, rounds interleaved."""
     runs = sorted(
         {(r.ours, r.bucket_cap_mb) for r in rows} | {(r.theirs, r.bucket_cap_mb) for r in rows}
     )
     runs += [("no_hook", cap) for cap in sorted({r.bucket_cap_mb for r in rows})]
     pooled: dict[tuple[str, float], list[float]] = {run: [] for run in runs}
     for _ in range(args.rounds):
-        steppers = {run: Stepper(*run, args) for run in runs}
-        for _ in range(args.warmup):
-            for stepper in steppers.values():
-                stepper.step()
-        for _ in range(args.steps):
-            for run, stepper in steppers.items():
-                pooled[run].append(stepper.step())
+        for name, cap in runs:
+            pooled[(name, cap)] += time_steps(name, cap, args)
     return {run: statistics.median(times) for run, times in pooled.items()}
 
 
