@@ -20,6 +20,7 @@ into the memory (rather than the memory into the gradient) and subtracts the app
 sends some steps later, in a pass it makes anyway (PowerSGD's single-round variant).
 """
 
+import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -29,6 +30,10 @@ import torch
 from commhooks import lowrank
 from commhooks._warnings import CommHooksWarning, warn_once
 from commhooks.state import StateDictError, check_tensor
+
+# Guards the read-modify-write of a memory's unchecked keys (see ErrorFeedback._checked); rare:
+# only while loaded residuals are still to meet their first gradient.
+_UNCHECKED_LOCK = threading.Lock()
 
 __all__ = ["Absorbed", "ErrorFeedback", "Key", "LazyErrorFeedback", "Plausible"]
 
@@ -119,6 +124,12 @@ class ErrorFeedback:
         :meth:`check_loaded_`). A plain attribute test: no device work."""
         return bool(self._unchecked)
 
+    def _checked(self, key: Key) -> None:
+        """``key`` no longer awaits its check. Under a lock: DDP's thread and the issuer's
+        threads both take keys out, and a lost update would put one back."""
+        with _UNCHECKED_LOCK:
+            self._unchecked = self._unchecked - {key}
+
     def check_loaded_(self, key: Key, gradient: torch.Tensor) -> None:
         """The first time a loaded residual of ``key`` meets ``gradient`` (what it is added
         to), reset it with a warning if the compressor could not have dropped that much.
@@ -128,7 +139,7 @@ class ErrorFeedback:
         """
         if key not in self._unchecked:
             return
-        self._unchecked = self._unchecked - {key}
+        self._checked(key)
         residual = self._residuals.get(key)
         check = self._plausible
         if residual is None or check is None or check(residual, gradient.detach()):
@@ -196,7 +207,7 @@ class ErrorFeedback:
         The memory keeps the returned tensor as the residual of ``key``; write it completely.
         """
         if self._unchecked:  # overwritten whole: a new residual
-            self._unchecked = self._unchecked - {key}
+            self._checked(key)
         residual = self._residuals.get(key)
         if (
             residual is None
@@ -214,13 +225,13 @@ class ErrorFeedback:
     def record(self, key: Key, residual: torch.Tensor) -> None:
         """Keep ``residual`` (not a copy) as what compression left out of ``key``."""
         if self._unchecked:
-            self._unchecked = self._unchecked - {key}
+            self._checked(key)
         self._residuals[key] = residual
 
     def discard(self, key: Key) -> None:
         """Forget the residual of ``key`` (its next gradient is compressed as it is)."""
         if self._unchecked:
-            self._unchecked = self._unchecked - {key}
+            self._checked(key)
         self._residuals.pop(key, None)
 
     def clear(self) -> None:
