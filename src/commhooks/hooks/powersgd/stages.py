@@ -462,8 +462,8 @@ def _fill_starts(step: BucketStep, known: torch.Tensor) -> None:
             for m in run.matrices()
         ]
         if all(t is not None for t in stored):
-            found = [t.reshape(shape[1:]) for t in stored if t is not None]
-            torch._foreach_copy_(list(run.known.unbind(0)), found)
+            # ``start`` returns only factors of this shape: one stacking copy fills the run.
+            torch.stack([t for t in stored if t is not None], out=run.known)
             continue
         gen = _random_starts(state, run, stored, gen)
 
