@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from commhooks import lowrank
-from commhooks.error_feedback import ErrorFeedback
+from commhooks.error_feedback import ErrorFeedback, LazyErrorFeedback
 
 
 def _strided_views(count: int, n: int, m: int, gen: torch.Generator) -> list[torch.Tensor]:
@@ -72,3 +72,54 @@ def test_q_of_a_strided_stack_equals_one_product_per_matrix(shape):
         alone = torch.empty(1, r, m).transpose(1, 2)
         lowrank.right_factor_into(v.unsqueeze(0), p[i : i + 1], alone)
         assert torch.equal(out[i], alone[0])
+
+
+def _absorb_steps(
+    memory: LazyErrorFeedback,
+    grads: list[torch.Tensor],
+    factors: list[tuple[torch.Tensor, torch.Tensor]],
+    together: bool,
+) -> list[torch.Tensor]:
+    """One single-round step of ``memory`` over ``grads``: absorb (all at once, or one call per
+    matrix), then defer ``P Qᵀ``; returns the factors sent."""
+    steps, refines = [], []
+    for i, (g, (p, qt)) in enumerate(zip(grads, factors)):
+        right = i % 2 == 0
+        known, sent = (p, torch.empty_like(qt).t()) if right else (qt.t(), torch.empty_like(p))
+        steps.append((i, g, known, sent))
+        refines.append(right)
+    scratch = torch.empty(lowrank.scratch_elements(grads[0], 2))
+    if together:
+        absorbed = memory.absorb_all_(steps, refines, scratch, finite=True)
+    else:
+        absorbed = [
+            memory.absorb_(k, g, known, sent, right, scratch, finite=True)
+            for (k, g, known, sent), right in zip(steps, refines)
+        ]
+    assert [a.written for a in absorbed] == [g.shape[0] for g in grads]
+    sents = [sent for _, _, _, sent in steps]
+    for i, (p, qt) in enumerate(factors):
+        memory.defer_(i, p, qt)
+    return sents
+
+
+@pytest.mark.parametrize("shape", [(32, 32, 1), (40, 24, 2), (7, 13, 2), (16, 64, 4)])
+def test_absorb_all_equals_one_absorb_per_matrix(shape, monkeypatch):
+    n, m, r = shape
+    gen = torch.Generator().manual_seed(n * m + r)
+    passes = []
+    real = lowrank.accumulate_factors_
+    monkeypatch.setattr(lowrank, "accumulate_factors_", lambda p: passes.append(1) or real(p))
+    together, apart = LazyErrorFeedback("test"), LazyErrorFeedback("test")
+    together.max_pending_rank = apart.max_pending_rank = 3 * r  # folds every few steps
+    for _ in range(7):
+        grads = [torch.randn(n, m, generator=gen) for _ in range(5)]
+        factors = [
+            (torch.randn(n, r, generator=gen), torch.randn(r, m, generator=gen)) for _ in grads
+        ]
+        mine = _absorb_steps(together, [g.clone() for g in grads], factors, together=True)
+        theirs = _absorb_steps(apart, [g.clone() for g in grads], factors, together=False)
+        assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
+        assert together.pending_ranks() == apart.pending_ranks()
+    assert len(passes) == 7  # each step took the batched pass
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(together.items(), apart.items()))

@@ -439,11 +439,46 @@ class LazyErrorFeedback(ErrorFeedback):
     ) -> list[Absorbed]:
         """:meth:`absorb_` of each ``(key, gradient, known, sent)``, refining ``Q`` where
         ``refine_q`` says so: a bucket's matrices alone, in one call to the memory. ``finite``:
-        the caller found every gradient finite (one check for them all)."""
+        the caller found every gradient finite (one check for them all).
+
+        Finite gradients small enough for :func:`lowrank.accumulates_together` are absorbed
+        together (:meth:`_absorb_together`): the same bits, a few operations per matrix
+        instead of a dozen.
+        """
+        if finite and lowrank.accumulates_together([step[1] for step in steps]):
+            return self._absorb_together(steps, refine_q)
         return [
             self.absorb_(key, gradient, known, sent, refines, scratch, finite)
             for (key, gradient, known, sent), refines in zip(steps, refine_q)
         ]
+
+    def _absorb_together(
+        self,
+        steps: Sequence[tuple[Key, torch.Tensor, torch.Tensor, torch.Tensor]],
+        refine_q: Sequence[bool],
+    ) -> list[Absorbed]:
+        """:meth:`absorb_` of finite gradients, their passes made by one call to
+        :func:`lowrank.accumulate_factors_`; the memories' bookkeeping is :meth:`absorb_`'s."""
+        absorbed: list[Absorbed] = []
+        passes: list[lowrank.AccumulatePass] = []
+        for (key, gradient, known, sent), refines in zip(steps, refine_q):
+            if self._unchecked:
+                self.check_loaded_(key, gradient)
+            memory = super().get(key, gradient)  # as it is, pending products included
+            pending = self._fitting_pending(key)
+            created = memory is None
+            if memory is None:
+                memory = torch.zeros_like(gradient)
+                super().record(key, memory)
+            rank = known.shape[1]
+            folds = pending is not None and pending[0].shape[1] + rank > self.max_pending_rank
+            if folds:
+                del self._pending[key]  # now in the memory (roll_back_ restores that)
+            passes.append((memory, gradient, pending, folds, known, sent, refines))
+            folded = pending if folds else None
+            absorbed.append(Absorbed(key, gradient, memory, created, folded, memory.shape[0]))
+        lowrank.accumulate_factors_(passes)
+        return absorbed
 
     def defer_all_(self, products: Sequence[tuple[Key, torch.Tensor, torch.Tensor]]) -> None:
         """:meth:`defer_` of each ``(key, P, Qᵀ)``."""
@@ -504,7 +539,9 @@ class LazyErrorFeedback(ErrorFeedback):
         if memory is None or memory.dim() != 2 or (p.shape[0], qt.shape[1]) != memory.shape:
             del self._pending[key]
             return None
-        return p.to(memory), qt.to(memory)
+        if p.dtype != memory.dtype or p.device != memory.device:
+            p, qt = p.to(memory), qt.to(memory)
+        return p, qt
 
     def _materialize(self, key: Key) -> None:
         pending = self._fitting_pending(key)

@@ -13,10 +13,13 @@ import torch
 from commhooks import _reads
 
 __all__ = [
+    "AccumulatePass",
+    "accumulate_factors_",
     "accumulate_left_factor_",
     "accumulate_right_factor_",
     "approximate_into",
     "as_matrix",
+    "accumulates_together",
     "compression_sizes",
     "deduct_pending_left_",
     "deduct_pending_right_",
@@ -353,6 +356,76 @@ def accumulate_right_factor_(
         else:
             out_t.addmm_(p[rows].t(), formed)
     return written
+
+
+AccumulatePass = tuple[
+    torch.Tensor,
+    torch.Tensor,
+    tuple[torch.Tensor, torch.Tensor] | None,
+    bool,
+    torch.Tensor,
+    torch.Tensor,
+    bool,
+]
+"""``(memory, matrix, pending, folds, known, sent, right)``: one matrix of
+:func:`accumulate_factors_`. ``pending`` is ``(P₀, Q₀ᵀ)`` or ``None``; ``folds`` subtracts it from
+the memory, else it is deducted from ``sent`` only. ``right`` forms ``sent = Q = memoryᵀ P``
+from ``known = P`` (``sent`` stored as ``Qᵀ``), else ``sent = P = memory Q`` from ``known = Q``."""
+
+
+def accumulates_together(matrices: Sequence[torch.Tensor]) -> bool:
+    """Whether :func:`accumulate_factors_` can take ``matrices``: 2-D matrices on a CPU whose
+    checks are read back, each small enough to be one block of rows of the fused passes.
+
+    A bucket's matrices share a few shapes: each shape is checked once.
+    """
+    if not matrices or not reads_back_checks(matrices[0]):
+        return False
+    kinds = {(m.shape, m.device.type, m.element_size()) for m in matrices}
+    return all(
+        len(shape) == 2 and device == "cpu" and _BLOCK_BYTES // max(1, shape[1] * size) >= shape[0]
+        for shape, device, size in kinds
+    )
+
+
+def accumulate_factors_(passes: Sequence[AccumulatePass]) -> None:
+    """:func:`accumulate_left_factor_` or :func:`accumulate_right_factor_` of each pass, and
+    its pending product deducted from ``sent`` (:func:`deduct_pending_left_`,
+    :func:`deduct_pending_right_`), for finite matrices that :func:`accumulates_together`.
+
+    A bucket's small matrices would otherwise pay a dozen operations' fixed cost each, most of
+    the work: every memory takes its matrix in one batched addition and every ``P`` is copied
+    into place in one batched copy. Each product is still one ``mm`` per matrix, as in the
+    per-matrix passes, whose bits a batched kernel does not keep for thin factors; elementwise
+    sums and copies are exact, so the results are the per-matrix passes' bits.
+    """
+    if not passes:
+        return
+    torch._foreach_add_([each[0] for each in passes], [each[1] for each in passes])
+    outs: list[torch.Tensor] = []
+    formed: list[torch.Tensor] = []
+    # (out, P₀, Q₀ᵀ, known, its transpose, right): the pending products' deductions.
+    deductions = []
+    for memory, _, pending, folds, known, sent, right in passes:
+        if folds and pending is not None:
+            memory.sub_(torch.mm(pending[0], pending[1]))
+        known_t = known.t()
+        if right:
+            out = sent.t()
+            torch.mm(known_t, memory, out=out)
+        else:
+            out = sent
+            outs.append(sent)
+            formed.append(torch.mm(known_t, memory.t()).t())
+        if pending is not None and not folds:
+            deductions.append((out, *pending, known, known_t, right))
+    if outs:
+        torch._foreach_copy_(outs, formed)
+    for out, p0, q0t, known, known_t, right in deductions:
+        if right:  # deduct_pending_right_(out, (P₀, Q₀ᵀ), P)
+            out.addmm_(torch.mm(known_t, p0), q0t, alpha=-1)
+        else:  # deduct_pending_left_(out, (P₀, Q₀ᵀ), Qᵀ)
+            out.addmm_(p0, torch.mm(q0t, known), alpha=-1)
 
 
 def deduct_pending_left_(

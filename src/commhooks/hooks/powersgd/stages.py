@@ -408,7 +408,12 @@ def first_factors(step: BucketStep, single: bool) -> tuple[torch.Tensor, torch.T
         for product in run.products(right=False)
     ]
     singles = [b for b in step.batches if alone and not b.stacked]
-    steps = [(b.matrices[0].key, b.matrices[0].view, b.known[0], b.sent[0]) for b in singles]
+    steps = [  # the singles' in order: a run holds either batches alone or one stacked batch
+        (m.key, m.view, known, sent)
+        for run in step.runs
+        if alone and not run.batches[0].stacked
+        for m, known, sent in zip(run.matrices(), run.known.unbind(0), run.sent.unbind(0))
+    ]
     # On a CPU the memory checks each gradient it absorbs (one sum read back each); a run's
     # gradients at a regular stride are checked together first, with one sum.
     together = [r.stack for r in step.runs if r.stack is not None and not r.batches[0].stacked]
@@ -457,8 +462,8 @@ def _fill_starts(step: BucketStep, known: torch.Tensor) -> None:
             for m in run.matrices()
         ]
         if all(t is not None for t in stored):
-            found = [t.reshape(shape[1:]) for t in stored if t is not None]
-            torch._foreach_copy_(list(run.known.unbind(0)), found)
+            # ``start`` returns only factors of this shape: one stacking copy fills the run.
+            torch.stack([t for t in stored if t is not None], out=run.known)
             continue
         gen = _random_starts(state, run, stored, gen)
 
