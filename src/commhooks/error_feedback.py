@@ -403,15 +403,7 @@ class LazyErrorFeedback(ErrorFeedback):
         would stall the stream, non-finite elements are added as zeros. ``finite`` says the
         caller found ``gradient`` finite already: it is not checked again.
         """
-        if self._unchecked:
-            self.check_loaded_(key, gradient)
-        memory = super().get(key, gradient)  # as it is, pending products included
-        pending = self._fitting_pending(key)
-        created = memory is None
-        if memory is None:
-            memory = torch.zeros_like(gradient)
-            super().record(key, memory)
-        folds = pending is not None and pending[0].shape[1] + known.shape[1] > self.max_pending_rank
+        memory, pending, created, folds = self._prepared(key, gradient, known.shape[1])
         folded = pending if folds else None
         check = lowrank.reads_back_checks(memory)
         if refine_q:
@@ -429,6 +421,24 @@ class LazyErrorFeedback(ErrorFeedback):
         if folds:
             del self._pending[key]  # now in the memory (roll_back_ restores that)
         return Absorbed(key, gradient, memory, created, folded, written)
+
+    def _prepared(
+        self, key: Key, gradient: torch.Tensor, rank: int
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None, bool, bool]:
+        """What absorbing ``gradient`` into ``key``'s memory starts from: the memory (made
+        zero if new; a loaded one checked at its first use), its pending products, whether it
+        was made now, and whether the pending products fold into it (their rank and ``rank``
+        past :attr:`max_pending_rank`)."""
+        if self._unchecked:
+            self.check_loaded_(key, gradient)
+        memory = super().get(key, gradient)  # as it is, pending products included
+        pending = self._fitting_pending(key)
+        created = memory is None
+        if memory is None:
+            memory = torch.zeros_like(gradient)
+            super().record(key, memory)
+        folds = pending is not None and pending[0].shape[1] + rank > self.max_pending_rank
+        return memory, pending, created, folds
 
     def absorb_all_(
         self,
@@ -462,16 +472,7 @@ class LazyErrorFeedback(ErrorFeedback):
         absorbed: list[Absorbed] = []
         passes: list[lowrank.AccumulatePass] = []
         for (key, gradient, known, sent), refines in zip(steps, refine_q):
-            if self._unchecked:
-                self.check_loaded_(key, gradient)
-            memory = super().get(key, gradient)  # as it is, pending products included
-            pending = self._fitting_pending(key)
-            created = memory is None
-            if memory is None:
-                memory = torch.zeros_like(gradient)
-                super().record(key, memory)
-            rank = known.shape[1]
-            folds = pending is not None and pending[0].shape[1] + rank > self.max_pending_rank
+            memory, pending, created, folds = self._prepared(key, gradient, known.shape[1])
             if folds:
                 del self._pending[key]  # now in the memory (roll_back_ restores that)
             passes.append((memory, gradient, pending, folds, known, sent, refines))
