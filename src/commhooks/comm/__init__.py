@@ -520,8 +520,11 @@ def all_to_all(
 
     Both are ``world_size x ...`` and contiguous. The future resolves to ``out``. On gloo with
     CPU tensors the rows travel as point-to-point messages, every receive posted before any
-    send (see :func:`~commhooks.comm.gloo_cpu.all_to_all`).
+    send (see :func:`~commhooks.comm.gloo_cpu.all_to_all`). On a group of one rank nothing
+    travels: ``out`` becomes ``tensor`` (nothing to do where they are one), at once.
     """
+    if group.size() == 1:
+        return _kept_here(out, tensor)
     with _issuing("all_to_all_single", tensor):
         done: Future[Any] | None = gloo_cpu.all_to_all(out, tensor, group)
         if done is None:
@@ -537,14 +540,23 @@ def all_gather_into(
     The future resolves to ``out``. On gloo with CPU tensors each rank sends its tensor to
     every other rank directly, every receive posted first (see
     :func:`~commhooks.comm.gloo_cpu.all_gather_into`): the same bytes leave each rank as in
-    gloo's ring.
+    gloo's ring. On a group of one rank nothing travels: ``out`` becomes ``tensor``, at once.
     """
+    if group.size() == 1:
+        return _kept_here(out, tensor)
     with _issuing("all_gather_into_tensor", tensor):
         done: Future[Any] | None = gloo_cpu.all_gather_into(out, tensor, group)
         if done is None:
             rows, flat = out.view(group.size(), -1), tensor.reshape(1, -1)
             done = _future_of(_all_gather_single()(rows, flat, group=group, async_op=True))
     return _as_issued(callbacks.then(done, lambda fut: _checked(fut, out)))
+
+
+def _kept_here(out: torch.Tensor, tensor: torch.Tensor) -> "Future[torch.Tensor]":
+    """A one-rank exchange: ``tensor``'s elements in ``out`` (no copy where they are one)."""
+    if out.data_ptr() != tensor.data_ptr():
+        out.view(-1).copy_(tensor.reshape(-1))
+    return completed(out)
 
 
 def _checked(fut: "Future[Any]", out: torch.Tensor) -> torch.Tensor:

@@ -33,12 +33,12 @@ import platform
 import shutil
 import subprocess
 import tempfile
-import threading
-from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 
 import torch
+
+from commhooks._loader import KernelLoader
 
 __all__ = [
     "available",
@@ -62,9 +62,6 @@ _BUILD_SECONDS = 120
 # saves.
 _ELEMENTS_PER_THREAD = 1 << 18
 
-_lock = threading.Lock()
-_state: dict[str, ctypes.CDLL | None] = {}
-_off = [0]  # how many disabled() blocks are active, in any thread
 
 _P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
@@ -74,17 +71,10 @@ def available() -> bool:
     return _library() is not None
 
 
-@contextlib.contextmanager
-def disabled() -> Iterator[None]:
+def disabled() -> contextlib.AbstractContextManager[None]:
     """Run the eager PyTorch form in the whole process while the block is active: in every
     thread, since a hook's later phases run on the backend's threads (for comparisons)."""
-    with _lock:
-        _off[0] += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _off[0] -= 1
+    return _LOADER.disabled()
 
 
 def quantize_rows(
@@ -244,12 +234,7 @@ def _threads(elements: int) -> int:
 
 
 def _library() -> ctypes.CDLL | None:
-    with _lock:
-        if _off[0]:
-            return None
-        if "library" not in _state:
-            _state["library"] = _load()
-        return _state["library"]
+    return _LOADER.get()
 
 
 def _load() -> ctypes.CDLL | None:
@@ -349,3 +334,7 @@ def _cache_dir() -> Path:
         return Path(named)
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "commhooks"
+
+
+# The kernels' library, loaded on first use.
+_LOADER: KernelLoader[ctypes.CDLL] = KernelLoader(_load)

@@ -89,10 +89,7 @@ def quantized_hook(
     )  # fmt: skip
     issuer = state.issuer
     assert issuer is not None, "prepare() made the issuer"
-    if work.alone:  # the all-to-all would hand this rank its own packets back
-        exchanged = comm.completed(work.received)
-    else:
-        exchanged = comm.all_to_all(work.received, work.send, group)
+    exchanged = comm.all_to_all(work.received, work.send, group)  # one rank: already done
 
     # Both phases touch the state's memories: where they wait for their turns, one at a time.
     def share(_: object = None) -> torch.futures.Future[torch.Tensor]:
@@ -150,11 +147,8 @@ def _reduce_and_share(
     where the follow-ups are held (on a GPU), the check of the gathered scales is queued right
     behind it, so that the held decision reads it without waiting for anything else."""
     _reduce(state, work)
-    if work.alone:  # the all-gather would hand this rank its own packet back
-        gathered = comm.completed(work.gathered)
-    else:
-        assert state.issuer is not None, "begin() made the issuer"
-        gathered = comm.all_gather_into(work.gathered, work.own_packet, state.issuer.group)
+    assert state.issuer is not None, "begin() made the issuer"
+    gathered = comm.all_gather_into(work.gathered, work.own_packet, state.issuer.group)
     if not queued:
         return gathered
 

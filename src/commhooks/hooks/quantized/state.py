@@ -240,9 +240,8 @@ class Workspace:
         self.addition: tuple[torch.Tensor, torch.Tensor] | None = None
         self.first: torch.Generator | None = None
         self.second: torch.Generator | None = None
-        self.check: finiteness.QueuedFiniteness | None = (
-            None  # queued behind the all-gather, if held
-        )
+        # The check of the gathered scales, where it was queued behind the all-gather.
+        self.check: finiteness.QueuedFiniteness | None = None
 
     @property
     def rows(self) -> torch.Tensor:

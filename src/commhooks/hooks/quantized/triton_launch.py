@@ -25,12 +25,12 @@ import logging
 import math
 import os
 import re
-import threading
-from collections.abc import Iterator
 from types import ModuleType
 
 import numpy as np
 import torch
+
+from commhooks._loader import KernelLoader
 
 __all__ = [
     "available",
@@ -54,26 +54,15 @@ _MAX_ELEMENTS = 1 << 31  # offsets within a row of rows are 32-bit in the kernel
 # What a decoded row may be written as: float32, or rounded once from it, as PyTorch does.
 _DECODED = (torch.float32, torch.bfloat16, torch.float16)
 
-_lock = threading.Lock()
-_state: dict[str, ModuleType | None] = {}
-_off = [0]  # how many disabled() blocks are active, in any thread
-
 
 def available() -> bool:
     """Whether the kernels are loaded (loading them, and so Triton, on the first call)."""
     return _module() is not None
 
 
-@contextlib.contextmanager
-def disabled() -> Iterator[None]:
+def disabled() -> contextlib.AbstractContextManager[None]:
     """Run the eager form in the whole process while the block is active (for comparisons)."""
-    with _lock:
-        _off[0] += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _off[0] -= 1
+    return _LOADER.disabled()
 
 
 def quantize_rows(
@@ -321,12 +310,7 @@ def _on_kernels_device(kernels: ModuleType, t: torch.Tensor) -> bool:
 
 
 def _module() -> ModuleType | None:
-    with _lock:
-        if _off[0]:
-            return None
-        if "kernels" not in _state:
-            _state["kernels"] = _load()
-        return _state["kernels"]
+    return _LOADER.get()
 
 
 def _load() -> ModuleType | None:
@@ -347,3 +331,7 @@ def _load() -> ModuleType | None:
         )  # fmt: skip
         return None
     return importlib.import_module("commhooks.hooks.quantized.triton_kernels")
+
+
+# The Triton kernels' module, loaded on first use.
+_LOADER: KernelLoader[ModuleType] = KernelLoader(_load)

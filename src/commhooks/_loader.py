@@ -1,0 +1,48 @@
+"""A family of fused kernels, loaded on first use, that callers can turn off for a while.
+
+The CPU kernels (:mod:`commhooks.cpu_kernels`) and the Triton kernels
+(:mod:`commhooks.hooks.quantized.triton_launch`) are both optional: loading them may fail, or
+be refused by an environment variable, and the callers then run PyTorch's eager operations,
+with the same bits. Tests and benchmarks compare the two forms by turning the kernels off in
+the whole process (a hook's later phases run on the backend's threads), which
+:meth:`KernelLoader.disabled` does.
+"""
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
+
+__all__ = ["KernelLoader"]
+
+T = TypeVar("T")
+
+
+class KernelLoader(Generic[T]):
+    """What ``load`` returns (``None``: the kernels are not there), loaded once, on first use."""
+
+    def __init__(self, load: Callable[[], T | None]) -> None:
+        self._load = load
+        self._lock = threading.Lock()
+        self._loaded: list[T | None] = []  # empty until loaded
+        self._off = 0  # how many disabled() blocks are active, in any thread
+
+    def get(self) -> T | None:
+        """The kernels, loading them on the first call; ``None`` while disabled or missing."""
+        with self._lock:
+            if self._off:
+                return None
+            if not self._loaded:
+                self._loaded.append(self._load())
+            return self._loaded[0]
+
+    @contextlib.contextmanager
+    def disabled(self) -> Iterator[None]:
+        """Callers run the eager form, in every thread, while the block is active."""
+        with self._lock:
+            self._off += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._off -= 1
