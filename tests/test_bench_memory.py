@@ -70,10 +70,11 @@ def _peaks(hook, runs=3):
 def test_memory_runs_repeat_and_rank_the_half_precision_hooks():
     # Issue 27's memory goals, measured as the bench measures them (6M parameters, 25 MB
     # buckets, the median of three runs): fp16 within 1.05x of PyTorch's fp16 hook, bf16 at
-    # most fp16 (to 0.5 MiB). Runs of one hook agree to about 2% (the resident set alone
-    # moves by 5%), which is what makes those comparisons decidable.
+    # most fp16, to the 2% that runs of one hook agree to (the resident set alone moves by
+    # 5%), which is what makes those comparisons decidable. A bound of 0.5 MiB (0.3%) was
+    # below that: the same tree passed and failed it, by 0.8-1.0 MiB.
     fp16, runs = _peaks("fp16")
     assert all(abs(p - m) < 0.02 * m for run in runs for p, m in zip(run, fp16)), runs
     torch_fp16, bf16 = max(_peaks("torch_fp16")[0]), max(_peaks("bf16")[0])
     assert max(fp16) <= 1.05 * torch_fp16, (max(fp16) / MiB, torch_fp16 / MiB)
-    assert bf16 <= max(fp16) + 0.5 * MiB, (bf16 / MiB, max(fp16) / MiB)
+    assert bf16 <= 1.02 * max(fp16), (bf16 / MiB, max(fp16) / MiB)
