@@ -22,7 +22,7 @@ TESTS = ROOT / "tests"
 
 def checkout_env(**extra: str) -> dict[str, str]:
     """This checkout's sources first on the path, one thread per rank, gloo on loopback."""
-    paths = [str(ROOT / "src"), str(ROOT / "baselines"), str(TESTS)]
+    paths = [str(ROOT / "src"), str(TESTS)]
     env = {k: v for k, v in os.environ.items() if k not in world.LAUNCHER_VARIABLES}
     env["PYTHONPATH"] = os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")])
     env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1", **extra)

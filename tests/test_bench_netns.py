@@ -269,7 +269,7 @@ def _torchrun_in_namespaces(net: Network, argv: list[str], cwd: str) -> str:
     address as ``MASTER_ADDR``, gloo bound to the rate-limited link; what rank 0 printed."""
     root = os.path.dirname(SRC)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    paths = [SRC, os.path.join(root, "baselines"), os.path.join(root, "tests")]
+    paths = [SRC, os.path.join(root, "tests")]
     env.update(PYTHONPATH=os.pathsep.join(paths), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=IFACE)
     procs = [
         subprocess.Popen(

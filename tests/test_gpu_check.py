@@ -15,7 +15,7 @@ SECTIONS = ["parity", "init_forms", "many_buckets", "sync_audit", "step_time", "
 
 def _run(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
     path = tmp_path / "check.json"
-    paths = [str(ROOT / d) for d in ("src", "baselines", "tests")]
+    paths = [str(ROOT / d) for d in ("src", "tests")]
     env = {"PYTHONPATH": ":".join(paths), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / "gpu_check.py"), "--device", "cpu", "--json", str(path),

@@ -11,3 +11,12 @@ network measured by ``linkprobe``), ``usermodel`` (``--model``), ``clock`` (devi
 (ratios, time to accuracy, noise), ``costmodel`` and ``predict`` (step times on other links
 and world sizes, from the loopback run), ``report`` (tables, answer, JSON) and ``plot`` (PNG).
 """
+
+from pathlib import Path
+
+# PyTorch's own hooks, the bench's baselines (``commhooks.bench.baselines``), have a source tree
+# of their own beside the library's, which never imports them: ``baselines/`` in the
+# repository, which the wheel places here. Run from a checkout, the bench finds them there.
+_CHECKOUT_BASELINES = Path(__file__).parents[3] / "baselines" / "commhooks" / "bench"
+if _CHECKOUT_BASELINES.is_dir():
+    __path__.append(str(_CHECKOUT_BASELINES))

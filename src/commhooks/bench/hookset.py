@@ -86,7 +86,7 @@ TORCH_HOOKS = (
     "torch_quantize_per_tensor",
     "torch_quantize_per_channel",
 )
-# Reference floors (see ``commhooks_baselines.floors``): the cost of communicating at all, of
+# Reference floors (see ``commhooks.bench.baselines.floors``): the cost of communicating at all, of
 # sending single-round PowerSGD's bytes, and of error feedback's memory passes, without any
 # compression work. They imitate PowerSGD at the rank it is benchmarked with.
 FLOOR_HOOKS = ("floor_sync", "floor_wire", "floor_memory")
@@ -165,7 +165,7 @@ def attach(ddp: Any, name: str, options: dict[str, Any]) -> Callable[[], Any]:
     if name.startswith("torch_"):
         return _attach_torch(ddp, name, options)
     if name in FLOOR_HOOKS:
-        _baselines("commhooks_baselines.floors").attach_floor(ddp, name, options)
+        _baselines("commhooks.bench.baselines.floors").attach_floor(ddp, name, options)
         return lambda: None
     import commhooks
 
@@ -200,7 +200,7 @@ class _AveragerAfterStep:
 
 
 def _attach_torch(ddp: Any, name: str, options: dict[str, Any]) -> Callable[[], Any]:
-    attach_torch = _baselines("commhooks_baselines").attach_torch
+    attach_torch = _baselines("commhooks.bench.baselines").attach_torch
     after_step: Callable[[], Any] = attach_torch(
         ddp, name, options, averager_period=AVERAGER_PERIOD
     )
@@ -208,6 +208,6 @@ def _attach_torch(ddp: Any, name: str, options: dict[str, Any]) -> Callable[[], 
 
 
 def _baselines(module: str) -> Any:
-    """The baselines package, beside the library's source (it imports PyTorch's own hooks,
-    which the library never does); loaded only when a baseline or floor is asked for."""
+    """A module of ``commhooks.bench.baselines`` (it imports PyTorch's own hooks, which the
+    library never does); loaded only when a baseline or floor is asked for."""
     return importlib.import_module(module)

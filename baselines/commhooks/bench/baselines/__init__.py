@@ -1,7 +1,9 @@
 """PyTorch's own communication hooks, registered for ``commhooks bench --compare-torch``.
 
-The benchmark compares commhooks with PyTorch's reference hooks. Those are imported here, in a
-package of their own beside the library, so that commhooks itself never imports them.
+The benchmark compares commhooks with PyTorch's reference hooks. Those are imported here only:
+this package is part of the bench (``commhooks.bench.baselines``), but its source stands apart
+from the library's (``baselines/`` in the repository; the wheel places it in the bench), so that
+the library itself never imports them.
 """
 
 from collections.abc import Callable
