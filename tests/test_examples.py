@@ -78,7 +78,7 @@ def test_readme_quick_start_runs_with_torchrun(tmp_path):
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     assert len(code.strip().splitlines()) <= 10
     (tmp_path / "train.py").write_text(code)
-    # Ends right after its last step: commhooks.callbacks keeps torch's gloo teardown from
+    # Ends right after its last step: commhooks.comm.then keeps torch's gloo teardown from
     # aborting the process then (see test_callbacks.py).
     out = run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",

@@ -13,9 +13,13 @@ messages, the threads that wait for them) lives in :mod:`commhooks.comm.gloo_cpu
 :func:`allreduce`, :func:`all_to_all` and :func:`all_gather_into` hand such tensors to.
 """
 
+import atexit
 import contextlib
 import datetime
+import itertools
+import os
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Generic, TypeVar, cast
@@ -23,11 +27,13 @@ from typing import Any, Generic, TypeVar, cast
 import torch
 import torch.distributed as dist
 
-from commhooks import _reads, callbacks
+from commhooks import _reads
 from commhooks.comm import gloo_cpu
 from commhooks.comm._futures import fail
 
 __all__ = [
+    "CALLBACKS_EXIT_WAIT_S",
+    "CALLBACKS_GRACE_S",
     "CollectiveCounter",
     "Finished",
     "Issue",
@@ -38,6 +44,7 @@ __all__ = [
     "allreduce",
     "average",
     "backend_for_device",
+    "callbacks_held",
     "check_same_on_grid",
     "completed",
     "completing_inline",
@@ -56,7 +63,9 @@ __all__ = [
     "new_groups",
     "observe_collectives",
     "resolve_group",
+    "then",
     "unheld_follow_ups",
+    "when_done",
     "world_size",
 ]
 
@@ -332,6 +341,108 @@ def _first(fut: "Future[list[torch.Tensor]]") -> torch.Tensor:
     return fut.value()[0]
 
 
+# -- callbacks on futures --------------------------------------------------------------------
+#
+# A gloo worker thread that completes a future runs its Python callbacks, then drops them, then
+# drops the collective itself (with its tensors); dropping a Python function, or a tensor whose
+# Python object outlived Python's own references, needs the GIL. When a training script simply
+# ends, the main thread may already be shutting the interpreter down at that moment; Python then
+# ends the worker thread where it stands and the C++ runtime aborts the whole process ("terminate
+# called without an active exception", exit code -6) after training has finished. It happens on
+# the last step, more often on a loaded machine, with PyTorch's own hooks too, and
+# ``dist.destroy_process_group()`` does not prevent it while a model or a hook state still holds
+# the group.
+#
+# So every callback the package hands to a future goes through :func:`then` or
+# :func:`when_done`, which wrap it in a function of its own whose release can be observed. At
+# exit, before the interpreter starts shutting down, a process that handed out callbacks waits
+# without the GIL (so the worker threads can take it) until the callbacks of every completed
+# future have been released, at most ``CALLBACKS_EXIT_WAIT_S``, then ``CALLBACKS_GRACE_S`` more
+# for the collectives dropped right after them. Callbacks of futures that never completed are
+# not waited for: no thread is about to release them. A future complete already (NCCL's, as
+# soon as its collective is queued) runs the callback at once on the calling thread, which
+# releases it there: nothing is tracked, and the GPU's host pays no more than ``Future.then``.
+
+S = TypeVar("S")
+
+CALLBACKS_EXIT_WAIT_S = 2.0
+"""The longest the interpreter's exit waits for worker threads to release callbacks."""
+
+CALLBACKS_GRACE_S = 0.05
+"""How long the GIL stays free at exit after the last callback was released."""
+
+
+def then(fut: "Future[S]", fn: Callable[["Future[S]"], T]) -> "Future[T]":
+    """``fut.then(fn)``, with ``fn``'s release awaited at interpreter exit (see above)."""
+    if fut.done():  # runs here and now, and is released on this thread
+        return fut.then(fn)
+
+    def call(done: "Future[S]") -> T:
+        return fn(done)
+
+    _registry.track(call, fut)
+    return fut.then(call)
+
+
+def when_done(fut: "Future[S]", fn: Callable[["Future[S]"], None]) -> None:
+    """``fut.add_done_callback(fn)``, with ``fn``'s release awaited at interpreter exit."""
+    if fut.done():
+        fut.add_done_callback(fn)
+        return
+
+    def call(done: "Future[S]") -> None:
+        fn(done)
+
+    _registry.track(call, fut)
+    fut.add_done_callback(call)
+
+
+def callbacks_held() -> int:
+    """Callbacks handed to futures and not released yet (completed futures' and pending)."""
+    return len(_registry.entries)
+
+
+class _Registry:
+    """The callbacks handed out and not released yet, each with the future it waits on.
+
+    An entry leaves when its callback is released, on whichever thread releases it: plain dict
+    operations are atomic under the GIL, so no lock is needed (and none could be taken in a
+    weakref callback, which may run inside any allocation).
+    """
+
+    def __init__(self) -> None:
+        self.entries: dict[int, tuple[weakref.ref[Callable[..., Any]], Future[Any]]] = {}
+        self.keys = itertools.count()
+        self.used = False
+
+    def track(self, call: Callable[..., Any], fut: "Future[Any]") -> None:
+        self.used = True
+        key = next(self.keys)
+        self.entries[key] = (weakref.ref(call, lambda _: self.entries.pop(key, None)), fut)
+
+    def releasing(self) -> bool:
+        """Whether a completed future's callback is still held: a thread is about to drop it."""
+        return any(fut.done() for _, fut in list(self.entries.values()))
+
+    def wait(self, limit_s: float = CALLBACKS_EXIT_WAIT_S) -> None:
+        if not self.used:
+            return
+        deadline = time.monotonic() + limit_s
+        while self.releasing() and time.monotonic() < deadline:
+            time.sleep(0.001)  # sleeping releases the GIL, which the worker thread needs
+        time.sleep(CALLBACKS_GRACE_S)
+
+    def forget(self) -> None:
+        """In a forked child: the parent's worker threads are not here to release anything."""
+        self.entries.clear()
+        self.used = False
+
+
+_registry = _Registry()
+atexit.register(_registry.wait)
+os.register_at_fork(after_in_child=_registry.forget)
+
+
 # -- observing what is sent --------------------------------------------------------------------
 
 
@@ -485,10 +596,12 @@ def allreduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.T
     """
     if _counters:  # an exchange is counted as the allreduce it stands for
         _observed("all_reduce", tensor)
-    summed = gloo_cpu.allreduce(tensor, group) if tensor.is_cpu else None
-    if summed is None:
+    exchanged = gloo_cpu.allreduce(tensor, group) if tensor.is_cpu else None
+    if exchanged is None:
         issued: Future[list[torch.Tensor]] = _all_reduce(tensor, group).get_future()
-        summed = callbacks.then(issued, _first)
+        summed = then(issued, _first)
+    else:
+        summed = then(exchanged, lambda fut: _checked(fut, tensor))
     return _as_issued(summed) if _inline else summed
 
 
@@ -529,7 +642,7 @@ def all_to_all(
         done: Future[Any] | None = gloo_cpu.all_to_all(out, tensor, group)
         if done is None:
             done = _future_of(dist.all_to_all_single(out, tensor, group=group, async_op=True))
-    return _as_issued(callbacks.then(done, lambda fut: _checked(fut, out)))
+    return _as_issued(then(done, lambda fut: _checked(fut, out)))
 
 
 def all_gather_into(
@@ -549,7 +662,7 @@ def all_gather_into(
         if done is None:
             rows, flat = out.view(group.size(), -1), tensor.reshape(1, -1)
             done = _future_of(_all_gather_single()(rows, flat, group=group, async_op=True))
-    return _as_issued(callbacks.then(done, lambda fut: _checked(fut, out)))
+    return _as_issued(then(done, lambda fut: _checked(fut, out)))
 
 
 def _kept_here(out: torch.Tensor, tensor: torch.Tensor) -> "Future[torch.Tensor]":
@@ -819,7 +932,7 @@ class OrderedIssuer:
             else:
                 self._run(done, slot, steps, out)
 
-        callbacks.when_done(fut, on_done)
+        when_done(fut, on_done)
 
     def _run(
         self,
@@ -862,7 +975,7 @@ class OrderedIssuer:
         elif sent.done():  # completed inline (NCCL) or sent nothing: no callback needed
             _forward(sent, out)
         else:
-            callbacks.when_done(sent, lambda fut: _forward(fut, out))
+            when_done(sent, lambda fut: _forward(fut, out))
 
     def _release(self, slot: int, count: int) -> None:
         """Let ``count`` slots from ``slot`` on pass without issuing anything."""

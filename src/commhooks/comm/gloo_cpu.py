@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from commhooks import callbacks, cpu_kernels
+from commhooks import cpu_kernels
 from commhooks.comm._futures import fail
 
 __all__ = [
@@ -70,9 +70,10 @@ SMALL_BYTES = 1 << 20
 _HALVES = (torch.float16, torch.bfloat16)
 
 
-def allreduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.Tensor] | None":
+def allreduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[None] | None":
     """Sum ``tensor`` in place over ``group`` by an exchange where :func:`sums` says so; the
-    future resolves to ``tensor``. ``None`` where the caller issues an allreduce instead."""
+    future completes once ``tensor`` holds the sum. ``None`` where the caller issues an
+    allreduce instead."""
     return _exchange_and_add(tensor, group) if sums(tensor, group) else None
 
 
@@ -127,22 +128,22 @@ def takes(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
     )
 
 
-def _exchange_and_add(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.Tensor]":
+def _exchange_and_add(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[None]":
     """Sum ``tensor`` in place over the two ranks of ``group`` by exchanging it (see
-    ``CHUNK_BYTES``); the future resolves to ``tensor`` once this rank's sum is complete."""
+    ``CHUNK_BYTES``); the future completes once this rank's sum is complete."""
     # The choice of :func:`sums` must not depend on anything that may differ between ranks,
     # such as a tensor's strides: one that is not contiguous is sent from a copy.
     flat = tensor.reshape(-1) if tensor.is_contiguous() else tensor.flatten()
     waiter = _waiter(group)
-    summed = waiter.run(_PairSum(flat, group, waiter.new_tag()).finish)
+    pair = _PairSum(flat, group, waiter.new_tag())
+    if flat.data_ptr() == tensor.data_ptr():
+        return waiter.run(pair.finish)
 
-    def result(fut: "Future[None]") -> torch.Tensor:
-        fut.value()  # raises here if the exchange failed
-        if flat.data_ptr() != tensor.data_ptr():
-            tensor.copy_(flat.view_as(tensor))
-        return tensor
+    def finish_and_copy_back() -> None:
+        pair.finish()
+        tensor.copy_(flat.view_as(tensor))
 
-    return callbacks.then(summed, result)
+    return waiter.run(finish_and_copy_back)
 
 
 class _PairSum:

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from commhooks import _reads, callbacks, comm, cpu_kernels, finiteness
+from commhooks import _reads, comm, cpu_kernels, finiteness
 from commhooks._warnings import warn_once
 
 __all__ = ["all_finite", "average_in", "saturating_cast"]
@@ -72,12 +72,12 @@ def average_in(
     devices, hold = comm.follow_up_options(buffer, last_bucket)
     sums = comm.allreduce(low, group)
     if finiteness.queues(buffer) and not flagged:
-        sums = callbacks.then(sums, repair.queue_check)
+        sums = comm.then(sums, repair.queue_check)
     done = issuer.rounds(sums, (repair.resend_overflowed, repair.resend_bucket), devices, hold)
     # ``done`` is completed by hand. A future derived from it with ``then`` fails as a real
     # error when a collective failed, which DDP reports with the backend's message; the hand-made
     # one would hold the exception as a value, which DDP then fails to read as a tensor.
-    return callbacks.then(done, _value)
+    return comm.then(done, _value)
 
 
 def _value(fut: "Future[torch.Tensor]") -> torch.Tensor:
@@ -224,7 +224,7 @@ class _Repair:
             return comm.Finished(self.buffer)
         owner, dtype, buffer, group = self.owner, sums.dtype, self.buffer, self._group()
         return comm.Issue(
-            lambda: callbacks.then(
+            lambda: comm.then(
                 comm.average(buffer, group),
                 lambda fut: _warn_if_overflowed(fut.value(), owner, dtype),
             )

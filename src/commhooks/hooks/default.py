@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from commhooks import callbacks, comm, handshake
+from commhooks import comm, handshake
 from commhooks.hooks._bucket import GradBucket, float_buffer, gradient_buffer, group_state
 from commhooks.hooks._half import average_in, saturating_cast
 
@@ -137,7 +137,7 @@ class CastWrapper:
             bucket.set_buffer(low)
             reduced = self.hook(state, bucket)
         # Nothing to copy when the hook's result is ``low`` itself, as with allreduce_hook.
-        return callbacks.then(reduced, lambda fut: low.copy_(fut.value()))
+        return comm.then(reduced, lambda fut: low.copy_(fut.value()))
 
     def __repr__(self) -> str:
         return f"{self.owner}({getattr(self.hook, '__name__', self.hook)!r})"

@@ -165,7 +165,10 @@ def _begin(
 
 
 def _run(step: BucketStep) -> "Future[torch.Tensor]":
-    return one_round(step) if step.state.settings.single_round else two_rounds(step)
+    """Issue the bucket's pipeline; the step counts once the last bucket's is under way."""
+    done = one_round(step) if step.state.settings.single_round else two_rounds(step)
+    step.state.maybe_increase_iter(step.bucket)
+    return done
 
 
 def _idle_factor(m: Matrix) -> int:

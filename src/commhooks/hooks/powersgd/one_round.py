@@ -12,7 +12,7 @@ Hook modules must not use ``from __future__ import annotations``: DDP rejects st
 
 import torch
 
-from commhooks import callbacks, comm, finiteness
+from commhooks import comm, finiteness
 
 from . import stages
 from .stages import BucketStep
@@ -32,9 +32,9 @@ def one_round(step: BucketStep) -> "Future[torch.Tensor]":
     _, send = stages.first_factors(step, single=True)  # compensated, then factors
     averaged = comm.average(send, step.group)
     if finiteness.queues(send):  # on a GPU: the check queued behind the collective
-        averaged = callbacks.then(averaged, lambda done: _queue_check(step, done))
+        averaged = comm.then(averaged, lambda done: _queue_check(step, done))
     checked = step.follow_up(averaged, lambda result: _unless_finite(step, result))
-    return callbacks.then(checked, lambda done: _approximate(step, done, unc))
+    return comm.then(checked, lambda done: _approximate(step, done, unc))
 
 
 def _queue_check(step: BucketStep, done: "Future[torch.Tensor]") -> torch.Tensor:
@@ -52,7 +52,7 @@ def _unless_finite(step: BucketStep, averaged: torch.Tensor) -> "Future[torch.Te
     if step.finite(averaged):
         return comm.completed(averaged)
     sent = stages.fall_back(step)
-    return callbacks.then(sent, _nothing)
+    return comm.then(sent, _nothing)
 
 
 def _nothing(sent: "Future[torch.Tensor]") -> None:

@@ -176,14 +176,12 @@ class BucketStep:
     ) -> "torch.futures.Future[T]":
         """Run ``then(after's value)`` in the state's issuer, in a slot reserved now (see
         :meth:`commhooks.comm.OrderedIssuer.then`); it may issue one collective, on the
-        issuer's group. Call on DDP's thread; it counts the step once the last bucket's
-        first round is issued. On a GPU the follow-up is held until the step's last bucket;
-        a check it reads (:meth:`finite`) is best queued before (:meth:`queue_check`).
+        issuer's group. Call on DDP's thread. On a GPU the follow-up is held until the step's
+        last bucket; a check it reads (:meth:`finite`) is best queued before
+        (:meth:`queue_check`).
         """
         options = comm.follow_up_options(self.buffer, self.bucket.is_last())
-        done = self.state.issuer.then(after, then, *options)
-        self.state.maybe_increase_iter(self.bucket)
-        return done
+        return self.state.issuer.then(after, then, *options)
 
     def queue_check(self, *tensors: torch.Tensor) -> None:
         """Form the total :meth:`finite` reads next, now (see :mod:`commhooks.finiteness`)."""

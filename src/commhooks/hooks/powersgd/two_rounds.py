@@ -10,7 +10,7 @@ Hook modules must not use ``from __future__ import annotations``: DDP rejects st
 
 import torch
 
-from commhooks import callbacks, comm
+from commhooks import comm
 
 from . import stages
 from .stages import BucketStep
@@ -39,7 +39,7 @@ def two_rounds(step: BucketStep) -> "Future[torch.Tensor]":
     # The uncompressed tensors need no compression work: their average starts first.
     # PyTorch's order (sum, then divide) rather than DDP's, for the same numerics as its hook.
     plain = (
-        callbacks.then(comm.allreduce(packed, group), lambda fut: fut.value().div_(world))
+        comm.then(comm.allreduce(packed, group), lambda fut: fut.value().div_(world))
         if packed.numel()
         else comm.completed(packed)
     )

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from commhooks import callbacks, comm, finiteness
+from commhooks import comm, finiteness
 from commhooks._warnings import warn_once
 from commhooks.hooks._bucket import GradBucket, float_buffer
 from commhooks.hooks.quantized import blocks
@@ -157,7 +157,7 @@ def _reduce_and_share(
         work.check = state.latest_check = finiteness.QueuedFiniteness(work.scales)
         return gathered
 
-    return callbacks.then(gathered, queue_check)
+    return comm.then(gathered, queue_check)
 
 
 def _decode_or_resend(
@@ -177,7 +177,7 @@ def _decode_or_resend(
     work.clear_padding()
     assert state.issuer is not None, "begin() made the issuer"
     averaged = comm.average(buffer, state.issuer.group)
-    return callbacks.then(averaged, lambda fut: _warn_if_finite(fut.value()))
+    return comm.then(averaged, lambda fut: _warn_if_finite(fut.value()))
 
 
 def _warn_if_finite(averaged: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from commhooks import callbacks, comm
+from commhooks import comm
 from commhooks.hooks._bucket import GradBucket, float_buffer, group_state
 from commhooks.hooks.quantized import blocks
 from commhooks.options import integer
@@ -83,7 +83,7 @@ def _affine_average(
     packet[0, codes_bytes:].view(torch.float32).copy_(qparams.view(-1))
     gathered = packet.new_empty(group.size(), packet.shape[1])
     done = comm.all_gather_into(gathered, packet, group)
-    return callbacks.then(done, lambda fut: _decode_average(fut.value(), buffer, rows, channel))
+    return comm.then(done, lambda fut: _decode_average(fut.value(), buffer, rows, channel))
 
 
 def _aligned(nbytes: int) -> int:
