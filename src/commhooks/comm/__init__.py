@@ -398,38 +398,30 @@ def when_done(fut: "Future[S]", fn: Callable[["Future[S]"], None]) -> None:
 
 def callbacks_held() -> int:
     """Callbacks handed to futures and not released yet (completed futures' and pending)."""
-    return sum(1 for call, _ in _registry.tracked() if call() is not None)
+    return len(_registry.entries)
 
 
 class _Registry:
-    """The callbacks handed out, each as a weak reference, with the future it waits on.
+    """The callbacks handed out and not released yet, each with the future it waits on.
 
-    A released callback's entry is dropped the next time the list has doubled, not by a
-    callback on its release: that would be one more Python call per callback on the backend's
-    worker thread, which takes turns with the training thread for the interpreter.
+    Keyed by a weak reference to the callback, whose release removes it with the dict's own
+    ``pop`` (no Python function runs on the backend's worker thread for it); plain dict
+    operations are atomic under the GIL, so no lock is needed (and none could be taken in a
+    weakref callback, which may run inside any allocation). The future is held only while its
+    callback is: a completed one holds its result's tensors.
     """
 
     def __init__(self) -> None:
-        self.entries: list[tuple[weakref.ref[Callable[..., Any]], Future[Any]]] = []
-        self.lock = threading.Lock()
-        self.prune_at = _FIRST_PRUNE
+        self.entries: dict[weakref.ref[Callable[..., Any]], Future[Any]] = {}
         self.used = False
 
     def track(self, call: Callable[..., Any], fut: "Future[Any]") -> None:
-        with self.lock:
-            self.used = True
-            self.entries.append((weakref.ref(call), fut))
-            if len(self.entries) >= self.prune_at:
-                self.entries = [e for e in self.entries if e[0]() is not None]
-                self.prune_at = max(_FIRST_PRUNE, 2 * len(self.entries))
-
-    def tracked(self) -> "list[tuple[weakref.ref[Callable[..., Any]], Future[Any]]]":
-        with self.lock:
-            return list(self.entries)
+        self.used = True
+        self.entries[weakref.ref(call, self.entries.pop)] = fut
 
     def releasing(self) -> bool:
         """Whether a completed future's callback is still held: a thread is about to drop it."""
-        return any(fut.done() and call() is not None for call, fut in self.tracked())
+        return any(fut.done() for fut in list(self.entries.values()))
 
     def wait(self, limit_s: float = CALLBACKS_EXIT_WAIT_S) -> None:
         if not self.used:
@@ -441,12 +433,8 @@ class _Registry:
 
     def forget(self) -> None:
         """In a forked child: the parent's worker threads are not here to release anything."""
-        self.lock = threading.Lock()  # another thread may have held it at the fork
-        self.entries = []
+        self.entries.clear()
         self.used = False
-
-
-_FIRST_PRUNE = 1024  # entries kept before released ones are first dropped
 
 
 _registry = _Registry()
