@@ -33,7 +33,6 @@ __all__ = [
     "product_into",
     "products_into",
     "project_",
-    "reads_back_checks",
     "reconstruct_",
     "Reconstruction",
     "reconstruct_all_",
@@ -271,15 +270,6 @@ def _row_blocks(matrix: torch.Tensor) -> list[slice]:
     return [slice(start, min(start + step, n)) for start in range(0, n, step)]
 
 
-def reads_back_checks(matrix: torch.Tensor) -> bool:
-    """Whether a fused pass over ``matrix`` checks each block of its addend by reading a sum back.
-
-    Only on CPU, where that costs one sum a block; on a GPU it would stall the stream
-    (:func:`commhooks._reads.are_free`).
-    """
-    return _reads.are_free(matrix)
-
-
 def _blocked(matrix: torch.Tensor) -> bool:
     """Whether the fused passes here go block of rows by block of rows.
 
@@ -379,7 +369,7 @@ def accumulates_together(matrices: Sequence[torch.Tensor]) -> bool:
 
     A bucket's matrices share a few shapes: each shape is checked once.
     """
-    if not matrices or not reads_back_checks(matrices[0]):
+    if not matrices or not _reads.are_free(matrices[0]):
         return False
     kinds = {(m.shape, m.device.type, m.element_size()) for m in matrices}
     return all(

@@ -16,6 +16,7 @@ messages, the threads that wait for them) lives in :mod:`commhooks.comm.gloo_cpu
 import atexit
 import contextlib
 import datetime
+import functools
 import os
 import threading
 import time
@@ -375,10 +376,7 @@ def then(fut: "Future[S]", fn: Callable[["Future[S]"], T]) -> "Future[T]":
     """``fut.then(fn)``, with ``fn``'s release awaited at interpreter exit (see above)."""
     if fut.done():  # runs here and now, and is released on this thread
         return fut.then(fn)
-
-    def call(done: "Future[S]") -> T:
-        return fn(done)
-
+    call = functools.partial(fn)  # an object of its own to watch, calling ``fn`` from C
     _registry.track(call, fut)
     return fut.then(call)
 
@@ -388,10 +386,7 @@ def when_done(fut: "Future[S]", fn: Callable[["Future[S]"], None]) -> None:
     if fut.done():
         fut.add_done_callback(fn)
         return
-
-    def call(done: "Future[S]") -> None:
-        fn(done)
-
+    call = functools.partial(fn)
     _registry.track(call, fut)
     fut.add_done_callback(call)
 

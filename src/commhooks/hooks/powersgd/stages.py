@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from commhooks import comm, finiteness, lowrank
+from commhooks import _reads, comm, finiteness, lowrank
 from commhooks.error_feedback import Absorbed, Key
 from commhooks.factors import P_STEP, Q_STEP
 
@@ -426,7 +426,7 @@ def first_factors(step: BucketStep, single: bool) -> tuple[torch.Tensor, torch.T
     for b in step.batches:
         if b.stacked:  # a copy of M, now formed
             torch.stack([m.view for m in b.matrices], out=b.stack)
-    checks = bool(singles) and lowrank.reads_back_checks(singles[0].stack)
+    checks = bool(singles) and _reads.are_free(singles[0].stack)  # a read a block: CPU only
     finite = checks and lowrank.is_finite(*together, *apart)
     lowrank.project_(starts, products, eps, method, exact=not settings.single_round)
     if singles:
