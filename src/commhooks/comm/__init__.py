@@ -354,7 +354,7 @@ def _first(fut: "Future[list[torch.Tensor]]") -> torch.Tensor:
 # the group.
 #
 # So every callback the package hands to a future goes through :func:`then` or
-# :func:`when_done`, which wrap it in a function of its own whose release can be observed. At
+# :func:`when_done`, which hand over an object of its own whose release can be observed. At
 # exit, before the interpreter starts shutting down, a process that handed out callbacks waits
 # without the GIL (so the worker threads can take it) until the callbacks of every completed
 # future have been released, at most ``CALLBACKS_EXIT_WAIT_S``, then ``CALLBACKS_GRACE_S`` more
