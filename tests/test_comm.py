@@ -229,6 +229,38 @@ def test_allreduce_sums_like_dist_all_reduce_on_any_world_size():
             assert sent["all_reduce"] == 2 * (40 * 3 * 4 + 17 * 2 + 35 * 4 + large + 8000)
 
 
+def _refuse(summed):
+    raise ValueError(f"refused a sum of {summed.numel()} elements")
+
+
+def _sums_then(rank, world_size):
+    group = dist.group.WORLD
+    out = []
+    for shape, strided in (
+        ((40,), False),
+        ((gloo_cpu.SMALL_BYTES // 4 + 1,), False),
+        ((5, 7), True),
+    ):
+        t = torch.full(shape, float(rank + 1))
+        t = t.t() if strided else t
+        fut = comm.allreduce_then(t, group, lambda s, t=t: (s is t, s.sum().item()))
+        same, total = fut.wait()
+        out.append((same, total == 3.0 * t.numel(), torch.equal(t, torch.full_like(t, 3.0))))
+    with pytest.raises(RuntimeError, match="refused a sum of 3 elements"):
+        comm.allreduce_then(torch.ones(3), group, _refuse).wait()
+    with comm.completing_inline():
+        fut = comm.allreduce_then(torch.ones(3), group, lambda s: s.div_(2))
+        out.append(fut.done() and torch.equal(fut.value(), torch.ones(3)))
+    return out
+
+
+def test_allreduce_then_hands_the_sum_to_its_function_in_one_future():
+    # The exchange of two gloo ranks, gloo's own allreduce (over 1 MiB of float32) and a
+    # strided tensor (summed through a copy): the function sees the tensor itself, summed.
+    for out in run_on_ranks(_sums_then, 2):
+        assert out == [(True, True, True)] * 3 + [True]
+
+
 def _sums_of_each_dtype(rank, world_size):
     group = dist.group.WORLD
     out, calls_all, sent_all = {}, [], []

@@ -70,9 +70,10 @@ def average_in(
     low, flagged = _cast_down(buffer, dtype, group.size())
     repair = _Repair(buffer, group.size(), issuer.group, owner, flagged)
     devices, hold = comm.follow_up_options(buffer, last_bucket)
-    sums = comm.allreduce(low, group)
-    if finiteness.queues(buffer) and not flagged:
-        sums = comm.then(sums, repair.queue_check)
+    if finiteness.queues(buffer) and not flagged:  # in the sum's own callback
+        sums = comm.allreduce_then(low, group, repair.queue_check)
+    else:
+        sums = comm.allreduce(low, group)
     done = issuer.rounds(sums, (repair.resend_overflowed, repair.resend_bucket), devices, hold)
     # ``done`` is completed by hand. A future derived from it with ``then`` fails as a real
     # error when a collective failed, which DDP reports with the backend's message; the hand-made
@@ -173,9 +174,8 @@ class _Repair:
         self.where: torch.Tensor | None = None
         self.total: finiteness.QueuedFiniteness | None = None
 
-    def queue_check(self, fut: "Future[torch.Tensor]") -> torch.Tensor:
+    def queue_check(self, summed: torch.Tensor) -> torch.Tensor:
         """Queue the finiteness reduction of the sum right behind the collective (on CUDA)."""
-        summed = fut.value()
         self.total = finiteness.QueuedFiniteness(summed[: self.buffer.numel()])
         return summed
 

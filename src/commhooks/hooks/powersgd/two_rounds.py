@@ -39,7 +39,7 @@ def two_rounds(step: BucketStep) -> "Future[torch.Tensor]":
     # The uncompressed tensors need no compression work: their average starts first.
     # PyTorch's order (sum, then divide) rather than DDP's, for the same numerics as its hook.
     plain = (
-        comm.then(comm.allreduce(packed, group), lambda fut: fut.value().div_(world))
+        comm.allreduce_then(packed, group, lambda summed: summed.div_(world))
         if packed.numel()
         else comm.completed(packed)
     )
