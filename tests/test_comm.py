@@ -254,6 +254,32 @@ def _sums_then(rank, world_size):
     return out
 
 
+def _rounds_on_sums(rank, world_size):
+    group = dist.group.WORLD
+    issuer = comm.issuer_for(group)
+    out = []
+    for numel in (40, gloo_cpu.SMALL_BYTES // 4 + 1):  # the exchange, gloo's allreduce
+        t = torch.full((numel,), float(rank + 1))
+        finished = comm.allreduce_rounds(t, group, issuer, (lambda s, t=t: comm.Finished(s is t),))
+        again = comm.allreduce_rounds(
+            torch.full((numel,), float(rank + 1)),
+            group,
+            issuer,
+            (
+                lambda s: comm.Issue(lambda: comm.allreduce(s.clone(), issuer.group)),
+                lambda s: comm.Finished(float(s[0])),
+            ),
+        )
+        out.append((finished.wait(), again.wait(), torch.equal(t, torch.full_like(t, 3.0))))
+    return out
+
+
+def test_allreduce_rounds_runs_the_first_round_on_the_sum_itself():
+    # One round that finishes on the summed tensor itself; two that send the sum again.
+    for out in run_on_ranks(_rounds_on_sums, 2):
+        assert out == [(True, 6.0, True)] * 2
+
+
 def test_allreduce_then_hands_the_sum_to_its_function_in_one_future():
     # The exchange of two gloo ranks, gloo's own allreduce (over 1 MiB of float32) and a
     # strided tensor (summed through a copy): the function sees the tensor itself, summed.

@@ -42,6 +42,7 @@ __all__ = [
     "all_gather_objects",
     "all_to_all",
     "allreduce",
+    "allreduce_rounds",
     "allreduce_then",
     "average",
     "backend_for_device",
@@ -589,7 +590,7 @@ def allreduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.T
     sooner. A sparse tensor goes to gloo's sparse allreduce; the future then holds the sum it
     returns.
     """
-    return _sum(tensor, group, None)
+    return then(_issue_sum(tensor, group), _first)
 
 
 def allreduce_then(
@@ -598,23 +599,34 @@ def allreduce_then(
     """:func:`allreduce`, and ``fn`` on the sum, in the collective's one callback: the future
     holds what ``fn`` returns. A hook's first look at a sum (a division, a check queued behind
     it) then costs no second callback, which a GPU's host pays once a bucket."""
-    return _sum(tensor, group, fn)
+    return then(_issue_sum(tensor, group), lambda fut: fn(_first(fut)))
 
 
-def _sum(
-    tensor: torch.Tensor, group: dist.ProcessGroup, fn: Callable[[torch.Tensor], Any] | None
+def allreduce_rounds(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup,
+    issuer: "OrderedIssuer",
+    steps: Sequence["Round"],
+    devices: list[torch.device] | None = None,
+    hold: bool = False,
 ) -> "Future[Any]":
+    """:func:`allreduce`, then ``issuer.rounds(sum, steps, devices, hold)``
+    (:meth:`OrderedIssuer.rounds`), the first round run on the sum in the collective's own
+    callback rather than in one of its own."""
+    first = steps[0]
+    taking = (lambda sums: first(sums[0]), *steps[1:])
+    return issuer.rounds(_issue_sum(tensor, group), taking, devices, hold)
+
+
+def _issue_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[list[torch.Tensor]]":
+    """Issue the sum of ``tensor`` over ``group``: the future holds ``[tensor]``, summed (or a
+    sparse tensor's sum), as an allreduce work's does."""
     if _counters:  # an exchange is counted as the allreduce it stands for
         _observed("all_reduce", tensor)
-    exchanged = gloo_cpu.allreduce(tensor, group) if tensor.is_cpu else None
-    summed: Future[Any]
-    if exchanged is not None:
-        summed = then(exchanged, lambda fut: _checked(fut, tensor, fn))
-    elif fn is None:
-        summed = then(_all_reduce(tensor, group).get_future(), _first)
-    else:
-        summed = then(_all_reduce(tensor, group).get_future(), lambda fut: fn(_first(fut)))
-    return _as_issued(summed) if _inline else summed
+    issued = gloo_cpu.allreduce(tensor, group) if tensor.is_cpu else None
+    if issued is None:
+        issued = _all_reduce(tensor, group).get_future()  # no typing.cast: a call a bucket
+    return _as_issued(issued) if _inline else issued
 
 
 _SUM = dist.AllreduceOptions()  # a sum issued without waiting: what every hook asks for
@@ -684,11 +696,9 @@ def _kept_here(out: torch.Tensor, tensor: torch.Tensor) -> "Future[torch.Tensor]
     return completed(out)
 
 
-def _checked(
-    fut: "Future[Any]", out: torch.Tensor, fn: Callable[[torch.Tensor], Any] | None = None
-) -> Any:
+def _checked(fut: "Future[Any]", out: torch.Tensor) -> torch.Tensor:
     fut.value()  # raises here, in the callback, if the collective failed
-    return out if fn is None else fn(out)
+    return out
 
 
 def _all_gather_single() -> Callable[..., Any]:

@@ -20,7 +20,7 @@ import queue
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,7 @@ __all__ = [
 ]
 
 Future = torch.futures.Future
+T = TypeVar("T")
 
 # Two gloo ranks sum a floating-point tensor by sending it to each other and adding it where
 # it arrives (:class:`_PairSum`), not with gloo's allreduce, which lets the two directions
@@ -70,10 +71,12 @@ SMALL_BYTES = 1 << 20
 _HALVES = (torch.float16, torch.bfloat16)
 
 
-def allreduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[None] | None":
+def allreduce(
+    tensor: torch.Tensor, group: dist.ProcessGroup
+) -> "Future[list[torch.Tensor]] | None":
     """Sum ``tensor`` in place over ``group`` by an exchange where :func:`sums` says so; the
-    future completes once ``tensor`` holds the sum. ``None`` where the caller issues an
-    allreduce instead."""
+    future holds ``[tensor]`` once ``tensor`` holds the sum, as an allreduce work's future
+    does. ``None`` where the caller issues an allreduce instead."""
     return _exchange_and_add(tensor, group) if sums(tensor, group) else None
 
 
@@ -128,22 +131,24 @@ def takes(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
     )
 
 
-def _exchange_and_add(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[None]":
+def _exchange_and_add(
+    tensor: torch.Tensor, group: dist.ProcessGroup
+) -> "Future[list[torch.Tensor]]":
     """Sum ``tensor`` in place over the two ranks of ``group`` by exchanging it (see
-    ``CHUNK_BYTES``); the future completes once this rank's sum is complete."""
+    ``CHUNK_BYTES``); the future holds ``[tensor]`` once this rank's sum is complete."""
     # The choice of :func:`sums` must not depend on anything that may differ between ranks,
     # such as a tensor's strides: one that is not contiguous is sent from a copy.
     flat = tensor.reshape(-1) if tensor.is_contiguous() else tensor.flatten()
     waiter = _waiter(group)
     pair = _PairSum(flat, group, waiter.new_tag())
-    if flat.data_ptr() == tensor.data_ptr():
-        return waiter.run(pair.finish)
 
-    def finish_and_copy_back() -> None:
+    def finish() -> list[torch.Tensor]:
         pair.finish()
-        tensor.copy_(flat.view_as(tensor))
+        if flat.data_ptr() != tensor.data_ptr():
+            tensor.copy_(flat.view_as(tensor))
+        return [tensor]
 
-    return waiter.run(finish_and_copy_back)
+    return waiter.run(finish)
 
 
 class _PairSum:
@@ -226,7 +231,7 @@ class _Waiter:
     """
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[Callable[[], None], Future[None]] | None] = (
+        self._queue: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = (
             queue.SimpleQueue()
         )
         self._tags = itertools.count()
@@ -237,9 +242,10 @@ class _Waiter:
         """A future completed once every one of ``works`` has finished (or failed)."""
         return self.run(lambda: _wait_all(works))
 
-    def run(self, job: Callable[[], None]) -> "Future[None]":
-        """A future completed once ``job`` has run on this thread (failed if it raised)."""
-        fut: Future[None] = Future()
+    def run(self, job: Callable[[], T]) -> "Future[T]":
+        """A future holding what ``job`` returned once it has run on this thread (failed if it
+        raised)."""
+        fut: Future[T] = Future()
         self._queue.put((job, fut))
         return fut
 
@@ -258,13 +264,16 @@ class _Waiter:
             job, fut = item
             del item
             try:
-                job()
+                result = job()
             except BaseException as exc:  # handed to whoever waits on the future
                 del job
                 fail(fut, exc)
+                del fut
                 continue
             del job  # its tensors go before the callbacks run
-            fut.set_result(None)
+            fut.set_result(result)
+            # Neither waits here for the next job: the future holds its result's tensors.
+            del result, fut
 
 
 def _wait_all(works: list[Any]) -> None:

@@ -70,11 +70,12 @@ def average_in(
     low, flagged = _cast_down(buffer, dtype, group.size())
     repair = _Repair(buffer, group.size(), issuer.group, owner, flagged)
     devices, hold = comm.follow_up_options(buffer, last_bucket)
-    if finiteness.queues(buffer) and not flagged:  # in the sum's own callback
+    rounds = (repair.resend_overflowed, repair.resend_bucket)
+    if finiteness.queues(buffer) and not flagged:  # in the sum's own callback, never held
         sums = comm.allreduce_then(low, group, repair.queue_check)
-    else:
-        sums = comm.allreduce(low, group)
-    done = issuer.rounds(sums, (repair.resend_overflowed, repair.resend_bucket), devices, hold)
+        done = issuer.rounds(sums, rounds, devices, hold)
+    else:  # the first round in the sum's own callback
+        done = comm.allreduce_rounds(low, group, issuer, rounds, devices, hold)
     # ``done`` is completed by hand. A future derived from it with ``then`` fails as a real
     # error when a collective failed, which DDP reports with the backend's message; the hand-made
     # one would hold the exception as a value, which DDP then fails to read as a tensor.
