@@ -30,6 +30,7 @@ pytestmark = pytest.mark.timeout(120)
         ({"sync_every": 8, "fragment_update_alpha": 1.5}, "in [0, 1]"),
         ({"sync_every": 8, "fragments": [[]]}, "non-empty list of module"),
         ({"sync_every": 8, "outer_momentum": 1.0}, "outer_momentum must be in [0, 1)"),
+        ({"sync_every": 8, "keep_inflight_steps": 1}, "must be True or False"),
     ],
 )
 def test_options_refuse_what_cannot_work_and_name_the_fix(options, says):
@@ -98,6 +99,7 @@ def _reference(world, options, steps, plan):
     """Every rank's parameters, simulated in float64 from the paper's description."""
     every, count = options["sync_every"], len(plan)
     delay, alpha = options.get("fragment_sync_delay", 0), options.get("fragment_update_alpha", 0)
+    keep = options.get("keep_inflight_steps", False) and delay > 0
     lr, momentum = 0.7, 0.9
     start = {n: p.detach().double() for n, p in make_mlp().named_parameters()}
     local = [copy.deepcopy(start) for _ in range(world)]
@@ -114,13 +116,17 @@ def _reference(world, options, steps, plan):
         for f in range(count):
             if inner + delay in applies[f]:
                 avg = {n: sum(glob[n] - local[r][n] for r in range(world)) / world for n in plan[f]}
-                flight = (f, inner + delay, avg)
+                issued = [{n: local[r][n].clone() for n in plan[f]} for r in range(world)]
+                flight = (f, inner + delay, avg, issued)
         if flight is not None and flight[1] == inner:
             for n, g in flight[2].items():
                 buf[n] = g.clone() if n not in buf else momentum * buf[n] + g
                 glob[n] = glob[n] - lr * (g + momentum * buf[n])
                 for r in range(world):
-                    local[r][n] = glob[n] + alpha * (local[r][n] - glob[n])
+                    # With keep_inflight_steps, the steps taken since the issue stay.
+                    moved = local[r][n] - flight[3][r][n] if keep else 0
+                    target = glob[n] + moved
+                    local[r][n] = target + alpha * (local[r][n] - target)
             flight = None
     return local
 
@@ -129,6 +135,14 @@ CASES = [
     {"sync_every": 4},
     {"sync_every": 6, "fragments": 2, "fragment_sync_delay": 2, "fragment_update_alpha": 0.5},
     {"sync_every": 8, "fragments": 4, "fragment_sync_delay": 1},
+    {"sync_every": 8, "fragments": 4, "fragment_sync_delay": 1, "keep_inflight_steps": True},
+    {
+        "sync_every": 6,
+        "fragments": 2,
+        "fragment_sync_delay": 2,
+        "fragment_update_alpha": 0.5,
+        "keep_inflight_steps": True,
+    },
 ]
 
 
@@ -295,19 +309,25 @@ def _train_some(ddp, inner, diloco, data, steps):
         inner.step()
 
 
-def _build(bits):
+def _build(bits, keep=False):
     ddp = make_ddp(make_mlp())
     diloco = commhooks.register(
-        ddp, "streaming_diloco", sync_every=4, fragments=2, fragment_sync_delay=1, bits=bits
+        ddp,
+        "streaming_diloco",
+        sync_every=4,
+        fragments=2,
+        fragment_sync_delay=1,
+        bits=bits,
+        keep_inflight_steps=keep,
     )
     inner = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
     diloco.attach(inner, ddp.module.named_parameters())
     return ddp, inner, diloco
 
 
-def _resume(rank, world_size, bits, tmp):
+def _resume(rank, world_size, bits, tmp, keep):
     data, cut, end = batches(rank, 14), 7, 14
-    ddp, inner, diloco = _build(bits)
+    ddp, inner, diloco = _build(bits, keep)
     _train_some(ddp, inner, diloco, data, range(cut))
     assert diloco.in_flight is not None  # fragment 1, issued after inner step 7, applied at 8
     pickled = pickle.loads(pickle.dumps(diloco))  # waits for the fragment, keeps its average
@@ -324,7 +344,7 @@ def _resume(rank, world_size, bits, tmp):
     _train_some(ddp, inner, diloco, data, range(cut, end))
     straight = [p.detach().clone() for p in ddp.parameters()]
     saved = torch.load(path, weights_only=True)
-    ddp2, inner2, diloco2 = _build(bits)
+    ddp2, inner2, diloco2 = _build(bits, keep)
     ddp2.module.load_state_dict(saved["model"])
     inner2.load_state_dict(saved["inner"])
     diloco2.load_state_dict(saved["diloco"])
@@ -333,19 +353,43 @@ def _resume(rank, world_size, bits, tmp):
     return all(torch.equal(a, b) for a, b in zip(straight, resumed)), saved["diloco"]
 
 
-@pytest.mark.parametrize("bits", [None, 4])
-def test_resume_is_bitwise_with_a_fragment_in_flight(bits, tmp_path):
-    results = run_on_ranks(_resume, 2, bits, str(tmp_path))
+@pytest.mark.parametrize(("bits", "keep"), [(None, False), (4, False), (4, True)])
+def test_resume_is_bitwise_with_a_fragment_in_flight(bits, keep, tmp_path):
+    results = run_on_ranks(_resume, 2, bits, str(tmp_path), keep)
     for same, state in results:
         assert same
         assert state["in_flight"]["fragment"] == 1 and state["in_flight"]["apply_at"] == 8
         assert len(state["quantizers"]) == (0 if bits is None else 2)
-    if bits is not None:
+        assert ("local" in state["in_flight"]) == keep
+    if bits is not None and not keep:
         _refuses_hostile_state(results[0][1])
+    if keep:
+        _checks_the_kept_outer_gradient(results[0][1])
 
 
-def _fresh(bits=4):
-    return commhooks.StreamingDiLoCo(sync_every=4, fragments=2, fragment_sync_delay=1, bits=bits)
+def _fresh(bits=4, keep=False):
+    return commhooks.StreamingDiLoCo(
+        sync_every=4, fragments=2, fragment_sync_delay=1, bits=bits, keep_inflight_steps=keep
+    )
+
+
+def _checks_the_kept_outer_gradient(good):
+    """A fragment in flight saved with keep_inflight_steps: its own outer gradient is checked
+    like its average, and loads either way (kept only where the option is on)."""
+    flight = good["in_flight"]
+    for bad in (torch.zeros(3), flight["local"].double(), "nope"):
+        with pytest.raises(commhooks.StateDictError, match="'local'"):
+            _fresh(keep=True).load_state_dict({**good, "in_flight": {**flight, "local": bad}})
+    kept = _fresh(keep=True)
+    kept.load_state_dict(good)
+    assert kept.in_flight is not None and torch.equal(kept.in_flight.local, flight["local"])
+    dropped = _fresh(keep=False)
+    dropped.load_state_dict(good)
+    assert dropped.in_flight is not None and dropped.in_flight.local is None
+    without = {k: v for k, v in flight.items() if k != "local"}
+    older = _fresh(keep=True)
+    older.load_state_dict({**good, "in_flight": without})
+    assert older.in_flight is not None and older.in_flight.local is None
 
 
 def _refuses_hostile_state(good):

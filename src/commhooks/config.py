@@ -224,7 +224,12 @@ def _diloco_specs() -> dict[CommHookType, HookSpec]:
 
     plain = "hook 'diloco' syncs the whole model at once, without overlap; use hook "
     plain += "'streaming_diloco' for fragments, a delay or a blend, or drop the option."
-    fixed = {"fragments": 1, "fragment_sync_delay": 0, "fragment_update_alpha": 0.0}
+    fixed = {
+        "fragments": 1,
+        "fragment_sync_delay": 0,
+        "fragment_update_alpha": 0.0,
+        "keep_inflight_steps": False,
+    }
     return {
         CommHookType.DILOCO: HookSpec.of(
             diloco_hook,

@@ -39,7 +39,7 @@ from commhooks import comm
 from commhooks.averagers import ModelAverager, OuterOptions, default_outer_optimizer
 from commhooks.hooks._bucket import GradBucket, gradient_buffer
 from commhooks.hooks.quantized import QuantizationState, quantized_hook
-from commhooks.options import count, option, real
+from commhooks.options import count, flag, option, real
 from commhooks.parameters import Named, averaged_views, named_in_groups
 from commhooks.state import StateDictError, check_count, check_optimizer_state, check_tensor
 
@@ -109,6 +109,12 @@ class DiLoCoOptions(OuterOptions):
         0.0,
         "weight of the local parameters against the global ones after a sync (0: global)",
         check=real(0, 1),
+    )
+    keep_inflight_steps: bool = option(
+        False,
+        "keep the inner steps taken while a fragment was in flight: it becomes the new global "
+        "parameters plus its local change since it was issued, instead of dropping that change",
+        check=flag(),
     )
     bits: int | None = option(
         None, "None sends outer gradients in float32; 8 or 4 quantizes them", check=_check_bits
@@ -224,6 +230,9 @@ class _InFlight:
     fragment: int
     apply_at: int
     flat: torch.Tensor
+    # With ``keep_inflight_steps`` and a delay: the fragment's own outer gradient at the issue
+    # (its snapshot minus its local parameters then), from which its local change since follows.
+    local: torch.Tensor | None = None
 
 
 class _FragmentBucket:
@@ -471,6 +480,9 @@ class StreamingDiLoCo(ModelAverager):
             flat = torch.cat(
                 [(self.snapshot[n] - p.detach()).reshape(-1).float() for n, p in zip(names, params)]
             )
+        delay = self.options.fragment_sync_delay
+        # The average is taken in place: this rank's own outer gradient is copied first.
+        local = flat.clone() if self.options.keep_inflight_steps and delay else None
         try:  # a peer already gone can fail the issue itself, not only the wait
             if self.options.bits is None:
                 future = comm.average(flat, group)
@@ -483,7 +495,7 @@ class StreamingDiLoCo(ModelAverager):
                     future = hook(self.quantizers[fragment], bucket)
         except RuntimeError as exc:
             raise _sync_error(fragment, exc) from exc
-        self.in_flight = _InFlight(fragment, inner + self.options.fragment_sync_delay, flat)
+        self.in_flight = _InFlight(fragment, inner + delay, flat, local)
         self._in_flight_future = future
 
     def _settle(self) -> None:
@@ -511,15 +523,17 @@ class StreamingDiLoCo(ModelAverager):
         assert flight is not None and self.plan is not None and self.snapshot is not None
         names, alpha = self.plan[flight.fragment], self.options.fragment_update_alpha
         snaps = [self.snapshot[n] for n in names]
+        params = [lookup[n] for n in names]
         outer = self.outer_optimizers[flight.fragment]
         with torch.no_grad():
+            kept = _local_change(flight, snaps, params)
             for snap, grad in zip(snaps, _split(flight.flat, snaps)):
                 snap.grad = grad.to(snap.dtype)
             outer.step()
             outer.zero_grad(set_to_none=True)
-            for name, snap in zip(names, snaps):
-                p = lookup[name]
-                p.copy_(snap if alpha == 0 else torch.lerp(snap, p, alpha))
+            for i, (p, snap) in enumerate(zip(params, snaps)):
+                target = snap if kept is None else snap + kept[i].to(snap.dtype)
+                p.copy_(target if alpha == 0 else torch.lerp(target, p, alpha))
 
     # -- the plan: fragments, global parameters, outer optimizers --------------------------------
     def _fit(self, named: Named, group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
@@ -593,9 +607,7 @@ class StreamingDiLoCo(ModelAverager):
             "plan": [list(names) for names in self.plan or []],
             "outer_optimizers": [o.state_dict() for o in self.outer_optimizers],
             "quantizers": [q.state_dict() for q in self.quantizers],
-            "in_flight": {}
-            if flight is None
-            else {"fragment": flight.fragment, "apply_at": flight.apply_at, "average": flight.flat},
+            "in_flight": {} if flight is None else _flight_saved(flight),
         }
 
     def _parse(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
@@ -620,6 +632,10 @@ class StreamingDiLoCo(ModelAverager):
         outer = self._parse_outer(where, state_dict.get("outer_optimizers"), plan, snapshot)
         quantizers = self._parse_quantizers(where, state_dict.get("quantizers"), plan)
         flight = _parse_flight(where, state_dict.get("in_flight"), plan, snapshot)
+        if flight is not None and not (
+            self.options.keep_inflight_steps and self.options.fragment_sync_delay
+        ):
+            flight.local = None  # saved with keep_inflight_steps, loaded without: not kept
         return {
             **values,
             "snapshot": snapshot,
@@ -677,6 +693,19 @@ _SCHEDULE = ("sync_every", "fragments", "fragment_sync_delay")
 _OUTER = ("outer_lr", "outer_momentum", "nesterov", "outer_optimizer")
 
 
+def _local_change(
+    flight: _InFlight, snaps: Sequence[torch.Tensor], params: Sequence[torch.Tensor]
+) -> list[torch.Tensor] | None:
+    """What the inner steps taken while ``flight`` travelled changed in its parameters (with
+    ``keep_inflight_steps``), read before the outer step moves the snapshots: the parameters
+    now less those at the issue, which were the snapshots less the fragment's own outer
+    gradient then. ``None`` when that change is not kept."""
+    if flight.local is None:
+        return None
+    issued = _split(flight.local, snaps)
+    return [p.float() - s.float() + g for p, s, g in zip(params, snaps, issued)]
+
+
 def _split(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     out, offset = [], 0
     for t in like:
@@ -698,6 +727,11 @@ def _mesh_groups(
             f"{type(mesh).__name__} with ndim={getattr(mesh, 'ndim', None)}."
         )
     return mesh.get_group(0), mesh.get_group(1)
+
+
+def _flight_saved(flight: _InFlight) -> dict[str, Any]:
+    saved = {"fragment": flight.fragment, "apply_at": flight.apply_at, "average": flight.flat}
+    return saved if flight.local is None else {**saved, "local": flight.local}
 
 
 def _fragments_saved(value: Any) -> Any:
@@ -736,15 +770,23 @@ def _parse_flight(
     if fragment >= len(plan):
         raise StateDictError(f"{where} 'in_flight' names fragment {fragment} of {len(plan)}.")
     size = sum(snapshot[n].numel() for n in plan[fragment])
-    average = check_tensor(
-        f"{where} 'in_flight' 'average'", raw.get("average"), dtype=torch.float32
-    )
-    if average.dim() != 1 or average.numel() != size:
+    average = _fragment_tensor(where, raw, "average", size, fragment)
+    # Saved only with keep_inflight_steps; without it, the fragment merges as that option's off.
+    local = None if "local" not in raw else _fragment_tensor(where, raw, "local", size, fragment)
+    return _InFlight(fragment, apply_at, average, local)
+
+
+def _fragment_tensor(
+    where: str, raw: Mapping[str, Any], key: str, size: int, fragment: int
+) -> torch.Tensor:
+    """A copy of the saved float32 vector ``raw[key]`` of fragment ``fragment``'s ``size``."""
+    flat = check_tensor(f"{where} 'in_flight' {key!r}", raw.get(key), dtype=torch.float32)
+    if flat.dim() != 1 or flat.numel() != size:
         raise StateDictError(
-            f"{where} 'in_flight' 'average' must hold the {size} elements of fragment "
-            f"{fragment}, got shape {tuple(average.shape)}."
+            f"{where} 'in_flight' {key!r} must hold the {size} elements of fragment "
+            f"{fragment}, got shape {tuple(flat.shape)}."
         )
-    return _InFlight(fragment, apply_at, average.clone())
+    return flat.clone()
 
 
 def diloco_hook(state: StreamingDiLoCo, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
