@@ -126,6 +126,12 @@ class DiLoCoOptions(OuterOptions):
         return self.fragments if isinstance(self.fragments, int) else len(self.fragments)
 
     @property
+    def keeps_inflight_change(self) -> bool:
+        """Whether an apply adds back a local change: ``keep_inflight_steps`` with a delay
+        (without one, nothing changes between a fragment's issue and its apply)."""
+        return self.keep_inflight_steps and self.fragment_sync_delay > 0
+
+    @property
     def spacing(self) -> int:
         """Inner steps between the syncs of two consecutive fragments."""
         return self.sync_every // self.fragment_count
@@ -480,9 +486,8 @@ class StreamingDiLoCo(ModelAverager):
             flat = torch.cat(
                 [(self.snapshot[n] - p.detach()).reshape(-1).float() for n, p in zip(names, params)]
             )
-        delay = self.options.fragment_sync_delay
         # The average is taken in place: this rank's own outer gradient is copied first.
-        local = flat.clone() if self.options.keep_inflight_steps and delay else None
+        local = flat.clone() if self.options.keeps_inflight_change else None
         try:  # a peer already gone can fail the issue itself, not only the wait
             if self.options.bits is None:
                 future = comm.average(flat, group)
@@ -495,7 +500,7 @@ class StreamingDiLoCo(ModelAverager):
                     future = hook(self.quantizers[fragment], bucket)
         except RuntimeError as exc:
             raise _sync_error(fragment, exc) from exc
-        self.in_flight = _InFlight(fragment, inner + delay, flat, local)
+        self.in_flight = _InFlight(fragment, inner + self.options.fragment_sync_delay, flat, local)
         self._in_flight_future = future
 
     def _settle(self) -> None:
@@ -632,9 +637,7 @@ class StreamingDiLoCo(ModelAverager):
         outer = self._parse_outer(where, state_dict.get("outer_optimizers"), plan, snapshot)
         quantizers = self._parse_quantizers(where, state_dict.get("quantizers"), plan)
         flight = _parse_flight(where, state_dict.get("in_flight"), plan, snapshot)
-        if flight is not None and not (
-            self.options.keep_inflight_steps and self.options.fragment_sync_delay
-        ):
+        if flight is not None and not self.options.keeps_inflight_change:
             flight.local = None  # saved with keep_inflight_steps, loaded without: not kept
         return {
             **values,
