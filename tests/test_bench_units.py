@@ -305,3 +305,47 @@ def test_break_even_by_hand():
     assert costmodel.break_even_bps(fp16, allreduce, 4, link, 0.0) == pytest.approx(1.2e9)
     # With k = 10 ns/B: allreduce 50 + 15 ms, fp16 60 + 7.5 ms -> 6e6 / 2.5 ms = 2.4 Gbit/s.
     assert costmodel.break_even_bps(fp16, allreduce, 4, link, 1e-8) == pytest.approx(2.4e9)
+
+
+class _SlowHeldOut:
+    """A task whose held-out evaluation takes 0.3 s, far longer than a training step."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.model = torch.nn.Linear(2, 1)
+        self.batch = torch.ones(4, 2)
+
+    def train_batch(self, rank: int, step: int) -> object:
+        return self.batch
+
+    def loss(self, batch: object, model: object) -> object:
+        return self.model(self.batch).pow(2).mean()
+
+    def heldout_loss(self, model: object, device: object) -> float:
+        import time
+
+        time.sleep(0.3)
+        return 1.5
+
+
+def test_the_loss_timeline_is_training_time_without_the_heldout_evaluation():
+    # A hook that trains past the held-out step must not pay for the evaluation in its time
+    # to allreduce's loss: allreduce's run ends at that step, before the evaluation.
+    import torch
+
+    from commhooks.bench.records import RunSpec
+    from commhooks.bench.worker import Training
+
+    spec = RunSpec(
+        hook="noop", options={}, task="synthetic", params=0, seed=0, steps=4, warmup=0,
+        heldout_at=2, lr=0.1, bucket_cap_mb=25.0,
+    )  # fmt: skip
+    task = _SlowHeldOut()
+    run = Training(spec, 0, task, task.model, torch.optim.SGD(task.model.parameters(), lr=0.1),
+                   lambda: None)  # fmt: skip
+    for step in range(4):
+        run.step(step, timed=False)
+    times = [t for _, _, t in run.losses]
+    assert run.heldout_loss == 1.5
+    assert max(b - a for a, b in zip(times, times[1:])) < 0.2, times

@@ -31,6 +31,7 @@ pytestmark = pytest.mark.timeout(120)
         ({"sync_every": 8, "fragments": [[]]}, "non-empty list of module"),
         ({"sync_every": 8, "outer_momentum": 1.0}, "outer_momentum must be in [0, 1)"),
         ({"sync_every": 8, "keep_inflight_steps": 1}, "must be True or False"),
+        ({"sync_every": 8, "warmup_bits": 16}, "warmup_bits must be None (full precision), 8 or 4"),
     ],
 )
 def test_options_refuse_what_cannot_work_and_name_the_fix(options, says):
@@ -68,9 +69,10 @@ def test_fragments_are_runs_of_whole_modules_in_order():
 
 def test_register_names_and_config():
     config = commhooks.HookConfig.from_dict(
-        {"hook": "streaming_diloco", "sync_every": 8, "fragments": 2, "bits": 4}
+        {"hook": "streaming_diloco", "sync_every": 8, "fragments": 2, "bits": 4, "warmup_bits": 8}
     )
     assert commhooks.HookConfig.from_json(config.to_json()) == config
+    assert config.options["warmup_bits"] == 8
     with pytest.raises(ValueError, match="use hook 'streaming_diloco'"):
         commhooks.HookConfig("diloco", options={"sync_every": 8, "fragment_sync_delay": 1})
     with pytest.raises(ValueError, match="sync_every"):
@@ -254,6 +256,59 @@ def test_int4_outer_gradients_send_an_eighth_and_train_like_full_precision():
     assert q_late == pytest.approx(p_late, rel=0.05)
 
 
+# -- the warm-up's gradients in 8 bits ----------------------------------------------------------
+def _warmup(rank, world_size, warmup_bits):
+    ddp = make_ddp(make_mlp())
+    diloco = commhooks.register(
+        ddp,
+        "streaming_diloco",
+        sync_every=4,
+        fragments=2,
+        fragment_sync_delay=1,
+        warmup_steps=3,
+        warmup_bits=warmup_bits,
+    )
+    inner = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    diloco.attach(inner, ddp.module.named_parameters())
+    sent, memories, params = [], [], []
+    for x, y in batches(rank, 5):
+        inner.zero_grad()
+        with comm.observe_collectives() as seen:
+            nn.functional.mse_loss(ddp(x), y).backward()
+        inner.step()
+        sent.append(dict(seen.bytes))
+        kept = diloco.warmup_quantizer
+        memories.append(None if kept is None else len(kept.state_dict()["error"]))
+        params.append(torch.cat([p.detach().reshape(-1) for p in ddp.parameters()]))
+    return sent, memories, params
+
+
+def test_the_warmup_averages_gradients_in_8_bits_and_leaves_every_rank_the_same_weights():
+    quantized = run_on_ranks(_warmup, 2, 8)
+    plain = run_on_ranks(_warmup, 2, None)
+    for sent, memories, _ in quantized:
+        assert all("all_reduce" not in s and s["all_to_all_single"] > 0 for s in sent[:3])
+        assert sent[3:] == [{}, {}]  # after the warm-up each rank is its own worker
+        assert memories == [8, 8, None, None, None]  # one per parameter, dropped at the end
+    for sent, memories, _ in plain:
+        assert all(set(s) == {"all_reduce"} for s in sent[:3]) and memories == [None] * 5
+    # Codes of one byte and a float32 scale per 256 values, against four bytes a value.
+    ratio = sum(quantized[0][0][0].values()) / sum(plain[0][0][0].values())
+    assert 0.3 < ratio < 0.45
+    (_, _, q0), (_, _, q1) = quantized
+    for step in range(3):
+        assert torch.equal(q0[step], q1[step])  # every rank decodes the same average
+    assert not torch.equal(q0[3], q1[3])  # then the workers train apart
+    start = make_ddp_free_parameters()
+    q_change, p_change = q0[2] - start, plain[0][2][2] - start
+    assert not torch.equal(q_change, p_change)
+    assert (q_change - p_change).norm() < 0.02 * p_change.norm()
+
+
+def make_ddp_free_parameters():
+    return torch.cat([p.detach().reshape(-1) for p in make_mlp().parameters()])
+
+
 # -- workers of several ranks ------------------------------------------------------------------
 def _workers(rank, world_size, use_mesh):
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -309,8 +364,8 @@ def _train_some(ddp, inner, diloco, data, steps):
         inner.step()
 
 
-def _build(bits, keep=False):
-    ddp = make_ddp(make_mlp())
+def _build(bits, keep=False, bucket_cap_mb=0.004, **warmup):
+    ddp = make_ddp(make_mlp(), bucket_cap_mb=bucket_cap_mb)
     diloco = commhooks.register(
         ddp,
         "streaming_diloco",
@@ -319,6 +374,7 @@ def _build(bits, keep=False):
         fragment_sync_delay=1,
         bits=bits,
         keep_inflight_steps=keep,
+        **warmup,
     )
     inner = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
     diloco.attach(inner, ddp.module.named_parameters())
@@ -367,9 +423,66 @@ def test_resume_is_bitwise_with_a_fragment_in_flight(bits, keep, tmp_path):
         _checks_the_kept_outer_gradient(results[0][1])
 
 
-def _fresh(bits=4, keep=False):
+def _resume_in_warmup(rank, world_size, tmp):
+    """Saved after 2 of 3 warm-up steps in 4 bits: the warm-up's memories travel with it. (One
+    bucket: DDP's rebuild of several after the first step moves which rank owns which
+    elements, and the quantized average drops its second memory where they moved.)"""
+    data, cut, end = batches(rank, 9), 2, 9
+    warmup = {"warmup_steps": 3, "warmup_bits": 4, "bucket_cap_mb": 25}
+    ddp, inner, diloco = _build(4, **warmup)
+    _train_some(ddp, inner, diloco, data, range(cut))
+    path = f"{tmp}/rank{rank}.pt"
+    torch.save(
+        {
+            "model": ddp.module.state_dict(),
+            "inner": inner.state_dict(),
+            "diloco": diloco.state_dict(),
+        },
+        path,
+    )
+    _train_some(ddp, inner, diloco, data, range(cut, end))
+    straight = [p.detach().clone() for p in ddp.parameters()]
+    saved = torch.load(path, weights_only=True)
+    ddp2, inner2, diloco2 = _build(4, **warmup)
+    ddp2.module.load_state_dict(saved["model"])
+    inner2.load_state_dict(saved["inner"])
+    diloco2.load_state_dict(saved["diloco"])
+    _train_some(ddp2, inner2, diloco2, data, range(cut, end))
+    resumed = [p.detach().clone() for p in ddp2.parameters()]
+    return straight, resumed, saved["diloco"], diloco2.warmup_quantizer
+
+
+def test_resume_in_a_quantized_warmup_keeps_its_error_memories(tmp_path):
+    results = run_on_ranks(_resume_in_warmup, 2, str(tmp_path))
+    for straight, resumed, state, left in results:
+        assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
+        assert (
+            state["warmup_quantizer"]["iter"] == 2 and len(state["warmup_quantizer"]["error"]) == 8
+        )
+        assert left is None  # the warm-up ended after the resume: its memories went with it
+    good = results[0][2]
+    kept = _fresh(warmup_steps=3, warmup_bits=4)
+    kept.load_state_dict(good)
+    assert kept.warmup_quantizer is not None
+    memory = kept.warmup_quantizer.state_dict()["error"]
+    for name, tensor in good["warmup_quantizer"]["error"].items():
+        assert torch.equal(memory[name], tensor)
+    dropped = _fresh(warmup_steps=3)
+    dropped.load_state_dict(good)  # saved in 4 bits, resumed in float32: nothing to remember
+    assert dropped.warmup_quantizer is None
+    for bad in ("nope", {**good["warmup_quantizer"], "iter": -1}):
+        with pytest.raises(commhooks.StateDictError, match="'warmup_quantizer'"):
+            kept.load_state_dict({**good, "warmup_quantizer": bad})
+
+
+def _fresh(bits=4, keep=False, **warmup):
     return commhooks.StreamingDiLoCo(
-        sync_every=4, fragments=2, fragment_sync_delay=1, bits=bits, keep_inflight_steps=keep
+        sync_every=4,
+        fragments=2,
+        fragment_sync_delay=1,
+        bits=bits,
+        keep_inflight_steps=keep,
+        **warmup,
     )
 
 

@@ -22,9 +22,12 @@ place in every worker, or as a 2-D ``mesh`` (across workers, within a worker), a
 :func:`commhooks.register` with ``"diloco"`` or ``"streaming_diloco"`` registers the DDP hook of
 that layout and returns the averager to attach.
 
+The warm-up's gradient averages may travel quantized too (``warmup_bits``): on a slow link
+its few steps of full-precision allreduce can cost as much as all the fragments' syncs after it.
+
 Checkpoints: :meth:`state_dict` holds the step, the global parameters, every outer optimizer,
-the quantized averages' error memories and a fragment in flight (its average, waited for), so
-a run resumed from it continues bit for bit.
+the quantized averages' error memories (the warm-up's while it lasts) and a fragment in flight
+(its average, waited for), so a run resumed from it continues bit for bit.
 """
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -79,8 +82,8 @@ def _check_bits(owner: str, name: str, value: Any) -> int | None:
     if value is None or (value in (8, 4) and not isinstance(value, bool)):
         return None if value is None else int(value)
     raise ValueError(
-        f"{owner}: {name} must be None (full precision), 8 or 4, got {value!r}. Pass bits=4 to "
-        "send outer gradients in 4 bits."
+        f"{owner}: {name} must be None (full precision), 8 or 4, got {value!r}. Pass {name}=4 "
+        "to send them in 4 bits."
     )
 
 
@@ -118,6 +121,12 @@ class DiLoCoOptions(OuterOptions):
     )
     bits: int | None = option(
         None, "None sends outer gradients in float32; 8 or 4 quantizes them", check=_check_bits
+    )
+    warmup_bits: int | None = option(
+        None,
+        "None averages the warm-up's gradients in float32; 8 or 4 quantizes them (the DDP hook "
+        "of register(), with error feedback during the warm-up)",
+        check=_check_bits,
     )
 
     @property
@@ -296,13 +305,15 @@ class StreamingDiLoCo(ModelAverager):
     Args:
         sync_every: inner steps between two syncs of a fragment.
         warmup_steps: steps before the first inner step (with the DDP hook of
-            :func:`commhooks.register`, gradients are averaged over every worker meanwhile).
+            :func:`commhooks.register`, gradients are averaged over every worker meanwhile,
+            in ``warmup_bits`` when given).
         process_group: the ranks averaging a fragment, one per worker (``None``: the default
             group, each rank its own worker).
         worker_group: this rank's worker, when it has several ranks (DDP's group).
         mesh: a 2-D device mesh ``(across workers, within a worker)``, instead of both groups.
         **options: the other options of :class:`DiLoCoOptions` (``fragments``,
-            ``fragment_sync_delay``, ``fragment_update_alpha``, ``bits``, the outer optimizer's).
+            ``fragment_sync_delay``, ``fragment_update_alpha``, ``bits``, ``warmup_bits``, the
+            outer optimizer's).
 
     Raises:
         ValueError: an option out of range or options that do not fit together, with the fix.
@@ -341,6 +352,7 @@ class StreamingDiLoCo(ModelAverager):
         self.plan: list[list[str]] | None = None
         self.outer_optimizers: list[torch.optim.Optimizer] = []
         self.quantizers: list[QuantizationState] = []
+        self.warmup_quantizer: QuantizationState | None = None  # made by the hook's first use
         self.in_flight: _InFlight | None = None
         self._in_flight_future: torch.futures.Future[torch.Tensor] | None = None
         self._last_seen: dict[str, torch.Tensor] = {}  # the parameters of the last step
@@ -372,7 +384,23 @@ class StreamingDiLoCo(ModelAverager):
         self._worker_group = worker_group
         for state in self.quantizers:
             state.bind(process_group)
+        if self.warmup_quantizer is not None:
+            self.warmup_quantizer.bind(self._warmup_group())
         return self
+
+    def quantizer_for_warmup(self) -> QuantizationState | None:
+        """The quantized average of this warm-up step's gradients (``warmup_bits``), made on
+        first use; ``None`` after the warm-up or without ``warmup_bits`` (float32)."""
+        bits = self.options.warmup_bits
+        if bits is None or self.step >= self.warmup_steps:
+            return None
+        if self.warmup_quantizer is None:
+            self.warmup_quantizer = QuantizationState(self._warmup_group(), bits=bits)
+        return self.warmup_quantizer
+
+    def _warmup_group(self) -> dist.ProcessGroup | None:
+        """Every worker's ranks: the default group where workers have several ranks."""
+        return None if self._worker_group is not None else self.process_group
 
     @property
     def worker_group(self) -> dist.ProcessGroup | None:
@@ -447,6 +475,7 @@ class StreamingDiLoCo(ModelAverager):
     def _between_syncs(self, named: Named) -> None:
         if self.step == self.warmup_steps - 1:  # the warm-up kept every rank's parameters equal
             self.start(named)
+            self.warmup_quantizer = None  # what its last average left out is not sent
 
     def _issue_due(self, inner: int) -> int | None:
         """The fragment to issue after inner step ``inner`` (counted from 1), if any."""
@@ -612,6 +641,7 @@ class StreamingDiLoCo(ModelAverager):
             "plan": [list(names) for names in self.plan or []],
             "outer_optimizers": [o.state_dict() for o in self.outer_optimizers],
             "quantizers": [q.state_dict() for q in self.quantizers],
+            "warmup_quantizer": None if (q := self.warmup_quantizer) is None else q.state_dict(),
             "in_flight": {} if flight is None else _flight_saved(flight),
         }
 
@@ -636,6 +666,7 @@ class StreamingDiLoCo(ModelAverager):
         plan = _parse_plan(where, state_dict.get("plan"), snapshot)
         outer = self._parse_outer(where, state_dict.get("outer_optimizers"), plan, snapshot)
         quantizers = self._parse_quantizers(where, state_dict.get("quantizers"), plan)
+        warmup = self._parse_warmup_quantizer(where, state_dict.get("warmup_quantizer"), values)
         flight = _parse_flight(where, state_dict.get("in_flight"), plan, snapshot)
         if flight is not None and not self.options.keeps_inflight_change:
             flight.local = None  # saved with keep_inflight_steps, loaded without: not kept
@@ -645,6 +676,7 @@ class StreamingDiLoCo(ModelAverager):
             "plan": plan,
             "outer": outer,
             "quantizers": quantizers,
+            "warmup_quantizer": warmup,
             "in_flight": flight,
         }
 
@@ -685,10 +717,31 @@ class StreamingDiLoCo(ModelAverager):
             state.load_state_dict(saved)
         return made
 
+    def _parse_warmup_quantizer(
+        self, where: str, raw: Any, values: Mapping[str, Any]
+    ) -> QuantizationState | None:
+        """The warm-up's error memories, kept where the resumed step is still in the warm-up
+        and ``warmup_bits`` is on (dropped otherwise, as the warm-up's end drops them)."""
+        if raw is not None and not isinstance(raw, Mapping):
+            raise StateDictError(
+                f"{where} 'warmup_quantizer' must be None or a quantized average's state dict, "
+                f"got {type(raw).__name__}. Pass the unchanged output of state_dict()."
+            )
+        bits = self.options.warmup_bits
+        if raw is None or bits is None or values["step"] >= values["warmup_steps"]:
+            return None
+        made = QuantizationState(self._warmup_group(), bits=bits)
+        try:
+            made.load_state_dict(raw)
+        except StateDictError as exc:
+            raise StateDictError(f"{where} 'warmup_quantizer': {exc}") from exc
+        return made
+
     def _apply(self, values: dict[str, Any]) -> None:
         super()._apply(values)
         self.snapshot, self.plan = values["snapshot"], values["plan"]
         self.outer_optimizers, self.quantizers = values["outer"], values["quantizers"]
+        self.warmup_quantizer = values["warmup_quantizer"]
         self.in_flight, self._in_flight_future = values["in_flight"], None
 
 
@@ -797,8 +850,9 @@ def diloco_hook(state: StreamingDiLoCo, bucket: GradBucket) -> torch.futures.Fut
 
     A worker of one rank sends nothing; a worker of several ranks averages over
     ``state.worker_group``. During the warm-up (``state.step < warmup_steps``) gradients are
-    averaged over the default group, every worker, so that the workers start DiLoCo with the
-    same parameters.
+    averaged over every worker, so that the workers start DiLoCo with the same parameters: in
+    float32, or with the quantized hook in ``warmup_bits`` (whose result every rank shares
+    bit for bit, so the parameters stay equal).
     """
     if not isinstance(state, StreamingDiLoCo):
         raise TypeError(
@@ -808,6 +862,9 @@ def diloco_hook(state: StreamingDiLoCo, bucket: GradBucket) -> torch.futures.Fut
     buffer = gradient_buffer(bucket, HOOK)
     worker = state.worker_group
     if state.step < state.warmup_steps:
+        quantizer = state.quantizer_for_warmup()
+        if quantizer is not None:
+            return quantized_hook(quantizer, bucket)
         group = comm.resolve_group(None if worker is not None else state.process_group, owner=HOOK)
     elif worker is None:
         return comm.completed(buffer)

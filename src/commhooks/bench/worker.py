@@ -11,7 +11,8 @@ on the rank's device. Figures recorded (see :class:`RankResult`):
   after ``warmup`` untimed steps, up to ``measured_steps``, the same for every hook (a hook
   that trains longer only records the losses of its later steps; the payload, wire and memory
   figures below leave them out too); and the host's own time to issue each step;
-* losses: the training loss of every step with its time since the first step began;
+* losses: the training loss of every step with its time since the first step began (the
+  held-out evaluation left out: it is not training time);
 * payload: calls and bytes handed to each kind of collective during the timed steps, from
   :func:`commhooks.comm.observe_collectives` (PyTorch's own hooks call ``torch.distributed``
   directly: for them, its calls are counted too);
@@ -89,7 +90,11 @@ class Training:
             self.host_step_s.append(host_end - start)
         self.losses.append([step, float(loss.detach()), time.perf_counter() - self.started])
         if step + 1 == self.spec.heldout_at:
+            began = time.perf_counter()
             self.heldout_loss = self.task.heldout_loss(self.task.model, self.device)
+            # The timeline is training time: a hook that trains past this step must not pay
+            # for the evaluation in its time to allreduce's loss (allreduce stops here).
+            self.started += time.perf_counter() - began
 
 
 def _task(spec: RunSpec) -> Task:
