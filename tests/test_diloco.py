@@ -219,6 +219,7 @@ def _registered(rank, world_size, bits, steps):
             losses.append(float(loss))
     memories = [len(q.state_dict()["error"]) for q in diloco.quantizers]
     size = sum(p.numel() for p in ddp.parameters())
+    issuers = {id(q.issuer) for q in diloco.quantizers}  # one follow-up group for all
     return (
         type(diloco).__name__,
         losses,
@@ -226,6 +227,7 @@ def _registered(rank, world_size, bits, steps):
         size,
         memories,
         diloco.state_dict(),
+        len(issuers),
     )
 
 
@@ -233,9 +235,10 @@ def test_int4_outer_gradients_send_an_eighth_and_train_like_full_precision():
     steps = 24
     quantized = run_on_ranks(_registered, 2, 4, steps)
     plain = run_on_ranks(_registered, 2, None, steps)
-    name, losses, sent, size, memories, state = quantized[0]
+    name, losses, sent, size, memories, state, issuers = quantized[0]
     assert name == "StreamingDiLoCo"
     assert memories == [4, 4]  # each fragment keeps what its int4 average left out
+    assert issuers == 1
     syncs = steps // 4 * 2  # both fragments every 4 steps, each carrying half of the model
     full = plain[0][2]
     assert full == pytest.approx(syncs / 2 * size * 4, rel=0.01)  # float32: 4 bytes an element
@@ -267,35 +270,39 @@ def _warmup(rank, world_size, warmup_bits):
         fragment_sync_delay=1,
         warmup_steps=3,
         warmup_bits=warmup_bits,
+        bits=4,
     )
     inner = torch.optim.SGD(ddp.parameters(), lr=0.05)
     diloco.attach(inner, ddp.module.named_parameters())
-    sent, memories, params = [], [], []
+    sent, memories, params, issuers = [], [], [], set()
     for x, y in batches(rank, 5):
         inner.zero_grad()
         with comm.observe_collectives() as seen:
             nn.functional.mse_loss(ddp(x), y).backward()
+        issuers.add(None if (kept := diloco.warmup_quantizer) is None else id(kept.issuer))
         inner.step()
         sent.append(dict(seen.bytes))
         kept = diloco.warmup_quantizer
         memories.append(None if kept is None else len(kept.state_dict()["error"]))
         params.append(torch.cat([p.detach().reshape(-1) for p in ddp.parameters()]))
-    return sent, memories, params
+    fragment = diloco.quantizers[0].issuer  # fragment 0 was issued after the first inner step
+    return sent, memories, params, issuers - {None} == {id(fragment)}
 
 
 def test_the_warmup_averages_gradients_in_8_bits_and_leaves_every_rank_the_same_weights():
     quantized = run_on_ranks(_warmup, 2, 8)
     plain = run_on_ranks(_warmup, 2, None)
-    for sent, memories, _ in quantized:
+    for sent, memories, _, shared in quantized:
+        assert shared  # the warm-up's average and the fragments': one follow-up group
         assert all("all_reduce" not in s and s["all_to_all_single"] > 0 for s in sent[:3])
         assert sent[3:] == [{}, {}]  # after the warm-up each rank is its own worker
         assert memories == [8, 8, None, None, None]  # one per parameter, dropped at the end
-    for sent, memories, _ in plain:
+    for sent, memories, _, _ in plain:
         assert all(set(s) == {"all_reduce"} for s in sent[:3]) and memories == [None] * 5
     # Codes of one byte and a float32 scale per 256 values, against four bytes a value.
     ratio = sum(quantized[0][0][0].values()) / sum(plain[0][0][0].values())
     assert 0.3 < ratio < 0.45
-    (_, _, q0), (_, _, q1) = quantized
+    (_, _, q0, _), (_, _, q1, _) = quantized
     for step in range(3):
         assert torch.equal(q0[step], q1[step])  # every rank decodes the same average
     assert not torch.equal(q0[3], q1[3])  # then the workers train apart

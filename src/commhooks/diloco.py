@@ -328,6 +328,7 @@ class StreamingDiLoCo(ModelAverager):
         "_worker_group",
         "_in_flight_future",
         "_last_seen",
+        "_issuers",
     )
 
     def __init__(
@@ -356,12 +357,16 @@ class StreamingDiLoCo(ModelAverager):
         self.in_flight: _InFlight | None = None
         self._in_flight_future: torch.futures.Future[torch.Tensor] | None = None
         self._last_seen: dict[str, torch.Tensor] = {}  # the parameters of the last step
+        # One follow-up issuer per group for every quantized average this averager starts,
+        # one after another on the training thread: one follow-up group, not one a fragment.
+        self._issuers = comm.IssuerPool()
 
     def _restore_transient(self) -> None:
         super()._restore_transient()
         self._worker_group = None
         self._in_flight_future = None
         self._last_seen = {}
+        self._issuers = comm.IssuerPool()
 
     def __getstate__(self) -> dict[str, Any]:
         self._settle()  # a pickle holds the fragment in flight as its average
@@ -384,8 +389,10 @@ class StreamingDiLoCo(ModelAverager):
         self._worker_group = worker_group
         for state in self.quantizers:
             state.bind(process_group)
+            state.share_issuers(self._issuers)
         if self.warmup_quantizer is not None:
             self.warmup_quantizer.bind(self._warmup_group())
+            self.warmup_quantizer.share_issuers(self._issuers)
         return self
 
     def quantizer_for_warmup(self) -> QuantizationState | None:
@@ -395,7 +402,7 @@ class StreamingDiLoCo(ModelAverager):
         if bits is None or self.step >= self.warmup_steps:
             return None
         if self.warmup_quantizer is None:
-            self.warmup_quantizer = QuantizationState(self._warmup_group(), bits=bits)
+            self.warmup_quantizer = self._quantizer(self._warmup_group(), bits)
         return self.warmup_quantizer
 
     def _warmup_group(self) -> dist.ProcessGroup | None:
@@ -599,7 +606,12 @@ class StreamingDiLoCo(ModelAverager):
         self, group: dist.ProcessGroup | None, count: int
     ) -> list[QuantizationState]:
         bits = self.options.bits
-        return [] if bits is None else [QuantizationState(group, bits=bits) for _ in range(count)]
+        return [] if bits is None else [self._quantizer(group, bits) for _ in range(count)]
+
+    def _quantizer(self, group: dist.ProcessGroup | None, bits: int) -> QuantizationState:
+        made = QuantizationState(group, bits=bits)
+        made.share_issuers(self._issuers)
+        return made
 
     def _check_snapshot(
         self, lookup: Mapping[str, torch.Tensor], snapshot: Mapping[str, torch.Tensor]
@@ -730,7 +742,7 @@ class StreamingDiLoCo(ModelAverager):
         bits = self.options.warmup_bits
         if raw is None or bits is None or values["step"] >= values["warmup_steps"]:
             return None
-        made = QuantizationState(self._warmup_group(), bits=bits)
+        made = self._quantizer(self._warmup_group(), bits)
         try:
             made.load_state_dict(raw)
         except StateDictError as exc:

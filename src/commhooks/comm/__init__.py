@@ -37,6 +37,7 @@ __all__ = [
     "CollectiveCounter",
     "Finished",
     "Issue",
+    "IssuerPool",
     "OrderedIssuer",
     "all_gather_into",
     "all_gather_objects",
@@ -1025,12 +1026,33 @@ def _forward(src: "Future[T]", dst: "Future[Any]") -> None:
     dst.set_result(value)
 
 
-# Keyed by the group itself, weakly: an issuer goes when its group does (for example after
-# dist.destroy_process_group), instead of staying here for the life of the process.
-_issuers: "weakref.WeakKeyDictionary[dist.ProcessGroup, OrderedIssuer]" = (
-    weakref.WeakKeyDictionary()
-)
-_issuers_lock = threading.Lock()
+class IssuerPool:
+    """One :class:`OrderedIssuer` per group, for the hooks (or states) that share it.
+
+    Sharing is safe where the sharers reserve their slots on one thread, one after another
+    (the same order on every rank), and cheaper: on gloo each issuer's follow-up group is a
+    group of its own, with its own connections and threads. Kept by the group itself, weakly:
+    an issuer goes when its group does (for example after ``dist.destroy_process_group``).
+    """
+
+    def __init__(self) -> None:
+        self._issuers: weakref.WeakKeyDictionary[dist.ProcessGroup, OrderedIssuer] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._lock = threading.Lock()
+
+    def issuer(self, group: dist.ProcessGroup) -> OrderedIssuer:
+        """The issuer of ``group``'s follow-ups. The first call for a group creates its
+        follow-up group (:func:`follow_up_group`, collective): make it at the same point on
+        every rank."""
+        with self._lock:
+            issuer = self._issuers.get(group)
+            if issuer is None:
+                issuer = self._issuers[group] = OrderedIssuer(follow_up_group(group))
+            return issuer
+
+
+_stateless_issuers = IssuerPool()
 
 
 def _completes_inline(group: dist.ProcessGroup) -> bool:
@@ -1049,11 +1071,7 @@ def issuer_for(group: dist.ProcessGroup) -> OrderedIssuer:
     from DDP's thread, during their first bucket. With NCCL the new communicator is only set up
     if a follow-up is ever sent on it.
     """
-    with _issuers_lock:
-        issuer = _issuers.get(group)
-        if issuer is None:
-            issuer = _issuers[group] = OrderedIssuer(follow_up_group(group))
-        return issuer
+    return _stateless_issuers.issuer(group)
 
 
 def follow_up_group(group: dist.ProcessGroup) -> dist.ProcessGroup:

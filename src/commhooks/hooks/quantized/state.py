@@ -311,6 +311,7 @@ class QuantizationState(HookState):
         "_layouts",
         "_workspaces",
         "issuer",
+        "_pool",
         "_checked",
         "_reloaded",
         "_generators",
@@ -335,6 +336,7 @@ class QuantizationState(HookState):
         self._layouts: dict[tuple[tuple[int, ...], tuple[int, ...]], BucketLayout] = {}
         self._workspaces: dict[int, Workspace] = {}
         self.issuer: comm.OrderedIssuer | None = None
+        self._pool: comm.IssuerPool | None = None  # see share_issuers
         self._checked: dist.ProcessGroup | None = None
         self._reloaded: str | None = None  # how a load mid-run changed the handshake's fields
         self._generators: list[torch.Generator] = []
@@ -381,7 +383,10 @@ class QuantizationState(HookState):
         if self._checked is not group:
             handshake.agree(group, HOOK, self, self._reloaded)
             self._reloaded = None
-            self.issuer = comm.OrderedIssuer(comm.follow_up_group(group))
+            if self._pool is not None:
+                self.issuer = self._pool.issuer(group)
+            else:
+                self.issuer = comm.OrderedIssuer(comm.follow_up_group(group))
             self._layouts.clear()
             self._workspaces.clear()
             self._checked = group
@@ -389,6 +394,16 @@ class QuantizationState(HookState):
         if self._saved_place is not None:  # the first step after a load
             self._forget_if_moved(_place_here(group, self.mesh_place))
         return group
+
+    def share_issuers(self, pool: comm.IssuerPool | None) -> None:
+        """Take the follow-ups' issuer from ``pool`` (``None``: an issuer of its own) when the
+        state next makes one: at its first use, or on a new group.
+
+        For states whose averages one thread starts one after another, as an averager's
+        fragments: they then share one follow-up group instead of making one each. Not
+        pickled: the owner shares again after unpickling.
+        """
+        self._pool = pool
 
     def handshake_fields(self) -> dict[str, Any]:
         """What every rank must agree on at the first step: the options and the step count
