@@ -1029,9 +1029,10 @@ def _forward(src: "Future[T]", dst: "Future[Any]") -> None:
 class IssuerPool:
     """One :class:`OrderedIssuer` per group, for the hooks (or states) that share it.
 
-    Sharing is safe where the sharers reserve their slots on one thread, one after another
-    (the same order on every rank), and cheaper: on gloo each issuer's follow-up group is a
-    group of its own, with its own connections and threads. Kept by the group itself, weakly:
+    Sharing is safe where the sharers reserve their slots one after another, in the same order
+    on every rank (on one thread, or on threads that take turns, as DDP's backward and the
+    training loop's optimizer step do), and cheaper: on gloo each issuer's follow-up group is
+    a group of its own, with its own connections and threads. Kept by the group itself, weakly:
     an issuer goes when its group does (for example after ``dist.destroy_process_group``).
     """
 
