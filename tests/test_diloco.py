@@ -261,19 +261,8 @@ def test_int4_outer_gradients_send_an_eighth_and_train_like_full_precision():
 
 # -- the warm-up's gradients in 8 bits ----------------------------------------------------------
 def _warmup(rank, world_size, warmup_bits):
-    ddp = make_ddp(make_mlp())
-    diloco = commhooks.register(
-        ddp,
-        "streaming_diloco",
-        sync_every=4,
-        fragments=2,
-        fragment_sync_delay=1,
-        warmup_steps=3,
-        warmup_bits=warmup_bits,
-        bits=4,
-    )
-    inner = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    diloco.attach(inner, ddp.module.named_parameters())
+    # SGD: the weights' change is the averaged gradients', which int8 moves by about 1%.
+    ddp, inner, diloco = _build(4, sgd=True, warmup_steps=3, warmup_bits=warmup_bits)
     sent, memories, params, issuers = [], [], [], set()
     for x, y in batches(rank, 5):
         inner.zero_grad()
@@ -295,7 +284,9 @@ def test_the_warmup_averages_gradients_in_8_bits_and_leaves_every_rank_the_same_
     for sent, memories, _, shared in quantized:
         assert shared  # the warm-up's average and the fragments': one follow-up group
         assert all("all_reduce" not in s and s["all_to_all_single"] > 0 for s in sent[:3])
-        assert sent[3:] == [{}, {}]  # after the warm-up each rank is its own worker
+        # After the warm-up each rank is its own worker: its hook sends nothing. (A fragment's
+        # second phase, started on a backend thread, may land in the next backward.)
+        assert all(set(s) <= {"all_gather_into_tensor"} for s in sent[3:])
         assert memories == [8, 8, None, None, None]  # one per parameter, dropped at the end
     for sent, memories, _, _ in plain:
         assert all(set(s) == {"all_reduce"} for s in sent[:3]) and memories == [None] * 5
@@ -371,7 +362,7 @@ def _train_some(ddp, inner, diloco, data, steps):
         inner.step()
 
 
-def _build(bits, keep=False, bucket_cap_mb=0.004, **warmup):
+def _build(bits, keep=False, bucket_cap_mb=0.004, sgd=False, **warmup):
     ddp = make_ddp(make_mlp(), bucket_cap_mb=bucket_cap_mb)
     diloco = commhooks.register(
         ddp,
@@ -383,18 +374,20 @@ def _build(bits, keep=False, bucket_cap_mb=0.004, **warmup):
         keep_inflight_steps=keep,
         **warmup,
     )
-    inner = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
+    params = ddp.parameters()
+    inner = torch.optim.SGD(params, lr=0.05) if sgd else torch.optim.AdamW(params, lr=3e-3)
     diloco.attach(inner, ddp.module.named_parameters())
     return ddp, inner, diloco
 
 
-def _resume(rank, world_size, bits, tmp, keep):
-    data, cut, end = batches(rank, 14), 7, 14
-    ddp, inner, diloco = _build(bits, keep)
+def _save_and_resume(rank, tmp, data, cut, build, at_cut=None):
+    """Train on ``data``, saving after ``cut`` steps; then rebuild, load and train from the
+    save to the end again. The straight and the resumed parameters, the saved averager's
+    state and the resumed averager."""
+    ddp, inner, diloco = build()
     _train_some(ddp, inner, diloco, data, range(cut))
-    assert diloco.in_flight is not None  # fragment 1, issued after inner step 7, applied at 8
-    pickled = pickle.loads(pickle.dumps(diloco))  # waits for the fragment, keeps its average
-    assert pickled.in_flight.apply_at == 8 and pickled.worker_group is None
+    if at_cut is not None:
+        at_cut(diloco)
     path = f"{tmp}/rank{rank}.pt"
     torch.save(
         {
@@ -404,16 +397,29 @@ def _resume(rank, world_size, bits, tmp, keep):
         },
         path,
     )
-    _train_some(ddp, inner, diloco, data, range(cut, end))
+    _train_some(ddp, inner, diloco, data, range(cut, len(data)))
     straight = [p.detach().clone() for p in ddp.parameters()]
     saved = torch.load(path, weights_only=True)
-    ddp2, inner2, diloco2 = _build(bits, keep)
+    ddp2, inner2, diloco2 = build()
     ddp2.module.load_state_dict(saved["model"])
     inner2.load_state_dict(saved["inner"])
     diloco2.load_state_dict(saved["diloco"])
-    _train_some(ddp2, inner2, diloco2, data, range(cut, end))
+    _train_some(ddp2, inner2, diloco2, data, range(cut, len(data)))
     resumed = [p.detach().clone() for p in ddp2.parameters()]
-    return all(torch.equal(a, b) for a, b in zip(straight, resumed)), saved["diloco"]
+    return straight, resumed, saved["diloco"], diloco2
+
+
+def _in_flight_at_the_save(diloco):
+    assert diloco.in_flight is not None  # fragment 1, issued after inner step 7, applied at 8
+    pickled = pickle.loads(pickle.dumps(diloco))  # waits for the fragment, keeps its average
+    assert pickled.in_flight.apply_at == 8 and pickled.worker_group is None
+
+
+def _resume(rank, world_size, bits, tmp, keep):
+    straight, resumed, saved, _ = _save_and_resume(
+        rank, tmp, batches(rank, 14), 7, lambda: _build(bits, keep), _in_flight_at_the_save
+    )
+    return all(torch.equal(a, b) for a, b in zip(straight, resumed)), saved
 
 
 @pytest.mark.parametrize(("bits", "keep"), [(None, False), (4, False), (4, True)])
@@ -434,29 +440,11 @@ def _resume_in_warmup(rank, world_size, tmp):
     """Saved after 2 of 3 warm-up steps in 4 bits: the warm-up's memories travel with it. (One
     bucket: DDP's rebuild of several after the first step moves which rank owns which
     elements, and the quantized average drops its second memory where they moved.)"""
-    data, cut, end = batches(rank, 9), 2, 9
     warmup = {"warmup_steps": 3, "warmup_bits": 4, "bucket_cap_mb": 25}
-    ddp, inner, diloco = _build(4, **warmup)
-    _train_some(ddp, inner, diloco, data, range(cut))
-    path = f"{tmp}/rank{rank}.pt"
-    torch.save(
-        {
-            "model": ddp.module.state_dict(),
-            "inner": inner.state_dict(),
-            "diloco": diloco.state_dict(),
-        },
-        path,
+    straight, resumed, saved, diloco = _save_and_resume(
+        rank, tmp, batches(rank, 9), 2, lambda: _build(4, **warmup)
     )
-    _train_some(ddp, inner, diloco, data, range(cut, end))
-    straight = [p.detach().clone() for p in ddp.parameters()]
-    saved = torch.load(path, weights_only=True)
-    ddp2, inner2, diloco2 = _build(4, **warmup)
-    ddp2.module.load_state_dict(saved["model"])
-    inner2.load_state_dict(saved["inner"])
-    diloco2.load_state_dict(saved["diloco"])
-    _train_some(ddp2, inner2, diloco2, data, range(cut, end))
-    resumed = [p.detach().clone() for p in ddp2.parameters()]
-    return straight, resumed, saved["diloco"], diloco2.warmup_quantizer
+    return straight, resumed, saved, diloco.warmup_quantizer
 
 
 def test_resume_in_a_quantized_warmup_keeps_its_error_memories(tmp_path):
