@@ -353,6 +353,34 @@ def test_a_worker_of_two_ranks_averages_gradients_inside_and_fragments_across():
     assert [g for g, _ in meshed] == [g for g, _ in results]
 
 
+def _workers_warming_up_in_int8(rank, world_size):
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    ddp = make_ddp(make_mlp(), process_group=pairs[rank // 2])
+    diloco = commhooks.register(
+        ddp, "streaming_diloco", sync_every=4, fragments=2, fragment_sync_delay=1,
+        warmup_steps=2, warmup_bits=8, bits=4,
+    )  # fmt: skip
+    inner = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    diloco.attach(inner, ddp.module.named_parameters())
+    history = []
+    for x, y in batches(rank, 4):
+        inner.zero_grad()
+        nn.functional.mse_loss(ddp(x), y).backward()
+        inner.step()
+        history.append(torch.cat([p.detach().reshape(-1) for p in ddp.parameters()]))
+    diloco.finish()
+    return history
+
+
+def test_workers_of_two_ranks_warm_up_in_int8_together_then_train_apart():
+    history = run_on_ranks(_workers_warming_up_in_int8, 4)
+    for step in range(4):
+        assert torch.equal(history[0][step], history[1][step])  # one worker, the same bits
+        assert torch.equal(history[2][step], history[3][step])
+        together = torch.equal(history[0][step], history[2][step])
+        assert together == (step < 2), step  # the warm-up's average spans both workers
+
+
 # -- checkpoints: bitwise resume with a fragment in flight; hostile state refused ---------------
 def _train_some(ddp, inner, diloco, data, steps):
     for step in steps:
