@@ -234,3 +234,27 @@ def test_plot_draws_the_prediction_and_the_measured_links(tmp_path):
     path = tmp_path / "bench.png"
     write_plot(str(path), rows, answer, "title")
     assert path.read_bytes()[:4] == b"\x89PNG" and path.stat().st_size > 20_000
+
+
+def _timed(row, step_s):
+    row.losses = [[i, loss, step_s * (i + 1)] for i, (_, loss, _) in enumerate(row.losses)]
+    return row
+
+
+def test_each_measured_link_says_which_hook_reached_allreduces_loss_first():
+    # On the link allreduce steps in 130 ms and fp16 in 100 ms with losses falling twice as
+    # fast: fp16 reaches allreduce's final loss at step 7 (0.7 s) against step 10 (1.3 s).
+    rows = _loopback_rows() + [
+        _timed(_row("allreduce", 130.0, MB, _falling(3.0, 0.1), bandwidth=10**8), 0.13),
+        _timed(_row("fp16", 100.0, MB // 2, _falling(3.0, 0.2), bandwidth=10**8), 0.1),
+        _timed(_row("noop", 40.0, 0, _falling(3.0, 0.5), bandwidth=10**8), 0.04),
+    ]
+    answer = _answer(rows, _plan("--bandwidth", "100mbit"))
+    measured = answer["on_measured_links"]["100000000"]
+    assert measured["hook"] == "fp16"  # noop, faster still, is never an answer
+    assert measured["time_to_loss_vs_allreduce"] == pytest.approx(0.7 / 1.3)
+    text = "On the 100mbit link, measured: use fp16; it reached allreduce's loss in 0.7s, 0.54x"
+    assert measured["text"].startswith(text)
+    lines = report.answer_lines(rows, answer, steps=10)
+    assert any(line.startswith("On the 100mbit link, measured: use fp16") for line in lines)
+    assert "on_measured_links" not in _answer(_loopback_rows(), _plan())

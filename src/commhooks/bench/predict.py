@@ -155,6 +155,13 @@ def predict(rows: list[Row], plan: Plan, link: LinkMeasure | None = None) -> dic
     if link is not None:
         answer["link"] = link.to_dict()
         answer["on_your_network"] = _measured_best(loopback)
+    measured_links = {
+        str(bps): _measured_best(table, f"On the {format_rate(bps)} link, measured")
+        for bps, table in by_network(rows).items()
+        if bps is not None
+    }
+    if measured_links:
+        answer["on_measured_links"] = measured_links
     return answer
 
 
@@ -162,9 +169,9 @@ def _s(seconds: float) -> str:
     return f"{seconds:.3g}s"
 
 
-def _measured_best(measured: dict[str, Row]) -> dict[str, Any]:
+def _measured_best(measured: dict[str, Row], lead: str = "On it, measured") -> dict[str, Any]:
     """The hook that reached ``allreduce``'s final loss soonest on the network measured (not
-    predicted), with its time against ``allreduce``'s."""
+    predicted), with its time against ``allreduce``'s; ``lead`` opens its text."""
     out: dict[str, Any] = {"hook": None}
     reference = measured.get("allreduce")
     ref_s = reference.time_to_allreduce_loss_s if reference and reference.ok else None
@@ -174,7 +181,7 @@ def _measured_best(measured: dict[str, Row]) -> dict[str, Any]:
         if r.ok and r.time_to_allreduce_loss_s is not None and hookset.recommendable(h)
     }
     if not ref_s or not reached:
-        out["text"] = "On it, measured: no answer (allreduce failed, or no hook reached its loss)."
+        out["text"] = f"{lead}: no answer (allreduce failed, or no hook reached its loss)."
         return out
     best = min(reached, key=lambda h: reached[h] or 0.0)
     best_s = reached[best] or 0.0
@@ -183,10 +190,10 @@ def _measured_best(measured: dict[str, Row]) -> dict[str, Any]:
     ratio = best_s / ref_s
     out.update(hook=best, time_to_allreduce_loss_s=best_s, time_to_loss_vs_allreduce=ratio)
     out["text"] = (
-        f"On it, measured: use {best}; it reached allreduce's loss in {best_s:.1f}s, "
+        f"{lead}: use {best}; it reached allreduce's loss in {best_s:.1f}s, "
         f"{ratio:.2f}x allreduce's {ref_s:.1f}s."
         if best != "allreduce"
-        else f"On it, measured: allreduce ({ref_s:.1f}s to its loss); no hook reached it 5% sooner."
+        else f"{lead}: allreduce ({ref_s:.1f}s to its loss); no hook reached it 5% sooner."
     )
     return out
 

@@ -267,6 +267,8 @@ def answer_lines(rows: list[Row], answer: dict[str, Any], steps: int) -> list[st
     if "link" in answer:
         out += textwrap.wrap(answer["link"]["text"] + ".", WIDTH)
         out += textwrap.wrap(answer["on_your_network"]["text"], WIDTH)
+    for measured in answer.get("on_measured_links", {}).values():  # --bandwidth's links
+        out += textwrap.wrap(measured["text"], WIDTH)
     out.append("Which hook on which link (predicted time to reach allreduce's loss):")
     out += ["  " + rec["text"] for rec in answer["recommendations"]]
     noisy = [r for r in predicted if r.noise.get("noisy")]
