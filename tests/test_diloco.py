@@ -308,7 +308,7 @@ def make_ddp_free_parameters():
 
 
 # -- workers of several ranks ------------------------------------------------------------------
-def _workers(rank, world_size, use_mesh):
+def _workers(rank, world_size, use_mesh, options=None, steps=6):
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     mine = pairs[rank // 2]
     model = make_mlp()
@@ -323,13 +323,13 @@ def _workers(rank, world_size, use_mesh):
         return groups, None
     ddp = make_ddp(model, process_group=mine)
     diloco = commhooks.register(
-        ddp, "streaming_diloco", sync_every=4, fragments=2, fragment_sync_delay=1
+        ddp, "streaming_diloco", sync_every=4, fragments=2, fragment_sync_delay=1, **(options or {})
     )
     groups = [comm.global_ranks(diloco.process_group), comm.global_ranks(diloco.worker_group)]
     inner = torch.optim.SGD(ddp.parameters(), lr=0.05)
     diloco.attach(inner, ddp.module.named_parameters())
     history = []
-    for x, y in batches(rank, 6):
+    for x, y in batches(rank, steps):
         inner.zero_grad()
         nn.functional.mse_loss(ddp(x), y).backward()
         inner.step()
@@ -353,27 +353,9 @@ def test_a_worker_of_two_ranks_averages_gradients_inside_and_fragments_across():
     assert [g for g, _ in meshed] == [g for g, _ in results]
 
 
-def _workers_warming_up_in_int8(rank, world_size):
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    ddp = make_ddp(make_mlp(), process_group=pairs[rank // 2])
-    diloco = commhooks.register(
-        ddp, "streaming_diloco", sync_every=4, fragments=2, fragment_sync_delay=1,
-        warmup_steps=2, warmup_bits=8, bits=4,
-    )  # fmt: skip
-    inner = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    diloco.attach(inner, ddp.module.named_parameters())
-    history = []
-    for x, y in batches(rank, 4):
-        inner.zero_grad()
-        nn.functional.mse_loss(ddp(x), y).backward()
-        inner.step()
-        history.append(torch.cat([p.detach().reshape(-1) for p in ddp.parameters()]))
-    diloco.finish()
-    return history
-
-
 def test_workers_of_two_ranks_warm_up_in_int8_together_then_train_apart():
-    history = run_on_ranks(_workers_warming_up_in_int8, 4)
+    options = {"warmup_steps": 2, "warmup_bits": 8, "bits": 4}
+    history = [h for _, h in run_on_ranks(_workers, 4, False, options, 4)]
     for step in range(4):
         assert torch.equal(history[0][step], history[1][step])  # one worker, the same bits
         assert torch.equal(history[2][step], history[3][step])
