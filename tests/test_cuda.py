@@ -447,6 +447,45 @@ def test_quantized_hooks_on_cuda_tensors(backend):
             assert torch.equal(params, results[0][name][1]), name  # replicas identical
 
 
+def _streaming_diloco_on_cuda(rank: int, world_size: int) -> tuple:
+    device = _device(rank)
+    ddp, _ = _ddp(device)
+    diloco = commhooks.register(
+        ddp, "streaming_diloco", sync_every=4, fragments=2, fragment_sync_delay=1,
+        warmup_steps=2, warmup_bits=8, bits=4, keep_inflight_steps=True,
+    )  # fmt: skip
+    inner = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    diloco.attach(inner, ddp.module.named_parameters())
+    params = []
+    for x, y in _data(rank, device):
+        inner.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        inner.step()
+        params.append(_params(ddp))
+    diloco.finish()
+    assert diloco.snapshot is not None
+    snapshot = {n: t.cpu() for n, t in diloco.snapshot.items()}
+    # The state travels through a CPU checkpoint and loads back on the device.
+    buffer = io.BytesIO()
+    torch.save(diloco.state_dict(), buffer)
+    buffer.seek(0)
+    diloco.load_state_dict(torch.load(buffer, weights_only=True))
+    return str(device), params, snapshot
+
+
+@pytest.mark.parametrize("backend", [*NCCL_BACKENDS, "gloo"])
+def test_streaming_diloco_on_cuda_tensors(backend):
+    # An int8 warm-up of 2 steps, then int4 fragments applied one step after they are issued.
+    world = 2 if backend == "gloo" else _nccl_world()
+    results = run_on_ranks(_streaming_diloco_on_cuda, world, backend=backend)
+    _, first, global_first = results[0]
+    for device, params, snapshot in results:
+        assert device.startswith("cuda")
+        assert all(torch.isfinite(p).all() for p in params)
+        assert all(torch.equal(params[step], first[step]) for step in range(2))  # the warm-up
+        assert all(torch.equal(t, global_first[n]) for n, t in snapshot.items())
+
+
 def _quantized_with_or_without_triton(rank: int, world_size: int, eager: tuple) -> tuple:
     """Three steps of each quantized hook on a bucket of odd length; ranks in ``eager`` run
     PyTorch's operations instead of the Triton kernels."""
