@@ -48,6 +48,21 @@ def make_ddp(
     return ddp
 
 
+def streaming_diloco(ddp: DDP, lr: float = 0.05) -> tuple[torch.optim.Optimizer, Any]:
+    """Streaming DiLoCo with every part in use, registered on ``ddp`` and attached to a new SGD
+    inner optimizer: an int8 warm-up of 2 steps, then 2 int4 fragments synced every 4 steps,
+    each applied one step after it is issued, the step taken meanwhile kept."""
+    import commhooks
+
+    diloco = commhooks.register(
+        ddp, "streaming_diloco", sync_every=4, fragments=2, fragment_sync_delay=1,
+        warmup_steps=2, warmup_bits=8, bits=4, keep_inflight_steps=True,
+    )  # fmt: skip
+    inner = torch.optim.SGD(ddp.parameters(), lr=lr)
+    diloco.attach(inner, ddp.module.named_parameters())
+    return inner, diloco
+
+
 def batches(
     rank: int, steps: int, seed: int = 1, batch: int = 16, same_on_all_ranks: bool = False
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_utils import IN, OUT, FakeBucket, make_mlp
+from ddp_utils import IN, OUT, FakeBucket, make_mlp, streaming_diloco
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_default
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
@@ -398,8 +398,13 @@ def _post_local_sgd(rank: int, world_size: int) -> list:
         torch.optim.SGD(ddp.parameters(), lr=0.05),
         commhooks.PeriodicModelAverager(period=2, warmup_steps=3),
     )
+    return _params_each_step(ddp, opt, _data(rank, device))
+
+
+def _params_each_step(ddp: nn.Module, opt: torch.optim.Optimizer, data: list) -> list:
+    """The parameters after each step of training on ``data``, on the CPU."""
     params = []
-    for x, y in _data(rank, device):
+    for x, y in data:
         opt.zero_grad(set_to_none=True)
         nn.functional.mse_loss(ddp(x), y).backward()
         opt.step()
@@ -450,18 +455,8 @@ def test_quantized_hooks_on_cuda_tensors(backend):
 def _streaming_diloco_on_cuda(rank: int, world_size: int) -> tuple:
     device = _device(rank)
     ddp, _ = _ddp(device)
-    diloco = commhooks.register(
-        ddp, "streaming_diloco", sync_every=4, fragments=2, fragment_sync_delay=1,
-        warmup_steps=2, warmup_bits=8, bits=4, keep_inflight_steps=True,
-    )  # fmt: skip
-    inner = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    diloco.attach(inner, ddp.module.named_parameters())
-    params = []
-    for x, y in _data(rank, device):
-        inner.zero_grad(set_to_none=True)
-        nn.functional.mse_loss(ddp(x), y).backward()
-        inner.step()
-        params.append(_params(ddp))
+    inner, diloco = streaming_diloco(ddp)
+    params = _params_each_step(ddp, inner, _data(rank, device))
     diloco.finish()
     assert diloco.snapshot is not None
     snapshot = {n: t.cpu() for n, t in diloco.snapshot.items()}

@@ -9,7 +9,7 @@ import pickle
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_utils import batches, flat_params, make_ddp, make_mlp
+from ddp_utils import batches, flat_params, make_ddp, make_mlp, streaming_diloco
 from torch import nn
 
 import commhooks
@@ -298,13 +298,13 @@ def test_the_warmup_averages_gradients_in_8_bits_and_leaves_every_rank_the_same_
     for step in range(3):
         assert torch.equal(q0[step], q1[step])  # every rank decodes the same average
     assert not torch.equal(q0[3], q1[3])  # then the workers train apart
-    start = make_ddp_free_parameters()
+    start = _initial_parameters()
     q_change, p_change = q0[2] - start, plain[0][2][2] - start
     assert not torch.equal(q_change, p_change)
     assert (q_change - p_change).norm() < 0.02 * p_change.norm()
 
 
-def make_ddp_free_parameters():
+def _initial_parameters():
     return torch.cat([p.detach().reshape(-1) for p in make_mlp().parameters()])
 
 
@@ -312,12 +312,7 @@ def _inline_or_not(rank, world_size):
     out = []
     for inline in (False, True):
         ddp = make_ddp(make_mlp(widths=(32,) + (8,) * 12), bucket_cap_mb=0.00001)
-        diloco = commhooks.register(
-            ddp, "streaming_diloco", sync_every=4, fragments=2, fragment_sync_delay=1,
-            warmup_steps=2, warmup_bits=8, bits=4, keep_inflight_steps=True,
-        )  # fmt: skip
-        inner = torch.optim.SGD(ddp.parameters(), lr=0.05)
-        diloco.attach(inner, ddp.module.named_parameters())
+        inner, diloco = streaming_diloco(ddp)
         with comm.completing_inline() if inline else contextlib.nullcontext():
             _train_some(ddp, inner, diloco, batches(rank, 9), range(9))
             diloco.finish()
