@@ -23,7 +23,7 @@ place in every worker, or as a 2-D ``mesh`` (across workers, within a worker), a
 that layout and returns the averager to attach.
 
 The warm-up's gradient averages may travel quantized too (``warmup_bits``): on a slow link
-its few steps of full-precision allreduce can cost as much as all the fragments' syncs after it.
+its few steps of full-precision allreduce are a large share of a run whose syncs are hidden.
 
 Checkpoints: :meth:`state_dict` holds the step, the global parameters, every outer optimizer,
 the quantized averages' error memories (the warm-up's while it lasts) and a fragment in flight
@@ -391,7 +391,7 @@ class StreamingDiLoCo(ModelAverager):
             state.bind(process_group)
             state.share_issuers(self._issuers)
         if self.warmup_quantizer is not None:
-            self.warmup_quantizer.bind(self._warmup_group())
+            self.warmup_quantizer.bind(self.warmup_group)
             self.warmup_quantizer.share_issuers(self._issuers)
         return self
 
@@ -402,11 +402,13 @@ class StreamingDiLoCo(ModelAverager):
         if bits is None or self.step >= self.warmup_steps:
             return None
         if self.warmup_quantizer is None:
-            self.warmup_quantizer = self._quantizer(self._warmup_group(), bits)
+            self.warmup_quantizer = self._quantizer(self.warmup_group, bits)
         return self.warmup_quantizer
 
-    def _warmup_group(self) -> dist.ProcessGroup | None:
-        """Every worker's ranks: the default group where workers have several ranks."""
+    @property
+    def warmup_group(self) -> dist.ProcessGroup | None:
+        """The group the warm-up averages gradients over, every worker's ranks: the default
+        group (``None``) where workers have several ranks, else :attr:`process_group`."""
         return None if self._worker_group is not None else self.process_group
 
     @property
@@ -742,7 +744,7 @@ class StreamingDiLoCo(ModelAverager):
         bits = self.options.warmup_bits
         if raw is None or bits is None or values["step"] >= values["warmup_steps"]:
             return None
-        made = self._quantizer(self._warmup_group(), bits)
+        made = self._quantizer(self.warmup_group, bits)
         try:
             made.load_state_dict(raw)
         except StateDictError as exc:
@@ -877,7 +879,7 @@ def diloco_hook(state: StreamingDiLoCo, bucket: GradBucket) -> torch.futures.Fut
         quantizer = state.quantizer_for_warmup()
         if quantizer is not None:
             return quantized_hook(quantizer, bucket)
-        group = comm.resolve_group(None if worker is not None else state.process_group, owner=HOOK)
+        group = comm.resolve_group(state.warmup_group, owner=HOOK)
     elif worker is None:
         return comm.completed(buffer)
     else:
