@@ -32,6 +32,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -57,9 +58,10 @@ class Settings:
     quantize_numel: int  # quantize_passes.py's bucket
     quantize_rounds: int
     per_hook_s: float  # how long one hook may take in the many-buckets section
+    side_by_side: int  # hooks checked at once in the many-bucket and sync sections
 
 
-GPU = Settings(True, 330, ("--device", "cuda", "--rounds", "3"), 1 << 26, 20, 30)
+GPU = Settings(True, 330, ("--device", "cuda", "--rounds", "3"), 1 << 26, 20, 30, 4)
 CPU = Settings(
     False,
     100,
@@ -68,6 +70,7 @@ CPU = Settings(
     1 << 16,
     2,
     30,
+    1,
 )  # fmt: skip
 
 
@@ -153,28 +156,40 @@ def init_forms(settings: Settings, budget: Budget) -> dict[str, Result]:
     return out
 
 
+def each_hook(names: list[str], settings: Settings, run: Callable[[str], Any]) -> dict[str, Result]:
+    """``run(name)`` for every hook, each in processes of its own, several at once on a GPU.
+
+    Starting a rank (importing torch, making a CUDA context and a communicator) takes seconds,
+    more than what most of these checks run; side by side on one GPU they take a section's
+    budget once instead of once per hook. Each call owns its store, so they cannot meet.
+    """
+    with ThreadPoolExecutor(max_workers=settings.side_by_side) as pool:
+        found = dict(zip(names, pool.map(run, names)))
+    return {name: r if isinstance(r, dict) else r[0] for name, r in found.items()}
+
+
 def many_buckets(settings: Settings, budget: Budget) -> dict[str, Result]:
     """Every hook on hundreds of buckets, each in its own process with its own timeout."""
     backend = "nccl" if settings.cuda else "gloo"
-    out: dict[str, Result] = {}
-    for name in parts.hook_names():
+
+    def run(name: str) -> Any:
         args = (settings.cuda, name, settings.hang_layers)
-        result = on_ranks(
+        return on_ranks(
             parts.many_buckets_rank, 1, backend, budget, *args, at_most=settings.per_hook_s
         )
-        out[name] = result if isinstance(result, dict) else result[0]
-    return out
+
+    return each_hook(parts.hook_names(), settings, run)
 
 
 def sync_audit(settings: Settings, budget: Budget) -> dict[str, Result]:
     """Whether a finite step of each hook makes the host wait for the device."""
     if not settings.cuda:
         return {name: {"verdict": SKIPPED} for name in parts.SYNC_FREE}
-    out: dict[str, Result] = {}
-    for name in parts.SYNC_FREE:
-        result = on_ranks(parts.sync_audit_rank, 1, "nccl", budget, name, at_most=30)
-        out[name] = result if isinstance(result, dict) else result[0]
-    return out
+
+    def run(name: str) -> Any:
+        return on_ranks(parts.sync_audit_rank, 1, "nccl", budget, name, at_most=30)
+
+    return each_hook(parts.SYNC_FREE, settings, run)
 
 
 def step_time(settings: Settings, budget: Budget) -> dict[str, Result]:
@@ -266,6 +281,23 @@ def print_table(sections: dict[str, Result], goals: list[Result]) -> None:
     print(f"goals: {tally['met']} met, {tally['missed']} missed, {others} not comparable here")
 
 
+def write_findings(
+    path: str, settings: Settings, sections: dict[str, Result], seconds: float
+) -> Result:
+    """The sections so far, their goals and the machine, as JSON at ``path``; returns them."""
+    found = {
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(0) if settings.cuda else "CPU",
+        "settings": asdict(settings),
+        "seconds": round(seconds, 1),
+        "sections": sections,
+        "goals": parts.goals(sections),
+    }
+    with open(path, "w") as f:
+        json.dump(found, f, indent=1, default=str)
+    return found
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     found = "cuda" if torch.cuda.is_available() else "cpu"
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -280,6 +312,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = sorted(set(args.sections) - set(SECTIONS))
+    if not args.sections:
+        parser.error(f"--sections names none; choose from {', '.join(SECTIONS)}")
     if unknown:
         parser.error(f"unknown sections {unknown}; choose from {', '.join(SECTIONS)}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -296,19 +330,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.sections:
         print(f"-- {name}", flush=True)
         sections[name] = run_section(name, settings, args.budget_scale)
-    goals = parts.goals(sections)
-    print_table(sections, goals)
-    device = torch.cuda.get_device_name(0) if settings.cuda else "CPU"
-    found = {
-        "torch": torch.__version__,
-        "device": device,
-        "settings": asdict(settings),
-        "seconds": round(time.monotonic() - start, 1),
-        "sections": sections,
-        "goals": goals,
-    }
-    with open(args.json, "w") as f:
-        json.dump(found, f, indent=1, default=str)
+        print(f"   {sections[name]['verdict']} in {sections[name]['seconds']:.1f} s", flush=True)
+        # Written after every section: a run stopped from outside keeps what it found so far.
+        found = write_findings(args.json, settings, sections, time.monotonic() - start)
+    print_table(sections, found["goals"])
     print(f"\nwritten to {args.json} ({found['seconds']:.0f} s in all)")
     return 0 if all(s["verdict"] != "fail" for s in sections.values()) else 1
 

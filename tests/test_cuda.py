@@ -24,7 +24,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commhooks
-from commhooks import comm
+from commhooks import comm, quantize
 from commhooks.testing import run_on_ranks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -525,6 +525,36 @@ def test_quantized_ranks_with_and_without_triton_stay_in_sync_bitwise():
             assert all(torch.equal(got[k], expected[k]) for k in got)  # the memories
         for got, first in zip(mixed[rank][0], mixed[0][0], strict=True):
             assert torch.equal(got, first)  # the same average on every rank
+
+
+def _owners_pass(rows: torch.Tensor, bits: int) -> tuple[torch.Tensor, ...]:
+    """The sum of the decoded rows, and the owner's packet and error, on ``rows``' device."""
+    fmt = quantize.BlockFormat(bits, 256)
+    count, length = rows.shape
+    packets = torch.empty(count, fmt.packet_bytes(length), dtype=torch.uint8, device=rows.device)
+    quantize.quantize_(rows.clone(), packets, fmt, torch.empty_like(rows))
+    summed = quantize.dequantize_sum(
+        packets, fmt, torch.empty_like(rows), torch.empty(length, device=rows.device)
+    )
+    error = torch.empty(1, length, device=rows.device)
+    own = torch.empty(1, fmt.packet_bytes(length), dtype=torch.uint8, device=rows.device)
+    quantize.requantize_sum_(packets, fmt, error, own, torch.empty_like(rows), count)
+    return summed, own, error
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+@pytest.mark.parametrize("bits", [8, 4])
+def test_eight_rows_sum_to_the_same_bits_with_and_without_triton(bits):
+    from commhooks.hooks.quantized import triton_launch
+
+    gen = torch.Generator().manual_seed(bits)
+    rows = (torch.randn(8, 1 << 16, generator=gen) * torch.logspace(-3, 3, 8)[:, None]).cuda()
+    fused = _owners_pass(rows, bits)
+    with triton_launch.disabled():
+        eager = _owners_pass(rows, bits)
+    assert triton_launch.available()
+    for got, expected in zip(fused, eager, strict=True):
+        assert torch.equal(got.cpu().view(torch.uint8), expected.cpu().view(torch.uint8))
 
 
 def _fsdp_on_cuda(rank: int, world_size: int) -> dict:

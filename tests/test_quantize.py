@@ -114,6 +114,26 @@ def test_dequantize_sum_adds_the_rows(bits):
     torch.testing.assert_close(total, _decode(packets, fmt, (3, 24)).sum(0))
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_summed_rows_are_added_in_row_order_on_every_device(bits):
+    # Eight rows, whose sum depends on the order of the additions: the kernels add row after
+    # row, and so must PyTorch's form, or ranks with and without a kernel drift apart.
+    fmt = BlockFormat(bits, 8)
+    big, small = torch.full((1, 24), 2.0**24), torch.full((1, 24), 1.0)
+    rows = torch.cat([big, small, -big, small, big, small, small, -big])
+    packets = _encode(rows, fmt)[0]
+    decoded = _decode(packets, fmt, (8, 24))
+    in_order = decoded[0].clone()
+    for row in decoded[1:]:
+        in_order += row
+    pairs = ((decoded[0] + decoded[4]) + (decoded[1] + decoded[5])) + (
+        (decoded[2] + decoded[6]) + (decoded[3] + decoded[7])
+    )
+    assert not torch.equal(in_order, pairs)  # the order shows in the bits
+    total = quantize.dequantize_sum(packets, fmt, torch.empty(8, 24), torch.empty(24))
+    assert torch.equal(total, in_order)
+
+
 def test_formats_size_rows_and_packets():
     fmt = BlockFormat(4, 256)
     assert (fmt.qmax, BlockFormat(8, 8).qmax) == (7, 127)
