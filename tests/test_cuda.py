@@ -553,7 +553,7 @@ def test_eight_rows_sum_to_the_same_bits_with_and_without_triton(bits):
     with triton_launch.disabled():
         eager = _owners_pass(rows, bits)
     assert triton_launch.available()
-    for got, expected in zip(fused, eager, strict=True):
+    for got, expected in zip(fused, eager, strict=True):  # the sum, packet and error
         assert torch.equal(got.cpu().view(torch.uint8), expected.cpu().view(torch.uint8))
 
 

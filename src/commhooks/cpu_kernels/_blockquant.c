@@ -11,7 +11,7 @@
  *   scale = absmax / qmax             (torch.div)
  *   per_unit = (1 / absmax) * qmax    (reciprocal_, mul_)
  *   level = rint(x * per_unit)        (mul, round_: to nearest, ties to even)
- *   error = fma(-level, scale, x)     (addcmul_ with value -1, fused on vector CPUs)
+ *   error = fma(-level, scale, x)     (addcmul_ by the negated scale, fused on vector CPUs)
  *   decoded = code * scale            (8 bits) or fma(nibble, scale, -8 * scale) (4 bits)
  * and a sum of decoded rows adds them in row order, as torch.sum over the rows does. An
  * addition asked for before quantizing (the remembered error) is one rounding, as torch.add.

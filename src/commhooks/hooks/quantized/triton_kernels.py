@@ -16,8 +16,9 @@ both paths give the same bits (``tests/test_triton_kernels.py`` holds the kernel
   float32 integer-rounding constant, exact below 2**22, where every level of a finite block
   lies);
 * ``error = fma(-level, scale, x)`` and ``decoded = fma(nibble, scale, -8 * scale)`` (PyTorch's
-  ``addcmul``: one rounding on a CPU; its CUDA kernel, written ``a + alpha * b * c``, is
-  contracted by nvcc into the same multiply-add), ``decoded = code * scale`` at 8 bits;
+  ``addcmul`` with ``value=1``, the scales negated for the error: one rounding on a CPU and on
+  CUDA, where its kernel rounds the product first for any other ``value``),
+  ``decoded = code * scale`` at 8 bits;
 * a sum of decoded rows adds them in row order, after one rounding of ``first + second`` where
   an addition is asked for.
 

@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 # few enough to stay in registers (16 a thread with 4 warps). The owner's pass covers one row,
 # a rank's share of the bucket, with smaller tiles, so that its grid still fills the GPU.
 _TILE, _OWNER_TILE = 2048, 1024
+_WARPS = 4  # a program's warps: 16 elements a thread in a whole tile
 # Before 3.6, Triton's correctly rounded division flushed subnormal results to zero (1 / x for
 # |x| > 2**126), which PyTorch's does not.
 _OLDEST_TRITON = (3, 6)
@@ -101,7 +102,7 @@ def quantize_rows(
             first, second, 0 if add is None else add[0].numel(), length, length // block,
             *_qmax(bits),
             BLOCK=block, WIDTH=width, GROUP=group, BITS=bits, KEEP=keep, ADD=add is not None,
-            RECIPROCAL=_reciprocal(x, reciprocal), num_warps=4, enable_fp_fusion=False,
+            RECIPROCAL=_reciprocal(x, reciprocal), num_warps=_WARPS, enable_fp_fusion=False,
         )  # fmt: skip
     return True
 
@@ -145,7 +146,7 @@ def dequantize_rows(
             codes, scales, packets.stride(0), scales.stride(0), target, out.stride(0),
             out if nonfinite is None else nonfinite, rows, columns, math.ceil(columns / block),
             BLOCK=block, WIDTH=width, GROUP=group, BITS=bits, SUM=add_rows, BFLOAT16=bfloat16,
-            FLAG=nonfinite is not None, num_warps=4, enable_fp_fusion=False,
+            FLAG=nonfinite is not None, num_warps=_WARPS, enable_fp_fusion=False,
         )  # fmt: skip
     return True
 
@@ -193,7 +194,7 @@ def requantize_rows(
             out if memory is None else memory, 0 if memory is None else memory.numel(),
             length // block, float(world), inverse, *_qmax(bits),
             BLOCK=block, WIDTH=width, GROUP=group, BITS=bits, KEEP=keep,
-            MEMORY=memory is not None, RECIPROCAL=_reciprocal(out, reciprocal), num_warps=4,
+            MEMORY=memory is not None, RECIPROCAL=_reciprocal(out, reciprocal), num_warps=_WARPS,
             enable_fp_fusion=False,
         )  # fmt: skip
     return True
