@@ -13,7 +13,7 @@
  *   level = rint(x * per_unit)        (mul, round_: to nearest, ties to even)
  *   error = fma(-level, scale, x)     (addcmul_ by the negated scale, fused on vector CPUs)
  *   decoded = code * scale            (8 bits) or fma(nibble, scale, -8 * scale) (4 bits)
- * and a sum of decoded rows adds them in row order, as torch.sum over the rows does. An
+ * and a sum of decoded rows adds them in row order, as the eager form does row by row. An
  * addition asked for before quantizing (the remembered error) is one rounding, as torch.add.
  * The absolute maximum compares the bit patterns of |x| as integers: the same maximum for
  * finite values, and a pattern above infinity's (NaN) or equal to it when the block holds NaN
