@@ -177,7 +177,7 @@ def _outputs(x: torch.Tensor, fmt: quantize.BlockFormat, ranks: int) -> dict[str
     owner_memory = memory[: length - 3] / 8
     quantize.requantize_sum_(packets, fmt, mine, own, levels, ranks, memory=owner_memory)
     half = torch.empty(rows, length, dtype=torch.bfloat16, device=x.device)
-    half = quantize.dequantize_(packets, fmt, half)
+    quantize.dequantize_(packets, fmt, half)
     return {
         "packets": packets, "error": left, "decoded": decoded, "bf16 decoded": half,
         "sum": summed, "owner's packet": own, "owner's error": mine,
