@@ -30,6 +30,7 @@ import torch.distributed as dist
 from commhooks import _reads
 from commhooks.comm import gloo_cpu
 from commhooks.comm._futures import fail
+from commhooks.comm.polling import PollQueue
 
 __all__ = [
     "CALLBACKS_EXIT_WAIT_S",
@@ -46,6 +47,7 @@ __all__ = [
     "allreduce_rounds",
     "allreduce_then",
     "average",
+    "average_polled",
     "backend_for_device",
     "callbacks_held",
     "check_same_on_grid",
@@ -65,6 +67,8 @@ __all__ = [
     "issuer_for",
     "new_groups",
     "observe_collectives",
+    "poll",
+    "polls",
     "resolve_group",
     "then",
     "unheld_follow_ups",
@@ -327,6 +331,32 @@ def follow_up_options(buffer: torch.Tensor, last_bucket: bool) -> tuple[list[tor
     on a GPU; see :func:`holds_follow_ups`)."""
     devices = future_devices(buffer)
     return devices, holds_follow_ups(devices) and not last_bucket
+
+
+_polling = threading.local()
+
+
+def _polled() -> PollQueue:
+    """This thread's queue of work to run on it once a collective completes."""
+    queue: PollQueue | None = getattr(_polling, "queue", None)
+    if queue is None:
+        queue = _polling.queue = PollQueue()
+    return queue
+
+
+def polls(tensor: torch.Tensor) -> bool:
+    """Whether a hook finishes ``tensor``'s bucket at a :func:`poll` of its own thread rather
+    than in a callback of the backend's: for CPU tensors on a backend whose futures complete
+    on its own threads (gloo; see :mod:`commhooks.comm.polling`), never on a GPU."""
+    return tensor.is_cpu and not _inline
+
+
+def poll(last_bucket: bool) -> None:
+    """Run what this thread's hooks left to run once their collectives completed: whatever
+    has completed by now, and at the step's last bucket, or inside
+    :func:`unheld_follow_ups` (whose caller waits for each result before it calls the hook
+    again), everything, waiting for each collective in turn."""
+    _polled().poll(wait=last_bucket or getattr(_calling, "unheld", False))
 
 
 def completed(value: T) -> "Future[T]":
@@ -610,13 +640,14 @@ def allreduce_rounds(
     steps: Sequence["Round"],
     devices: list[torch.device] | None = None,
     hold: bool = False,
+    polled: bool = False,
 ) -> "Future[Any]":
-    """:func:`allreduce`, then ``issuer.rounds(sum, steps, devices, hold)``
+    """:func:`allreduce`, then ``issuer.rounds(sum, steps, devices, hold, polled)``
     (:meth:`OrderedIssuer.rounds`), the first round run on the sum in the collective's own
-    callback rather than in one of its own."""
+    callback (or, ``polled``, at a poll) rather than in one of its own."""
     first = steps[0]
     taking = (lambda sums: first(sums[0]), *steps[1:])
-    return issuer.rounds(_issue_sum(tensor, group), taking, devices, hold)
+    return issuer.rounds(_issue_sum(tensor, group), taking, devices, hold, polled)
 
 
 def _issue_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[list[torch.Tensor]]":
@@ -718,11 +749,26 @@ def average(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.Ten
     the summed sparse tensor) because that is DDP's own arithmetic: results are bitwise
     identical to training without a hook, at any world size.
     """
+    return allreduce(_scaled_for_average(tensor, group.size()), group)
+
+
+def average_polled(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.Tensor]":
+    """:func:`average`, its future completed by this thread's :func:`poll` rather than in a
+    callback on the backend's thread (where :func:`polls` says so)."""
+    issued = _issue_sum(_scaled_for_average(tensor, group.size()), group)
+    out: Future[list[torch.Tensor]] = Future()
+    _polled().add(issued, lambda fut: _forward(fut, out))
+    # A future derived with ``then`` fails as a real error when the collective failed; one
+    # completed by hand would hold the error as a value, which DDP fails to read as a tensor.
+    # Not through :func:`then`: ``out`` is completed on this thread, which releases the callback.
+    return out.then(_first)
+
+
+def _scaled_for_average(tensor: torch.Tensor, world: int) -> torch.Tensor:
+    """``tensor``, scaled in place by ``1 / world`` as DDP scales it (see :func:`average`)."""
     if tensor.layout == torch.strided:
-        tensor.mul_(1.0 / group.size())
-    else:
-        tensor.div_(group.size())
-    return allreduce(tensor, group)
+        return tensor.mul_(1.0 / world)
+    return tensor.div_(world)
 
 
 def all_gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
@@ -900,6 +946,7 @@ class OrderedIssuer:
         steps: Sequence[Round],
         devices: list[torch.device] | None = None,
         hold: bool = False,
+        polled: bool = False,
     ) -> "Future[Any]":
         """Run ``steps`` as the rounds of one pipeline, each with a slot of its own, reserved now.
 
@@ -920,6 +967,9 @@ class OrderedIssuer:
         With ``hold``, the first round waits, even once ``after`` has completed, until a later
         slot is reserved without ``hold`` (see :func:`holds_follow_ups`), and then runs in its
         turn; the later rounds start after it anyway.
+
+        With ``polled``, no callback is attached to ``after``: the first round runs when this
+        thread calls :func:`poll` once ``after`` has completed.
         """
         with self._lock:
             first = self._reserved
@@ -929,7 +979,10 @@ class OrderedIssuer:
             else:  # every held slot is an earlier one
                 self._held.clear()
         out: Future[Any] = new_future(devices)
-        self._after(after, first, steps, out, hold)
+        if polled:
+            _polled().add(after, lambda done: self._run(done, first, steps, out))
+        else:
+            self._after(after, first, steps, out, hold)
         if not hold:
             with self._lock:
                 self._drain()

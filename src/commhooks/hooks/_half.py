@@ -20,7 +20,10 @@ else is allocated, copied or sent unless one did not, which takes one of:
 Every rank decides on the sums, which are the same bits on every rank, so every rank takes the
 same branch and issues the same collectives. Both decisions are follow-ups (they need a result
 first), issued through the group's :class:`commhooks.comm.OrderedIssuer` in slots reserved when
-the hook is called.
+the hook is called. On a CPU the first decision runs on DDP's thread, at a later bucket's call
+once the sum is there or at the step's last bucket (:func:`commhooks.comm.poll`), never in a
+callback on gloo's worker thread, which would take the interpreter from the backward pass at
+every bucket.
 
 Per element on an accelerator: the cast, the division, the collective, the finiteness
 reduction and the copy back, all queued on the stream; the reduction is queued right behind the
@@ -55,12 +58,15 @@ def average_in(
     issuer: comm.OrderedIssuer,
     last_bucket: bool,
     owner: str,
+    polled: bool = False,
 ) -> "Future[torch.Tensor]":
     """Average ``buffer`` across ``group`` in ``dtype``; the future holds ``buffer``, averaged.
 
     Issues one collective on ``group`` now, and reserves two follow-up rounds on ``issuer``,
     which send something only for a bucket whose sum is not finite (see the module's note).
     ``buffer`` keeps its own values until the result is known, so that it can be sent again.
+    ``polled``: the first round runs at a poll of this thread (a DDP bucket on a CPU, see
+    :func:`commhooks.hooks._bucket.finished_by_polling`), not in the sum's callback.
     """
     # PyTorch's order (cast, then divide) keeps the results bitwise equal to its hooks'. On two
     # CPU ranks comm.allreduce sums the bucket by sending it to the other rank in chunks and
@@ -74,8 +80,11 @@ def average_in(
     if finiteness.queues(buffer) and not flagged:  # in the sum's own callback, never held
         sums = comm.allreduce_then(low, group, repair.queue_check)
         done = issuer.rounds(sums, rounds, devices, hold)
-    else:  # the first round in the sum's own callback
+    elif not polled:  # the first round in the sum's own callback
         done = comm.allreduce_rounds(low, group, issuer, rounds, devices, hold)
+    else:  # on this thread, at this bucket or a later one
+        done = comm.allreduce_rounds(low, group, issuer, rounds, devices, polled=True)
+        comm.poll(last_bucket)
     # ``done`` is completed by hand. A future derived from it with ``then`` fails as a real
     # error when a collective failed, which DDP reports with the backend's message; the hand-made
     # one would hold the exception as a value, which DDP then fails to read as a tensor.

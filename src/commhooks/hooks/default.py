@@ -13,7 +13,13 @@ import torch
 import torch.distributed as dist
 
 from commhooks import comm, handshake
-from commhooks.hooks._bucket import GradBucket, float_buffer, gradient_buffer, group_state
+from commhooks.hooks._bucket import (
+    GradBucket,
+    finished_by_polling,
+    float_buffer,
+    gradient_buffer,
+    group_state,
+)
 from commhooks.hooks._half import average_in, saturating_cast
 
 __all__ = [
@@ -39,7 +45,12 @@ def allreduce_hook(
         bucket: the gradient bucket DDP hands to the hook.
     """
     group = group_state(process_group, "allreduce_hook")
-    return comm.average(gradient_buffer(bucket, "allreduce_hook"), group)
+    buffer = gradient_buffer(bucket, "allreduce_hook")
+    if not finished_by_polling(bucket, buffer):
+        return comm.average(buffer, group)
+    averaged = comm.average_polled(buffer, group)
+    comm.poll(bucket.is_last())
+    return averaged
 
 
 def fp16_compress_hook(
@@ -86,7 +97,9 @@ def _cast_average(
 ) -> torch.futures.Future[torch.Tensor]:
     group = group_state(state, owner)
     buffer = float_buffer(bucket, owner)
-    return average_in(dtype, buffer, group, comm.issuer_for(group), bucket.is_last(), owner)
+    polled = finished_by_polling(bucket, buffer)
+    issuer = comm.issuer_for(group)
+    return average_in(dtype, buffer, group, issuer, bucket.is_last(), owner, polled)
 
 
 def fp16_compress_wrapper(hook: Hook) -> Hook:
