@@ -98,7 +98,6 @@ def _futures_finished_by(rank, world_size, name):
     hook = {
         "allreduce": commhooks.allreduce_hook,
         "fp16": commhooks.fp16_compress_hook,
-        "bf16": commhooks.bf16_compress_hook,
     }[name]
 
     def watched(state, bucket):
@@ -124,7 +123,6 @@ def _futures_finished_by(rank, world_size, name):
 _PYTORCH = {
     "allreduce": torch_default.allreduce_hook,
     "fp16": torch_default.fp16_compress_hook,
-    "bf16": commhooks.bf16_compress_hook,  # PyTorch's refuses to run without CUDA
 }
 
 
