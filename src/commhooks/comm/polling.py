@@ -5,13 +5,14 @@ and a Python callback attached to it runs there. That thread must then take the 
 thread running the backward pass (which holds it while DDP calls a hook), once a bucket, and
 each torch call the callback makes hands the GIL back and forth again. On one rank with 96
 small buckets that exchange cost more than a hook's own work: PyTorch's fp16 hook, one callback
-a bucket, spent 140-170 us a bucket; the same work finished by the issuing thread, 55-90 us.
+a bucket, spent 148-174 us a bucket; the same work finished by the issuing thread, 54-93 us.
 
 A :class:`PollQueue` holds what is to run once a future completes, oldest first; the hook's
-thread calls :meth:`PollQueue.poll` after it has issued each bucket, which runs whatever has
-completed by then, and waits for the rest at the step's last bucket (or wherever its caller
-waits for each result, see :func:`commhooks.comm.waits_for_each`). DDP reads no bucket's result
-before the last bucket's hook has returned, so nothing is finished later than DDP looks.
+thread polls (:func:`commhooks.comm.poll`) after it has issued each bucket, which runs whatever
+has completed by then, and waits for the rest at the step's last bucket (or where its caller
+waits for each result, inside :func:`commhooks.comm.unheld_follow_ups`). Hooks do this for
+DDP's own buckets only: DDP reads no bucket's result before the last bucket's hook has
+returned, so nothing is finished later than DDP looks.
 
 Never used where collectives complete as they are queued (NCCL): there a callback runs at
 once on the issuing thread, which is what this arranges.
