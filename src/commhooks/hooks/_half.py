@@ -20,10 +20,10 @@ else is allocated, copied or sent unless one did not, which takes one of:
 Every rank decides on the sums, which are the same bits on every rank, so every rank takes the
 same branch and issues the same collectives. Both decisions are follow-ups (they need a result
 first), issued through the group's :class:`commhooks.comm.OrderedIssuer` in slots reserved when
-the hook is called. On a CPU the first decision runs on DDP's thread, at a later bucket's call
-once the sum is there or at the step's last bucket (:func:`commhooks.comm.poll`), never in a
-callback on gloo's worker thread, which would take the interpreter from the backward pass at
-every bucket.
+the hook is called. For DDP's own buckets on a CPU the first decision runs on DDP's thread, at
+a later bucket's call once the sum is there or at the step's last bucket
+(:func:`commhooks.comm.poll`), not in a callback on gloo's worker thread, which would take the
+interpreter from the backward pass at every bucket; other callers' buckets keep the callback.
 
 Per element on an accelerator: the cast, the division, the collective, the finiteness
 reduction and the copy back, all queued on the stream; the reduction is queued right behind the
