@@ -493,6 +493,40 @@ def _lazy_memory(rank, world_size):
     }
 
 
+def _small_matrices_memory(rank, world_size):
+    """Single-round steps on matrices that fit in cache: per step, whether a product is left
+    pending, and whether each matrix's memory is, to the bit, its old error plus its gradient
+    less the approximation the step wrote into the bucket."""
+    shapes = [(16, 12), (12,), (20, 6)]
+    places = [(0, shapes[0]), (16 * 12 + 12, shapes[2])]
+    state = PowerSGDState(None, start_powerSGD_iter=0, single_round=True)
+    bucket = FakeBucket([torch.zeros(s) for s in shapes])
+    gen = torch.Generator().manual_seed(rank)
+    old = [torch.zeros(shape) for _, shape in places]
+    seen = []
+    for _ in range(4):
+        grad = torch.randn(bucket.buffer().numel(), generator=gen)
+        bucket.buffer().copy_(grad)
+        out = powerSGD_hook(state, bucket).wait()
+        pending = state.memory.pending_ranks()  # reading the errors would subtract them
+        errors = [e.clone() for e in state.error_dict.values() if e.dim() == 2]
+        exact = [
+            torch.equal(
+                error, (was + grad[at : at + s.numel()].view(s)) - out[at : at + s.numel()].view(s)
+            )
+            for error, was, (at, s) in zip(errors, old, [(a, torch.Size(sh)) for a, sh in places])
+        ]
+        seen.append((pending, len(errors), exact))
+        old = errors
+    return seen
+
+
+def test_single_round_takes_small_matrices_products_out_of_their_memory_at_once():
+    for per_rank in run_on_ranks(_small_matrices_memory, 2):
+        for pending, matrices, exact in per_rank:
+            assert pending == {} and matrices == 2 and exact == [True, True]
+
+
 def test_lazy_memory_matches_an_error_memory_and_survives_a_bad_step():
     for per_rank in run_on_ranks(_lazy_memory, 2):
         assert per_rank["kept_lazily"] == 2  # both matrices

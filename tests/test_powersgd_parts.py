@@ -97,6 +97,17 @@ def test_lazy_memory_folds_pending_products_once_they_reach_their_rank():
     assert ranks == [(1, False), (2, False), (1, True), (2, False)]
 
 
+def test_lazy_memory_subtracts_a_formed_product_at_once_with_what_was_pending():
+    memory = LazyErrorFeedback("SubtractState")
+    old, product = _randn(4, 3, seed=1), _randn(4, 3, seed=2)
+    memory.record("w", old.clone())
+    p0, q0t = _randn(4, 1, seed=3), _randn(1, 3, seed=4)
+    memory.defer_("w", p0, q0t)
+    memory.subtract_([("w", product), ("unknown", product)])  # a key without memory: skipped
+    assert memory.pending_ranks() == {} and "unknown" not in memory
+    torch.testing.assert_close(memory.get("w", old), old - p0 @ q0t - product)
+
+
 def test_lazy_memory_rolls_an_abandoned_step_back_and_resets_a_non_finite_memory():
     memory = LazyErrorFeedback("RollBackState")
     old = _randn(4, 3)

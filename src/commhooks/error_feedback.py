@@ -316,6 +316,8 @@ class LazyErrorFeedback(ErrorFeedback):
     collective, so the memory keeps it as a *pending product* instead (:meth:`defer_`): later
     factors are corrected for it on their thin results, and it is taken out in the pass of a
     later :meth:`absorb_`, once the pending products reach rank :attr:`max_pending_rank`.
+    A matrix small enough that the pass costs less than that bookkeeping has ``P Qᵀ``
+    subtracted at once instead (:meth:`subtract_`).
 
     Everything else sees plain residuals: :meth:`get`, :meth:`items`, :meth:`compensate_`,
     :meth:`state_dict` and the others first subtract what is pending from the residuals they
@@ -496,6 +498,27 @@ class LazyErrorFeedback(ErrorFeedback):
             self._pending[key] = (p.clone(), qt.clone())
         else:
             self._pending[key] = (torch.cat([old[0], p], 1), torch.cat([old[1], qt], 0))
+
+    def subtract_(self, products: Sequence[tuple[Key, torch.Tensor]]) -> None:
+        """The step of :meth:`absorb_` completed and sent ``P Qᵀ``, already formed in each
+        ``(key, product)``: it leaves the memory of ``key`` now, with any product pending there.
+
+        For a small matrix a pending product saves a pass that costs next to nothing, and
+        keeping it costs a few operations a step (the concatenation that stacks it, the
+        correction of every later factor); here a bucket's small matrices take one batched
+        subtraction instead (:func:`lowrank.fits_one_block` says which).
+        """
+        memories: list[torch.Tensor] = []
+        formed: list[torch.Tensor] = []
+        for key, product in products:
+            if key not in self:
+                continue
+            if key in self._pending:
+                self._materialize(key)
+            memories.append(self._residuals[key])
+            formed.append(product)
+        if memories:
+            torch._foreach_sub_(memories, formed)
 
     def roll_back_(self, absorbed: Absorbed) -> None:
         """Take out what :meth:`absorb_` added: the step was abandoned.

@@ -363,6 +363,15 @@ the memory, else it is deducted from ``sent`` only. ``right`` forms ``sent = Q =
 from ``known = P`` (``sent`` stored as ``Qᵀ``), else ``sent = P = memory Q`` from ``known = Q``."""
 
 
+def fits_one_block(matrix: torch.Tensor) -> bool:
+    """Whether ``matrix`` is 2-D and no larger than one block of rows of the fused passes.
+
+    Such a matrix stays in a CPU's cache, and on a GPU one more pass over it costs less than
+    a kernel launch: deferring work on it to save a pass over its memory does not pay.
+    """
+    return matrix.dim() == 2 and _block_rows(matrix) >= matrix.shape[0]
+
+
 def accumulates_together(matrices: Sequence[torch.Tensor]) -> bool:
     """Whether :func:`accumulate_factors_` can take ``matrices``: 2-D matrices on a CPU whose
     checks are read back, each small enough to be one block of rows of the fused passes.

@@ -5,7 +5,8 @@ Each step refines one factor of each matrix, alternately ``P = M Q`` (from the l
 matrix compressed on its own never has its memory added to the gradient: the gradient is added
 into the memory, and the factor formed, in one pass before the collective
 (:meth:`~commhooks.error_feedback.LazyErrorFeedback.absorb_`); after the collective one pass writes
-``P Qᵀ`` into the gradient, and the memory keeps ``P Qᵀ`` to subtract later.
+``P Qᵀ`` into the gradient, and the memory keeps ``P Qᵀ`` to subtract later (a small matrix's
+is subtracted at once, with the bucket's other small ones).
 
 Hook modules must not use ``from __future__ import annotations``: DDP rejects string annotations.
 """

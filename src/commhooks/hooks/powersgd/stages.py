@@ -562,7 +562,8 @@ def finish_single(step: BucketStep, averaged: torch.Tensor) -> None:
     each matrix, and both factors kept with the step each matrix made.
 
     A matrix compressed with others remembers ``M - P Qᵀ``; one alone had its gradient
-    absorbed into the memory, which keeps ``P Qᵀ`` to subtract later.
+    absorbed into the memory, which takes ``P Qᵀ`` out at once if the matrix fits one block
+    (one batched subtraction for the bucket) or else keeps it to subtract later.
     """
     stacked = [run for run in step.runs if run.batches[0].stacked]
     alone = [run for run in step.runs if not run.batches[0].stacked]
@@ -578,11 +579,12 @@ def finish_single(step: BucketStep, averaged: torch.Tensor) -> None:
     ]
     scratch = step.scratch()
     errors = None
-    if step.state.settings.use_error_feedback:
-        memory = step.state.memory
-        memory.defer_all_(
-            [(m.key, pi, qi) for m, pi, qi in zip(singles, p, qt) if m.absorbed is not None]
-        )
+    absorbed = [(m, pi, qi) for m, pi, qi in zip(singles, p, qt) if m.absorbed is not None]
+    now = [m for m, _, _ in absorbed if lowrank.fits_one_block(m.view)]
+    later = [(m.key, pi, qi) for m, pi, qi in absorbed if not lowrank.fits_one_block(m.view)]
+    memory = step.state.memory if step.state.settings.use_error_feedback else None
+    if memory is not None:
+        memory.defer_all_(later)
         keys = [*step.vector_keys, *(m.key for m in matrices)]
         errors = memory.slots(keys, [*step.vectors, *(m.view for m in matrices)])
     lowrank.unpack_remembering_(averaged, step.vectors, errors)
@@ -590,6 +592,8 @@ def finish_single(step: BucketStep, averaged: torch.Tensor) -> None:
         groups, None if errors is None else errors[len(step.vectors) :], scratch
     )
     lowrank.products_into(alone_groups)
+    if memory is not None:  # the small matrices' products, now in their gradients
+        memory.subtract_([(m.key, m.view) for m in now])
     factors = step.state.factors
     for run, (ps, qs) in zip(step.runs, copies):
         for m, pi, qi in zip(run.matrices(), ps, qs):
