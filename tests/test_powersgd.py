@@ -493,38 +493,43 @@ def _lazy_memory(rank, world_size):
     }
 
 
-def _small_matrices_memory(rank, world_size):
-    """Single-round steps on matrices that fit in cache: per step, whether a product is left
-    pending, and whether each matrix's memory is, to the bit, its old error plus its gradient
-    less the approximation the step wrote into the bucket."""
+def _small_matrices_memory(rank, world_size, block_bytes):
+    """Single-round steps, with blocks of ``block_bytes``: per step, the shapes of the matrices
+    left with a product pending, and whether each matrix's memory is, to the bit, its old error
+    plus its gradient less the approximation the step wrote into the bucket."""
+    lowrank._BLOCK_BYTES = block_bytes
     shapes = [(16, 12), (12,), (20, 6)]
-    places = [(0, shapes[0]), (16 * 12 + 12, shapes[2])]
+    places = {shapes[0]: 0, shapes[2]: 16 * 12 + 12}  # where each matrix is in the bucket
     state = PowerSGDState(None, start_powerSGD_iter=0, single_round=True)
     bucket = FakeBucket([torch.zeros(s) for s in shapes])
     gen = torch.Generator().manual_seed(rank)
-    old = [torch.zeros(shape) for _, shape in places]
+    old = {shape: torch.zeros(shape) for shape in places}
     seen = []
     for _ in range(4):
         grad = torch.randn(bucket.buffer().numel(), generator=gen)
         bucket.buffer().copy_(grad)
         out = powerSGD_hook(state, bucket).wait()
-        pending = state.memory.pending_ranks()  # reading the errors would subtract them
-        errors = [e.clone() for e in state.error_dict.values() if e.dim() == 2]
-        exact = [
-            torch.equal(
-                error, (was + grad[at : at + s.numel()].view(s)) - out[at : at + s.numel()].view(s)
-            )
-            for error, was, (at, s) in zip(errors, old, [(a, torch.Size(sh)) for a, sh in places])
-        ]
-        seen.append((pending, len(errors), exact))
+        pending = set(state.memory.pending_ranks())  # reading the memory subtracts them
+        memory = {key: tensor.clone() for key, tensor in state.memory.items()}
+        errors = {tuple(e.shape): e for e in memory.values() if e.dim() == 2}
+        exact = {}
+        for shape, at in places.items():
+            g, approx = (t[at : at + math.prod(shape)].view(shape) for t in (grad, out))
+            exact[shape] = torch.equal(errors[shape], (old[shape] + g) - approx)
+        seen.append(({tuple(memory[k].shape) for k in pending}, exact))
         old = errors
     return seen
 
 
 def test_single_round_takes_small_matrices_products_out_of_their_memory_at_once():
-    for per_rank in run_on_ranks(_small_matrices_memory, 2):
-        for pending, matrices, exact in per_rank:
-            assert pending == {} and matrices == 2 and exact == [True, True]
+    for per_rank in run_on_ranks(_small_matrices_memory, 2, lowrank._BLOCK_BYTES):
+        for pending, exact in per_rank:
+            assert pending == set() and exact == {(16, 12): True, (20, 6): True}
+    # Blocks of 480 bytes: the 16 x 12 matrix (768 bytes) takes two and keeps its product
+    # pending; the 20 x 6 one (480 bytes) fits one and has its product subtracted at once.
+    for per_rank in run_on_ranks(_small_matrices_memory, 2, 480):
+        for pending, exact in per_rank:
+            assert pending == {(16, 12)} and exact[(20, 6)]
 
 
 def test_lazy_memory_matches_an_error_memory_and_survives_a_bad_step():
