@@ -335,3 +335,15 @@ def test_host_cost_prints_each_hook_against_pytorchs(tmp_path):
     ]
     assert all(r["met"] == (r["ratio"] <= r["goal"]) for r in rows)
     assert re.search(r"fp16 +torch_fp16 +\d+ .* <= 1\.00 (ok|MISSED)", printed), printed
+
+
+def test_host_cost_on_the_inline_backend_adds_powersgd_with_many_buckets(tmp_path):
+    script = str(EXAMPLES / "host_cost.py")
+    out = tmp_path / "host.json"
+    argv = ["--layers", "6", "--steps", "3", "--warmup", "3", "--rounds", "1"]
+    run([sys.executable, script, *argv, "--backend", "inline", "--json", str(out)], ROOT)
+    found = json.loads(out.read_text())
+    rows = [(r["hook"], r["bucket_cap_mb"]) for r in found["rows"]]
+    assert found["args"]["backend"] == "inline" and ("bf16", 0.004) not in rows
+    assert ("power_sgd", 0.004) in rows and ("power_sgd", 4096.0) in rows
+    assert all(r["met"] == (r["ratio"] <= r["goal"]) for r in found["rows"])
