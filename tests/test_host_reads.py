@@ -129,3 +129,18 @@ def test_second_collectives_are_issued_within_the_hook_call_where_collectives_co
         for name, per_call in out.items():
             assert len(per_call) > 10, name
             assert all(n > firsts[name] for n in per_call[:-1]), (name, per_call)
+
+
+def test_finite_each_reads_every_tensors_finiteness_at_once():
+    from commhooks import finiteness
+
+    half = torch.float16
+    tensors = [
+        torch.full((1000,), 65504.0, dtype=half),  # finite: its float32 norm does not overflow
+        torch.tensor([1.0, float("inf")], dtype=half),
+        torch.tensor([float("nan"), 0.0]),
+        torch.zeros(0),
+        torch.tensor([-2.0, 3.0], dtype=torch.bfloat16),
+    ]
+    assert finiteness.finite_each(tensors) == [True, False, False, True, True]
+    assert finiteness.finite_each([]) == []

@@ -18,7 +18,7 @@ import torch
 
 from commhooks import _reads
 
-__all__ = ["QueuedFiniteness", "queues"]
+__all__ = ["QueuedFiniteness", "finite_each", "queues"]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -64,11 +64,31 @@ class QueuedFiniteness:
         return _read(_queued(flags)) != 0
 
 
+def finite_each(tensors: list[torch.Tensor]) -> list[bool]:
+    """Whether each of ``tensors`` is all finite, from one batched reduction and one read.
+
+    The reduction is each tensor's 2-norm in float32 (one multi-tensor kernel on a GPU): it is
+    infinite or NaN whenever an element is, and a float16 tensor's cannot overflow (its
+    squares stay below 2^32). Larger values, bfloat16's or float32's, may overflow it although
+    every element is finite: such a tensor reads ``False`` here, and a caller that repairs
+    what is not finite finds it finite when it looks at the elements. On a GPU the norms reach
+    the host through pinned memory and an event, which the host waits for: once for all.
+    """
+    if not tensors:
+        return []
+    norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+    queued = _queued(norms)
+    if isinstance(queued, _Queued):
+        queued.copied.synchronize()
+        norms = queued.host
+    return [math.isfinite(value) for value in norms.tolist()]
+
+
 class _Queued:
-    """A one-element tensor on its way to the host: pinned memory and the event of its copy."""
+    """A small tensor on its way to the host: pinned memory and the event of its copy."""
 
     def __init__(self, value: torch.Tensor) -> None:
-        self.host = torch.empty((), dtype=value.dtype, pin_memory=True)
+        self.host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
         self.host.copy_(value, non_blocking=True)
         self.copied = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch's own
         self.copied.record()

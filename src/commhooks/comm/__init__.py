@@ -56,6 +56,7 @@ __all__ = [
     "excludes_this_rank",
     "follow_up_group",
     "follow_up_options",
+    "issue_allreduce",
     "future_devices",
     "new_future",
     "gather_objects",
@@ -623,6 +624,13 @@ def allreduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.T
     returns.
     """
     return then(_issue_sum(tensor, group), _first)
+
+
+def issue_allreduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[list[torch.Tensor]]":
+    """:func:`allreduce` without its callback: the collective's own future, holding
+    ``[tensor]`` summed, for a caller that reads it later (a GPU's host pays each callback
+    once a bucket)."""
+    return _issue_sum(tensor, group)
 
 
 def allreduce_then(

@@ -25,14 +25,13 @@ a later bucket's call once the sum is there or at the step's last bucket
 (:func:`commhooks.comm.poll`), not in a callback on gloo's worker thread, which would take the
 interpreter from the backward pass at every bucket; other callers' buckets keep the callback.
 
-Per element on an accelerator: the cast, the division, the collective, the finiteness
-reduction and the copy back, all queued on the stream; the reduction is queued right behind the
-collective, and its one value copied to the host without waiting
-(:class:`commhooks.finiteness.QueuedFiniteness`). The host reads those values only in the
-follow-ups, which an accelerator holds until the step's last bucket
-(:func:`commhooks.comm.holds_follow_ups`): the host waits for the device once a step, not once
-a bucket, and then finds every bucket's value already there. Until then each bucket keeps its
-reduced-precision sum, which the decision needs.
+Per element on an accelerator: the cast, the division and the collective, queued on the
+stream; each bucket's sum is then held, with the step's others, until its last bucket
+(:mod:`commhooks.hooks._held_sums`, as :func:`commhooks.comm.holds_follow_ups` says), where one
+batched reduction checks them all, the host reads it once (the one wait for the device in the
+step), and one batched copy casts the finite ones back. Until then each bucket keeps its
+reduced-precision sum, which the decision needs; only a sum that is not finite takes the
+follow-up rounds below.
 
 Hook modules must not use ``from __future__ import annotations``: DDP rejects string annotations.
 """
@@ -45,6 +44,7 @@ import torch.distributed as dist
 
 from commhooks import _reads, comm, cpu_kernels, finiteness
 from commhooks._warnings import warn_once
+from commhooks.hooks._held_sums import held_sums
 
 __all__ = ["all_finite", "average_in", "saturating_cast"]
 
@@ -77,9 +77,9 @@ def average_in(
     repair = _Repair(buffer, group.size(), issuer.group, owner, flagged)
     devices, hold = comm.follow_up_options(buffer, last_bucket)
     rounds = (repair.resend_overflowed, repair.resend_bucket)
-    if finiteness.queues(buffer) and not flagged:  # in the sum's own callback, never held
-        sums = comm.allreduce_then(low, group, repair.queue_check)
-        done = issuer.rounds(sums, rounds, devices, hold)
+    if finiteness.queues(buffer) and not flagged:  # checked with the step's other buckets
+        summed = comm.issue_allreduce(low, group)
+        done = held_sums(issuer).file(buffer, summed, rounds, devices, hold)
     elif not polled:  # the first round in the sum's own callback
         done = comm.allreduce_rounds(low, group, issuer, rounds, devices, hold)
     else:  # on this thread, at this bucket or a later one
@@ -182,21 +182,12 @@ class _Repair:
         self.flagged = flagged
         self.sums: torch.Tensor | None = None
         self.where: torch.Tensor | None = None
-        self.total: finiteness.QueuedFiniteness | None = None
-
-    def queue_check(self, summed: torch.Tensor) -> torch.Tensor:
-        """Queue the finiteness reduction of the sum right behind the collective (on CUDA)."""
-        self.total = finiteness.QueuedFiniteness(summed[: self.buffer.numel()])
-        return summed
 
     def _finite(self, summed: torch.Tensor) -> bool:
         """Whether the summed bucket is all finite (see :func:`_cast_down`)."""
-        numel, total = self.buffer.numel(), self.total
-        self.total = None
+        numel = self.buffer.numel()
         if self.flagged:
             return float(summed[numel].item()) == 0.0
-        if total is not None:
-            return total.all_finite()
         return all_finite(summed[:numel])
 
     def _group(self) -> dist.ProcessGroup:
