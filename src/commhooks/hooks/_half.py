@@ -73,8 +73,9 @@ def average_in(
     # adding each as it arrives, with torch's kernels, where gloo's allreduce adds half
     # precision in scalar code: the same bits and bytes in about 0.6x of the time on loopback,
     # with 4 MiB of scratch space (gloo's allreduce takes 2 MiB).
-    low, flagged = _cast_down(buffer, dtype, group.size())
-    repair = _Repair(buffer, group.size(), issuer.group, owner, flagged)
+    world = group.size()
+    low, flagged = _cast_down(buffer, dtype, world)
+    repair = _Repair(buffer, world, issuer.group, owner, flagged)
     devices, hold = comm.follow_up_options(buffer, last_bucket)
     rounds = (repair.resend_overflowed, repair.resend_bucket)
     if finiteness.queues(buffer) and not flagged:  # checked with the step's other buckets
