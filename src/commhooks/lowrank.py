@@ -168,9 +168,13 @@ def _safe_norm(col: torch.Tensor, epsilon: float) -> torch.Tensor:
     else:
         norm = torch.norm(col, dim=1, keepdim=True)
     # Squares of very small or very large values underflow to 0 or overflow to inf; only there
-    # use the scaled norm, so ordinary columns are divided exactly as PyTorch divides them.
-    unsafe = ((norm == 0) | torch.isinf(norm)) & (col != 0).any(dim=1, keepdim=True)
-    norm = torch.where(unsafe, _column_norms(col).to(norm.dtype), norm)
+    # use the norm scaled by the largest magnitude, so ordinary columns are divided exactly as
+    # PyTorch divides them. (A zero column's scaled norm is 0/0, never picked: its peak is 0.)
+    wide = norm.dtype
+    peak = col.abs().amax(dim=1, keepdim=True).to(wide)
+    unsafe = ((norm == 0) | torch.isinf(norm)) & (peak > 0)
+    scaled = torch.linalg.vector_norm(col.to(wide) / peak, dim=1, keepdim=True) * peak
+    norm = torch.where(unsafe, scaled, norm)
     if epsilon > 0:
         return norm + epsilon
     # A zero column divided by 1 stays zero; every other column is divided by its exact norm.
