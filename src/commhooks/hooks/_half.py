@@ -20,7 +20,8 @@ else is allocated, copied or sent unless one did not, which takes one of:
 Every rank decides on the sums, which are the same bits on every rank, so every rank takes the
 same branch and issues the same collectives. Both decisions are follow-ups (they need a result
 first), issued through the group's :class:`commhooks.comm.OrderedIssuer` in slots reserved when
-the hook is called. For DDP's own buckets on a CPU the first decision runs on DDP's thread, at
+the hook is called (on an accelerator, at the step's last bucket, for the buckets that need
+them: see below). For DDP's own buckets on a CPU the first decision runs on DDP's thread, at
 a later bucket's call once the sum is there or at the step's last bucket
 (:func:`commhooks.comm.poll`), not in a callback on gloo's worker thread, which would take the
 interpreter from the backward pass at every bucket; other callers' buckets keep the callback.
@@ -62,8 +63,9 @@ def average_in(
 ) -> "Future[torch.Tensor]":
     """Average ``buffer`` across ``group`` in ``dtype``; the future holds ``buffer``, averaged.
 
-    Issues one collective on ``group`` now, and reserves two follow-up rounds on ``issuer``,
-    which send something only for a bucket whose sum is not finite (see the module's note).
+    Issues one collective on ``group`` now, and two follow-up rounds on ``issuer`` (reserved
+    now, or on an accelerator at the step's last bucket), which send something only for a
+    bucket whose sum is not finite (see the module's note).
     ``buffer`` keeps its own values until the result is known, so that it can be sent again.
     ``polled``: the first round runs at a poll of this thread (a DDP bucket on a CPU, see
     :func:`commhooks.hooks._bucket.finished_by_polling`), not in the sum's callback.
