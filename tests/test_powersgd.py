@@ -22,6 +22,7 @@ from ddp_utils import (
     train,
 )
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import commhooks
 from commhooks import PowerSGDState, _reads, batched_powerSGD_hook, lowrank, powerSGD_hook
@@ -735,6 +736,46 @@ def test_orthogonalize_handles_zero_columns():
         torch.testing.assert_close(gram, expected)
     half = torch.zeros(1, 6, 2, dtype=torch.float16)
     assert torch.equal(lowrank.orthogonalize_(half), torch.zeros_like(half))
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts the operations dispatched, each a kernel launch on a GPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_one_column_is_pytorchs_where_its_norm_is_ordinary_and_safe_elsewhere(dtype):
+    gen = torch.Generator().manual_seed(0)
+    m = torch.randn(8, 16, 1, generator=gen).to(dtype)
+    theirs = m.clone()
+    torch_powersgd._orthogonalize(theirs)
+    ours = lowrank.orthogonalize_(m.clone())
+    if dtype == torch.float32:  # PyTorch's bits on ordinary columns (half: ours in float32)
+        assert torch.equal(ours, theirs)
+    tiny, huge = (1e-30, 1e30) if dtype == torch.float32 else (1e-6, 6e4)
+    m[0] *= tiny  # squares underflow: PyTorch divides by 0
+    m[1] = huge  # squares overflow
+    m[2] = 0  # stays zero, with and without epsilon
+    m[3, 5], m[4, 7] = float("inf"), float("nan")
+    for eps in (0.0, 1e-8):
+        out = lowrank.orthogonalize_(m.clone(), epsilon=eps).double()
+        norms = out[:2].norm(dim=1) if eps == 0 else out[1].norm(dim=0)  # eps outweighs tiny
+        torch.testing.assert_close(norms, torch.ones_like(norms), atol=1e-3, rtol=0)
+        assert torch.equal(out[2], torch.zeros_like(out[2]))
+        assert not torch.isfinite(out[3]).all() and not torch.isfinite(out[4]).all()
+        assert torch.equal(out[5:], lowrank.orthogonalize_(m[5:].clone(), epsilon=eps).double())
+    counted, stack = _CountOps(), m.clone()
+    with counted:
+        lowrank.orthogonalize_(stack)
+    # A safe norm at ten launches a column (it took fifteen); half precision adds its casts.
+    assert counted.count <= (12 if dtype == torch.float32 else 14), counted.count
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])

@@ -419,7 +419,11 @@ class LazyErrorFeedback(ErrorFeedback):
             if pending is not None and not folds:
                 lowrank.deduct_pending_left_(sent, pending, known.t())
         if not check:
-            sent.masked_fill_(~torch.isfinite(gradient).all(), float("nan"))
+            # The factor is made NaN where the gradient was not finite: its total, times 0, is
+            # NaN exactly then (or if finite values sum past float32's range, which only sends
+            # the bucket as plain allreduce). One reduction over the matrix, where the
+            # elementwise test took five passes and two matrices of scratch.
+            sent.add_(gradient.sum(dtype=torch.float32).mul_(0.0))
         if folds:
             del self._pending[key]  # now in the memory (roll_back_ restores that)
         return Absorbed(key, gradient, memory, created, folded, written)

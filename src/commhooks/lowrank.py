@@ -162,23 +162,21 @@ def _column_norms(stack: torch.Tensor) -> torch.Tensor:
 
 
 def _safe_norm(col: torch.Tensor, epsilon: float) -> torch.Tensor:
-    if col.dtype in _HALF:
-        # Squares of half-precision values overflow long before the norm itself does.
-        norm = torch.linalg.vector_norm(col, dim=1, keepdim=True, dtype=torch.float32)
-    else:
-        norm = torch.norm(col, dim=1, keepdim=True)
+    # Half precision is measured in float32: its squares overflow long before the norm does.
+    wide = torch.float32 if col.dtype in _HALF else None
+    norm = torch.linalg.vector_norm(col, dim=1, keepdim=True, dtype=wide)
     # Squares of very small or very large values underflow to 0 or overflow to inf; only there
-    # use the norm scaled by the largest magnitude, so ordinary columns are divided exactly as
-    # PyTorch divides them. (A zero column's scaled norm is 0/0, never picked: its peak is 0.)
-    wide = norm.dtype
-    peak = col.abs().amax(dim=1, keepdim=True).to(wide)
-    unsafe = ((norm == 0) | torch.isinf(norm)) & (peak > 0)
-    scaled = torch.linalg.vector_norm(col.to(wide) / peak, dim=1, keepdim=True) * peak
-    norm = torch.where(unsafe, scaled, norm)
-    if epsilon > 0:
-        return norm + epsilon
-    # A zero column divided by 1 stays zero; every other column is divided by its exact norm.
-    return norm.masked_fill_(norm == 0, 1.0)
+    # is the norm scaled by the column's peak used, so ordinary columns are divided exactly as
+    # PyTorch divides them. The scaled norm is NaN only for a zero column (0/0), which is
+    # divided by 1 (or epsilon), and for one holding inf or NaN, which stays non-finite. Ten
+    # operations a column, where each is a kernel launch on a GPU: the test that the norm is
+    # neither 0, inf nor NaN is one of its logarithm's magnitude.
+    peak = torch.linalg.vector_norm(col, math.inf, dim=1, keepdim=True, dtype=wide)
+    scaled = torch.linalg.vector_norm(col / peak, dim=1, keepdim=True).mul_(peak)
+    fill = 1.0 if epsilon <= 0 else 0.0
+    scaled = scaled.nan_to_num_(nan=fill, posinf=math.inf)
+    norm = torch.where(norm.log().abs() < math.inf, norm, scaled)
+    return norm.add_(epsilon) if epsilon > 0 else norm
 
 
 def _householder_(stack: torch.Tensor) -> None:

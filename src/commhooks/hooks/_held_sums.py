@@ -84,7 +84,7 @@ class HeldSums:
                 ready.append((each, each.summed.wait()[0]))  # this stream waits for the sum's
             except BaseException as exc:  # a failed collective: that bucket's step fails
                 each.out.set_exception(cast(Any, exc))
-        sums = [summed[: each.buffer.numel()] for each, summed in ready]
+        sums = [_first(summed, each.buffer.numel()) for each, summed in ready]
         finite = finiteness.finite_each(sums)
         done = [(each, s) for (each, _), s, ok in zip(ready, sums, finite) if ok]
         if done:
@@ -100,6 +100,12 @@ class HeldSums:
         """The repair rounds of a sum that is not finite, issued now, in the issuer's order."""
         repaired = self._issuer.rounds(comm.completed(summed), each.rounds, each.devices)
         comm.when_done(repaired, lambda fut: _forward(fut, each.out))
+
+
+def _first(summed: torch.Tensor, numel: int) -> torch.Tensor:
+    """The sum's first ``numel`` elements: itself where it has no more (a view costs the host
+    a microsecond a bucket, and on a GPU a sum is the bucket's size)."""
+    return summed if summed.numel() == numel else summed[:numel]
 
 
 def _forward(src: "Future[torch.Tensor]", dst: "Future[torch.Tensor]") -> None:
