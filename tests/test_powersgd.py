@@ -293,6 +293,7 @@ def _fake_bucket_checks(rank, world_size):
         "full-rank": _full_rank(rank, world_size),
         "non-finite": [_non_finite(rank, world_size, single) for single in (False, True)],
         "non-finite-unchecked": _non_finite_unchecked(rank, world_size),
+        "non-finite-unchecked-several": _non_finite_unchecked_among_several(rank, world_size),
         "gpu-paths": _gpu_paths(rank, world_size),
     }
 
@@ -359,9 +360,9 @@ def test_full_rank_equals_plain_allreduce(fake_bucket_results):
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-def _non_finite(rank, world_size, single_round, device="cpu"):
+def _non_finite(rank, world_size, single_round, device="cpu", shapes=((16, 12), (12,)), bad=3):
     gen = torch.Generator().manual_seed(rank)
-    tensors = [torch.randn(16, 12, generator=gen), torch.randn(12, generator=gen)]
+    tensors = [torch.randn(shape, generator=gen) for shape in shapes]
     bucket = FakeBucket(tensors, device=device)
     state = PowerSGDState(None, start_powerSGD_iter=0, single_round=single_round)
     powerSGD_hook(state, bucket).wait()
@@ -369,7 +370,7 @@ def _non_finite(rank, world_size, single_round, device="cpu"):
     factors = {k: v.clone() for k, v in state.q_memory_dict.items()}
     local = torch.randn(bucket.buffer().shape, generator=gen)
     if rank == 0:
-        local[3] = float("inf")
+        local[bad] = float("inf")
     bucket.buffer().copy_(local)
     out = powerSGD_hook(state, bucket).wait()
     errors = state.error_dict
@@ -395,6 +396,17 @@ def _non_finite_unchecked(rank, world_size):
         return _non_finite(rank, world_size, True)
 
 
+# Three matrices compressed alone, the inf in the second: its factors are marked once for the
+# bucket (error_feedback.mark_non_finite_).
+SEVERAL_ALONE = ((16, 12), (12,), (20, 6), (10, 10))
+BAD_IN_THE_SECOND = 16 * 12 + 12 + 5
+
+
+def _non_finite_unchecked_among_several(rank, world_size):
+    with _as_on_a_gpu():
+        return _non_finite(rank, world_size, True, shapes=SEVERAL_ALONE, bad=BAD_IN_THE_SECOND)
+
+
 def _gpu_paths(rank, world_size):
     with _as_on_a_gpu():
         return [_error_feedback(rank, world_size, single) for single in (False, True)]
@@ -414,6 +426,21 @@ def test_non_finite_gradient_unchecked_keeps_error_memory_to_rounding(fake_bucke
         assert not finite and unchanged
         assert drift < 1e-6
         assert torch.isinf(out[3]) and torch.isfinite(torch.cat([out[:3], out[4:]])).all()
+
+
+def test_one_non_finite_matrix_among_several_unchecked_sends_the_bucket_again(
+    fake_bucket_results,
+):
+    # On a GPU's branch the bucket's factors are marked at once: one matrix's inf makes the
+    # whole step fall back, and no memory takes more than the rounding of one addition.
+    for per_rank in fake_bucket_results:
+        finite, unchanged, out, _, drift = per_rank["non-finite-unchecked-several"]
+        assert not finite and unchanged
+        assert drift < 1e-6
+        bad = BAD_IN_THE_SECOND
+        assert (
+            torch.isinf(out[bad]) and torch.isfinite(torch.cat([out[:bad], out[bad + 1 :]])).all()
+        )
 
 
 def test_a_layer_learns_again_after_a_zero_gradient(fake_bucket_results):

@@ -35,7 +35,7 @@ from commhooks.state import StateDictError, check_tensor
 # only while loaded residuals are still to meet their first gradient.
 _UNCHECKED_LOCK = threading.Lock()
 
-__all__ = ["Absorbed", "ErrorFeedback", "Key", "LazyErrorFeedback", "Plausible"]
+__all__ = ["Absorbed", "ErrorFeedback", "Key", "LazyErrorFeedback", "Plausible", "mark_non_finite_"]
 
 Key = int | str
 """What a residual is kept under: a parameter's number or name, or ``"bucket<i>"``."""
@@ -294,6 +294,24 @@ class ErrorFeedback:
         self.check_before_use()
 
 
+def mark_non_finite_(gradients: Sequence[torch.Tensor], sent: Sequence[torch.Tensor]) -> None:
+    """Make every factor in ``sent`` NaN if any of ``gradients`` holds inf or NaN, on the device.
+
+    Their total, times 0, is NaN exactly then (or if finite values sum past float32's range,
+    which only sends the bucket as plain allreduce), and 0 otherwise: one reduction of each
+    gradient (one multi-tensor kernel for many on a GPU) and one addition, where an elementwise
+    test took five passes over each matrix and two matrices of scratch, and nothing is read
+    back. A bucket falls back as a whole when any of its sums is not finite, so marking all of
+    its factors for one gradient decides the same.
+    """
+    if len(gradients) == 1:
+        total = gradients[0].sum(dtype=torch.float32)
+    else:
+        totals = torch._foreach_norm(list(gradients), 1, dtype=torch.float32)
+        total = torch.stack(totals).sum()
+    torch._foreach_add_(list(sent), total.mul_(0.0))
+
+
 @dataclass
 class Absorbed:
     """What :meth:`LazyErrorFeedback.absorb_` changed, so that :meth:`~LazyErrorFeedback.roll_back_`
@@ -394,6 +412,7 @@ class LazyErrorFeedback(ErrorFeedback):
         refine_q: bool,
         scratch: torch.Tensor,
         finite: bool = False,
+        mark: bool = True,
     ) -> Absorbed:
         """``memory += gradient`` and ``sent`` = the factor of the memory, in one pass.
 
@@ -403,7 +422,8 @@ class LazyErrorFeedback(ErrorFeedback):
         its non-finite part never enters the memory: on CPU a block that is not finite is not
         added, nor any after it (one sum read back per block); on a GPU, where reading back
         would stall the stream, non-finite elements are added as zeros. ``finite`` says the
-        caller found ``gradient`` finite already: it is not checked again.
+        caller found ``gradient`` finite already: it is not checked again. ``mark=False`` leaves
+        marking ``sent`` to the caller (:func:`mark_non_finite_`, once for many matrices).
         """
         memory, pending, created, folds = self._prepared(key, gradient, known.shape[1])
         folded = pending if folds else None
@@ -418,12 +438,8 @@ class LazyErrorFeedback(ErrorFeedback):
             written = lowrank.accumulate_left_factor_(*args)
             if pending is not None and not folds:
                 lowrank.deduct_pending_left_(sent, pending, known.t())
-        if not check:
-            # The factor is made NaN where the gradient was not finite: its total, times 0, is
-            # NaN exactly then (or if finite values sum past float32's range, which only sends
-            # the bucket as plain allreduce). One reduction over the matrix, where the
-            # elementwise test took five passes and two matrices of scratch.
-            sent.add_(gradient.sum(dtype=torch.float32).mul_(0.0))
+        if not check and mark:
+            mark_non_finite_([gradient], [sent])
         if folds:
             del self._pending[key]  # now in the memory (roll_back_ restores that)
         return Absorbed(key, gradient, memory, created, folded, written)
@@ -463,10 +479,15 @@ class LazyErrorFeedback(ErrorFeedback):
         """
         if finite and lowrank.accumulates_together([step[1] for step in steps]):
             return self._absorb_together(steps, refine_q)
-        return [
-            self.absorb_(key, gradient, known, sent, refines, scratch, finite)
+        # Unchecked (a GPU's branch), the factors are marked once for the bucket.
+        together = not finite and len(steps) > 1 and not _reads.are_free(steps[0][1])
+        absorbed = [
+            self.absorb_(key, gradient, known, sent, refines, scratch, finite, not together)
             for (key, gradient, known, sent), refines in zip(steps, refine_q)
         ]
+        if together:
+            mark_non_finite_([step[1] for step in steps], [step[3] for step in steps])
+        return absorbed
 
     def _absorb_together(
         self,
