@@ -294,22 +294,22 @@ class ErrorFeedback:
         self.check_before_use()
 
 
-def mark_non_finite_(gradients: Sequence[torch.Tensor], sent: Sequence[torch.Tensor]) -> None:
-    """Make every factor in ``sent`` NaN if any of ``gradients`` holds inf or NaN, on the device.
+def mark_non_finite_(gradients: Sequence[torch.Tensor], sent: torch.Tensor) -> None:
+    """Make ``sent`` NaN if any of ``gradients`` holds inf or NaN, on the device.
 
     Their total, times 0, is NaN exactly then (or if finite values sum past float32's range,
     which only sends the bucket as plain allreduce), and 0 otherwise: one reduction of each
     gradient (one multi-tensor kernel for many on a GPU) and one addition, where an elementwise
     test took five passes over each matrix and two matrices of scratch, and nothing is read
-    back. A bucket falls back as a whole when any of its sums is not finite, so marking all of
-    its factors for one gradient decides the same.
+    back. ``sent`` may hold the factors of many matrices: a bucket falls back as a whole when
+    any of its sums is not finite, so marking all of them for one gradient decides the same.
     """
     if len(gradients) == 1:
         total = gradients[0].sum(dtype=torch.float32)
     else:
         totals = torch._foreach_norm(list(gradients), 1, dtype=torch.float32)
         total = torch.stack(totals).sum()
-    torch._foreach_add_(list(sent), total.mul_(0.0))
+    sent.add_(total.mul_(0.0))
 
 
 @dataclass
@@ -439,7 +439,7 @@ class LazyErrorFeedback(ErrorFeedback):
             if pending is not None and not folds:
                 lowrank.deduct_pending_left_(sent, pending, known.t())
         if not check and mark:
-            mark_non_finite_([gradient], [sent])
+            mark_non_finite_([gradient], sent)
         if folds:
             del self._pending[key]  # now in the memory (roll_back_ restores that)
         return Absorbed(key, gradient, memory, created, folded, written)
@@ -468,10 +468,14 @@ class LazyErrorFeedback(ErrorFeedback):
         refine_q: Sequence[bool],
         scratch: torch.Tensor,
         finite: bool = False,
+        sent_in: torch.Tensor | None = None,
     ) -> list[Absorbed]:
         """:meth:`absorb_` of each ``(key, gradient, known, sent)``, refining ``Q`` where
         ``refine_q`` says so: a bucket's matrices alone, in one call to the memory. ``finite``:
-        the caller found every gradient finite (one check for them all).
+        the caller found every gradient finite (one check for them all). ``sent_in``: a tensor
+        that holds every ``sent`` (the flat buffer they are views of); where gradients are
+        checked on the device (a GPU) it is marked once for all of them
+        (:func:`mark_non_finite_`) instead of each ``sent`` on its own.
 
         Finite gradients small enough for :func:`lowrank.accumulates_together` are absorbed
         together (:meth:`_absorb_together`): the same bits, a few operations per matrix
@@ -479,14 +483,15 @@ class LazyErrorFeedback(ErrorFeedback):
         """
         if finite and lowrank.accumulates_together([step[1] for step in steps]):
             return self._absorb_together(steps, refine_q)
-        # Unchecked (a GPU's branch), the factors are marked once for the bucket.
-        together = not finite and len(steps) > 1 and not _reads.are_free(steps[0][1])
+        together = (
+            sent_in is not None and not finite and len(steps) > 1 and not _reads.are_free(sent_in)
+        )
         absorbed = [
             self.absorb_(key, gradient, known, sent, refines, scratch, finite, not together)
             for (key, gradient, known, sent), refines in zip(steps, refine_q)
         ]
-        if together:
-            mark_non_finite_([step[1] for step in steps], [step[3] for step in steps])
+        if together and sent_in is not None:
+            mark_non_finite_([step[1] for step in steps], sent_in)
         return absorbed
 
     def _absorb_together(

@@ -431,7 +431,7 @@ def first_factors(step: BucketStep, single: bool) -> tuple[torch.Tensor, torch.T
     lowrank.project_(starts, products, eps, method, exact=not settings.single_round)
     if singles:
         refines = [b.refines_q for b in singles]
-        absorbed = step.state.memory.absorb_all_(steps, refines, scratch, finite)
+        absorbed = step.state.memory.absorb_all_(steps, refines, scratch, finite, send)
         for b, each in zip(singles, absorbed):
             b.matrices[0].absorbed = each
     return known, send
