@@ -153,11 +153,19 @@ def _gram_schmidt_(stack: torch.Tensor, epsilon: float) -> None:
 
 
 def _column_norms(stack: torch.Tensor) -> torch.Tensor:
-    """Column norms that neither underflow nor overflow, in float32 or wider."""
-    wide = torch.float32 if stack.dtype in _HALF else stack.dtype
-    scale = stack.abs().amax(dim=1, keepdim=True).to(wide)
+    """Column norms that neither underflow nor overflow, in float32 or wider.
+
+    They decide, not divide: a float32 or half-precision stack's are taken in float64, which
+    holds every square (two operations, where scaling each column by its peak took eight).
+    """
+    if stack.dtype == torch.float32 or stack.dtype in _HALF:
+        wide: torch.Tensor = torch.linalg.vector_norm(
+            stack, dim=1, keepdim=True, dtype=torch.float64
+        )
+        return wide.to(torch.float32)
+    scale = stack.abs().amax(dim=1, keepdim=True)
     scale = scale.masked_fill(scale == 0, 1.0)
-    norms: torch.Tensor = torch.linalg.vector_norm(stack.to(wide) / scale, dim=1, keepdim=True)
+    norms: torch.Tensor = torch.linalg.vector_norm(stack / scale, dim=1, keepdim=True)
     return norms * scale
 
 
@@ -166,17 +174,22 @@ def _safe_norm(col: torch.Tensor, epsilon: float) -> torch.Tensor:
     wide = torch.float32 if col.dtype in _HALF else None
     norm = torch.linalg.vector_norm(col, dim=1, keepdim=True, dtype=wide)
     # Squares of very small or very large values underflow to 0 or overflow to inf; only there
-    # is the norm scaled by the column's peak used, so ordinary columns are divided exactly as
-    # PyTorch divides them. The scaled norm is NaN only for a zero column (0/0), which is
-    # divided by 1 (or epsilon), and for one holding inf or NaN, which stays non-finite. Ten
-    # operations a column, where each is a kernel launch on a GPU: the test that the norm is
-    # neither 0, inf nor NaN is one of its logarithm's magnitude.
-    peak = torch.linalg.vector_norm(col, math.inf, dim=1, keepdim=True, dtype=wide)
-    scaled = torch.linalg.vector_norm(col / peak, dim=1, keepdim=True).mul_(peak)
-    fill = 1.0 if epsilon <= 0 else 0.0
-    scaled = scaled.nan_to_num_(nan=fill, posinf=math.inf)
-    norm = torch.where(norm.log().abs() < math.inf, norm, scaled)
-    return norm.add_(epsilon) if epsilon > 0 else norm
+    # is another norm used, so ordinary columns are divided exactly as PyTorch divides them.
+    # That norm is NaN only for a column holding inf or NaN, which stays non-finite; a zero
+    # column is divided by the smallest positive value (or epsilon), and stays zero. Seven
+    # operations a column in float32, where each is a kernel launch on a GPU.
+    if norm.dtype == torch.float32:
+        # float64 holds the square of every float32 value, and float32 its norm when finite.
+        safe = torch.linalg.vector_norm(col, dim=1, keepdim=True, dtype=torch.float64)
+        safe = safe.to(torch.float32)
+    else:  # nothing wider: the norm of the column scaled by its peak
+        peak = torch.linalg.vector_norm(col, math.inf, dim=1, keepdim=True)
+        safe = torch.linalg.vector_norm(col / peak, dim=1, keepdim=True).mul_(peak)
+        safe = safe.nan_to_num_(nan=0.0, posinf=math.inf)  # a zero column's 0/0
+    norm = torch.where(norm.nan_to_num(posinf=0.0) > 0, norm, safe)
+    if epsilon > 0:
+        return norm.add_(epsilon)
+    return norm.clamp_min_(torch.finfo(norm.dtype).smallest_normal * torch.finfo(norm.dtype).eps)
 
 
 def _householder_(stack: torch.Tensor) -> None:
