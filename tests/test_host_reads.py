@@ -102,6 +102,34 @@ def test_no_hook_reads_a_value_back_before_the_last_bucket_of_a_step():
         assert sum(out["allreduce"]) == 0  # its callbacks ran inside the calls, as with NCCL
 
 
+def _large_bucket_reads(rank: int, world_size: int) -> dict[str, list[int]]:
+    from ddp_utils import IN, OUT, batches, make_ddp, make_mlp, train
+
+    out = {}
+    for name in ("fp16", "bf16"):
+        make_state, hook = _hooks()[name]
+        # 200 x 200 weights: buckets past the size from which a CPU bucket carries a flag
+        # element read back (hooks/_half.py); as on a GPU, none may be read here.
+        ddp = make_ddp(make_mlp(widths=(IN, *(200,) * 5, OUT)), bucket_cap_mb=0.00001)
+        reads, per_call = _Reads(), []
+        ddp.register_comm_hook(make_state(), _counting(hook, reads.total, per_call))
+        with comm.completing_inline():
+            train(ddp, batches(rank, 2))
+            per_call.clear()
+            with reads:
+                train(ddp, batches(rank, 1))
+        out[name] = list(per_call)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_large_half_precision_buckets_read_nothing_before_the_last_as_on_a_gpu():
+    for out in run_on_ranks(_large_bucket_reads, 2, timeout=110):
+        for name, per_call in out.items():
+            assert len(per_call) >= 6, (name, per_call)
+            assert per_call[:-1] == [0] * (len(per_call) - 1), (name, per_call)
+
+
 def _collectives_per_call(rank: int, world_size: int) -> dict[str, list[int]]:
     from ddp_utils import batches, make_ddp, make_mlp, train
 

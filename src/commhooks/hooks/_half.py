@@ -121,10 +121,11 @@ def _cast_down(buffer: torch.Tensor, dtype: torch.dtype, world: int) -> tuple[to
     are rounded one after another and may overflow although every value is finite: the flag
     is left 0 and the summed bucket is read instead (:func:`all_finite`). So it is on an
     accelerator (there that reading is one kernel queued with the rest, CUDA's unscaling
-    kernel has no bfloat16, and the H100 showed no gain from the flag for float16), and for
-    a small bucket (see ``_FLAGGED_FROM``).
+    kernel has no bfloat16, and the H100 showed no gain from the flag for float16), for a
+    CPU bucket that takes a GPU's branch (:func:`commhooks._reads.as_on_a_gpu`, in tests),
+    and for a small bucket (see ``_FLAGGED_FROM``).
     """
-    if buffer.device.type != "cpu" or buffer.numel() < _FLAGGED_FROM:
+    if not _reads.are_free(buffer) or buffer.numel() < _FLAGGED_FROM:
         return buffer.to(dtype, copy=True).div_(world), False
     numel = buffer.numel()
     sent = -(-(numel + 1) // _SENT_MULTIPLE) * _SENT_MULTIPLE
