@@ -75,21 +75,30 @@ def _hooks() -> dict[str, tuple[Callable[[], Any], Callable[..., Any]]]:
     }
 
 
-def _reads_in_a_step(rank: int, world_size: int) -> dict[str, list[int]]:
+def _reads_per_call(
+    rank: int, names: list[str], widths: tuple[int, ...], warm_up: int
+) -> dict[str, list[int]]:
+    """The reads of each hook call in one step, with GPU's control flow, one bucket a
+    parameter; ``warm_up`` steps first (past the handshake, DDP's rebuild, PowerSGD's start)."""
     from ddp_utils import batches, make_ddp, make_mlp, train
 
     out = {}
-    for name, (make_state, hook) in _hooks().items():
-        ddp = make_ddp(make_mlp(widths=_MANY_BUCKETS), bucket_cap_mb=0.00001)
+    for name in names:
+        make_state, hook = _hooks()[name]
+        ddp = make_ddp(make_mlp(widths=widths), bucket_cap_mb=0.00001)
         reads, per_call = _Reads(), []
         ddp.register_comm_hook(make_state(), _counting(hook, reads.total, per_call))
         with comm.completing_inline():
-            train(ddp, batches(rank, 4))  # past the handshake, DDP's rebuild and PowerSGD's start
+            train(ddp, batches(rank, warm_up))
             per_call.clear()
             with reads:
                 train(ddp, batches(rank, 1))
         out[name] = list(per_call)
     return out
+
+
+def _reads_in_a_step(rank: int, world_size: int) -> dict[str, list[int]]:
+    return _reads_per_call(rank, list(_hooks()), _MANY_BUCKETS, 4)
 
 
 @pytest.mark.timeout(120)
@@ -103,23 +112,11 @@ def test_no_hook_reads_a_value_back_before_the_last_bucket_of_a_step():
 
 
 def _large_bucket_reads(rank: int, world_size: int) -> dict[str, list[int]]:
-    from ddp_utils import IN, OUT, batches, make_ddp, make_mlp, train
+    from ddp_utils import IN, OUT
 
-    out = {}
-    for name in ("fp16", "bf16"):
-        make_state, hook = _hooks()[name]
-        # 200 x 200 weights: buckets past the size from which a CPU bucket carries a flag
-        # element read back (hooks/_half.py); as on a GPU, none may be read here.
-        ddp = make_ddp(make_mlp(widths=(IN, *(200,) * 5, OUT)), bucket_cap_mb=0.00001)
-        reads, per_call = _Reads(), []
-        ddp.register_comm_hook(make_state(), _counting(hook, reads.total, per_call))
-        with comm.completing_inline():
-            train(ddp, batches(rank, 2))
-            per_call.clear()
-            with reads:
-                train(ddp, batches(rank, 1))
-        out[name] = list(per_call)
-    return out
+    # 200 x 200 weights: buckets past the size from which a CPU bucket carries a flag element
+    # read back (hooks/_half.py); as on a GPU, none may be read here.
+    return _reads_per_call(rank, ["fp16", "bf16"], (IN, *(200,) * 5, OUT), 2)
 
 
 @pytest.mark.timeout(120)
