@@ -229,6 +229,20 @@ def _clipped_without_reading(rank):
     return out, len(caught)
 
 
+def _float16_bucket_through_the_wrapper(rank, world_size):
+    inf = float("inf")
+    grads = torch.tensor([1.0, inf, -inf, 65504.0, -2.5], dtype=torch.float16)
+    hook = commhooks.fp16_compress_wrapper(commhooks.noop_hook)
+    return grads, hook(None, FakeBucket([grads.clone()])).wait()
+
+
+def test_fp16_wrapper_keeps_a_float16_buckets_infinities():
+    # A float16 model's bucket is cast to itself: no copy, and nothing beyond float16's range;
+    # its own inf must reach a loss scaler as inf, not clipped to 65504 in place.
+    for grads, out in run_on_ranks(_float16_bucket_through_the_wrapper, 1):
+        assert torch.equal(out, grads)
+
+
 @pytest.mark.timeout(120)
 def test_the_accelerator_logic_keeps_every_promise():
     for out in run_on_ranks(_promises_on_an_accelerator, 2):

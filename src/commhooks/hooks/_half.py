@@ -286,7 +286,9 @@ def saturating_cast(buffer: torch.Tensor, dtype: torch.dtype, owner: str) -> tor
     host wait for the device at every bucket): three more passes, with a boolean mask.
     """
     low = buffer.to(dtype)
-    if dtype != torch.float16:  # bfloat16 has float32's range
+    # bfloat16 has float32's range; a float16 bucket has nothing beyond it, and ``low`` is the
+    # bucket itself, whose own infinities a clip would turn into +-65504 for good.
+    if dtype != torch.float16 or buffer.dtype == dtype:
         return low
     if _reads.are_free(low):
         if all_finite(low):
