@@ -17,6 +17,7 @@ operator per hook call shows where a GPU's host would wait:
 
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -169,3 +170,34 @@ def test_finite_each_reads_every_tensors_finiteness_at_once():
     ]
     assert finiteness.finite_each(tensors) == [True, False, False, True, True]
     assert finiteness.finite_each([]) == []
+
+
+def test_held_checks_answer_every_bucket_with_one_read_at_the_first_question():
+    from commhooks import finiteness
+
+    held = finiteness.HeldChecks()
+    owners = [object() for _ in range(4)]
+    inf = float("inf")
+    held.hold(owners[0], torch.ones(3), torch.ones(2))
+    held.hold(owners[1], torch.ones(3), torch.tensor([1.0, inf]))  # its second tensor
+    held.hold(owners[2], torch.tensor([float("nan")]))
+    held.hold(owners[3], torch.full((8,), 2.0, dtype=torch.float16))
+    answers, batched = [], []
+    real = finiteness.finite_each
+    with mock.patch.object(
+        finiteness, "finite_each", lambda ts: batched.append(len(ts)) or real(ts)
+    ):
+        for owner in owners:
+            answers.append(held.finite(owner))
+            assert batched == [6], batched  # one batched check of all 6 tensors, at the first
+    assert answers == [True, False, False, True]
+    with pytest.raises(RuntimeError, match="never held"):
+        held.finite(owners[0])  # answered once: its step has moved on
+    # A step abandoned before its questions: its answers go with the next settling.
+    held.hold(owners[0], torch.ones(1))
+    held.hold(owners[1], torch.ones(1))
+    assert held.finite(owners[0])
+    held.hold(owners[2], torch.tensor([inf]))
+    assert not held.finite(owners[2])
+    with pytest.raises(RuntimeError, match="never held"):
+        held.finite(owners[1])

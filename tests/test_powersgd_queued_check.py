@@ -1,8 +1,9 @@
-"""PowerSGD's finiteness check as on a GPU: queued behind the collective, read in the follow-up.
+"""PowerSGD's finiteness check as on a GPU: held with the step's others, read in the follow-up.
 
-On CUDA the total that decides whether a bucket falls back to plain allreduce is formed (and
-copied to pinned host memory) when the collective's future completes, and read by the
-follow-up, which is held until the step's last bucket. Here CPU tensors take that path
+On CUDA the check that decides whether a bucket falls back to plain allreduce is held when the
+collective's future completes (``finiteness.HeldChecks``), and answered at the first follow-up
+that asks, which is held until the step's last bucket: every bucket's check in one batched
+reduction and one read. Here CPU tensors take that path
 (``finiteness.queues`` answers yes) under ``comm.completing_inline()``, which completes futures
 and holds follow-ups as NCCL does.
 """
@@ -23,18 +24,23 @@ _WIDTHS = (IN, 48, 48, 48, OUT)  # matrices to compress, one bucket a parameter
 
 @contextlib.contextmanager
 def _queued_as_on_a_gpu(events: list[str]):
-    """Queue every check; record when each is made and read."""
+    """Hold every check as on a GPU; record when each is held, asked for, and when the held
+    checks are settled (one batched reduction and one read)."""
 
-    class Recorded(finiteness.QueuedFiniteness):
-        def __init__(self, *tensors: torch.Tensor) -> None:
-            super().__init__(*tensors)
+    class Recorded(finiteness.HeldChecks):
+        def hold(self, owner: object, *tensors: torch.Tensor) -> None:
             events.append("made")
+            super().hold(owner, *tensors)
 
-        def all_finite(self, latest=None) -> bool:
+        def finite(self, owner: object) -> bool:
             events.append("read")
-            return super().all_finite(latest)
+            return super().finite(owner)
 
-    with comm.completing_inline(), mock.patch.object(finiteness, "QueuedFiniteness", Recorded):
+        def _settle(self) -> None:
+            events.append("settle")
+            super()._settle()
+
+    with comm.completing_inline(), mock.patch.object(finiteness, "HeldChecks", Recorded):
         yield
 
 
@@ -100,8 +106,11 @@ def test_every_bucket_queues_its_check_before_the_step_s_first_follow_up_reads_o
             for events in compressing:
                 buckets = events.count("made")
                 assert buckets >= 3, events  # several buckets, each with its own check
-                # Held until the last bucket: every check queued before any is read.
-                assert events == ["made"] * buckets + ["read"] * buckets, events
+                # Held until the last bucket: every check held before any is asked for, and
+                # all of them answered at the first question, with one read.
+                assert events == ["made"] * buckets + ["read", "settle"] + ["read"] * (
+                    buckets - 1
+                ), events
 
 
 @pytest.mark.timeout(120)
@@ -121,7 +130,7 @@ def test_a_queued_check_falls_back_to_plain_allreduce_with_memory_and_factors_un
         for single in (False, True):
             out, exact, kept, events = per_rank["non-finite", single, True]
             plain_out, _, _, _ = per_rank["non-finite", single, False]
-            assert events == ["made", "read"] * 2  # each call queued its check, then read it
+            assert events == ["made", "read", "settle"] * 2  # each call's check, read at once
             assert exact and kept
             assert torch.isinf(out[3]) and torch.isfinite(torch.cat([out[:3], out[4:]])).all()
             assert torch.equal(out, plain_out)

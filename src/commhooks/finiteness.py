@@ -18,7 +18,7 @@ import torch
 
 from commhooks import _reads
 
-__all__ = ["QueuedFiniteness", "finite_each", "queues"]
+__all__ = ["HeldChecks", "QueuedFiniteness", "finite_each", "queues"]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -62,6 +62,46 @@ class QueuedFiniteness:
             return True
         flags = torch.stack([torch.isfinite(t).all() for t in self.tensors]).all()
         return _read(_queued(flags)) != 0
+
+
+class HeldChecks:
+    """Finiteness checks held until the first one is asked for, then answered all at once.
+
+    On a GPU a hook's decisions wait for the step's last bucket anyway (see
+    :func:`commhooks.comm.holds_follow_ups`). Queued one bucket at a time, each check costs
+    the host a reduction, a pinned buffer, a copy to the host and an event; held here, the
+    step's checks are one batched reduction and one read (:func:`finite_each`), at the first
+    decision, and the others find their answers made. Where decisions follow each bucket at
+    once (FSDP2's modules), each question settles the checks held so far, its own among them.
+    Call from one thread (the hooks' issuer), as its decisions run.
+    """
+
+    def __init__(self) -> None:
+        self._held: list[tuple[object, tuple[torch.Tensor, ...]]] = []
+        self._answers: dict[int, tuple[object, bool]] = {}
+
+    def hold(self, owner: object, *tensors: torch.Tensor) -> None:
+        """Hold ``owner``'s check that every element of ``tensors`` is finite."""
+        self._held.append((owner, tensors))
+
+    def finite(self, owner: object) -> bool:
+        """Whether ``owner``'s tensors are all finite; settles every check held, if its own
+        is not answered yet."""
+        if id(owner) not in self._answers:
+            self._settle()
+        answer = self._answers.pop(id(owner), None)
+        if answer is None:
+            raise RuntimeError("a finiteness check was asked for that was never held")
+        return answer[1]
+
+    def _settle(self) -> None:
+        held, self._held = self._held, []
+        # Answers left from an earlier settling belong to steps abandoned since: dropped.
+        self._answers = {}
+        each = iter(finite_each([t for _, tensors in held for t in tensors]))
+        for owner, tensors in held:
+            verdicts = [next(each) for _ in tensors]  # every one taken, in order
+            self._answers[id(owner)] = (owner, all(verdicts))
 
 
 def finite_each(tensors: list[torch.Tensor]) -> list[bool]:

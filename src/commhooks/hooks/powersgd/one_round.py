@@ -32,7 +32,7 @@ def one_round(step: BucketStep) -> "Future[torch.Tensor]":
     unc = step.vector_numel()
     _, send = stages.first_factors(step, single=True)  # compensated, then factors
     averaged = comm.average(send, step.group)
-    if finiteness.queues(send):  # on a GPU: the check queued behind the collective
+    if finiteness.queues(send):  # on a GPU: the check held with the step's others
         averaged = comm.then(averaged, lambda done: _queue_check(step, done))
     checked = step.follow_up(averaged, lambda result: _unless_finite(step, result))
     return comm.then(checked, lambda done: _approximate(step, done, unc))

@@ -14,6 +14,7 @@ carries them all; a batch's factor is a ``(batch, rows, rank)`` view into such a
 """
 
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -147,6 +148,7 @@ class BucketStep:
     _made: list[torch.Tensor] = field(default_factory=list)
     starts: torch.Tensor | None = None  # the starting Q, with warm start (see project)
     _finite: finiteness.QueuedFiniteness | None = None
+    _held: bool = False  # its check is held with the step's others (see queue_check)
 
     def scratch(self) -> torch.Tensor:
         """One block's worth of working memory for the blocked products, made once per call."""
@@ -184,12 +186,21 @@ class BucketStep:
         return self.state.issuer.then(after, then, *options)
 
     def queue_check(self, *tensors: torch.Tensor) -> None:
-        """Form the total :meth:`finite` reads next, now (see :mod:`commhooks.finiteness`)."""
-        self._finite = finiteness.QueuedFiniteness(*tensors)
+        """The check :meth:`finite` answers next, started now: on a GPU held with the step's
+        other buckets' and answered with them in one read (:class:`finiteness.HeldChecks`);
+        on a CPU their total, formed now (:class:`finiteness.QueuedFiniteness`)."""
+        if tensors and finiteness.queues(tensors[0]):
+            self._held = True
+            _held_checks(self.state.issuer).hold(self, *tensors)
+        else:
+            self._finite = finiteness.QueuedFiniteness(*tensors)
 
     def finite(self, *tensors: torch.Tensor) -> bool:
-        """Whether ``tensors`` (reduced: the same on every rank) are all finite: from the total
-        :meth:`queue_check` formed, if it did, else read now (on a CPU, where that is free)."""
+        """Whether ``tensors`` (reduced: the same on every rank) are all finite: from the check
+        :meth:`queue_check` started, if it did, else read now (on a CPU, where that is free)."""
+        if self._held:
+            self._held = False
+            return _held_checks(self.state.issuer).finite(self)
         queued, self._finite = self._finite, None
         return (queued or finiteness.QueuedFiniteness(*tensors)).all_finite()
 
@@ -205,6 +216,21 @@ class BucketStep:
             self.writeback()
         comm.used_on_current_stream(self._made)
         return self.buffer
+
+
+_checks: "weakref.WeakKeyDictionary[comm.OrderedIssuer, finiteness.HeldChecks]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _held_checks(issuer: comm.OrderedIssuer | None) -> finiteness.HeldChecks:
+    """The held checks of the buckets whose decisions ``issuer`` runs."""
+    if issuer is None:
+        raise RuntimeError("PowerSGD's finiteness check needs the state's issuer; none was made.")
+    held = _checks.get(issuer)
+    if held is None:
+        held = _checks[issuer] = finiteness.HeldChecks()
+    return held
 
 
 # -- error feedback ------------------------------------------------------------------------------

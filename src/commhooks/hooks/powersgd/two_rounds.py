@@ -63,7 +63,7 @@ def _second_round(
     p: torch.Tensor,
     q: torch.Tensor,
 ) -> "Future[torch.Tensor]":
-    """From the summed ``P``: its finiteness queued (see :mod:`commhooks.finiteness`), then
+    """From the summed ``P``: its finiteness check started (:meth:`BucketStep.queue_check`), then
     ``Q = Mᵀ P`` (:func:`stages.project`, which touches neither the bucket nor the memory) and
     its sum, issued whether ``P`` was finite or not: a step that was not finite sends a ``Q``
     for nothing and then falls back (:func:`_decide`)."""
