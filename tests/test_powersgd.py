@@ -798,6 +798,13 @@ def test_one_column_is_pytorchs_where_its_norm_is_ordinary_and_safe_elsewhere(dt
         assert torch.equal(out[2], torch.zeros_like(out[2]))
         assert not torch.isfinite(out[3]).all() and not torch.isfinite(out[4]).all()
         assert torch.equal(out[5:], lowrank.orthogonalize_(m[5:].clone(), epsilon=eps).double())
+    # Where denormals are flushed to zero a zero column still comes back zero, not 0/0.
+    if torch.set_flush_denormal(True):
+        try:
+            zero = lowrank.orthogonalize_(torch.zeros(2, 16, 2, dtype=dtype))
+        finally:
+            torch.set_flush_denormal(False)
+        assert torch.equal(zero, torch.zeros_like(zero))
     counted, stack = _CountOps(), m.clone()
     with counted:
         lowrank.orthogonalize_(stack)

@@ -176,7 +176,7 @@ def _safe_norm(col: torch.Tensor, epsilon: float) -> torch.Tensor:
     # Squares of very small or very large values underflow to 0 or overflow to inf; only there
     # is another norm used, so ordinary columns are divided exactly as PyTorch divides them.
     # That norm is NaN only for a column holding inf or NaN, which stays non-finite; a zero
-    # column is divided by the smallest positive value (or epsilon), and stays zero. Seven
+    # column is divided by the smallest normal value (or epsilon), and stays zero. Seven
     # operations a column in float32, where each is a kernel launch on a GPU.
     if norm.dtype == torch.float32:
         # float64 holds the square of every float32 value, and float32 its norm when finite.
@@ -189,7 +189,9 @@ def _safe_norm(col: torch.Tensor, epsilon: float) -> torch.Tensor:
     norm = torch.where(norm.nan_to_num(posinf=0.0) > 0, norm, safe)
     if epsilon > 0:
         return norm.add_(epsilon)
-    return norm.clamp_min_(torch.finfo(norm.dtype).smallest_normal * torch.finfo(norm.dtype).eps)
+    # Not a subnormal divisor: where denormals are flushed to zero (torch.set_flush_denormal)
+    # it would be 0, and a zero column NaN. A column of subnormal values only comes out shorter.
+    return norm.clamp_min_(torch.finfo(norm.dtype).smallest_normal)
 
 
 def _householder_(stack: torch.Tensor) -> None:
