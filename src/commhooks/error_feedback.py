@@ -483,15 +483,15 @@ class LazyErrorFeedback(ErrorFeedback):
         """
         if finite and lowrank.accumulates_together([step[1] for step in steps]):
             return self._absorb_together(steps, refine_q)
-        together = (
-            sent_in is not None and not finite and len(steps) > 1 and not _reads.are_free(sent_in)
-        )
+        once = None  # where all the factors are marked at once, if they are
+        if sent_in is not None and not finite and len(steps) > 1 and not _reads.are_free(sent_in):
+            once = sent_in
         absorbed = [
-            self.absorb_(key, gradient, known, sent, refines, scratch, finite, not together)
+            self.absorb_(key, gradient, known, sent, refines, scratch, finite, once is None)
             for (key, gradient, known, sent), refines in zip(steps, refine_q)
         ]
-        if together and sent_in is not None:
-            mark_non_finite_([step[1] for step in steps], sent_in)
+        if once is not None:
+            mark_non_finite_([step[1] for step in steps], once)
         return absorbed
 
     def _absorb_together(
