@@ -71,6 +71,7 @@ __all__ = [
     "poll",
     "polls",
     "resolve_group",
+    "size",
     "then",
     "unheld_follow_ups",
     "when_done",
@@ -147,6 +148,18 @@ def backend_for_device(group: dist.ProcessGroup | None, device_type: str) -> str
 def world_size(group: dist.ProcessGroup | None) -> int:
     """Number of ranks in ``group`` (``None``: the default group)."""
     return dist.get_world_size(group)
+
+
+_sizes: "weakref.WeakKeyDictionary[dist.ProcessGroup, int]" = weakref.WeakKeyDictionary()
+
+
+def size(group: dist.ProcessGroup) -> int:
+    """``group.size()``, remembered: a group's size never changes, and asking the backend for
+    it costs the host about a microsecond, which a hook would pay once a bucket."""
+    known = _sizes.get(group)
+    if known is None:
+        known = _sizes[group] = group.size()
+    return known
 
 
 def group_rank(group: dist.ProcessGroup | None) -> int:
@@ -758,13 +771,13 @@ def average(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.Ten
     the summed sparse tensor) because that is DDP's own arithmetic: results are bitwise
     identical to training without a hook, at any world size.
     """
-    return allreduce(_scaled_for_average(tensor, group.size()), group)
+    return allreduce(_scaled_for_average(tensor, size(group)), group)
 
 
 def average_polled(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.Tensor]":
     """:func:`average`, its future completed by this thread's :func:`poll` rather than in a
     callback on the backend's thread (where :func:`polls` says so)."""
-    issued = _issue_sum(_scaled_for_average(tensor, group.size()), group)
+    issued = _issue_sum(_scaled_for_average(tensor, size(group)), group)
     out: Future[list[torch.Tensor]] = Future()
     _polled().add(issued, lambda fut: _forward(fut, out))
     # A future derived with ``then`` fails as a real error when the collective failed; one

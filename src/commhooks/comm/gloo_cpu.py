@@ -115,10 +115,22 @@ def sums(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
     floating-point dtype. Depends on nothing that may differ between ranks."""
     return (
         tensor.is_floating_point()
+        and _is_pair(group)
         and (tensor.dtype in _HALVES or tensor.numel() * tensor.element_size() <= SMALL_BYTES)
-        and group.size() == 2
         and takes(tensor, group)
     )
+
+
+_pairs: "weakref.WeakKeyDictionary[dist.ProcessGroup, bool]" = weakref.WeakKeyDictionary()
+
+
+def _is_pair(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` is two ranks on gloo, remembered (asked once a bucket, and neither can
+    change for a group)."""
+    known = _pairs.get(group)
+    if known is None:
+        known = _pairs[group] = group.size() == 2 and "gloo" in str(dist.get_backend(group))
+    return known
 
 
 def takes(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from commhooks import _reads, comm, cpu_kernels, finiteness
+from commhooks import _reads, comm, cpu_kernels
 from commhooks._warnings import warn_once
 from commhooks.hooks._held_sums import held_sums
 
@@ -75,18 +75,19 @@ def average_in(
     # adding each as it arrives, with torch's kernels, where gloo's allreduce adds half
     # precision in scalar code: the same bits and bytes in about 0.6x of the time on loopback,
     # with 4 MiB of scratch space (gloo's allreduce takes 2 MiB).
-    world = group.size()
+    world = comm.size(group)
+    if not _reads.are_free(buffer):  # on a GPU: checked with the step's other buckets
+        low = buffer.to(dtype, copy=True).div_(world)
+        repair = _Repair(buffer, world, issuer.group, owner, flagged=False)
+        summed = comm.issue_allreduce(low, group)
+        return held_sums(issuer).file(buffer, summed, repair.rounds, last_bucket)
     low, flagged = _cast_down(buffer, dtype, world)
     repair = _Repair(buffer, world, issuer.group, owner, flagged)
     devices, hold = comm.follow_up_options(buffer, last_bucket)
-    rounds = (repair.resend_overflowed, repair.resend_bucket)
-    if finiteness.queues(buffer) and not flagged:  # checked with the step's other buckets
-        summed = comm.issue_allreduce(low, group)
-        done = held_sums(issuer).file(buffer, summed, rounds, devices, hold)
-    elif not polled:  # the first round in the sum's own callback
-        done = comm.allreduce_rounds(low, group, issuer, rounds, devices, hold)
+    if not polled:  # the first round in the sum's own callback
+        done = comm.allreduce_rounds(low, group, issuer, repair.rounds(), devices, hold)
     else:  # on this thread, at this bucket or a later one
-        done = comm.allreduce_rounds(low, group, issuer, rounds, devices, polled=True)
+        done = comm.allreduce_rounds(low, group, issuer, repair.rounds(), devices, polled=True)
         comm.poll(last_bucket)
     # ``done`` is completed by hand. A future derived from it with ``then`` fails as a real
     # error when a collective failed, which DDP reports with the backend's message; the hand-made
@@ -119,13 +120,14 @@ def _cast_down(buffer: torch.Tensor, dtype: torch.dtype, world: int) -> tuple[to
     no pass over it: one rank adds nothing, and on two each value, halved, is at most half the
     dtype's largest, so their one rounded addition stays finite. With more ranks, partial sums
     are rounded one after another and may overflow although every value is finite: the flag
-    is left 0 and the summed bucket is read instead (:func:`all_finite`). So it is on an
-    accelerator (there that reading is one kernel queued with the rest, CUDA's unscaling
-    kernel has no bfloat16, and the H100 showed no gain from the flag for float16), for a
-    CPU bucket that takes a GPU's branch (:func:`commhooks._reads.as_on_a_gpu`, in tests),
-    and for a small bucket (see ``_FLAGGED_FROM``).
+    is left 0 and the summed bucket is read instead (:func:`all_finite`). So it is for a
+    small bucket (see ``_FLAGGED_FROM``). Only CPU buckets come here: on an accelerator the
+    sums are checked together at the step's last bucket (one kernel queued with the rest;
+    CUDA's unscaling kernel has no bfloat16, and the H100 showed no gain from the flag for
+    float16), and so are CPU buckets that take a GPU's branch
+    (:func:`commhooks._reads.as_on_a_gpu`, in tests).
     """
-    if not _reads.are_free(buffer) or buffer.numel() < _FLAGGED_FROM:
+    if buffer.numel() < _FLAGGED_FROM:
         return buffer.to(dtype, copy=True).div_(world), False
     numel = buffer.numel()
     sent = -(-(numel + 1) // _SENT_MULTIPLE) * _SENT_MULTIPLE
@@ -186,6 +188,10 @@ class _Repair:
         self.flagged = flagged
         self.sums: torch.Tensor | None = None
         self.where: torch.Tensor | None = None
+
+    def rounds(self) -> tuple[comm.Round, comm.Round]:
+        """The two rounds, in order, for :meth:`commhooks.comm.OrderedIssuer.rounds`."""
+        return (self.resend_overflowed, self.resend_bucket)
 
     def _finite(self, summed: torch.Tensor) -> bool:
         """Whether the summed bucket is all finite (see :func:`_cast_down`)."""

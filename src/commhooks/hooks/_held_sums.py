@@ -16,7 +16,7 @@ Hook modules must not use ``from __future__ import annotations``: DDP rejects st
 """
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -36,7 +36,7 @@ class _Filed:
     buffer: torch.Tensor
     summed: "Future[list[torch.Tensor]]"  # the collective's own: [the sum]
     out: "Future[torch.Tensor]"
-    rounds: Sequence[comm.Round]
+    rounds: Callable[[], Sequence[comm.Round]]
     devices: list[torch.device]
 
 
@@ -51,12 +51,13 @@ class HeldSums:
         self,
         buffer: torch.Tensor,
         summed: "Future[list[torch.Tensor]]",
-        rounds: Sequence[comm.Round],
-        devices: list[torch.device],
-        hold: bool,
+        rounds: Callable[[], Sequence[comm.Round]],
+        last_bucket: bool,
     ) -> "Future[torch.Tensor]":
-        """Hold ``buffer``'s ``summed`` until a bucket filed without ``hold``; the future holds
-        ``buffer`` with the average cast back, or the average ``rounds`` made instead."""
+        """Hold ``buffer``'s ``summed`` until a bucket whose follow-ups are not held
+        (:func:`commhooks.comm.follow_up_options`); the future holds ``buffer`` with the average
+        cast back, or the average that ``rounds()`` (made only for a sum that is not finite)
+        made instead."""
         # A bucket filed again before its step finished was abandoned with that step (DDP
         # reuses its buffers): it is dropped, so that no stale sum lands in the new one.
         ptr = buffer.data_ptr()
@@ -64,11 +65,15 @@ class HeldSums:
         if stale is not None:
             abandoned = RuntimeError("a bucket's average was abandoned with its step")
             stale.out.set_exception(cast(Any, abandoned))
+        devices, hold = comm.follow_up_options(buffer, last_bucket)
         out: Future[torch.Tensor] = comm.new_future(devices)
         self._filed[ptr] = _Filed(buffer, summed, out, rounds, devices)
         if not hold:
             self.finish()
-        return out
+        # ``out`` is completed by hand. A future derived from it with ``then`` fails as a real
+        # error when a collective failed, which DDP reports with the backend's message; the
+        # hand-made one would hold the exception as a value, which DDP fails to read as a tensor.
+        return comm.then(out, _value)
 
     @property
     def pending(self) -> int:
@@ -98,7 +103,7 @@ class HeldSums:
 
     def _repair(self, each: _Filed, summed: torch.Tensor) -> None:
         """The repair rounds of a sum that is not finite, issued now, in the issuer's order."""
-        repaired = self._issuer.rounds(comm.completed(summed), each.rounds, each.devices)
+        repaired = self._issuer.rounds(comm.completed(summed), each.rounds(), each.devices)
         comm.when_done(repaired, lambda fut: _forward(fut, each.out))
 
 
@@ -106,6 +111,10 @@ def _first(summed: torch.Tensor, numel: int) -> torch.Tensor:
     """The sum's first ``numel`` elements: itself where it has no more (a view costs the host
     a microsecond a bucket, and on a GPU a sum is the bucket's size)."""
     return summed if summed.numel() == numel else summed[:numel]
+
+
+def _value(fut: "Future[torch.Tensor]") -> torch.Tensor:
+    return fut.value()
 
 
 def _forward(src: "Future[torch.Tensor]", dst: "Future[torch.Tensor]") -> None:
