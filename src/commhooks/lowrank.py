@@ -292,9 +292,11 @@ def _blocked(matrix: torch.Tensor) -> bool:
 
     On a CPU a block stays in cache between the operations fused over it. A GPU streams whole
     matrices at its full memory bandwidth, and there each block would only add kernel
-    launches (a 4096 x 4096 float32 matrix is 32 blocks): it takes each matrix in one piece.
+    launches (a 4096 x 4096 float32 matrix is 32 blocks): it takes each matrix in one piece,
+    and so does a CPU matrix that takes a GPU's branch (:func:`commhooks._reads.as_on_a_gpu`:
+    tests, and the host cost a GPU pays measured on a CPU).
     """
-    return matrix.device.type == "cpu"
+    return _reads.are_free(matrix)
 
 
 def accumulate_left_factor_(
