@@ -503,3 +503,24 @@ def test_a_process_that_exits_right_after_an_exchange_exits_cleanly(tmp_path):
         for proc in procs:
             out, _ = proc.communicate(timeout=60)
             assert proc.returncode == 0 and "done" in out and "terminate" not in out, out
+
+
+def _group_facts(rank, world_size):
+    # Sizes and "two gloo ranks" are remembered per group: each group answers for itself.
+    pair = dist.new_group([0, 1])  # made on every rank; rank 2 is outside it
+    alone = dist.new_group([rank])
+    world = dist.group.WORLD
+    out = []
+    for _ in range(2):  # asked again, from memory
+        out.append((comm.size(world), comm.size(alone), gloo_cpu.sums(torch.ones(3), world)))
+    if rank < 2:
+        out.append((comm.size(pair), gloo_cpu.sums(torch.ones(3), pair)))
+        out.append(gloo_cpu.sums(torch.ones(3, dtype=torch.int64), pair))  # integers never
+    return out
+
+
+def test_a_groups_size_and_pairing_are_its_own_and_stay_so():
+    for rank, out in enumerate(run_on_ranks(_group_facts, 3)):
+        assert out[0] == out[1] == (3, 1, False)
+        if rank < 2:
+            assert out[2] == (2, True) and out[3] is False

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import commhooks
-from commhooks import comm
+from commhooks import _reads, comm, lowrank
 from commhooks.testing import run_on_ranks
 
 _READ = torch.ops.aten._local_scalar_dense.default
@@ -201,3 +201,13 @@ def test_held_checks_answer_every_bucket_with_one_read_at_the_first_question():
     assert not held.finite(owners[2])
     with pytest.raises(RuntimeError, match="never held"):
         held.finite(owners[1])
+
+
+def test_powersgds_passes_over_a_cpu_matrix_go_whole_as_on_a_gpu():
+    # Blocks of rows are a CPU's way (cache); the GPU's branch takes each matrix whole, and so
+    # must a CPU matrix that stands for a GPU's, or the host cost measured would not be a GPU's.
+    matrix = torch.zeros(8, 4)
+    assert lowrank._blocked(matrix)
+    with _reads.as_on_a_gpu():
+        assert not lowrank._blocked(matrix)
+    assert lowrank._blocked(matrix)
