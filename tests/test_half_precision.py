@@ -265,6 +265,29 @@ def test_the_accelerator_logic_keeps_every_promise():
         assert warned == 0  # counting the clipped values would mean reading back
 
 
+def test_a_held_bucket_whose_collective_failed_fails_alone_and_as_a_real_error():
+    # Each held bucket's future is derived from its step's gate: a failed sum raises on that
+    # bucket's future (DDP then reports the backend's error), and the others hold their buffers.
+    from commhooks.hooks._held_sums import HeldSums
+
+    held = HeldSums(comm.OrderedIssuer())
+    buffers = [torch.full((3,), 5.0 + i) for i in range(3)]
+    failed: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+    failed.set_exception(RuntimeError("NCCL error: the peer went away"))
+    sums = [comm.completed([torch.zeros(3)]), failed, comm.completed([torch.ones(3)])]
+    with comm.completing_inline():
+        outs = [
+            held.file(b, s, lambda: (), last_bucket=i == 2)
+            for i, (b, s) in enumerate(zip(buffers, sums))
+        ]
+    assert all(out.done() for out in outs) and held.pending == 0
+    assert outs[0].wait() is buffers[0] and torch.equal(buffers[0], torch.zeros(3))
+    assert outs[2].wait() is buffers[2] and torch.equal(buffers[2], torch.ones(3))
+    with pytest.raises(RuntimeError, match="the peer went away"):
+        outs[1].wait()
+    assert torch.equal(buffers[1], torch.full((3,), 6.0))  # left as it was
+
+
 # ----------------------------------------------------------------------------------------------
 # A peer killed by SIGKILL: the backend's error, not a failure to read the hook's result
 # ----------------------------------------------------------------------------------------------
