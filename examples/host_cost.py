@@ -22,9 +22,16 @@ with our hooks inside :func:`commhooks.comm.completing_inline`, so that they tak
 branches (follow-ups held until the last bucket, checks kept on the device). There the
 PowerSGD rows are measured with one bucket and with many; on gloo PyTorch's PowerSGD with
 several buckets hangs, so they use one.
+
+``--ops`` also counts, per step over no hook, the operations each side dispatches (on a GPU,
+each is a kernel launch at most; views launch none) and the time ours spends inside
+multi-tensor operations (``torch._foreach_*``). A CPU runs those as a loop over their tensors,
+one kernel each, where a GPU launches one fused kernel for many tensors: the ratio without that
+time is closer to what a GPU's host pays.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -40,6 +47,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_default
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import commhooks
 from commhooks import comm, inline_group
@@ -142,6 +150,57 @@ def _timed(name: str, cap: float, args: argparse.Namespace) -> list[float]:
     return times
 
 
+class _OpCounter(TorchDispatchMode):
+    """Counts the operations dispatched, and times the multi-tensor ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+        self.multi_tensor_s = 0.0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops += 1
+        if not func.__name__.startswith("_foreach_"):
+            return func(*args, **(kwargs or {}))
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        self.multi_tensor_s += time.perf_counter() - start
+        return out
+
+
+def count_ops(name: str, cap: float, args: argparse.Namespace) -> tuple[float, float]:
+    """Operations dispatched per step by hook ``name``'s DDP step, and seconds per step
+    inside multi-tensor operations (as :func:`time_steps` runs it)."""
+    inline = args.backend == "inline" and not name.startswith("torch_")
+    counter = _OpCounter()
+    with comm.completing_inline() if inline else contextlib.nullcontext():
+        ddp = DDP(_model(args.layers, args.width), bucket_cap_mb=cap)
+        attach = HOOKS[name]
+        if attach is not None:
+            attach(ddp)
+        batch = torch.randn(args.batch, args.width)
+        for step in range(args.warmup + args.steps):
+            with counter if step >= args.warmup else contextlib.nullcontext():
+                ddp(batch).sum().backward()
+            for p in ddp.parameters():
+                p.grad = None
+    return counter.ops / args.steps, counter.multi_tensor_s / args.steps
+
+
+def add_ops(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """Each row's operations per step over no hook, both sides, and the ratio without the
+    time ours spends in multi-tensor operations (see the module's note)."""
+    for row in rows:
+        cap = row["bucket_cap_mb"]
+        base, _ = count_ops("no_hook", cap, args)
+        ours, multi_s = count_ops(row["hook"], cap, args)
+        theirs, _ = count_ops(row["against"], cap, args)
+        row["ours_ops"], row["theirs_ops"] = ours - base, theirs - base
+        row["ours_multi_tensor_ms"] = multi_s * 1e3
+        fused = row["ours_ms"] - row["ours_multi_tensor_ms"]
+        row["ratio_fused"] = fused / row["theirs_ms"] if row["theirs_ms"] > 0 else float("inf")
+
+
 def measure(rows: list[Row], args: argparse.Namespace) -> dict[tuple[str, float], float]:
     """Median step time of every (hook, bucket size) the rows need, rounds interleaved."""
     runs = sorted(
@@ -190,6 +249,16 @@ def _print(rows: list[dict[str, Any]], buckets: dict[float, int]) -> None:
         )
 
 
+def _print_ops(rows: list[dict[str, Any]]) -> None:
+    head = ("hook", "against", "ours ops", "theirs ops", "ours _foreach_ ms", "ratio without")
+    print("\n{:24} {:16} {:>8} {:>10} {:>17} {:>13}".format(*head))
+    for r in rows:
+        print(
+            f"{r['hook']:24} {r['against']:16} {r['ours_ops']:8.0f} {r['theirs_ops']:10.0f} "
+            f"{r['ours_multi_tensor_ms']:17.3f} {r['ratio_fused']:13.2f}"
+        )
+
+
 def bucket_count(cap: float, args: argparse.Namespace) -> int:
     """How many buckets DDP makes of the model at ``cap`` once it has rebuilt them."""
     ddp = DDP(_model(args.layers, args.width), bucket_cap_mb=cap)
@@ -227,6 +296,11 @@ def main(argv: list[str] | None = None) -> int:
         "--only", help="comma-separated hooks of ours: measure only their rows", default=""
     )
     parser.add_argument(
+        "--ops",
+        action="store_true",
+        help="also count operations per step and the time in multi-tensor operations",
+    )
+    parser.add_argument(
         "--backend",
         choices=("gloo", "inline"),
         default="gloo",
@@ -245,9 +319,13 @@ def main(argv: list[str] | None = None) -> int:
             chosen = [r for r in rows_of if not args.only or r.ours in args.only.split(",")]
             buckets = {cap: bucket_count(cap, args) for cap in {r.bucket_cap_mb for r in chosen}}
             rows = table(chosen, measure(chosen, args))
+            if args.ops:
+                add_ops(rows, args)
         finally:
             dist.destroy_process_group()
     _print(rows, buckets)
+    if args.ops:
+        _print_ops(rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "args": vars(args), "rows": rows}, f, indent=1)

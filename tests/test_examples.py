@@ -347,3 +347,30 @@ def test_host_cost_on_the_inline_backend_adds_powersgd_with_many_buckets(tmp_pat
     assert found["args"]["backend"] == "inline" and ("bf16", 0.004) not in rows
     assert ("power_sgd", 0.004) in rows and ("power_sgd", 4096.0) in rows
     assert all(r["met"] == (r["ratio"] <= r["goal"]) for r in found["rows"])
+
+
+def test_host_cost_counts_operations_and_multi_tensor_time_where_asked(tmp_path):
+    script = str(EXAMPLES / "host_cost.py")
+    out = tmp_path / "host.json"
+    argv = ["--layers", "6", "--steps", "3", "--warmup", "3", "--rounds", "1", "--ops"]
+    printed = run(
+        [
+            sys.executable,
+            script,
+            *argv,
+            "--backend",
+            "inline",
+            "--only",
+            "fp16",
+            "--json",
+            str(out),
+        ],
+        ROOT,
+    )
+    (row,) = json.loads(out.read_text())["rows"]
+    # fp16: a cast, a division and a sum a bucket at least; PyTorch's adds its copy back.
+    assert 0 < row["ours_ops"] and 0 < row["theirs_ops"]
+    assert row["ours_multi_tensor_ms"] > 0  # the step's batched check and copy
+    fused = (row["ours_ms"] - row["ours_multi_tensor_ms"]) / row["theirs_ms"]
+    assert abs(row["ratio_fused"] - fused) < 1e-9
+    assert "ratio without" in printed
