@@ -13,12 +13,13 @@ Nothing here communicates.
 """
 
 import math
+import weakref
 
 import torch
 
 from commhooks import _reads
 
-__all__ = ["HeldChecks", "QueuedFiniteness", "finite_each", "queues"]
+__all__ = ["HeldChecks", "QueuedFiniteness", "finite_each", "held_for", "queues"]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -102,6 +103,18 @@ class HeldChecks:
         for owner, tensors in held:
             verdicts = [next(each) for _ in tensors]  # every one taken, in order
             self._answers[id(owner)] = (owner, all(verdicts))
+
+
+_held: "weakref.WeakKeyDictionary[object, HeldChecks]" = weakref.WeakKeyDictionary()
+
+
+def held_for(decider: object) -> HeldChecks:
+    """The held checks of the buckets whose decisions ``decider`` runs (a hook's issuer: its
+    decisions run on one thread, in order), made at the first call; kept while it lives."""
+    held = _held.get(decider)
+    if held is None:
+        held = _held[decider] = HeldChecks()
+    return held
 
 
 def finite_each(tensors: list[torch.Tensor]) -> list[bool]:

@@ -14,7 +14,6 @@ carries them all; a batch's factor is a ``(batch, rows, rank)`` view into such a
 """
 
 import math
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -218,19 +217,11 @@ class BucketStep:
         return self.buffer
 
 
-_checks: "weakref.WeakKeyDictionary[comm.OrderedIssuer, finiteness.HeldChecks]" = (
-    weakref.WeakKeyDictionary()
-)
-
-
 def _held_checks(issuer: comm.OrderedIssuer | None) -> finiteness.HeldChecks:
     """The held checks of the buckets whose decisions ``issuer`` runs."""
     if issuer is None:
         raise RuntimeError("PowerSGD's finiteness check needs the state's issuer; none was made.")
-    held = _checks.get(issuer)
-    if held is None:
-        held = _checks[issuer] = finiteness.HeldChecks()
-    return held
+    return finiteness.held_for(issuer)
 
 
 # -- error feedback ------------------------------------------------------------------------------

@@ -12,9 +12,11 @@ Per bucket, in two phases (the scheme of ZeRO++'s qgZ and torchft's quantized al
    the same on every rank, bit for bit.
 
 A block holding inf or NaN gives the gathered result a scale that is not finite; deciding that
-reads a check back to the host, which on a GPU waits for the device: the check is queued right
-behind the all-gather and read by a decision held until the step's last bucket
-(:func:`commhooks.comm.holds_follow_ups`), so that the host waits once a step, not once a bucket.
+reads a check back to the host, which on a GPU waits for the device: the check is held with
+the step's other buckets' (:func:`commhooks.finiteness.held_for`) and answered together, one
+batched reduction and one read, at the first decision, which is held until the step's last
+bucket (:func:`commhooks.comm.holds_follow_ups`), so that the host waits once a step, not
+once a bucket.
 
 Each rank sends ``2 (p - 1) / p`` of the bucket at ``bits`` per element plus a float32 scale
 per block: with the default 256-element blocks, 0.254 (int8) or 0.129 (int4) of what a
@@ -144,8 +146,8 @@ def _reduce_and_share(
     state: QuantizationState, work: Workspace, queued: bool
 ) -> torch.futures.Future[torch.Tensor]:
     """Phase 2: the owner's pass (:func:`_reduce`), then the all-gather on the issuer's group;
-    where the follow-ups are held (on a GPU), the check of the gathered scales is queued right
-    behind it, so that the held decision reads it without waiting for anything else."""
+    where the follow-ups are held (on a GPU), the check of the gathered scales is held with
+    the step's others, answered together at the first decision."""
     _reduce(state, work)
     assert state.issuer is not None, "begin() made the issuer"
     gathered = comm.all_gather_into(work.gathered, work.own_packet, state.issuer.group)
@@ -154,7 +156,8 @@ def _reduce_and_share(
 
     def queue_check(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
         gathered = fut.value()  # raises here if the all-gather failed
-        work.check = state.latest_check = finiteness.QueuedFiniteness(work.scales)
+        finiteness.held_for(state.issuer).hold(work, work.scales)
+        work.held = True
         return gathered
 
     return comm.then(gathered, queue_check)
@@ -166,10 +169,7 @@ def _decode_or_resend(
     """Phase 3: decode every row into the bucket and keep the errors, or, if a scale is not
     finite (the same bytes, so the same answer, on every rank), send the bucket again plainly."""
     fmt, layout = state.settings.format, work.layout
-    check, work.check = work.check, None
-    if check is None:
-        check = finiteness.QueuedFiniteness(work.scales)
-    if check.all_finite(state.latest_check):
+    if _scales_finite(state, work):
         places = None if layout.in_order else layout.places()
         blocks.decode_into_(work.gathered, fmt, buffer, work.levels, places)
         state.commit(work)
@@ -178,6 +178,20 @@ def _decode_or_resend(
     assert state.issuer is not None, "begin() made the issuer"
     averaged = comm.average(buffer, state.issuer.group)
     return comm.then(averaged, lambda fut: _warn_if_finite(fut.value()))
+
+
+def _scales_finite(state: QuantizationState, work: Workspace) -> bool:
+    """Whether every gathered scale is finite: from the step's held checks, answered together
+    at the first decision (one batched reduction and one read), where the check was held;
+    otherwise read now (on a CPU, where that is free)."""
+    if not work.held:
+        return finiteness.QueuedFiniteness(work.scales).all_finite()
+    work.held = False
+    if finiteness.held_for(state.issuer).finite(work):
+        return True
+    # The held check is a norm, which finite scales beyond about 1e19 overflow: looked at
+    # once more, element by element, on this rare path only.
+    return bool(torch.isfinite(work.scales).all())
 
 
 def _warn_if_finite(averaged: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from commhooks import comm, finiteness, handshake, place
+from commhooks import comm, handshake, place
 from commhooks._warnings import warn_once
 from commhooks.error_feedback import ErrorFeedback, Key
 from commhooks.hooks._bucket import GradBucket
@@ -240,8 +240,9 @@ class Workspace:
         self.addition: tuple[torch.Tensor, torch.Tensor] | None = None
         self.first: torch.Generator | None = None
         self.second: torch.Generator | None = None
-        # The check of the gathered scales, where it was queued behind the all-gather.
-        self.check: finiteness.QueuedFiniteness | None = None
+        # Whether the check of the gathered scales is held with the step's others (on a GPU:
+        # :func:`commhooks.finiteness.held_for`), to be answered at the first decision.
+        self.held = False
 
     @property
     def rows(self) -> torch.Tensor:
@@ -317,7 +318,6 @@ class QuantizationState(HookState):
         "_generators",
         "_world",
         "_rank",
-        "latest_check",
     )
 
     def __init__(
@@ -341,9 +341,6 @@ class QuantizationState(HookState):
         self._reloaded: str | None = None  # how a load mid-run changed the handshake's fields
         self._generators: list[torch.Generator] = []
         self._world, self._rank = 1, 0  # the checked group's, set by prepare()
-        # The scales check the hook queued last (where its decisions are held): the first of a
-        # step's decisions to find its own check not done yet waits for this one instead.
-        self.latest_check: finiteness.QueuedFiniteness | None = None
         self.error.check_before_use()  # unpickled memories are checked as loaded ones are
         self.owner_error.check_before_use()
 
