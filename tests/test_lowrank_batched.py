@@ -123,3 +123,60 @@ def test_absorb_all_equals_one_absorb_per_matrix(shape, monkeypatch):
         assert together.pending_ranks() == apart.pending_ranks()
     assert len(passes) == 7  # each step took the batched pass
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(together.items(), apart.items()))
+
+
+def _absorb_unchecked(memory, grads, factors, together):
+    """One step as on a GPU's branch: the gradients unchecked, every factor in one flat buffer
+    marked at once (batched), or one call per matrix each marking its own factor."""
+    from commhooks.error_feedback import mark_non_finite_
+
+    n, m = grads[0].shape
+    r = factors[0][0].shape[1]
+    flat = torch.zeros(len(grads) * max(n, m) * r)
+    steps, refines = [], []
+    for i, (g, (p, qt)) in enumerate(zip(grads, factors)):
+        right = i % 2 == 0
+        room = flat[i * max(n, m) * r :]
+        sent = room[: m * r].view(r, m).t() if right else room[: n * r].view(n, r)
+        steps.append((i, g, p if right else qt.t(), sent))
+        refines.append(right)
+    scratch = torch.empty(lowrank.scratch_elements(grads[0], 2))
+    if together:
+        memory.absorb_all_(steps, refines, scratch, sent_in=flat)
+    else:
+        for (k, g, known, sent), right in zip(steps, refines):
+            memory.absorb_(k, g, known, sent, right, scratch, mark=False)
+        mark_non_finite_(grads, flat)
+    for i, (p, qt) in enumerate(factors):
+        memory.defer_(i, p, qt)
+    return flat
+
+
+@pytest.mark.parametrize("shape", [(32, 32, 1), (40, 24, 2), (7, 13, 2)])
+def test_absorb_all_on_a_gpus_branch_equals_one_absorb_per_matrix(shape, monkeypatch):
+    from commhooks import _reads
+
+    n, m, r = shape
+    gen = torch.Generator().manual_seed(n * m + r + 1)
+    passes = []
+    real = lowrank.accumulate_whole_factors_
+    monkeypatch.setattr(lowrank, "accumulate_whole_factors_", lambda p: passes.append(1) or real(p))
+    together, apart = LazyErrorFeedback("test"), LazyErrorFeedback("test")
+    together.max_pending_rank = apart.max_pending_rank = 3 * r  # folds every few steps
+    with _reads.as_on_a_gpu():
+        for step in range(7):
+            grads = [torch.randn(n, m, generator=gen) for _ in range(5)]
+            if step == 3:  # a non-finite step: added as zeros there, and every factor marked
+                grads[2][1, 1], grads[4][0, 2] = float("inf"), float("nan")
+            factors = [
+                (torch.randn(n, r, generator=gen), torch.randn(r, m, generator=gen)) for _ in grads
+            ]
+            mine = _absorb_unchecked(together, [g.clone() for g in grads], factors, True)
+            theirs = _absorb_unchecked(apart, [g.clone() for g in grads], factors, False)
+            assert torch.equal(mine.isnan(), theirs.isnan())
+            assert torch.equal(mine.nan_to_num(), theirs.nan_to_num())
+            assert mine.isnan().all() == (step == 3)
+            assert together.pending_ranks() == apart.pending_ranks()
+    assert len(passes) == 7
+    items = zip(together.items(), apart.items())
+    assert all(torch.equal(a, b) and torch.isfinite(a).all() for (_, a), (_, b) in items)

@@ -483,24 +483,27 @@ class LazyErrorFeedback(ErrorFeedback):
         """
         if finite and lowrank.accumulates_together([step[1] for step in steps]):
             return self._absorb_together(steps, refine_q)
-        once = None  # where all the factors are marked at once, if they are
         if sent_in is not None and not finite and len(steps) > 1 and not _reads.are_free(sent_in):
-            once = sent_in
-        absorbed = [
-            self.absorb_(key, gradient, known, sent, refines, scratch, finite, once is None)
+            # A GPU's branch: whole matrices, checked on the device; all the factors are
+            # marked at once.
+            absorbed = self._absorb_together(steps, refine_q, checked=False)
+            mark_non_finite_([step[1] for step in steps], sent_in)
+            return absorbed
+        return [
+            self.absorb_(key, gradient, known, sent, refines, scratch, finite)
             for (key, gradient, known, sent), refines in zip(steps, refine_q)
         ]
-        if once is not None:
-            mark_non_finite_([step[1] for step in steps], once)
-        return absorbed
 
     def _absorb_together(
         self,
         steps: Sequence[tuple[Key, torch.Tensor, torch.Tensor, torch.Tensor]],
         refine_q: Sequence[bool],
+        checked: bool = True,
     ) -> list[Absorbed]:
-        """:meth:`absorb_` of finite gradients, their passes made by one call to
-        :func:`lowrank.accumulate_factors_`; the memories' bookkeeping is :meth:`absorb_`'s."""
+        """:meth:`absorb_` of many gradients, their passes made by one call to the compressor:
+        :func:`lowrank.accumulate_factors_` for finite ones on a CPU (``checked``), or
+        :func:`lowrank.accumulate_whole_factors_` on a GPU's branch, which adds non-finite
+        elements as zeros; the memories' bookkeeping is :meth:`absorb_`'s."""
         absorbed: list[Absorbed] = []
         passes: list[lowrank.AccumulatePass] = []
         for (key, gradient, known, sent), refines in zip(steps, refine_q):
@@ -510,7 +513,10 @@ class LazyErrorFeedback(ErrorFeedback):
             passes.append((memory, gradient, pending, folds, known, sent, refines))
             folded = pending if folds else None
             absorbed.append(Absorbed(key, gradient, memory, created, folded, memory.shape[0]))
-        lowrank.accumulate_factors_(passes)
+        if checked:
+            lowrank.accumulate_factors_(passes)
+        else:
+            lowrank.accumulate_whole_factors_(passes)
         return absorbed
 
     def defer_all_(self, products: Sequence[tuple[Key, torch.Tensor, torch.Tensor]]) -> None:

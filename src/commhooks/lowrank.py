@@ -446,6 +446,33 @@ def accumulate_factors_(passes: Sequence[AccumulatePass]) -> None:
             out.addmm_(p0, torch.mm(q0t, known), alpha=-1)
 
 
+def accumulate_whole_factors_(passes: Sequence[AccumulatePass]) -> None:
+    """:func:`accumulate_left_factor_` or :func:`accumulate_right_factor_` of each pass, on a
+    GPU's branch (whole matrices, unchecked: a non-finite element is added as zero, for the
+    caller to mark), and its pending product deducted from ``sent``.
+
+    The same operations on each matrix as those passes, in one call: every memory takes its
+    cleaned matrix in one batched addition (one kernel on a GPU for many small matrices, the
+    same elementwise sums), then each matrix's products follow as they do there, so the results
+    are those passes' bits with fewer launches and less of the host's time per matrix.
+    """
+    if not passes:
+        return
+    cleaned = [each[1].nan_to_num(nan=0.0, posinf=0.0, neginf=0.0) for each in passes]
+    torch._foreach_add_([each[0] for each in passes], cleaned)
+    for memory, _, pending, folds, known, sent, right in passes:
+        if folds and pending is not None:
+            memory.addmm_(pending[0], pending[1], alpha=-1)
+        if right:  # sent = Q (stored as Qᵀ) = memoryᵀ P, from known = P
+            torch.mm(known.t(), memory, out=sent.t())
+            if pending is not None and not folds:
+                deduct_pending_right_(sent.t(), pending, known)
+        else:  # sent = P = memory Q, from known = Q
+            torch.mm(memory, known, out=sent)
+            if pending is not None and not folds:
+                deduct_pending_left_(sent, pending, known.t())
+
+
 def deduct_pending_left_(
     out: torch.Tensor, pending: tuple[torch.Tensor, torch.Tensor], qt: torch.Tensor
 ) -> None:
