@@ -13,8 +13,18 @@ def _strided_views(count: int, n: int, m: int, gen: torch.Generator) -> list[tor
     return [buffer[i * (n * m + 7) : i * (n * m + 7) + n * m].view(n, m) for i in range(count)]
 
 
+@pytest.mark.parametrize("whole", [False, True], ids=["cpu", "gpu_branch"])
 @pytest.mark.parametrize("shape", [(32, 32, 1), (40, 24, 2), (16, 64, 4), (24, 24, 6)])
-def test_reconstruct_all_and_products_into_equal_one_call_per_matrix(shape):
+def test_reconstruct_all_and_products_into_equal_one_call_per_matrix(shape, whole, monkeypatch):
+    # On a GPU's branch (whole matrices) small ones take batched products too; on a CPU their
+    # kernel keeps one product's bits per matrix.
+    batched = []
+    if whole:
+        monkeypatch.setattr(lowrank, "_blocked", lambda matrix: False)
+        for name in ("_reconstruct_small_", "_products_small_"):
+            real = getattr(lowrank, name)
+            spy = lambda *a, real=real, name=name: batched.append(name) or real(*a)  # noqa: E731
+            monkeypatch.setattr(lowrank, name, spy)
     n, m, r = shape
     gen = torch.Generator().manual_seed(n + m + r)
     views = _strided_views(5, n, m, gen)
@@ -35,6 +45,7 @@ def test_reconstruct_all_and_products_into_equal_one_call_per_matrix(shape):
         expected = torch.empty_like(out)
         lowrank.product_into(expected, p[i], qt[i])
         assert torch.equal(out, expected)
+    assert batched == (["_reconstruct_small_", "_products_small_"] if whole else [])
 
 
 def test_unpack_remembering_and_compensate_all_equal_their_per_tensor_forms():

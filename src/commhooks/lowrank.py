@@ -642,10 +642,11 @@ def reconstruct_all_(
     """:func:`reconstruct_` of each matrix of each group from its ``P`` and ``Qᵀ``; ``errors``
     (if given) has one tensor per matrix, in the groups' order.
 
-    Matrices that fit one block of rows on a CPU are approximated with one batched product
-    (whose kernel computes each matrix's product exactly as one product per matrix does) and
+    Matrices that fit one block of rows are approximated with batched products (on a CPU
+    their kernel computes each matrix's product exactly as one product per matrix does) and
     their errors and results written with one batched operation each: per matrix, a step would
-    otherwise pay three operations' fixed cost, which on small matrices is most of the work.
+    otherwise pay three operations' fixed cost (three launches on a GPU), which on small
+    matrices is most of the work.
     """
     at = 0
     for matrices, p, qt in groups:
@@ -654,7 +655,7 @@ def reconstruct_all_(
         if not matrices:
             continue
         first = matrices[0]
-        if len(matrices) == 1 or not _blocked(first) or _block_rows(first) < first.shape[0]:
+        if len(matrices) == 1 or _block_rows(first) < first.shape[0]:
             for i, matrix in enumerate(matrices):
                 reconstruct_(matrix, p[i], qt[i], None if mine is None else mine[i], scratch)
             continue
@@ -667,9 +668,7 @@ def _reconstruct_small_(
     qt: torch.Tensor,
     errors: list[torch.Tensor] | None,
 ) -> None:
-    # Chunks of a few blocks' bytes bound the batched product's memory.
-    first = matrices[0]
-    chunk = max(1, 4 * _BLOCK_BYTES // max(1, first.numel() * first.element_size()))
+    chunk = _small_chunk(matrices[0])
     for start in range(0, len(matrices), chunk):
         end = min(start + chunk, len(matrices))
         approx = list(torch.bmm(p[start:end], qt[start:end]).unbind(0))
@@ -684,15 +683,20 @@ def products_into(groups: Sequence[Reconstruction]) -> None:
 
     Matrices that fit one block of rows on a CPU are written from one batched pass over the
     group's stacks, which computes each element as :func:`product_into` does (the same sum of
-    outer products for a thin ``P``, or the same product), then copied with one operation.
+    outer products for a thin ``P``, or the same product), then copied with one operation. On
+    a GPU's branch such matrices take batched products, a few blocks' bytes at a time, and
+    the same copy: a few launches for the group instead of one a matrix.
     """
     for matrices, p, qt in groups:
         if not matrices:
             continue
         first = matrices[0]
-        if len(matrices) == 1 or not _blocked(first) or _block_rows(first) < first.shape[0]:
+        if len(matrices) == 1 or _block_rows(first) < first.shape[0]:
             for i, matrix in enumerate(matrices):
                 product_into(matrix, p[i], qt[i])
+            continue
+        if not _blocked(first):
+            _products_small_(list(matrices), p, qt)
             continue
         rank = p.shape[2]
         if rank > _OUTER_RANK:
@@ -702,6 +706,21 @@ def products_into(groups: Sequence[Reconstruction]) -> None:
             for k in range(1, rank):
                 approx.addcmul_(p[:, :, k : k + 1], qt[:, k : k + 1])
         torch._foreach_copy_(list(matrices), list(approx.unbind(0)))
+
+
+def _products_small_(matrices: list[torch.Tensor], p: torch.Tensor, qt: torch.Tensor) -> None:
+    """``matrix = P Qᵀ`` for small matrices of one shape: batched products, copied into place."""
+    chunk = _small_chunk(matrices[0])
+    for start in range(0, len(matrices), chunk):
+        end = min(start + chunk, len(matrices))
+        approx = torch.bmm(p[start:end], qt[start:end])
+        torch._foreach_copy_(matrices[start:end], list(approx.unbind(0)))
+
+
+def _small_chunk(matrix: torch.Tensor) -> int:
+    """How many matrices like ``matrix`` one batched product takes: a few blocks' bytes, which
+    bound the memory it allocates."""
+    return max(1, 4 * _BLOCK_BYTES // max(1, matrix.numel() * matrix.element_size()))
 
 
 def unpack_remembering_(
