@@ -714,7 +714,7 @@ def all_to_all(
     send (see :func:`~commhooks.comm.gloo_cpu.all_to_all`). On a group of one rank nothing
     travels: ``out`` becomes ``tensor`` (nothing to do where they are one), at once.
     """
-    if group.size() == 1:
+    if size(group) == 1:
         return _kept_here(out, tensor)
     with _issuing("all_to_all_single", tensor):
         done: Future[Any] | None = gloo_cpu.all_to_all(out, tensor, group)
@@ -733,7 +733,7 @@ def all_gather_into(
     :func:`~commhooks.comm.gloo_cpu.all_gather_into`): the same bytes leave each rank as in
     gloo's ring. On a group of one rank nothing travels: ``out`` becomes ``tensor``, at once.
     """
-    if group.size() == 1:
+    if size(group) == 1:
         return _kept_here(out, tensor)
     with _issuing("all_gather_into_tensor", tensor):
         done: Future[Any] | None = gloo_cpu.all_gather_into(out, tensor, group)

@@ -34,7 +34,7 @@ def two_rounds(step: BucketStep) -> "Future[torch.Tensor]":
     in slot order. The decision takes the next slot.
     """
     group = step.group
-    world = group.size()
+    world = comm.size(group)
     packed = stages.compensate(step)  # M = gradient + remembered error
     # The uncompressed tensors need no compression work: their average starts first.
     # PyTorch's order (sum, then divide) rather than DDP's, for the same numerics as its hook.
@@ -83,6 +83,6 @@ def _decide(step: BucketStep, packed: torch.Tensor, q: torch.Tensor) -> "Future[
     if not step.finite():
         return stages.fall_back(step)
     stages.take_vectors(step, packed)
-    q.div_(step.group.size())
+    q.div_(comm.size(step.group))
     stages.approximate(step, q)
     return comm.completed(step.write_back())
