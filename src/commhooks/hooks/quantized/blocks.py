@@ -390,9 +390,12 @@ def decode_into_(
     parts = [(packets, scratch, scratch)] if through else _decoded_parts(packets, out, scratch)
     for part, target, spare in parts:
         dequantize_(part, fmt, target, length=length, scratch=spare)
-    decoded = scratch.view(-1)
-    for _, offset, size, source in places or ():
-        out[source : source + size].copy_(decoded[offset : offset + size])
+    if places:  # one batched copy: on a GPU one launch, not one a parameter
+        decoded = scratch.view(-1)
+        torch._foreach_copy_(
+            [out[source : source + size] for _, _, size, source in places],
+            [decoded[offset : offset + size] for _, offset, size, _ in places],
+        )
 
 
 def _decoded_parts(

@@ -715,12 +715,13 @@ QuantizationOptions.__module__ = "commhooks.hooks.quantized"
 
 def _gather(found: list[torch.Tensor | None], places: tuple[torch.Tensor, ...]) -> None:
     """Put each remembered error in its place (zeros where there is none), unless it is
-    there already, as the last step's errors are."""
-    for residual, spot in zip(found, places):
-        if residual is None:
-            spot.zero_()
-        elif residual is not spot:
-            spot.copy_(residual)
+    there already, as the last step's errors are: batched, one launch each on a GPU."""
+    zeros = [spot for residual, spot in zip(found, places) if residual is None]
+    moved = [(spot, r) for r, spot in zip(found, places) if r is not None and r is not spot]
+    if zeros:
+        torch._foreach_zero_(zeros)
+    if moved:
+        torch._foreach_copy_([spot for spot, _ in moved], [r for _, r in moved])
 
 
 def _scatter(
