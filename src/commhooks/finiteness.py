@@ -79,7 +79,7 @@ class HeldChecks:
 
     def __init__(self) -> None:
         self._held: list[tuple[object, tuple[torch.Tensor, ...]]] = []
-        self._answers: dict[int, tuple[object, bool]] = {}
+        self._answers: dict[int, tuple[object, tuple[torch.Tensor, ...], bool]] = {}
 
     def hold(self, owner: object, *tensors: torch.Tensor) -> None:
         """Hold ``owner``'s check that every element of ``tensors`` is finite."""
@@ -93,7 +93,10 @@ class HeldChecks:
         answer = self._answers.pop(id(owner), None)
         if answer is None:
             raise RuntimeError("a finiteness check was asked for that was never held")
-        return answer[1]
+        _, tensors, finite = answer
+        # The batched check is a norm, which finite float32 values beyond about 1e19 overflow:
+        # a "not finite" is confirmed element by element, a read on this rare path only.
+        return finite or all(bool(torch.isfinite(t).all()) for t in tensors)
 
     def _settle(self) -> None:
         held, self._held = self._held, []
@@ -102,7 +105,7 @@ class HeldChecks:
         each = iter(finite_each([t for _, tensors in held for t in tensors]))
         for owner, tensors in held:
             verdicts = [next(each) for _ in tensors]  # every one taken, in order
-            self._answers[id(owner)] = (owner, all(verdicts))
+            self._answers[id(owner)] = (owner, tensors, all(verdicts))
 
 
 _held: "weakref.WeakKeyDictionary[object, HeldChecks]" = weakref.WeakKeyDictionary()

@@ -668,7 +668,9 @@ def _reconstruct_small_(
     qt: torch.Tensor,
     errors: list[torch.Tensor] | None,
 ) -> None:
-    chunk = _small_chunk(matrices[0])
+    # Chunks of a few blocks' bytes bound the batched product's memory.
+    first = matrices[0]
+    chunk = max(1, 4 * _BLOCK_BYTES // max(1, first.numel() * first.element_size()))
     for start in range(0, len(matrices), chunk):
         end = min(start + chunk, len(matrices))
         approx = list(torch.bmm(p[start:end], qt[start:end]).unbind(0))
@@ -696,7 +698,7 @@ def products_into(groups: Sequence[Reconstruction]) -> None:
                 product_into(matrix, p[i], qt[i])
             continue
         if not _blocked(first):
-            _products_small_(list(matrices), p, qt)
+            _reconstruct_small_(list(matrices), p, qt, None)
             continue
         rank = p.shape[2]
         if rank > _OUTER_RANK:
@@ -706,21 +708,6 @@ def products_into(groups: Sequence[Reconstruction]) -> None:
             for k in range(1, rank):
                 approx.addcmul_(p[:, :, k : k + 1], qt[:, k : k + 1])
         torch._foreach_copy_(list(matrices), list(approx.unbind(0)))
-
-
-def _products_small_(matrices: list[torch.Tensor], p: torch.Tensor, qt: torch.Tensor) -> None:
-    """``matrix = P Qᵀ`` for small matrices of one shape: batched products, copied into place."""
-    chunk = _small_chunk(matrices[0])
-    for start in range(0, len(matrices), chunk):
-        end = min(start + chunk, len(matrices))
-        approx = torch.bmm(p[start:end], qt[start:end])
-        torch._foreach_copy_(matrices[start:end], list(approx.unbind(0)))
-
-
-def _small_chunk(matrix: torch.Tensor) -> int:
-    """How many matrices like ``matrix`` one batched product takes: a few blocks' bytes, which
-    bound the memory it allocates."""
-    return max(1, 4 * _BLOCK_BYTES // max(1, matrix.numel() * matrix.element_size()))
 
 
 def unpack_remembering_(

@@ -187,11 +187,7 @@ def _scales_finite(state: QuantizationState, work: Workspace) -> bool:
     if not work.held:
         return finiteness.QueuedFiniteness(work.scales).all_finite()
     work.held = False
-    if finiteness.held_for(state.issuer).finite(work):
-        return True
-    # The held check is a norm, which finite scales beyond about 1e19 overflow: looked at
-    # once more, element by element, on this rare path only.
-    return bool(torch.isfinite(work.scales).all())
+    return finiteness.held_for(state.issuer).finite(work)
 
 
 def _warn_if_finite(averaged: torch.Tensor) -> torch.Tensor:
