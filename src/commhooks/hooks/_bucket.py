@@ -31,7 +31,9 @@ def group_state(state: Any, owner: str) -> dist.ProcessGroup:
     # exists (a GPU's host pays every call here once a bucket, while the device waits).
     if state is None:
         state = dist.group.WORLD  # None if torch.distributed is not initialised: checked below
-    if isinstance(state, dist.ProcessGroup):
+    # The exact type first: ``isinstance`` on torch's group class takes a Python-level check
+    # (about 0.2 us a bucket).
+    if type(state) is dist.ProcessGroup or isinstance(state, dist.ProcessGroup):
         handshake.once(state, owner)
         return state
     if state is not None and not isinstance(state, int):

@@ -26,6 +26,7 @@ from commhooks import comm, finiteness
 __all__ = ["HeldSums", "held_sums"]
 
 Future = torch.futures.Future
+_derive: Callable[..., Any] = torch._C.Future.then
 
 
 class _Filed:
@@ -33,16 +34,15 @@ class _Filed:
     finished, what the future DDP waits on holds (``buffer``, or what repairing made) or the
     error that fails it."""
 
-    __slots__ = ("buffer", "devices", "error", "rounds", "summed", "value")
+    __slots__ = ("buffer", "error", "rounds", "summed", "value")
 
     def __init__(
         self,
         buffer: torch.Tensor,
         summed: "Future[list[torch.Tensor]]",
         rounds: Callable[[], Sequence[comm.Round]],
-        devices: list[torch.device],
     ) -> None:
-        self.buffer, self.summed, self.rounds, self.devices = buffer, summed, rounds, devices
+        self.buffer, self.summed, self.rounds = buffer, summed, rounds
         self.value: torch.Tensor = buffer
         self.error: BaseException | None = None
 
@@ -72,6 +72,7 @@ class HeldSums:
         self._issuer = issuer
         self._filed: dict[int, _Filed] = {}  # by the buffer's address, in the order filed
         self._gate: Future[None] | None = None
+        self._devices: list[torch.device] = []  # the CUDA devices of the step's buckets
 
     def file(
         self,
@@ -84,20 +85,25 @@ class HeldSums:
         (:func:`commhooks.comm.follow_up_options`); the future holds ``buffer`` with the average
         cast back, or the average that ``rounds()`` (made only for a sum that is not finite)
         made instead."""
+        key = buffer.data_ptr()
         # A bucket filed again before its step finished: that step was abandoned (DDP reuses
         # its buffers), and every bucket still held from it is dropped, so that no stale sum
         # lands in a new step's buffer.
-        if buffer.data_ptr() in self._filed:
+        if key in self._filed:
             self._abandon()
-        devices, hold = comm.follow_up_options(buffer, last_bucket)
         gate = self._gate
         if gate is None:
-            gate = self._gate = comm.new_future(devices)
-        filed = self._filed[buffer.data_ptr()] = _Filed(buffer, summed, rounds, devices)
+            self._devices = comm.future_devices(buffer)
+            gate = self._gate = comm.new_future(self._devices)
+        filed = self._filed[key] = _Filed(buffer, summed, rounds)
         # Derived with ``then``: a bucket that failed fails its future as a real error, which
-        # DDP reports with the backend's message.
-        out = comm.then(gate, filed.result)
-        if not hold:
+        # DDP reports with the backend's message. Not through :func:`commhooks.comm.then`: the
+        # gate is opened on this thread, or inside a callback that function tracks already
+        # (:func:`_open_after`), which releases the gate's callbacks before its own. And
+        # torch's ``Future.then`` without its Python layer: it returns the same future (of
+        # torch's C class, as it does) in two thirds of the host time.
+        out: Future[torch.Tensor] = _derive(gate, filed.result)
+        if last_bucket or not comm.holds_follow_ups(self._devices):
             self.finish()
         return out
 
@@ -125,8 +131,11 @@ class HeldSums:
         if done:
             torch._foreach_copy_([buffer for buffer, _ in done], [s for _, s in done])
             comm.used_on_current_stream([s for _, s in done])  # made on DDP's stream
+        devices = self._devices
         repairs = [
-            self._repair(each, summed) for (each, summed), ok in zip(ready, finite) if not ok
+            self._repair(each, summed, devices)
+            for (each, summed), ok in zip(ready, finite)
+            if not ok
         ]
         _open_after(gate, repairs)
 
@@ -139,10 +148,12 @@ class HeldSums:
         if gate is not None:
             gate.set_result(None)
 
-    def _repair(self, each: _Filed, summed: torch.Tensor) -> "Future[Any]":
+    def _repair(
+        self, each: _Filed, summed: torch.Tensor, devices: list[torch.device]
+    ) -> "Future[Any]":
         """The repair rounds of a sum that is not finite, issued now, in the issuer's order;
         the future completes once ``each`` holds what they made."""
-        repaired = self._issuer.rounds(comm.completed(summed), each.rounds(), each.devices)
+        repaired = self._issuer.rounds(comm.completed(summed), each.rounds(), devices)
         return comm.then(repaired, each.settle)
 
 
