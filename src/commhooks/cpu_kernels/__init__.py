@@ -89,7 +89,10 @@ def quantize_rows(
     rounding does (``add`` included); ``False`` (nothing done) where the kernels cannot take
     these tensors."""
     rows, length = x.shape
-    if not (_rows_fit(x, rows, length) and _packets_fit(packets, rows, length, bits, block)):
+    rows_at, packets_at = _plain_rows(x, torch.float32, rows, length), None
+    if rows_at is not None:
+        packets_at = _packets_fit(packets, rows, length, bits, block)
+    if rows_at is None or packets_at is None:
         return False
     if add is not None and not _addends_fit(x, *add):
         return False
@@ -98,9 +101,8 @@ def quantize_rows(
         return False
     first, second = (None, None) if add is None else (add[0].data_ptr(), add[1].data_ptr())
     library.commhooks_quantize(
-        x.data_ptr(), x.stride(0), rows, length, block, bits,
-        packets.data_ptr(), packets.stride(0), int(keep),
-        first, second, 0 if add is None else add[0].numel(), _threads(x.numel()),
+        rows_at[0], rows_at[1], rows, length, block, bits, packets_at[0], packets_at[1],
+        int(keep), first, second, 0 if add is None else add[0].numel(), _threads(rows * length),
     )  # fmt: skip
     return True
 
@@ -123,14 +125,17 @@ def dequantize_rows(
     out_rows = 1 if add_rows else rows
     if out.dim() != 2 or not 0 <= columns <= length:
         return False
-    if not (_rows_fit(out, out_rows, columns) and _packets_fit(packets, rows, length, bits, block)):
+    out_at, packets_at = _plain_rows(out, torch.float32, out_rows, columns), None
+    if out_at is not None:
+        packets_at = _packets_fit(packets, rows, length, bits, block)
+    if out_at is None or packets_at is None:
         return False
     library = _library()
     if library is None:
         return False
     library.commhooks_dequantize(
-        packets.data_ptr(), packets.stride(0), rows, length, columns, block, bits,
-        out.data_ptr(), out.stride(0), int(add_rows), _threads(rows * columns),
+        packets_at[0], packets_at[1], rows, length, columns, block, bits,
+        out_at[0], out_at[1], int(add_rows), _threads(rows * columns),
     )  # fmt: skip
     return True
 
@@ -184,32 +189,34 @@ def _flat(t: torch.Tensor, dtype: torch.dtype, numel: int) -> bool:
     )
 
 
-def _rows_fit(x: torch.Tensor, rows: int, length: int) -> bool:
-    """``rows x length`` float32 on the CPU, each row contiguous, none overlapping another."""
-    return _plain_rows(x, torch.float32, rows, length)
+# Where a tensor the kernels take starts and its row stride: read once per call, since every
+# call pays for each read (a kernel's call a bucket, several times, on the host's path).
+_Rows = tuple[int, int]
 
 
-def _packets_fit(packets: torch.Tensor, rows: int, length: int, bits: int, block: int) -> bool:
+def _packets_fit(
+    packets: torch.Tensor, rows: int, length: int, bits: int, block: int
+) -> _Rows | None:
     """uint8 packets on the CPU, one contiguous row per row of whole even blocks, whose scales
-    are 4-byte aligned."""
+    are 4-byte aligned: where they start and their row stride, else ``None``."""
+    if bits not in (4, 8) or block % 2 or length % block:
+        return None
     size = length * bits // 8 + 4 * (length // block)
-    return (
-        bits in (4, 8)
-        and block % 2 == 0
-        and length % block == 0
-        and _plain_rows(packets, torch.uint8, rows, size)
-        and packets.stride(0) % 4 == 0
-    )
+    found = _plain_rows(packets, torch.uint8, rows, size)
+    return found if found is not None and found[1] % 4 == 0 else None
 
 
-def _plain_rows(t: torch.Tensor, dtype: torch.dtype, rows: int, length: int) -> bool:
+def _plain_rows(t: torch.Tensor, dtype: torch.dtype, rows: int, length: int) -> _Rows | None:
     """``rows x length`` of ``dtype`` on the CPU, 4-byte aligned, each row contiguous and none
-    overlapping another: what the kernels read through a pointer and a row stride. (Checked
-    on every call, a few attribute reads: the shape and strides are read once each.)"""
+    overlapping another (what the kernels read through a pointer and a row stride): where it
+    starts and its row stride, else ``None``."""
     if not t.is_cpu or t.dtype != dtype or t.requires_grad or t.shape != (rows, length):
-        return False
+        return None
     row_stride, column_stride = t.stride()
-    return (column_stride == 1 or length <= 1) and row_stride >= length and t.data_ptr() % 4 == 0
+    at = t.data_ptr()
+    if (column_stride == 1 or length <= 1) and row_stride >= length and at % 4 == 0:
+        return at, row_stride
+    return None
 
 
 def _addends_fit(x: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> bool:
@@ -230,6 +237,8 @@ def _addends_fit(x: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> 
 
 
 def _threads(elements: int) -> int:
+    if elements < 2 * _ELEMENTS_PER_THREAD:  # most calls: one thread, without asking torch
+        return 1
     return max(1, min(torch.get_num_threads(), elements // _ELEMENTS_PER_THREAD))
 
 

@@ -78,8 +78,14 @@ class QuantizationOptions(Options):
 
     @property
     def format(self) -> blocks.BlockFormat:
-        """The block format these options describe."""
-        return blocks.BlockFormat(self.bits, self.block_size)
+        """The block format these options describe (one object per format: asked several
+        times a bucket, and a frozen dataclass costs the host a microsecond to make)."""
+        return _format(self.bits, self.block_size)
+
+
+@functools.cache
+def _format(bits: int, block: int) -> blocks.BlockFormat:
+    return blocks.BlockFormat(bits, block)
 
 
 _OPTION_NAMES = frozenset(QuantizationOptions.names())  # read-only attributes of the state

@@ -96,7 +96,7 @@ def quantize_rows(
     codes, scales = _split(packets, length, bits)
     first, second = (x, x) if add is None else add  # (unread without ADD)
     width, group, grid = _shape(block, length, rows)
-    with _on(x.device):
+    with _on(x):
         kernels.quantize_kernel[grid](
             x, x.stride(0), codes, scales, packets.stride(0), scales.stride(0),
             first, second, 0 if add is None else add[0].numel(), length, length // block,
@@ -141,7 +141,7 @@ def dequantize_rows(
     width, group, grid = _shape(block, columns, 1 if add_rows else rows)
     bfloat16 = out.dtype == torch.bfloat16
     target = out.view(torch.int16) if bfloat16 else out
-    with _on(out.device):
+    with _on(out):
         kernels.decode_kernel[grid](
             codes, scales, packets.stride(0), scales.stride(0), target, out.stride(0),
             out if nonfinite is None else nonfinite, rows, columns, math.ceil(columns / block),
@@ -188,7 +188,7 @@ def requantize_rows(
     own_codes, own_scales = _split(packet, length, bits)
     width, group, grid = _shape(block, length, 1, _OWNER_TILE)
     inverse = float(np.float32(1.0) / np.float32(world))
-    with _on(out.device):
+    with _on(out):
         kernels.requantize_kernel[grid](
             codes, scales, packets.stride(0), scales.stride(0), rows, out, own_codes, own_scales,
             out if memory is None else memory, 0 if memory is None else memory.numel(),
@@ -223,15 +223,24 @@ def _qmax(bits: int) -> tuple[float, float]:
     return float(qmax), float(np.float32(1.0) / np.float32(qmax))
 
 
+# The checks below run at every launch, several a bucket, on the host's path while the GPU
+# works: they read ``is_cuda``/``is_cpu`` and ``get_device()`` rather than ``t.device``, whose
+# object costs the host a quarter of a microsecond each time it is made.
+
+
 def _reciprocal(t: torch.Tensor, asked: bool | None) -> bool:
-    return t.device.type == "cuda" if asked is None else asked
+    return t.is_cuda if asked is None else asked
 
 
-def _on(device: torch.device) -> contextlib.AbstractContextManager[None]:
-    """The CUDA device the kernels must launch on: Triton launches on the current one."""
-    if device.type != "cuda" or device.index in (None, torch.cuda.current_device()):
+def _on(t: torch.Tensor) -> contextlib.AbstractContextManager[None]:
+    """The CUDA device the kernels must launch on for ``t``: Triton launches on the current
+    one."""
+    if not t.is_cuda:
         return contextlib.nullcontext()
-    return torch.cuda.device(device)
+    index = t.get_device()
+    if index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(index)
 
 
 def _packets_fit(
@@ -264,15 +273,14 @@ def _rows_fit(
 def _plain_rows(kernels: ModuleType, t: torch.Tensor, rows: int, length: int) -> bool:
     """``rows x length`` on the kernels' device, 4-byte aligned, each row contiguous and none
     overlapping another."""
+    if not _on_kernels_device(kernels, t) or t.shape != (rows, length) or t.requires_grad:
+        return False
+    row_stride, column_stride = t.stride()
     return (
-        _on_kernels_device(kernels, t)
-        and t.dim() == 2
-        and tuple(t.shape) == (rows, length)
-        and (t.stride(1) == 1 or length <= 1)
-        and t.stride(0) >= length
+        (column_stride == 1 or length <= 1)
+        and length <= row_stride
+        and rows * row_stride < _MAX_ELEMENTS
         and t.data_ptr() % 4 == 0
-        and rows * t.stride(0) < _MAX_ELEMENTS
-        and not t.requires_grad
     )
 
 
@@ -284,7 +292,7 @@ def _addends_fit(kernels: ModuleType, x: torch.Tensor, *addends: torch.Tensor) -
         and n <= x.numel()
         and all(
             _on_kernels_device(kernels, t)
-            and t.device == x.device
+            and t.get_device() == x.get_device()
             and t.dtype == torch.float32
             and t.is_contiguous()
             and not t.requires_grad
@@ -299,7 +307,7 @@ def _flag_fits(kernels: ModuleType, flag: torch.Tensor, out: torch.Tensor) -> bo
     """One int32 element on ``out``'s device."""
     return (
         _on_kernels_device(kernels, flag)
-        and flag.device == out.device
+        and flag.get_device() == out.get_device()
         and flag.dtype == torch.int32
         and flag.numel() == 1
     )
@@ -307,7 +315,7 @@ def _flag_fits(kernels: ModuleType, flag: torch.Tensor, out: torch.Tensor) -> bo
 
 def _on_kernels_device(kernels: ModuleType, t: torch.Tensor) -> bool:
     """CUDA tensors; CPU tensors instead where the kernels run in Triton's interpreter."""
-    return t.device.type == ("cpu" if kernels.INTERPRETED else "cuda")
+    return t.is_cpu if kernels.INTERPRETED else t.is_cuda
 
 
 def _module() -> ModuleType | None:
