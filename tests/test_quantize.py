@@ -1,5 +1,7 @@
 """The quantization math of ``commhooks.quantize``, in one process: bounds, packing, formats."""
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -157,6 +159,32 @@ def test_affine_qparams_are_pytorchs_observers():
         assert torch.equal(qparams[1], zero_point.to(torch.float32))
     zeros = quantize.affine_qparams(torch.zeros(2, 4))
     assert zeros[0].tolist() == [torch.finfo(torch.float32).eps] * 2
+
+
+def test_affine_qparams_make_no_tensor_of_a_host_number():
+    # On a GPU a tensor made from a host number is a copy the host waits for, at every bucket
+    # of PyTorch's quantization drop-ins: the floor of the scale is passed as a number.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Made(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(2))
+    x[1] = 0.0
+    x[2, 0] = float("nan")
+    with Made() as made:
+        qparams = quantize.affine_qparams(x)
+    assert made.ops and "aten.lift_fresh.default" not in made.ops
+    assert qparams[0, 1].item() == torch.finfo(torch.float32).eps
+    assert torch.isnan(qparams[0, 2])  # a NaN channel's scale stays NaN, as torch.maximum's
 
 
 def test_affine_round_trip_matches_pytorchs_backend_functions():

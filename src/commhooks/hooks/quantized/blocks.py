@@ -442,8 +442,9 @@ def affine_qparams(channels: torch.Tensor) -> torch.Tensor:
     lo, hi = torch.aminmax(channels, dim=1)
     lo = torch.minimum(lo, torch.zeros_like(lo))
     hi = torch.maximum(hi, torch.zeros_like(hi))
-    eps = torch.tensor(torch.finfo(torch.float32).eps, device=channels.device)
-    scale = torch.maximum((hi - lo) / _UINT8_LEVELS, eps)
+    # The floor as a number, not a tensor made on the device: that copy from the host would
+    # wait for the device at every bucket. The same bits as ``torch.maximum`` with it (NaN too).
+    scale = ((hi - lo) / _UINT8_LEVELS).clamp_min_(torch.finfo(torch.float32).eps)
     zero_point = torch.clamp(-torch.round(lo / scale).to(torch.int), 0, 255)
     return torch.stack((scale, zero_point.to(torch.float32)))
 
