@@ -173,3 +173,41 @@ def test_finite_scales_whose_held_norm_overflows_are_not_sent_again():
     assert torch.isfinite(applied).all() and torch.equal(applied, applied1)
     exact = (g0 + g1) / 2  # within the int8 bound: two rounding steps of max|g| / 127 each
     assert ((applied - exact).abs() <= 2 * exact.abs().max() / 127).all()
+
+
+def _failed_gather(rank: int, world_size: int) -> tuple:
+    # The all-gather of bucket 1 fails as it is issued (a future already failed, as an NCCL
+    # collective's can be): that bucket fails, and the others are decided as usual.
+    from commhooks.hooks.quantized import hook
+
+    issue = comm.all_gather_into
+    calls = []
+
+    def failing(out: torch.Tensor, tensor: torch.Tensor, group: object) -> object:
+        calls.append(len(calls))
+        if len(calls) == 2:
+            failed: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+            failed.set_exception(RuntimeError("the all-gather of bucket 1 failed"))
+            return failed
+        return issue(out, tensor, group)
+
+    hook.comm.all_gather_into = failing  # type: ignore[assignment]
+    state = QuantizationState(None, bits=8, block_size=BLOCK)
+    buckets = [FakeBucket([_grad(rank, 200, i)], index=i, last=i == 2) for i in range(3)]
+    with comm.completing_inline():
+        futures = [quantized_hook(state, bucket) for bucket in buckets]
+    outcomes = []
+    for future in futures:
+        try:
+            outcomes.append(bool(torch.isfinite(future.wait()).all()))
+        except RuntimeError as error:
+            outcomes.append(str(error))
+    assert state.issuer is not None
+    return outcomes, state.issuer.pending
+
+
+def test_an_all_gather_failed_as_issued_fails_its_bucket_alone():
+    ((outcomes, pending),) = run_on_ranks(_failed_gather, 1, env=ENV)
+    assert outcomes[0] is True and outcomes[2] is True, outcomes
+    assert "the all-gather of bucket 1 failed" in outcomes[1], outcomes
+    assert pending == 0  # no slot left waiting: the next step is not held back

@@ -156,11 +156,25 @@ def _reduce_and_share(
 
     def queue_check(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
         gathered = fut.value()  # raises here if the all-gather failed
-        finiteness.held_for(state.issuer).hold(work, work.scales)
-        work.held = True
+        _hold_check(state, work)
         return gathered
 
-    return comm.then(gathered, queue_check)
+    if not gathered.done():
+        return comm.then(gathered, queue_check)
+    # Complete as it was issued (NCCL's): held now, without a callback and a future of its own;
+    # a failed all-gather is passed on by the issuer's rounds.
+    try:
+        gathered.value()
+    except BaseException:
+        return gathered
+    _hold_check(state, work)
+    return gathered
+
+
+def _hold_check(state: QuantizationState, work: Workspace) -> None:
+    """Hold the check of the gathered scales with the step's others (see the module's note)."""
+    finiteness.held_for(state.issuer).hold(work, work.scales)
+    work.held = True
 
 
 def _decode_or_resend(
