@@ -57,6 +57,9 @@ class ParameterNumbering:
 
     def numbers(self, params: Sequence[torch.Tensor]) -> tuple[int, ...]:
         """The number of each parameter of a bucket, numbering those not seen before."""
+        found = self._known(params)
+        if found is not None:  # every step after the first: all of them seen before
+            return found
         known: dict[int, int] = {}
         for p in params:
             entry = self._numbers.get(id(p))
@@ -68,6 +71,18 @@ class ParameterNumbering:
             self._numbers[id(p)] = (weakref.ref(p), self._next)
             self._next += 1
         return tuple(known[id(p)] for p in params)
+
+    def _known(self, params: Sequence[torch.Tensor]) -> tuple[int, ...] | None:
+        """The numbers of ``params`` if every one was seen before, else ``None`` (one lookup a
+        parameter: asked at every bucket of every step)."""
+        numbers = self._numbers
+        out = []
+        for p in params:
+            entry = numbers.get(id(p))
+            if entry is None or entry[0]() is not p:
+                return None
+            out.append(entry[1])
+        return tuple(out)
 
     def number_of(self, param: torch.Tensor) -> int | None:
         """The number given to ``param``, or ``None`` if it has not been seen."""
