@@ -47,7 +47,7 @@ from commhooks import _reads, comm, cpu_kernels
 from commhooks._warnings import warn_once
 from commhooks.hooks._held_sums import held_sums
 
-__all__ = ["all_finite", "average_in", "held_average", "saturating_cast"]
+__all__ = ["all_finite", "average_in", "saturating_cast"]
 
 Future = torch.futures.Future
 
@@ -75,9 +75,12 @@ def average_in(
     # adding each as it arrives, with torch's kernels, where gloo's allreduce adds half
     # precision in scalar code: the same bits and bytes in about 0.6x of the time on loopback,
     # with 4 MiB of scratch space (gloo's allreduce takes 2 MiB).
-    if not _reads.are_free(buffer):  # on a GPU: checked with the step's other buckets
-        return held_average(dtype, buffer, group, issuer, last_bucket, owner)
     world = comm.size(group)
+    if not _reads.are_free(buffer):  # on a GPU: checked with the step's other buckets
+        low = buffer.to(dtype, copy=True).div_(world)
+        repair = _Repair(buffer, world, issuer.group, owner, flagged=False)
+        summed = comm.issue_allreduce(low, group)
+        return held_sums(issuer).file(buffer, summed, repair.rounds, last_bucket)
     low, flagged = _cast_down(buffer, dtype, world)
     repair = _Repair(buffer, world, issuer.group, owner, flagged)
     devices, hold = comm.follow_up_options(buffer, last_bucket)
@@ -90,23 +93,6 @@ def average_in(
     # error when a collective failed, which DDP reports with the backend's message; the hand-made
     # one would hold the exception as a value, which DDP then fails to read as a tensor.
     return comm.then(done, _value)
-
-
-def held_average(
-    dtype: torch.dtype,
-    buffer: torch.Tensor,
-    group: dist.ProcessGroup,
-    issuer: comm.OrderedIssuer,
-    last_bucket: bool,
-    owner: str,
-) -> "Future[torch.Tensor]":
-    """:func:`average_in` on a GPU's branch: the sum issued now, then held with the step's
-    other buckets and checked with them (:mod:`commhooks.hooks._held_sums`)."""
-    world = comm.size(group)
-    low = buffer.to(dtype, copy=True).div_(world)
-    repair = _Repair(buffer, world, issuer.group, owner, flagged=False)
-    summed = comm.issue_allreduce(low, group)
-    return held_sums(issuer).file(buffer, summed, repair.rounds, last_bucket)
 
 
 def _value(fut: "Future[torch.Tensor]") -> torch.Tensor:

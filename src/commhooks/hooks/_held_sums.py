@@ -81,10 +81,10 @@ class HeldSums:
         rounds: Callable[[], Sequence[comm.Round]],
         last_bucket: bool,
     ) -> "Future[torch.Tensor]":
-        """Hold ``buffer``'s ``summed`` until a bucket whose follow-ups are not held
-        (:func:`commhooks.comm.follow_up_options`); the future holds ``buffer`` with the average
-        cast back, or the average that ``rounds()`` (made only for a sum that is not finite)
-        made instead."""
+        """Hold ``buffer``'s ``summed`` until the step's last bucket, or one whose follow-ups
+        are not held (:func:`commhooks.comm.holds_follow_ups`); the future holds ``buffer``
+        with the average cast back, or the average that ``rounds()`` (made only for a sum that
+        is not finite) made instead."""
         key = buffer.data_ptr()
         # A bucket filed again before its step finished: that step was abandoned (DDP reuses
         # its buffers), and every bucket still held from it is dropped, so that no stale sum

@@ -153,20 +153,23 @@ def _reduce_and_share(
     gathered = comm.all_gather_into(work.gathered, work.own_packet, state.issuer.group)
     if not queued:
         return gathered
-
-    def queue_check(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-        gathered = fut.value()  # raises here if the all-gather failed
-        _hold_check(state, work)
-        return gathered
-
     if not gathered.done():
-        return comm.then(gathered, queue_check)
+        return comm.then(gathered, lambda fut: _held_after(fut, state, work))
     # Complete as it was issued (NCCL's): held now, without a callback and a future of its own;
     # a failed all-gather is passed on by the issuer's rounds.
     try:
         gathered.value()
     except BaseException:
         return gathered
+    _hold_check(state, work)
+    return gathered
+
+
+def _held_after(
+    fut: torch.futures.Future[torch.Tensor], state: QuantizationState, work: Workspace
+) -> torch.Tensor:
+    """The all-gather's result, once its scales' check is held (raises if it failed)."""
+    gathered = fut.value()
     _hold_check(state, work)
     return gathered
 
