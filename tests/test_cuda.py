@@ -482,16 +482,16 @@ def test_streaming_diloco_on_cuda_tensors(backend):
 
 
 def _quantized_with_or_without_triton(rank: int, world_size: int, eager: tuple) -> tuple:
-    """Three steps of each quantized hook on a bucket of odd length; ranks in ``eager`` run
-    PyTorch's operations instead of the Triton kernels."""
+    """Three steps of each quantized hook (int8, int4, int4 packed) on a bucket of odd length;
+    ranks in ``eager`` run PyTorch's operations instead of the Triton kernels."""
     from commhooks.hooks.quantized import triton_launch
 
     if rank in eager:
         os.environ["COMMHOOKS_TRITON"] = "0"  # read when the kernels are first wanted
     device = _device(rank)
     averages, memories = [], []
-    for bits in (8, 4):
-        state = commhooks.QuantizationState(None, bits=bits, block_size=64)
+    for bits, packed in ((8, False), (4, False), (4, True)):  # packed: 13 levels, 30-bit groups
+        state = commhooks.QuantizationState(None, bits=bits, block_size=64, packed=packed)
         for step in range(3):
             gen = torch.Generator().manual_seed(100 * rank + step)
             gradient = (torch.randn(5003, generator=gen) * (1 + rank)).to(device)

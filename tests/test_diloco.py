@@ -232,6 +232,43 @@ def _registered(rank, world_size, bits, steps):
     )
 
 
+def _bench_model_syncs(rank, world_size, cycles):
+    """The bench's default model under streaming DiLoCo (its settings, int4), ``cycles`` whole
+    sync cycles of inner steps with made-up gradients: the bytes handed to collectives."""
+    from commhooks.bench.tasks import CharTransformer
+
+    torch.manual_seed(0)
+    model = CharTransformer(context=64)
+    diloco = commhooks.StreamingDiLoCo(
+        sync_every=8, fragments=4, fragment_sync_delay=1, keep_inflight_steps=True, bits=4
+    )
+    inner = torch.optim.SGD(model.parameters(), lr=1e-3)
+    diloco.attach(inner, model.named_parameters())
+    gen = torch.Generator().manual_seed(rank)
+    with comm.observe_collectives() as seen:
+        for _ in range(8 * cycles):
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=gen)
+            inner.step()
+    size = sum(p.numel() for p in model.parameters())
+    return dict(seen.calls), dict(seen.bytes), size
+
+
+def test_int4_outer_gradients_average_under_an_eighth_of_sync_every_of_allreduces_bytes():
+    from commhooks.bench.costmodel import Collectives, wire_bytes
+
+    cycles = 2
+    calls, sent, size = run_on_ranks(_bench_model_syncs, 2, cycles)[0]
+    assert calls == {"all_to_all_single": 4 * cycles, "all_gather_into_tensor": 4 * cycles}
+    steps = 8 * cycles
+    diloco = wire_bytes(Collectives(calls, sent), 2) / steps  # what a rank sends, a step
+    allreduce = wire_bytes(Collectives({"all_reduce": 1}, {"all_reduce": 4 * size}), 2)
+    # The goal: at most 1 / (8 sync_every); 13 levels packed with float32 scales per 256
+    # values take 3.875 bits a value, 0.0151 with the rows' padding (4.125 bits would be 0.0161).
+    assert diloco / allreduce <= 1 / (8 * 8)
+    assert diloco / allreduce == pytest.approx(3.875 / 32 / 8, rel=0.01)
+
+
 def test_int4_outer_gradients_send_an_eighth_and_train_like_full_precision():
     steps = 24
     quantized = run_on_ranks(_registered, 2, 4, steps)
@@ -244,9 +281,10 @@ def test_int4_outer_gradients_send_an_eighth_and_train_like_full_precision():
     full = plain[0][2]
     assert full == pytest.approx(syncs / 2 * size * 4, rel=0.01)  # float32: 4 bytes an element
     # What each collective is handed: the all-to-all every row (this rank's own too), the
-    # all-gather one, at 4 bits plus a float32 scale every 256 elements, rows padded to whole
-    # blocks (6272 and 2344 elements into 2 x 3328 and 2 x 1280): 1.5 x 9216 x 4.125 / 8.
-    assert sent == syncs / 2 * 1.5 * 9216 * 4.125 / 8
+    # all-gather one, at 3.75 bits (13 levels, eight codes to 30 bits) plus a float32 scale
+    # every 256 elements, rows padded to whole blocks (6272 and 2344 elements into 2 x 3328
+    # and 2 x 1280): 1.5 x 9216 x 3.875 / 8.
+    assert sent == syncs / 2 * 1.5 * 9216 * 3.875 / 8
     assert state["snapshot"].keys() == {n for n, _ in make_mlp().named_parameters()}
     for rank in (1,):
         for n, t in quantized[rank][5]["snapshot"].items():

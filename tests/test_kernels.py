@@ -130,6 +130,23 @@ def test_quantizing_gives_pytorchs_bits(bits, block, rows, keep_error):
 
 
 @needs_compiler
+@pytest.mark.parametrize("block", [32, 64, 256])
+@pytest.mark.parametrize("keep_error", [True, False])
+def test_quantizing_to_thirteen_levels_gives_pytorchs_bits(block, keep_error):
+    fmt = BlockFormat(4, block, packed=True)
+    length = fmt.row_length(3 * (3 * block + 5), 3)
+    x = _hostile(3, length, seed=block)
+    (fused_packets, fused_left), (eager_packets, eager_left) = _both(
+        lambda: _encode(x, fmt, keep_error)
+    )
+    assert torch.equal(fused_packets, eager_packets)
+    assert torch.equal(fused_left, eager_left)
+    codes = fmt.split(fused_packets, length)[0]
+    nibbles = torch.cat([codes & 15, codes >> 4])
+    assert int(nibbles.min()) == 8 - 6 and int(nibbles.max()) == 8 + 6  # qmax 6, both ends
+
+
+@needs_compiler
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("added", [0, 1, 63, 64, 1000, 3 * 448])
 def test_adding_the_error_in_the_same_pass_gives_pytorchs_bits(bits, added):

@@ -99,6 +99,28 @@ def test_quantizing_gives_the_eager_bits(interpreted, case):
     assert bool((fmt.split(packets, x.shape[1])[1] > 0).all())  # zeros too: a positive scale
 
 
+@pytest.mark.parametrize("case", cases.PACKED, ids=str)
+def test_thirteen_levels_give_the_eager_bits(interpreted, case):
+    rows, keep = case
+    fmt = BlockFormat(4, 64, packed=True)
+    x = cases.quantize_input(4, 64, rows)[1]
+    packets, left = interpreted[f"packed {rows} {keep}"]
+    expected_packets, expected_left = _eager_quantize(x, fmt, keep)
+    assert torch.equal(packets, expected_packets) and _same(left, expected_left)
+    codes = fmt.split(packets, x.shape[1])[0]
+    nibbles = torch.cat([codes & 15, codes >> 4])
+    assert int(nibbles.min()) == 8 - 6 and int(nibbles.max()) == 8 + 6  # both ends reached
+
+
+@pytest.mark.parametrize("world", cases.PACKED_OWNER)
+def test_the_owners_pass_at_thirteen_levels_gives_the_eager_bits(interpreted, world):
+    fmt = BlockFormat(4, 64, packed=True)
+    packets = cases.packets_of(fmt, world, cases.OWNED, seed=world, clamp=1e30)
+    packet, out = interpreted[f"packed owner {world}"]
+    expected_packet, expected_out = _eager_owner(packets, fmt, world, None, True)
+    assert torch.equal(packet, expected_packet) and _same(out, expected_out)
+
+
 @pytest.mark.parametrize("case", cases.ADD, ids=str)
 def test_adding_the_error_in_the_same_pass_gives_the_eager_bits(interpreted, case):
     bits, added, keep = case

@@ -44,6 +44,9 @@ OWNER = [
     for keep in (True, False)
 ]
 BITS = (8, 4)
+# The packed format's 13 levels (qmax 6): rows, and whether the error is kept; owners' worlds.
+PACKED = [(rows, keep) for rows in (1, 3) for keep in (True, False)]
+PACKED_OWNER = (1, 3)
 
 
 def values(rows: int, length: int, seed: int) -> torch.Tensor:
@@ -132,7 +135,9 @@ def _flagged(bits: int) -> list[tuple[torch.Tensor, int]]:
 def _quantized(x, fmt, keep=True, add=None, **how):
     left = x.clone()
     packets = torch.full((x.shape[0], fmt.packet_bytes(x.shape[1])), 7, dtype=torch.uint8)
-    assert triton_launch.quantize_rows(left, packets, fmt.bits, fmt.block, keep, add, **how)
+    assert triton_launch.quantize_rows(
+        left, packets, fmt.bits, fmt.block, keep, add, qmax=fmt.qmax, **how
+    )
     return packets, left
 
 
@@ -145,7 +150,7 @@ def _owner(packets, fmt, world, memory, keep, length=OWNED, **how):
     out = torch.full((1, length), 5.0)
     packet = torch.full((1, fmt.packet_bytes(length)), 7, dtype=torch.uint8)
     args = (packets, fmt.bits, fmt.block, world, out, packet, keep, memory)
-    assert triton_launch.requantize_rows(*args, **how)
+    assert triton_launch.requantize_rows(*args, qmax=fmt.qmax, **how)
     return packet, out
 
 
@@ -211,6 +216,13 @@ def run_all() -> dict[str, object]:
         owned = _owner(packets, fmt, 3, None, False, 256, reciprocal=True)
         results[f"reciprocal {bits}"] = (packets, left, summed, owned)
         results[f"flag {bits}"] = _flagged(bits)
+    packed = BlockFormat(4, 64, packed=True)
+    for rows, keep in PACKED:
+        x = quantize_input(4, 64, rows)[1]
+        results[f"packed {rows} {keep}"] = _quantized(x, packed, keep)
+    for world in PACKED_OWNER:
+        packets = packets_of(packed, world, OWNED, seed=world, clamp=1e30)
+        results[f"packed owner {world}"] = _owner(packets, packed, world, None, True)
     results["refusals"] = _refusals()
     return results
 

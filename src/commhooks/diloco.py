@@ -8,7 +8,10 @@ fragments, each synced every ``sync_every`` steps but at staggered steps, so tha
 is in flight at a time; a fragment's collective is issued without waiting and applied
 ``fragment_sync_delay`` inner steps later, hidden behind them, and its outer gradient may
 travel in 8 or 4 bits (the two-phase quantized average of :mod:`commhooks.hooks.quantized`,
-with error feedback on both sides, so what one sync leaves out is sent in the next).
+with error feedback on both sides, so what one sync leaves out is sent in the next). In 4
+bits the codes have 13 levels, packed eight to 30 bits (:mod:`commhooks.hooks.quantized.packing`):
+with a float32 scale per 256 values, 3.875 bits a value, so that a run sends at most
+``1 / (8 sync_every)`` of what a float32 allreduce of every step's gradients sends.
 
 Use it as any averager, attached to the inner optimizer::
 
@@ -120,7 +123,10 @@ class DiLoCoOptions(OuterOptions):
         check=flag(),
     )
     bits: int | None = option(
-        None, "None sends outer gradients in float32; 8 or 4 quantizes them", check=_check_bits
+        None,
+        "None sends outer gradients in float32; 8 or 4 quantizes them (4: codes of 13 levels "
+        "packed eight to 30 bits, 3.875 bits a value with the scales)",
+        check=_check_bits,
     )
     warmup_bits: int | None = option(
         None,
@@ -608,10 +614,14 @@ class StreamingDiLoCo(ModelAverager):
         self, group: dist.ProcessGroup | None, count: int
     ) -> list[QuantizationState]:
         bits = self.options.bits
-        return [] if bits is None else [self._quantizer(group, bits) for _ in range(count)]
+        return [] if bits is None else [self._quantizer(group, bits, True) for _ in range(count)]
 
-    def _quantizer(self, group: dist.ProcessGroup | None, bits: int) -> QuantizationState:
-        made = QuantizationState(group, bits=bits)
+    def _quantizer(
+        self, group: dist.ProcessGroup | None, bits: int, outer: bool = False
+    ) -> QuantizationState:
+        # Outer gradients in 4 bits travel packed: 13 levels eight to 30 bits, so that with
+        # their scales they take under 4 bits a value (commhooks.hooks.quantized.packing).
+        made = QuantizationState(group, bits=bits, packed=outer and bits == 4)
         made.share_issuers(self._issuers)
         return made
 

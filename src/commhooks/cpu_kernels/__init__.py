@@ -7,11 +7,12 @@ PyTorch has no single operation that quantizes a block with its own scale and ke
 so its eager form reads and writes the bucket six times (4-5x the cost of copying it once).
 ``_blockquant.c`` does it in one read and one write. ``_bfloat16.c`` casts a bucket to bfloat16,
 checks it and divides it in one pass where PyTorch takes two, and adds two ranks' bfloat16
-values with a faster conversion than PyTorch's. Both use PyTorch's arithmetic, so that both
-forms give the same bits (``tests/test_kernels.py`` holds them to it); ``_parallel.c`` runs
-their parts on threads. They are plain C with no PyTorch headers: the system's C compiler builds
-them into one library in about a second, once per machine and source, into a cache directory;
-every later process loads the built file.
+values with a faster conversion than PyTorch's. ``_base13.c`` packs 13-level 4-bit codes eight
+to 30 bits and back in one pass where PyTorch takes a dozen. All use PyTorch's arithmetic, so
+that both forms give the same bits (``tests/test_kernels.py`` and ``tests/test_packing.py``
+hold them to it); ``_parallel.c`` runs their parts on threads. They are plain C with no
+PyTorch headers: the system's C compiler builds them into one library in about a second, once
+per machine and source, into a cache directory; every later process loads the built file.
 
 Where there is no compiler, the build fails, the tensors are not the plain CPU layout the
 kernels read, or ``COMMHOOKS_NATIVE=0`` is set, callers get ``False`` (or ``None``) and run the
@@ -46,12 +47,14 @@ __all__ = [
     "bfloat16_scaled",
     "dequantize_rows",
     "disabled",
+    "pack13",
     "quantize_rows",
+    "unpack13",
 ]
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("_parallel.c", "_blockquant.c", "_bfloat16.c")  # built into one library
+_SOURCES = ("_parallel.c", "_blockquant.c", "_bfloat16.c", "_base13.c")  # one library
 _HEADERS = ("_parallel.h",)
 # -ffp-contract=off: no fused multiply-add but the ones written (PyTorch's bits); no
 # -ffast-math, which would reorder sums. -march=native: the build is keyed by this CPU's flags.
@@ -84,10 +87,11 @@ def quantize_rows(
     block: int,
     keep: bool,
     add: tuple[torch.Tensor, torch.Tensor] | None = None,
+    qmax: int | None = None,
 ) -> bool:
     """Quantize the rows of ``x`` into ``packets`` as ``quantize.quantize_`` with nearest
-    rounding does (``add`` included); ``False`` (nothing done) where the kernels cannot take
-    these tensors."""
+    rounding does (``add`` included), codes in ``[-qmax, qmax]`` (by default the widest
+    ``bits`` hold); ``False`` (nothing done) where the kernels cannot take these tensors."""
     rows, length = x.shape
     rows_at, packets_at = _plain_rows(x, torch.float32, rows, length), None
     if rows_at is not None:
@@ -101,7 +105,8 @@ def quantize_rows(
         return False
     first, second = (None, None) if add is None else (add[0].data_ptr(), add[1].data_ptr())
     library.commhooks_quantize(
-        rows_at[0], rows_at[1], rows, length, block, bits, packets_at[0], packets_at[1],
+        rows_at[0], rows_at[1], rows, length, block, bits,
+        (1 << (bits - 1)) - 1 if qmax is None else qmax, packets_at[0], packets_at[1],
         int(keep), first, second, 0 if add is None else add[0].numel(), _threads(rows * length),
     )  # fmt: skip
     return True
@@ -176,6 +181,34 @@ def bfloat16_add_(out: torch.Tensor, other: torch.Tensor) -> bool:
     return True
 
 
+def pack13(nibbles: torch.Tensor, out: torch.Tensor) -> bool:
+    """Pack the 13-level 4-bit codes of ``nibbles`` (``rows x 16 q`` bytes, each nibble in
+    [2, 14]) into ``out`` (``rows x 15 q``) as ``packing.pack13_`` does; ``False`` (nothing
+    done) where the kernels cannot take these tensors."""
+    return _base13("commhooks_pack13", nibbles, out, 16, 15)
+
+
+def unpack13(packed: torch.Tensor, nibbles: torch.Tensor) -> bool:
+    """The inverse of :func:`pack13`, as ``packing.unpack13_`` computes it."""
+    return _base13("commhooks_unpack13", packed, nibbles, 15, 16)
+
+
+def _base13(name: str, source: torch.Tensor, target: torch.Tensor, size: int, out: int) -> bool:
+    """Run the packing kernel ``name`` from ``source`` (quads of ``size`` bytes a row) into
+    ``target`` (quads of ``out`` bytes)."""
+    rows, columns = source.shape
+    quads = columns // size
+    if columns % size or source.dim() != 2:
+        return False
+    source_at = _plain_rows(source, torch.uint8, rows, columns, aligned=False)
+    target_at = _plain_rows(target, torch.uint8, rows, quads * out, aligned=False)
+    library = _library() if source_at and target_at else None
+    if library is None or source_at is None or target_at is None:
+        return False
+    getattr(library, name)(source_at[0], source_at[1], target_at[0], target_at[1], rows, quads)
+    return True
+
+
 def _flat(t: torch.Tensor, dtype: torch.dtype, numel: int) -> bool:
     """A contiguous CPU tensor of ``dtype`` and ``numel`` elements, aligned for its dtype."""
     return (
@@ -206,15 +239,21 @@ def _packets_fit(
     return found if found is not None and found[1] % 4 == 0 else None
 
 
-def _plain_rows(t: torch.Tensor, dtype: torch.dtype, rows: int, length: int) -> _Rows | None:
-    """``rows x length`` of ``dtype`` on the CPU, 4-byte aligned, each row contiguous and none
-    overlapping another (what the kernels read through a pointer and a row stride): where it
-    starts and its row stride, else ``None``."""
+def _plain_rows(
+    t: torch.Tensor, dtype: torch.dtype, rows: int, length: int, *, aligned: bool = True
+) -> _Rows | None:
+    """``rows x length`` of ``dtype`` on the CPU, 4-byte aligned (unless not ``aligned``), each
+    row contiguous and none overlapping another (what the kernels read through a pointer and a
+    row stride): where it starts and its row stride, else ``None``."""
     if not t.is_cpu or t.dtype != dtype or t.requires_grad or t.shape != (rows, length):
         return None
     row_stride, column_stride = t.stride()
     at = t.data_ptr()
-    if (column_stride == 1 or length <= 1) and row_stride >= length and at % 4 == 0:
+    if (
+        (column_stride == 1 or length <= 1)
+        and row_stride >= length
+        and (at % 4 == 0 or not aligned)
+    ):
         return at, row_stride
     return None
 
@@ -256,7 +295,7 @@ def _load() -> ctypes.CDLL | None:
         logger.info("PyTorch's eager operations run instead of the kernels (%s)", error)
         return None
     library.commhooks_quantize.argtypes = [
-        *(_P, _I64, _I64, _I64, _I64, _INT, _P, _I64, _INT),
+        *(_P, _I64, _I64, _I64, _I64, _INT, _INT, _P, _I64, _INT),
         *(_P, _P, _I64, _INT),
     ]
     library.commhooks_dequantize.argtypes = [
@@ -268,6 +307,9 @@ def _load() -> ctypes.CDLL | None:
     library.commhooks_bf16_scale_down.restype = _INT
     library.commhooks_bf16_add.argtypes = [_P, _P, _I64, _INT]
     library.commhooks_bf16_add.restype = None
+    for packing in (library.commhooks_pack13, library.commhooks_unpack13):
+        packing.argtypes = [_P, _I64, _P, _I64, _I64, _I64]
+        packing.restype = None
     return library
 
 

@@ -34,7 +34,7 @@
 typedef struct {
     int64_t rows, length, block, stride; /* stride: bytes from one packet to the next */
     int64_t columns;       /* elements of each row handled: length, or fewer when decoding */
-    int bits, keep_error, sum;
+    int bits, qmax, keep_error, sum; /* qmax: the largest code magnitude when quantizing */
     float *x;              /* quantize: rows x length, float32; dequantize: the output */
     int64_t x_stride;      /* elements from one row of x to the next */
     uint8_t *packets;      /* rows x stride bytes: codes, then float32 scales */
@@ -115,7 +115,7 @@ static void add_into(float *restrict x, const float *restrict first,
 static void quantize_slice(const Slice *slice)
 {
     const Job *job = slice->job;
-    float qmax = (float)((1 << (job->bits - 1)) - 1);
+    float qmax = (float)job->qmax;
     int64_t payload = job->length * job->bits / 8;
     for (int64_t r = 0; r < job->rows; r++) {
         float *row = job->x + r * job->x_stride;
@@ -212,10 +212,11 @@ static void run(const Job *job, int threads, void *(*work)(void *))
 }
 
 void commhooks_quantize(float *x, int64_t x_stride, int64_t rows, int64_t length, int64_t block,
-                        int bits, uint8_t *packets, int64_t stride, int keep_error,
+                        int bits, int qmax, uint8_t *packets, int64_t stride, int keep_error,
                         const float *first, const float *second, int64_t added, int threads)
 {
     Job job = {.rows = rows, .length = length, .block = block, .stride = stride, .bits = bits,
+               .qmax = qmax,
                .columns = length, .keep_error = keep_error, .x = x, .x_stride = x_stride,
                .packets = packets,
                .first = first, .second = second, .added = added};

@@ -5,8 +5,10 @@ Two schemes:
 * **Block quantization** (the quantized hook): each run of ``block`` consecutive elements gets a
   scale, ``absmax / qmax``, and each element the integer nearest to ``x / scale`` (or one of
   the two nearest, at random, with ``stochastic`` rounding), in ``[-qmax, qmax]``: 127 for
-  8 bits, 7 for 4 bits. Symmetric, so zero is exact and no zero point travels. 4-bit codes are
-  stored offset by 8, two to a byte, the first element in the low nibble.
+  8 bits, 7 for 4 bits (6 where the codes are packed to travel, see
+  :mod:`commhooks.hooks.quantized.packing`). Symmetric, so zero is exact and no zero point
+  travels. 4-bit codes are stored offset by 8, two to a byte, the first element in the low
+  nibble.
 * **Min-max affine uint8** (PyTorch's per-tensor and per-channel drop-ins): each channel gets
   ``scale = (max(hi, 0) - min(lo, 0)) / 255`` and a zero point, as PyTorch's default observers
   compute them, and ``code = clamp(round(x / scale) + zero_point, 0, 255)``.
@@ -60,6 +62,8 @@ ROUNDINGS = (NEAREST, STOCHASTIC)
 _SMALLEST_ABSMAX = 1e-30
 # Added to 4-bit codes in [-8, 7] so that each nibble holds a value in [0, 15].
 _NIBBLE_OFFSET = 8
+# The largest code of a packed format: 13 levels (see commhooks.hooks.quantized.packing).
+_PACKED_QMAX = 6
 
 
 RESIDUAL_SLACK = 1000.0
@@ -75,15 +79,18 @@ class BlockFormat:
         bits: 8 or 4.
         block: elements per scale; a multiple of 8, so that a row of whole blocks fills whole
             bytes at 4 bits and its scales start 4-byte aligned.
+        packed: 4 bits only: codes of 13 levels, packed eight to 30 bits where they travel
+            (:mod:`commhooks.hooks.quantized.packing`; ``block`` a multiple of 32).
     """
 
     bits: int
     block: int
+    packed: bool = False
 
     @property
     def qmax(self) -> int:
-        """The largest code magnitude: 127 (8 bits) or 7 (4 bits)."""
-        return (1 << (self.bits - 1)) - 1
+        """The largest code magnitude: 127 (8 bits), 7 (4 bits) or 6 (4 bits, packed)."""
+        return _PACKED_QMAX if self.packed else (1 << (self.bits - 1)) - 1
 
     def row_length(self, numel: int, rows: int) -> int:
         """Elements per row when ``numel`` elements are cut into ``rows`` rows of whole blocks."""
@@ -96,6 +103,13 @@ class BlockFormat:
     def packet_bytes(self, length: int) -> int:
         """Bytes a row of ``length`` elements takes on the wire: codes, then float32 scales."""
         return self.payload_bytes(length) + 4 * (length // self.block)
+
+    def wire_bytes(self, length: int) -> int:
+        """Bytes a row of ``length`` elements takes where it travels: its packet, or packed,
+        its scales and ``15 / 32`` of a byte a code."""
+        if not self.packed:
+            return self.packet_bytes(length)
+        return 4 * (length // self.block) + length // 32 * 15
 
     def plausible_residual(self, residual: torch.Tensor, gradient: torch.Tensor) -> bool:
         """Whether ``residual`` can be what quantizing to this format left out of ``gradient``.
@@ -153,7 +167,10 @@ def quantize_(
     """
     if rounding == NEAREST:
         args = (x, packets, fmt.bits, fmt.block, keep_error, add)
-        if (x.is_cuda and triton_launch.quantize_rows(*args)) or cpu_kernels.quantize_rows(*args):
+        qmax = fmt.qmax
+        if (x.is_cuda and triton_launch.quantize_rows(*args, qmax=qmax)) or (
+            cpu_kernels.quantize_rows(*args, qmax=qmax)
+        ):
             return
     if add is not None:
         torch.add(add[0], add[1], out=x.view(-1)[: add[0].numel()])
@@ -354,7 +371,7 @@ def requantize_sum_(
         rounding == NEAREST
         and out.is_cuda
         and triton_launch.requantize_rows(
-            packets, fmt.bits, fmt.block, world, out, packet, keep_error, memory
+            packets, fmt.bits, fmt.block, world, out, packet, keep_error, memory, qmax=fmt.qmax
         )
     ):
         return

@@ -74,6 +74,7 @@ def quantize_rows(
     keep: bool,
     add: tuple[torch.Tensor, torch.Tensor] | None = None,
     *,
+    qmax: int | None = None,
     reciprocal: bool | None = None,
 ) -> bool:
     """Quantize the rows of ``x`` into ``packets`` as ``quantize.quantize_`` with nearest
@@ -81,6 +82,7 @@ def quantize_rows(
     kernels cannot take these tensors.
 
     Args:
+        qmax: the largest code magnitude (by default the widest ``bits`` hold).
         reciprocal: divide by ``qmax`` as a multiplication by its float32 reciprocal (what
             PyTorch's CUDA kernels do with a host number), not a division (its CPU kernels');
             by default, as on ``x``'s device.
@@ -100,7 +102,7 @@ def quantize_rows(
         kernels.quantize_kernel[grid](
             x, x.stride(0), codes, scales, packets.stride(0), scales.stride(0),
             first, second, 0 if add is None else add[0].numel(), length, length // block,
-            *_qmax(bits),
+            *_qmax(bits, qmax),
             BLOCK=block, WIDTH=width, GROUP=group, BITS=bits, KEEP=keep, ADD=add is not None,
             RECIPROCAL=_reciprocal(x, reciprocal), num_warps=_WARPS, enable_fp_fusion=False,
         )  # fmt: skip
@@ -161,6 +163,7 @@ def requantize_rows(
     keep: bool,
     memory: torch.Tensor | None = None,
     *,
+    qmax: int | None = None,
     reciprocal: bool | None = None,
 ) -> bool:
     """The owner's pass, as ``quantize.requantize_sum_`` does it: the decoded rows of
@@ -170,7 +173,8 @@ def requantize_rows(
     these tensors.
 
     Args:
-        reciprocal: as for :func:`quantize_rows` (the division by ``world`` too).
+        qmax, reciprocal: as for :func:`quantize_rows` (``reciprocal``: the division by
+            ``world`` too).
     """
     rows, length = packets.shape[0], out.shape[-1]
     kernels = _module()
@@ -192,7 +196,7 @@ def requantize_rows(
         kernels.requantize_kernel[grid](
             codes, scales, packets.stride(0), scales.stride(0), rows, out, own_codes, own_scales,
             out if memory is None else memory, 0 if memory is None else memory.numel(),
-            length // block, float(world), inverse, *_qmax(bits),
+            length // block, float(world), inverse, *_qmax(bits, qmax),
             BLOCK=block, WIDTH=width, GROUP=group, BITS=bits, KEEP=keep,
             MEMORY=memory is not None, RECIPROCAL=_reciprocal(out, reciprocal), num_warps=_WARPS,
             enable_fp_fusion=False,
@@ -217,10 +221,11 @@ def _shape(
     return width, group, (max(1, math.ceil(columns / (block * group))), rows)
 
 
-def _qmax(bits: int) -> tuple[float, float]:
-    """``qmax`` and its float32 reciprocal, rounded as PyTorch's CUDA kernels round it."""
-    qmax = (1 << (bits - 1)) - 1
-    return float(qmax), float(np.float32(1.0) / np.float32(qmax))
+def _qmax(bits: int, qmax: int | None) -> tuple[float, float]:
+    """``qmax`` (by default the widest ``bits`` hold) and its float32 reciprocal, rounded as
+    PyTorch's CUDA kernels round it."""
+    largest = (1 << (bits - 1)) - 1 if qmax is None else qmax
+    return float(largest), float(np.float32(1.0) / np.float32(largest))
 
 
 # The checks below run at every launch, several a bucket, on the host's path while the GPU
