@@ -371,6 +371,9 @@ def test_host_cost_counts_operations_and_multi_tensor_time_where_asked(tmp_path)
     # fp16: a cast, a division and a sum a bucket at least; PyTorch's adds its copy back.
     assert row["ours_ops"] > 0 and row["theirs_ops"] > 0
     assert row["ours_multi_tensor_ms"] > 0  # the step's batched check and copy
-    fused = (row["ours_ms"] - row["ours_multi_tensor_ms"]) / row["theirs_ms"]
-    assert abs(row["ratio_fused"] - fused) < 1e-9
+    if row["theirs_ms"] > 0:
+        fused = (row["ours_ms"] - row["ours_multi_tensor_ms"]) / row["theirs_ms"]
+        assert abs(row["ratio_fused"] - fused) < 1e-9
+    else:  # three steps on a busy machine can time PyTorch's hook at no cost over none
+        assert row["ratio_fused"] == float("inf")
     assert "ratio without" in printed
