@@ -198,12 +198,12 @@ def _base13(name: str, source: torch.Tensor, target: torch.Tensor, size: int, ou
     ``target`` (quads of ``out`` bytes)."""
     rows, columns = source.shape
     quads = columns // size
-    if columns % size or source.dim() != 2:
-        return False
     source_at = _plain_rows(source, torch.uint8, rows, columns, aligned=False)
     target_at = _plain_rows(target, torch.uint8, rows, quads * out, aligned=False)
-    library = _library() if source_at and target_at else None
-    if library is None or source_at is None or target_at is None:
+    if columns % size or source_at is None or target_at is None:
+        return False
+    library = _library()
+    if library is None:
         return False
     getattr(library, name)(source_at[0], source_at[1], target_at[0], target_at[1], rows, quads)
     return True

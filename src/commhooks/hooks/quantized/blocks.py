@@ -27,6 +27,7 @@ where a C compiler is found, on a CUDA GPU in Triton
 operations below compute the same bits everywhere else.
 """
 
+import functools
 import math
 import sys
 from dataclasses import dataclass
@@ -87,9 +88,10 @@ class BlockFormat:
     block: int
     packed: bool = False
 
-    @property
+    @functools.cached_property
     def qmax(self) -> int:
-        """The largest code magnitude: 127 (8 bits), 7 (4 bits) or 6 (4 bits, packed)."""
+        """The largest code magnitude: 127 (8 bits), 7 (4 bits) or 6 (4 bits, packed)
+        (computed once: read at every quantization of every bucket)."""
         return _PACKED_QMAX if self.packed else (1 << (self.bits - 1)) - 1
 
     def row_length(self, numel: int, rows: int) -> int:
@@ -167,9 +169,8 @@ def quantize_(
     """
     if rounding == NEAREST:
         args = (x, packets, fmt.bits, fmt.block, keep_error, add)
-        qmax = fmt.qmax
-        if (x.is_cuda and triton_launch.quantize_rows(*args, qmax=qmax)) or (
-            cpu_kernels.quantize_rows(*args, qmax=qmax)
+        if (x.is_cuda and triton_launch.quantize_rows(*args, qmax=fmt.qmax)) or (
+            cpu_kernels.quantize_rows(*args, fmt.qmax)
         ):
             return
     if add is not None:

@@ -39,6 +39,7 @@ from commhooks.hooks.quantized.state import (
     HOOK,
     QuantizationOptions,
     QuantizationState,
+    Wire,
     Workspace,
 )
 
@@ -93,7 +94,11 @@ def quantized_hook(
     )  # fmt: skip
     issuer = state.issuer
     assert issuer is not None, "prepare() made the issuer"
-    exchanged = _all_to_all(work, settings.format, group)  # one rank: already done
+    wire = work.wire  # a packed format's packets travel packed
+    if wire is None:
+        exchanged = comm.all_to_all(work.received, work.send, group)  # one rank: already done
+    else:
+        exchanged = _all_to_all_wired(work, wire, settings.format, group)
 
     # Both phases touch the state's memories: where they wait for their turns, one at a time.
     def share(_: object = None) -> torch.futures.Future[torch.Tensor]:
@@ -133,30 +138,29 @@ def _check_state(state: Any) -> QuantizationState:
     return state
 
 
-def _all_to_all(
-    work: Workspace, fmt: blocks.BlockFormat, group: Any
+def _all_to_all_wired(
+    work: Workspace, wire: Wire, fmt: blocks.BlockFormat, group: Any
 ) -> torch.futures.Future[torch.Tensor]:
-    """Phase 1's exchange, of the packets or of what they travel as (a packed format)."""
-    wire = work.wire
-    if wire is None:
-        return comm.all_to_all(work.received, work.send, group)
+    """Phase 1's exchange for a packed format: the packets packed, then sent."""
     packing.to_wire_(work.send, fmt, work.layout.length, wire.send)
     return comm.all_to_all(wire.received, wire.send, group)
 
 
-def _all_gather(state: QuantizationState, work: Workspace) -> torch.futures.Future[torch.Tensor]:
-    """Phase 2's exchange, of this rank's packet or of what it travels as; a packed format's
-    gathered rows are unpacked by :func:`_unwire_gathered` once it completes."""
-    assert state.issuer is not None, "begin() made the issuer"
-    wire, group = work.wire, state.issuer.group
-    if wire is None:
-        return comm.all_gather_into(work.gathered, work.own_packet, group)
-    packing.to_wire_(work.own_packet, state.settings.format, work.layout.length, wire.own)
+def _all_gather_wired(
+    state: QuantizationState, work: Workspace, wire: Wire, group: Any
+) -> torch.futures.Future[torch.Tensor]:
+    """Phase 2's exchange for a packed format: the rows the all-to-all brought unpacked
+    before the owner's pass, this rank's packet packed after it (its gathered rows are
+    unpacked by :func:`_unwire_gathered` once the all-gather completes)."""
+    fmt, length = state.settings.format, work.layout.length
+    packing.from_wire_(wire.received, fmt, length, work.received)
+    _reduce(state, work)
+    packing.to_wire_(work.own_packet, fmt, length, wire.own)
     return comm.all_gather_into(wire.gathered, wire.own, group)
 
 
 def _unwire_gathered(state: QuantizationState, work: Workspace) -> None:
-    """Unpack the gathered rows of a packed format (nothing to do for another)."""
+    """Unpack the gathered rows, for a packed format (nothing to do for another)."""
     if work.wire is not None:
         fmt, length = state.settings.format, work.layout.length
         packing.from_wire_(work.wire.gathered, fmt, length, work.gathered)
@@ -188,11 +192,13 @@ def _reduce_and_share(
     """Phase 2: the owner's pass (:func:`_reduce`), then the all-gather on the issuer's group;
     where the follow-ups are held (on a GPU), the check of the gathered scales is held with
     the step's others, answered together at the first decision."""
-    if work.wire is not None:
-        fmt, length = state.settings.format, work.layout.length
-        packing.from_wire_(work.wire.received, fmt, length, work.received)
-    _reduce(state, work)
-    gathered = _all_gather(state, work)
+    assert state.issuer is not None, "begin() made the issuer"
+    wire, group = work.wire, state.issuer.group
+    if wire is None:  # the packets travel as they are
+        _reduce(state, work)
+        gathered = comm.all_gather_into(work.gathered, work.own_packet, group)
+    else:
+        gathered = _all_gather_wired(state, work, wire, group)
     if not queued:
         if work.wire is None:
             return gathered
