@@ -505,6 +505,52 @@ def test_a_process_that_exits_right_after_an_exchange_exits_cleanly(tmp_path):
             assert proc.returncode == 0 and "done" in out and "terminate" not in out, out
 
 
+_DESTROYED_GROUP_SCRIPT = """
+import atexit, gc, sys, threading, time
+def threads_left():  # registered first, so it runs after the package's own exit handler
+    left = [t.name for t in threading.enumerate() if t.name == "commhooks-swap"]
+    print("swap threads at exit:", len(left), flush=True)
+atexit.register(threads_left)
+import torch, torch.distributed as dist
+from commhooks import comm
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=2)
+pair = dist.new_group([0, 1])
+rows = torch.full((2, 1 << 10), float(rank))
+done = comm.all_to_all(torch.empty_like(rows), rows, pair)
+# A callback of the last exchange still running on the package's thread when the group goes.
+slow = done.then(lambda fut: time.sleep(0.5))
+done.wait()
+dist.barrier()
+dist.destroy_process_group()
+del pair
+gc.collect()
+print("done", flush=True)
+"""
+
+
+def test_exit_waits_for_the_thread_of_a_destroyed_group(tmp_path):
+    # A group destroyed (and collected) stops its exchanges' thread without waiting for it; the
+    # thread may still be running the last exchange's callbacks, inside torch, and must be over
+    # before the interpreter shuts down, as it is for a group that outlives the run.
+    script = tmp_path / "destroyed.py"
+    script.write_text(_DESTROYED_GROUP_SCRIPT)
+    store = tmp_path / "store"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(rank), str(store)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    for proc in procs:
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and "done" in out, out
+        assert "swap threads at exit: 0" in out, out
+
+
 def _group_facts(rank, world_size):
     # Sizes and "two gloo ranks" are remembered per group: each group answers for itself.
     pair = dist.new_group([0, 1])  # made on every rank; rank 2 is outside it

@@ -4,6 +4,7 @@ command an example's docstring shows is taken by the example's own parser, and t
 
 import argparse
 import ast
+import concurrent.futures
 import importlib.util
 import json
 import os
@@ -11,7 +12,9 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -277,16 +280,43 @@ def _run(command: list[str]) -> subprocess.Popen:
     )
 
 
-def _finish(procs: list[subprocess.Popen]) -> list[str]:
-    """What each of ``procs`` printed, once every one has ended well."""
-    try:
-        outputs = [p.communicate(timeout=150)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for p, out in zip(procs, outputs):
-        assert p.returncode == 0, out[-4000:]
-    return outputs
+# A rank that has trained and printed everything can, rarely, abort as its interpreter shuts
+# down: a thread of torch's gloo backend that takes the GIL after shutdown has begun is ended
+# where it stands. Seen once in about 560 launches of these commands four at a time on two
+# cores. The launches are then run once more; any other failure, or this one twice, fails.
+_EXIT_ABORT = "terminate called without an active exception"
+
+
+def _finish_retrying_exit_aborts(commands: list[list[str]]) -> list[str]:
+    """What each of ``commands`` printed, all run at once, once every one has ended well."""
+    for attempt in range(2):
+        procs = [_run(c) for c in commands]
+        with concurrent.futures.ThreadPoolExecutor(len(procs)) as pool:
+            reads = [pool.submit(p.communicate) for p in procs]
+            aborted = _wait_for(reads, deadline=time.monotonic() + 150)
+            for p in procs:
+                p.kill()  # a node whose peer aborted waits for it to come back
+            outputs = [r.result()[0] for r in reads]
+        if aborted and attempt == 0:
+            continue
+        for p, out in zip(procs, outputs):
+            assert p.returncode == 0, out[-4000:]
+        return outputs
+    raise AssertionError("unreachable")
+
+
+def _wait_for(reads: list["concurrent.futures.Future[Any]"], deadline: float) -> bool:
+    """Wait for ``reads`` until ``deadline``, or 30 s after one shows an exit abort; say
+    whether one did."""
+    aborted = False
+    pending = set(reads)
+    while pending and time.monotonic() < deadline:
+        done, pending = concurrent.futures.wait(
+            pending, timeout=deadline - time.monotonic(), return_when="FIRST_COMPLETED"
+        )
+        if not aborted and any(_EXIT_ABORT in r.result()[0] for r in done):
+            aborted, deadline = True, min(deadline, time.monotonic() + 30)
+    return aborted
 
 
 def _losses(out: str) -> list[float]:
@@ -308,7 +338,7 @@ def test_train_ddp_commands_run_as_written():
         assert command[3:5] == ["--node_rank", rank]
         nodes.append(command)
     # All at once: most of each run is starting Python and torch, which overlaps well.
-    outputs = _finish([_run(c) for c in [*one_machine, *nodes]])
+    outputs = _finish_retrying_exit_aborts([*one_machine, *nodes])
     for command, out in zip(one_machine, outputs):
         losses = _losses(out)
         assert len(losses) == 6 and losses[-1] < losses[0], out[-3000:]

@@ -18,6 +18,7 @@ import itertools
 import os
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -272,6 +273,13 @@ class _Waiter:
             self._thread.join(wait_s)
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            with _waiters_lock:
+                _running.discard(self)
+
+    def _serve(self) -> None:
         while (item := self._queue.get()) is not None:
             job, fut = item
             del item
@@ -294,7 +302,15 @@ def _wait_all(works: list[Any]) -> None:
 
 
 _waiters: "weakref.WeakKeyDictionary[dist.ProcessGroup, _Waiter]" = weakref.WeakKeyDictionary()
+# Every waiter whose thread has not ended, its group's or not: a group that outlives
+# ``dist.destroy_process_group`` (DDP keeps the default group alive) keeps its waiter in
+# ``_waiters``, one that does not has had its waiter stopped, but the thread may still be
+# running the last job's callbacks; either must be over before the interpreter shuts down.
+_running: "set[_Waiter]" = set()
 _waiters_lock = threading.Lock()
+# How long interpreter exit waits for the waiters' threads in all: their jobs are done when
+# training is, so this is only reached by a job stuck on a rank that has gone.
+_EXIT_WAIT_S = 10.0
 
 
 def _waiter(group: dist.ProcessGroup) -> _Waiter:
@@ -302,6 +318,7 @@ def _waiter(group: dist.ProcessGroup) -> _Waiter:
         found = _waiters.get(group)
         if found is None:
             found = _waiters[group] = _Waiter()
+            _running.add(found)
             weakref.finalize(group, found.stop).atexit = False
         return found
 
@@ -311,16 +328,18 @@ def _stop_waiters() -> None:
     """End the waiters' threads before the interpreter shuts down: a thread still inside
     torch when it does is ended where it stands, which aborts the process."""
     with _waiters_lock:
-        stopping = list(_waiters.values())
+        stopping = set(_waiters.values()) | _running
         _waiters.clear()  # a swap after this gets a waiter of its own
+    deadline = time.monotonic() + _EXIT_WAIT_S
     for found in stopping:
-        found.stop(wait_s=2.0)
+        found.stop(wait_s=max(deadline - time.monotonic(), 1e-3))
 
 
 def _forget_waiters() -> None:
     """In a forked child the waiters' threads do not exist: start afresh."""
     global _waiters_lock
     _waiters.clear()
+    _running.clear()
     _waiters_lock = threading.Lock()
 
 
