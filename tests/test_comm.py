@@ -5,6 +5,7 @@ import random
 import subprocess
 import sys
 import threading
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -490,19 +491,23 @@ def test_a_process_that_exits_right_after_an_exchange_exits_cleanly(tmp_path):
     script = tmp_path / "exit.py"
     script.write_text(_EXIT_SCRIPT)
     for attempt in range(5):
-        store = tmp_path / f"store{attempt}"
-        procs = [
-            subprocess.Popen(
-                [sys.executable, str(script), str(rank), str(store)],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            for rank in range(2)
-        ]
-        for proc in procs:
-            out, _ = proc.communicate(timeout=60)
-            assert proc.returncode == 0 and "done" in out and "terminate" not in out, out
+        for code, out in _run_two_ranks(script, tmp_path / f"store{attempt}"):
+            assert code == 0 and "done" in out and "terminate" not in out, out
+
+
+def _run_two_ranks(script: Path, store: Path) -> list[tuple[int, str]]:
+    """Each rank's exit code and output, for ``script`` run as ranks 0 and 1 of a file store."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(rank), str(store)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outputs = [proc.communicate(timeout=60)[0] for proc in procs]
+    return [(proc.returncode, out) for proc, out in zip(procs, outputs)]
 
 
 _DESTROYED_GROUP_SCRIPT = """
@@ -535,19 +540,8 @@ def test_exit_waits_for_the_thread_of_a_destroyed_group(tmp_path):
     # before the interpreter shuts down, as it is for a group that outlives the run.
     script = tmp_path / "destroyed.py"
     script.write_text(_DESTROYED_GROUP_SCRIPT)
-    store = tmp_path / "store"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(rank), str(store)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    for proc in procs:
-        out, _ = proc.communicate(timeout=60)
-        assert proc.returncode == 0 and "done" in out, out
+    for code, out in _run_two_ranks(script, tmp_path / "store"):
+        assert code == 0 and "done" in out, out
         assert "swap threads at exit: 0" in out, out
 
 
