@@ -81,7 +81,12 @@ def test_q_of_a_strided_stack_equals_one_product_per_matrix(shape):
     for i, v in enumerate(views):
         alone = torch.empty(1, r, m).transpose(1, 2)
         lowrank.right_factor_into(v.unsqueeze(0), p[i : i + 1], alone)
-        assert torch.equal(out[i], alone[0])
+        if r == 1:
+            # One matrix of rank 1 is a matrix-vector product, which BLAS may round otherwise
+            # than the stack's (2.9e-6 apart on an AVX-512 CPU); PowerSGD promises 1e-5.
+            torch.testing.assert_close(out[i], alone[0], rtol=1e-5, atol=1e-5)
+        else:
+            assert torch.equal(out[i], alone[0])
 
 
 def _absorb_steps(
