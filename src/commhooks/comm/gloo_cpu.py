@@ -328,7 +328,7 @@ def _stop_waiters() -> None:
     """End the waiters' threads before the interpreter shuts down: a thread still inside
     torch when it does is ended where it stands, which aborts the process."""
     with _waiters_lock:
-        stopping = set(_waiters.values()) | _running
+        stopping = list(_running)  # every waiter of _waiters whose thread still runs, and more
         _waiters.clear()  # a swap after this gets a waiter of its own
     deadline = time.monotonic() + _EXIT_WAIT_S
     for found in stopping:

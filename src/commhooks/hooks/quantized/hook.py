@@ -200,7 +200,7 @@ def _reduce_and_share(
     else:
         gathered = _all_gather_wired(state, work, wire, group)
     if not queued:
-        if work.wire is None:
+        if wire is None:
             return gathered
         return comm.then(gathered, lambda fut: _unwired(fut, state, work))
     if not gathered.done():
@@ -211,7 +211,7 @@ def _reduce_and_share(
         gathered.value()
     except BaseException:
         return gathered
-    if work.wire is not None:
+    if wire is not None:
         gathered.wait()  # the current stream waits for the all-gather's before unpacking
         _unwire_gathered(state, work)
     _hold_check(state, work)
