@@ -277,7 +277,7 @@ def test_a_held_bucket_whose_collective_failed_fails_alone_and_as_a_real_error()
     sums = [comm.completed([torch.zeros(3)]), failed, comm.completed([torch.ones(3)])]
     with comm.completing_inline():
         outs = [
-            held.file(b, s, lambda: (), last_bucket=i == 2)
+            held.file(b, s, lambda buffer: (), last_bucket=i == 2)
             for i, (b, s) in enumerate(zip(buffers, sums))
         ]
     assert all(out.done() for out in outs) and held.pending == 0

@@ -172,6 +172,47 @@ def test_finite_each_reads_every_tensors_finiteness_at_once():
     assert finiteness.finite_each([]) == []
 
 
+def test_finite_each_answers_a_finite_step_from_one_flag_and_changes_no_bit():
+    from commhooks import finiteness
+
+    tiny = torch.finfo(torch.float32).tiny
+    tensors = [
+        torch.tensor([1e30, -1e30, 3e38]),  # finite, though a float32 norm of them overflows
+        torch.tensor([-0.0, tiny / 8, -tiny / 2]),  # negative zero and subnormals
+        torch.tensor([65504.0, -6e-8], dtype=torch.float16),
+        torch.tensor([3e38, -1e-40], dtype=torch.bfloat16),
+    ]
+    before = [t.clone() for t in tensors]
+    norms = []
+    real_norm = torch._foreach_norm
+    with mock.patch.object(
+        torch, "_foreach_norm", lambda *a, **k: norms.append(1) or real_norm(*a, **k)
+    ):
+        assert finiteness.finite_each(tensors) == [True] * 4
+        assert norms == []  # the flag alone answered
+        tensors[2][1] = float("nan")
+        assert finiteness.finite_each(tensors) == [True, True, False, True]
+        assert norms == [1]  # the flag was set: each tensor's norm says which
+    tensors[2][1] = before[2][1]
+    for got, was in zip(tensors, before):  # multiplied by one in place: the same bits
+        assert torch.equal(
+            got.view(torch.int16 if got.element_size() == 2 else torch.int32),
+            was.view(torch.int16 if was.element_size() == 2 else torch.int32),
+        )
+
+
+def test_finite_each_falls_back_to_norms_where_the_flag_kernel_refuses():
+    from commhooks import finiteness
+
+    def refuse(*args: object) -> None:
+        raise NotImplementedError("not implemented for 'BFloat16'")
+
+    tensors = [torch.ones(3), torch.tensor([1.0, float("inf")])]
+    with mock.patch.object(torch, "_amp_foreach_non_finite_check_and_unscale_", refuse):
+        assert finiteness.finite_each(tensors) == [True, False]
+        assert finiteness.finite_each(tensors[:1]) == [True]
+
+
 def test_held_checks_answer_every_bucket_with_one_read_at_the_first_question():
     from commhooks import finiteness
 

@@ -93,10 +93,7 @@ class HeldChecks:
         answer = self._answers.pop(id(owner), None)
         if answer is None:
             raise RuntimeError("a finiteness check was asked for that was never held")
-        _, tensors, finite = answer
-        # The batched check is a norm, which finite float32 values beyond about 1e19 overflow:
-        # a "not finite" is confirmed element by element, a read on this rare path only.
-        return finite or all(bool(torch.isfinite(t).all()) for t in tensors)
+        return answer[2]
 
     def _settle(self) -> None:
         held, self._held = self._held, []
@@ -121,23 +118,61 @@ def held_for(decider: object) -> HeldChecks:
 
 
 def finite_each(tensors: list[torch.Tensor]) -> list[bool]:
-    """Whether each of ``tensors`` is all finite, from one batched reduction and one read.
+    """Whether each of ``tensors`` is all finite, from one batched pass and one read.
 
-    The reduction is each tensor's 2-norm in float32 (one multi-tensor kernel on a GPU): it is
-    infinite or NaN whenever an element is, and a float16 tensor's cannot overflow (its
-    squares stay below 2^32). Larger values, bfloat16's or float32's, may overflow it although
-    every element is finite: such a tensor reads ``False`` here, and a caller that repairs
-    what is not finite finds it finite when it looks at the elements. On a GPU the norms reach
-    the host through pinned memory and an event, which the host waits for: once for all.
+    The common answer, every tensor finite, comes from one flag: PyTorch's unscaling kernel
+    (its gradient scaler's) with a scale of one sets it where any element is inf or NaN and
+    leaves every value as it was. On a GPU that is one multi-tensor kernel, on a CPU one cheap
+    pass a tensor (a sixth of a 2-norm's host time on 96 small tensors). Only where the flag
+    is set, or the kernel does not take the tensors (CUDA's has no bfloat16), is each
+    tensor's largest magnitude read (its infinity norm, batched): infinite or NaN exactly
+    when an element is, whatever the values. On a GPU each read reaches the host through
+    pinned memory and an event, which the host waits for.
     """
     if not tensors:
         return []
-    norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
-    queued = _queued(norms)
+    if _flag_says_finite(tensors):
+        return [True] * len(tensors)
+    present = [t for t in tensors if t.numel()]  # an empty tensor has no largest value
+    if not present:
+        return [True] * len(tensors)
+    largest = torch.stack(torch._foreach_norm(present, math.inf, dtype=torch.float32))
+    queued = _queued(largest)
     if isinstance(queued, _Queued):
         queued.copied.synchronize()
-        norms = queued.host
-    return [math.isfinite(value) for value in norms.tolist()]
+        largest = queued.host
+    each = iter(largest.tolist())
+    return [math.isfinite(next(each)) if t.numel() else True for t in tensors]
+
+
+def _flag_says_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether the unscaling kernel's flag says every element of ``tensors`` is finite;
+    ``False`` where it is set, or where the kernel does not take the tensors: CUDA's has no
+    bfloat16, and none takes tensors on several devices."""
+    first = tensors[0]
+    if first.dtype == torch.bfloat16 and first.is_cuda:
+        return False
+    try:
+        flag = _nonfinite_flag(tensors)
+    except RuntimeError:  # another device or an unsupported dtype among them (NotImplemented)
+        return False
+    return _read(_queued(flag)) == 0.0
+
+
+def _nonfinite_flag(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One float32 element on ``tensors``' device: 1 where any element of them is inf or NaN,
+    else 0. The tensors are multiplied by one in place, which changes no bit of a number."""
+    device = tensors[0].device
+    one = _ONES.get(device)
+    if one is None:
+        one = _ONES[device] = torch.ones(1, dtype=torch.float32, device=device)
+    found = torch.zeros(1, dtype=torch.float32, device=device)
+    torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, one)
+    return found
+
+
+# A scale of one per device for the unscaling kernel: made once, only read.
+_ONES: dict[torch.device, torch.Tensor] = {}
 
 
 class _Queued:

@@ -50,11 +50,11 @@ class _Wrapping:
 
 _inside: ContextVar[_Wrapping | None] = ContextVar("commhooks_wrapping", default=None)
 _lock = threading.Lock()
-# Stateless hooks have nowhere else to remember that a group was checked. Keyed weakly by the
-# group, so the entry goes when the group does; the value is each (hook, wrapper) checked.
-_checked: "weakref.WeakKeyDictionary[dist.ProcessGroup, set[tuple[str, str | None]]]" = (
-    weakref.WeakKeyDictionary()
-)
+# Stateless hooks have nowhere else to remember that a group was checked. Keyed by the group's
+# id, with a weak reference to the group (a plain dictionary answers in a fraction of a
+# weak-keyed one's host time, asked once a bucket); the entry goes when the group does. The
+# value is each (hook, wrapper) checked.
+_checked: "dict[int, tuple[weakref.ref[dist.ProcessGroup], set[tuple[str, str | None]]]]" = {}
 
 
 def once(group: dist.ProcessGroup, hook: str) -> None:
@@ -173,12 +173,25 @@ def _record(hook: str, wrapper: str | None, state: Any) -> dict[str, Any]:
 def _seen(group: dist.ProcessGroup, identity: tuple[str, str | None]) -> bool:
     # No lock: one dictionary lookup and one set membership, each atomic, and a stale
     # answer only makes the caller check again (once a bucket, so it must stay cheap).
-    return identity in _checked.get(group, ())
+    entry = _checked.get(id(group))
+    return entry is not None and entry[0]() is group and identity in entry[1]
 
 
 def _remember(group: dist.ProcessGroup, identity: tuple[str, str | None]) -> None:
+    key = id(group)
+
+    def forget(gone: "weakref.ref[dist.ProcessGroup]") -> None:
+        # Without the lock: the collector may call this while this thread holds it. The id
+        # cannot be reused before this returns (the group's memory is freed after).
+        entry = _checked.get(key)
+        if entry is not None and entry[0] is gone:
+            _checked.pop(key, None)
+
     with _lock:
-        _checked.setdefault(group, set()).add(identity)
+        entry = _checked.get(key)
+        if entry is None or entry[0]() is not group:
+            entry = _checked[key] = (weakref.ref(group, forget), set())
+        entry[1].add(identity)
 
 
 def _gather_and_compare(group: dist.ProcessGroup, record: dict[str, Any]) -> None:

@@ -38,6 +38,8 @@ Hook modules must not use ``from __future__ import annotations``: DDP rejects st
 """
 
 import math
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -47,7 +49,7 @@ from commhooks import _reads, comm, cpu_kernels
 from commhooks._warnings import warn_once
 from commhooks.hooks._held_sums import held_sums
 
-__all__ = ["all_finite", "average_in", "saturating_cast"]
+__all__ = ["all_finite", "average_held", "average_in", "saturating_cast"]
 
 Future = torch.futures.Future
 
@@ -70,17 +72,14 @@ def average_in(
     ``polled``: the first round runs at a poll of this thread (a DDP bucket on a CPU, see
     :func:`commhooks.hooks._bucket.finished_by_polling`), not in the sum's callback.
     """
+    if not _reads.are_free(buffer):  # on a GPU: checked with the step's other buckets
+        return average_held(dtype, buffer, group, last_bucket, owner)
     # PyTorch's order (cast, then divide) keeps the results bitwise equal to its hooks'. On two
     # CPU ranks comm.allreduce sums the bucket by sending it to the other rank in chunks and
     # adding each as it arrives, with torch's kernels, where gloo's allreduce adds half
     # precision in scalar code: the same bits and bytes in about 0.6x of the time on loopback,
     # with 4 MiB of scratch space (gloo's allreduce takes 2 MiB).
     world = comm.size(group)
-    if not _reads.are_free(buffer):  # on a GPU: checked with the step's other buckets
-        low = buffer.to(dtype, copy=True).div_(world)
-        repair = _Repair(buffer, world, issuer.group, owner, flagged=False)
-        summed = comm.issue_allreduce(low, group)
-        return held_sums(issuer).file(buffer, summed, repair.rounds, last_bucket)
     low, flagged = _cast_down(buffer, dtype, world)
     repair = _Repair(buffer, world, issuer.group, owner, flagged)
     devices, hold = comm.follow_up_options(buffer, last_bucket)
@@ -93,6 +92,55 @@ def average_in(
     # error when a collective failed, which DDP reports with the backend's message; the hand-made
     # one would hold the exception as a value, which DDP then fails to read as a tensor.
     return comm.then(done, _value)
+
+
+def average_held(
+    dtype: torch.dtype,
+    buffer: torch.Tensor,
+    group: dist.ProcessGroup,
+    last_bucket: bool,
+    owner: str,
+) -> "Future[torch.Tensor]":
+    """:func:`average_in` on an accelerator (or in a GPU's branch on a CPU): PyTorch's cast,
+    division and collective, and the sum held with the step's others
+    (:mod:`commhooks.hooks._held_sums`). What it needs of ``group`` besides is made at its
+    first bucket and looked up once a bucket after (:class:`_HeldPath`): the issuer, its
+    held sums, the world size, each hook's repair."""
+    path = _HeldPath.of(group, owner)
+    low = buffer.to(dtype, copy=True).div_(path.world)
+    summed = comm.issue_allreduce(low, group)
+    return path.held.file(buffer, summed, path.repairs[owner], last_bucket)
+
+
+class _HeldPath:
+    """What :func:`average_held` needs of one group: its follow-up issuer's held sums, its
+    size, and for each hook the function that makes a bucket's repair rounds (called only for
+    a sum that is not finite). Made at the group's first bucket: getting the issuer then
+    creates the follow-up group (collective), at the same point on every rank."""
+
+    # By the group's id, each path keeping a weak reference to its group: a plain dictionary
+    # answers in a tenth of a weak-keyed one's host time, asked once a bucket. A path whose
+    # group is gone is replaced when its id comes back.
+    _of: "dict[int, _HeldPath]" = {}
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        issuer = comm.issuer_for(group)
+        self.group = weakref.ref(group)
+        self.held, self.world, self.follow_up = held_sums(issuer), comm.size(group), issuer.group
+        self.repairs: dict[str, Callable[[torch.Tensor], Sequence[comm.Round]]] = {}
+
+    @classmethod
+    def of(cls, group: dist.ProcessGroup, owner: str) -> "_HeldPath":
+        """The path of ``group``, with a repair for ``owner``'s buckets."""
+        path = cls._of.get(id(group))
+        if path is None or path.group() is not group:
+            path = cls._of[id(group)] = cls(group)
+        if owner not in path.repairs:
+            world, follow_up = path.world, path.follow_up
+            path.repairs[owner] = lambda buffer: _Repair(
+                buffer, world, follow_up, owner, flagged=False
+            ).rounds()
+        return path
 
 
 def _value(fut: "Future[torch.Tensor]") -> torch.Tensor:

@@ -16,7 +16,7 @@ Hook modules must not use ``from __future__ import annotations``: DDP rejects st
 """
 
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -27,12 +27,15 @@ __all__ = ["HeldSums", "held_sums"]
 
 Future = torch.futures.Future
 _derive: Callable[..., Any] = torch._C.Future.then
+# What makes a bucket's repair rounds from its buffer, called only for a sum that is not
+# finite: one function for all the buckets of a hook, so that filing one makes nothing.
+Rounds = Callable[[torch.Tensor], Sequence[comm.Round]]
 
 
 class _Filed:
-    """One bucket: its buffer, its sum's future, its repair rounds, and once its step is
-    finished, what the future DDP waits on holds (``buffer``, or what repairing made) or the
-    error that fails it."""
+    """One bucket: its buffer, its sum's future, what makes its repair rounds, and once its
+    step is finished, what the future DDP waits on holds (``buffer``, or what repairing made)
+    or the error that fails it."""
 
     __slots__ = ("buffer", "error", "rounds", "summed", "value")
 
@@ -40,7 +43,7 @@ class _Filed:
         self,
         buffer: torch.Tensor,
         summed: "Future[list[torch.Tensor]]",
-        rounds: Callable[[], Sequence[comm.Round]],
+        rounds: "Rounds",
     ) -> None:
         self.buffer, self.summed, self.rounds = buffer, summed, rounds
         self.value: torch.Tensor = buffer
@@ -78,13 +81,13 @@ class HeldSums:
         self,
         buffer: torch.Tensor,
         summed: "Future[list[torch.Tensor]]",
-        rounds: Callable[[], Sequence[comm.Round]],
+        rounds: Rounds,
         last_bucket: bool,
     ) -> "Future[torch.Tensor]":
         """Hold ``buffer``'s ``summed`` until the step's last bucket, or one whose follow-ups
         are not held (:func:`commhooks.comm.holds_follow_ups`); the future holds ``buffer``
-        with the average cast back, or the average that ``rounds()`` (made only for a sum that
-        is not finite) made instead."""
+        with the average cast back, or the average that ``rounds(buffer)`` (called only for a
+        sum that is not finite) made instead."""
         key = buffer.data_ptr()
         # A bucket filed again before its step finished: that step was abandoned (DDP reuses
         # its buffers), and every bucket still held from it is dropped, so that no stale sum
@@ -115,26 +118,21 @@ class HeldSums:
     def finish(self) -> None:
         """Check every filed sum at once; cast the finite ones back, repair the others, then
         open the step's gate."""
-        filed, gate = list(self._filed.values()), self._gate
+        filed, gate = self._filed.values(), self._gate
         self._filed, self._gate = {}, None
         if gate is None:
             return
-        ready: list[tuple[_Filed, torch.Tensor]] = []
-        for each in filed:
-            try:
-                ready.append((each, each.summed.wait()[0]))  # this stream waits for the sum's
-            except BaseException as exc:  # a failed collective: that bucket's step fails
-                each.error = exc
-        sums = [_first(summed, each.buffer.numel()) for each, summed in ready]
+        ready, sums = _summed(filed)
         finite = finiteness.finite_each(sums)
-        done = [(each.buffer, s) for (each, _), s, ok in zip(ready, sums, finite) if ok]
-        if done:
-            torch._foreach_copy_([buffer for buffer, _ in done], [s for _, s in done])
-            comm.used_on_current_stream([s for _, s in done])  # made on DDP's stream
+        if all(finite):  # the usual step: one batched copy, nothing to repair
+            _cast_back([each.buffer for each in ready], sums)
+            gate.set_result(None)
+            return
+        _cast_back([each.buffer for each, ok in zip(ready, finite) if ok], _kept(sums, finite))
         devices = self._devices
         repairs = [
             self._repair(each, summed, devices)
-            for (each, summed), ok in zip(ready, finite)
+            for each, summed, ok in zip(ready, sums, finite)
             if not ok
         ]
         _open_after(gate, repairs)
@@ -153,7 +151,7 @@ class HeldSums:
     ) -> "Future[Any]":
         """The repair rounds of a sum that is not finite, issued now, in the issuer's order;
         the future completes once ``each`` holds what they made."""
-        repaired = self._issuer.rounds(comm.completed(summed), each.rounds(), devices)
+        repaired = self._issuer.rounds(comm.completed(summed), each.rounds(each.buffer), devices)
         return comm.then(repaired, each.settle)
 
 
@@ -166,10 +164,34 @@ def _open_after(gate: "Future[None]", repairs: "list[Future[Any]]") -> None:
     comm.when_done(torch.futures.collect_all(repairs), lambda _: gate.set_result(None))
 
 
-def _first(summed: torch.Tensor, numel: int) -> torch.Tensor:
-    """The sum's first ``numel`` elements: itself where it has no more (a view costs the host
-    a microsecond a bucket, and on a GPU a sum is the bucket's size)."""
-    return summed if summed.numel() == numel else summed[:numel]
+def _summed(filed: "Iterable[_Filed]") -> tuple[list[_Filed], list[torch.Tensor]]:
+    """The buckets whose sums arrived, and those sums (each its bucket's length); a bucket
+    whose collective failed keeps the error, which fails its future alone."""
+    ready, sums = [], []
+    for each in filed:
+        try:
+            summed = each.summed.wait()[0]  # this stream waits for the sum's
+        except BaseException as exc:
+            each.error = exc
+            continue
+        numel = each.buffer.numel()
+        # A sum may be longer than its bucket; a view of one that is not costs the host a
+        # microsecond a bucket.
+        sums.append(summed if summed.numel() == numel else summed[:numel])
+        ready.append(each)
+    return ready, sums
+
+
+def _kept(sums: list[torch.Tensor], finite: list[bool]) -> list[torch.Tensor]:
+    return [summed for summed, ok in zip(sums, finite) if ok]
+
+
+def _cast_back(buffers: list[torch.Tensor], sums: list[torch.Tensor]) -> None:
+    """Copy each finite sum into its bucket, cast back: one batched copy (one kernel on a
+    GPU)."""
+    if buffers:
+        torch._foreach_copy_(buffers, sums)
+        comm.used_on_current_stream(sums)  # made on DDP's stream
 
 
 _held: "weakref.WeakKeyDictionary[comm.OrderedIssuer, HeldSums]" = weakref.WeakKeyDictionary()

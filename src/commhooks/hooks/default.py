@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from commhooks import comm, handshake
+from commhooks import _reads, comm, handshake
 from commhooks.hooks._bucket import (
     GradBucket,
     finished_by_polling,
@@ -20,7 +20,7 @@ from commhooks.hooks._bucket import (
     gradient_buffer,
     group_state,
 )
-from commhooks.hooks._half import average_in, saturating_cast
+from commhooks.hooks._half import average_held, average_in, saturating_cast
 
 __all__ = [
     "allreduce_hook",
@@ -97,6 +97,8 @@ def _cast_average(
 ) -> torch.futures.Future[torch.Tensor]:
     group = group_state(state, owner)
     buffer = float_buffer(bucket, owner)
+    if not _reads.are_free(buffer):  # a GPU's: the sum held with the step's others
+        return average_held(dtype, buffer, group, bucket.is_last(), owner)
     polled = finished_by_polling(bucket, buffer)
     issuer = comm.issuer_for(group)
     return average_in(dtype, buffer, group, issuer, bucket.is_last(), owner, polled)
