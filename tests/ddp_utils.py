@@ -180,6 +180,10 @@ class FakeBucket:
     def set_buffer(self, tensor: torch.Tensor) -> None:
         self._buffer = tensor
 
+    def set_last(self, last: bool) -> None:
+        """Make this the step's last bucket, or not (DDP's next step: the same parameters)."""
+        self._last = last
+
     def parameters(self) -> list[torch.Tensor]:
         return self._params
 

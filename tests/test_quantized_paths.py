@@ -94,23 +94,16 @@ def test_one_rank_sends_nothing_and_applies_the_two_phases_bits():
 
 def _held(rank: int, world_size: int) -> dict:
     from commhooks import finiteness
+    from commhooks.hooks._held_sums import held_sums
 
-    events: list[str] = []
+    checks: list[int] = []  # the tensors of each batched check, as it is made
+    real = finiteness.finite_each
 
-    class Spy(finiteness.HeldChecks):
-        def hold(self, owner: object, *tensors: torch.Tensor) -> None:
-            events.append("held")
-            super().hold(owner, *tensors)
+    def spy(tensors: list[torch.Tensor]) -> list[bool]:
+        checks.append(len(tensors))
+        return real(tensors)
 
-        def finite(self, owner: object) -> bool:
-            events.append("read")
-            return super().finite(owner)
-
-        def _settle(self) -> None:
-            events.append("settle")
-            super()._settle()
-
-    finiteness.HeldChecks = Spy
+    finiteness.finite_each = spy
     out: dict = {}
     for inline in (False, True):
         state = QuantizationState(None, bits=8, block_size=BLOCK)
@@ -121,12 +114,13 @@ def _held(rank: int, world_size: int) -> dict:
                 grads[1][5 + rank] = float("nan")
             before = state.state_dict()
             futures, seen = [], []
-            events.clear()
+            checks.clear()
             with comm.completing_inline() if inline else _nothing():
                 for bucket, grad in zip(buckets, grads):
                     bucket.set_buffer(grad.clone())
                     futures.append(quantized_hook(state, bucket))
-                    seen.append(tuple(events.count(e) for e in ("held", "read", "settle")))
+                    pending = held_sums(state.issuer).pending if state.issuer else 0
+                    seen.append((pending, list(checks), [f.done() for f in futures]))
             applied = [f.wait().clone() for f in futures]
             out[inline, step] = (grads, applied, seen, before, state.state_dict())
     return out
@@ -138,11 +132,12 @@ def test_held_checks_are_answered_together_at_the_last_bucket():
     for out in ranks:
         for step in range(2):
             grads, applied, seen, before, after = out[True, step]
-            # Each bucket's check is held as its hook returns; none is read before the last,
-            # and then all of them are answered by one batched reduction and one read.
-            assert seen[:3] == [(1, 0, 0), (2, 0, 0), (3, 0, 0)], seen
-            assert seen[3] == (4, 4, 1), seen
-            assert out[False, step][2] == [(0, 0, 0)] * 4  # on a CPU: read as it goes
+            # Each bucket is held as its hook returns, its future not done; nothing is read
+            # before the last, and then all four are answered by one batched check.
+            for i in range(3):
+                assert seen[i] == (i + 1, [], [False] * (i + 1)), seen
+            assert seen[3] == (0, [4], [True] * 4), seen
+            assert all(s[0] == 0 and s[1] == [] for s in out[False, step][2])  # read as it goes
             _, applied_gloo, _, _, after_gloo = out[False, step]
             for ours, gloo in zip(applied, applied_gloo):
                 assert torch.equal(ours.nan_to_num(), gloo.nan_to_num())
@@ -211,3 +206,49 @@ def test_an_all_gather_failed_as_issued_fails_its_bucket_alone():
     assert outcomes[0] is True and outcomes[2] is True, outcomes
     assert "the all-gather of bucket 1 failed" in outcomes[1], outcomes
     assert pending == 0  # no slot left waiting: the next step is not held back
+
+
+def _abandoned(rank: int, world_size: int, eager: bool) -> tuple:
+    """A held step whose last bucket never comes, its one bucket holding NaN (whose block's
+    padding the quantizing pass then fills with NaN), then a whole step on the same buffer.
+    ``eager``: PyTorch's operations, whose block maximum NaN makes NaN, as a GPU's does (the
+    CPU kernels' maximum passes over NaN)."""
+    from commhooks import cpu_kernels
+
+    with cpu_kernels.disabled() if eager else _nothing():
+        return _abandoned_step(rank)
+
+
+def _abandoned_step(rank: int) -> tuple:
+    state = QuantizationState(None, bits=8, block_size=BLOCK)
+    fresh = QuantizationState(None, bits=8, block_size=BLOCK)
+    bucket = FakeBucket([torch.zeros(100)], index=0, last=False)  # 100 of 128: padded
+    grad = _grad(rank, 100, 0)
+    broken = grad.clone()
+    broken[99] = float("nan")  # in the last block, with the padding
+    with comm.completing_inline():
+        bucket.set_buffer(broken)
+        stale = quantized_hook(state, bucket)
+        memories = state.state_dict()
+        done_before = stale.done()
+        bucket.set_last(True)
+        results = []
+        for hooked, buffer in ((state, bucket.buffer()), (fresh, torch.zeros(100))):
+            bucket.set_buffer(buffer.copy_(grad))  # DDP's next step: the same bucket buffer
+            results.append(quantized_hook(hooked, bucket).wait().clone())
+    try:
+        stale.wait()
+        error = ""
+    except RuntimeError as exc:
+        error = str(exc)
+    return done_before, error, memories, results
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_an_abandoned_held_step_fails_its_buckets_and_leaves_no_nan_behind(eager):
+    ranks = run_on_ranks(_abandoned, 2, eager, env=ENV)
+    for done_before, error, memories, (ours, fresh) in ranks:
+        assert not done_before and "abandoned with its step" in error
+        assert memories["error"] == {} and memories["owner_error"] == {}  # nothing committed
+        # The next step on the same buffer starts from zeroed padding: a fresh state's bits.
+        assert torch.isfinite(ours).all() and torch.equal(ours, fresh)

@@ -12,18 +12,22 @@ ones cast back with one batched copy, and only a sum that is not finite goes thr
 issuer's repair rounds, in bucket order, the same on every rank (every rank holds the same
 sums, so every rank takes the same branch).
 
+The quantized hooks file their buckets here too, each with a :class:`Finisher` of its own:
+what must be finite is the gathered rows' scales, and a finite bucket is decoded (and its
+errors kept) where a sum would be cast back.
+
 Hook modules must not use ``from __future__ import annotations``: DDP rejects string annotations.
 """
 
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from commhooks import comm, finiteness
 
-__all__ = ["HeldSums", "held_sums"]
+__all__ = ["Finisher", "HeldSums", "held_sums"]
 
 Future = torch.futures.Future
 _derive: Callable[..., Any] = torch._C.Future.then
@@ -32,20 +36,33 @@ _derive: Callable[..., Any] = torch._C.Future.then
 Rounds = Callable[[torch.Tensor], Sequence[comm.Round]]
 
 
+class Finisher(Protocol):
+    """How a filed bucket whose collective's result is not its sum is finished (the quantized
+    hooks'), called at the step's finish, in the order the buckets were filed."""
+
+    def checked(self) -> torch.Tensor:
+        """What must be finite for the bucket to finish (its collective has completed)."""
+
+    def apply(self) -> torch.Tensor:
+        """Finish the bucket, its check passed: what its future holds."""
+
+
 class _Filed:
     """One bucket: its buffer, its sum's future, what makes its repair rounds, and once its
     step is finished, what the future DDP waits on holds (``buffer``, or what repairing made)
     or the error that fails it."""
 
-    __slots__ = ("buffer", "error", "rounds", "summed", "value")
+    __slots__ = ("buffer", "error", "finisher", "rounds", "summed", "value")
 
     def __init__(
         self,
         buffer: torch.Tensor,
         summed: "Future[list[torch.Tensor]]",
         rounds: "Rounds",
+        finisher: Finisher | None,
     ) -> None:
         self.buffer, self.summed, self.rounds = buffer, summed, rounds
+        self.finisher = finisher
         self.value: torch.Tensor = buffer
         self.error: BaseException | None = None
 
@@ -80,14 +97,17 @@ class HeldSums:
     def file(
         self,
         buffer: torch.Tensor,
-        summed: "Future[list[torch.Tensor]]",
+        summed: "Future[Any]",
         rounds: Rounds,
         last_bucket: bool,
+        finisher: Finisher | None = None,
     ) -> "Future[torch.Tensor]":
         """Hold ``buffer``'s ``summed`` until the step's last bucket, or one whose follow-ups
         are not held (:func:`commhooks.comm.holds_follow_ups`); the future holds ``buffer``
         with the average cast back, or the average that ``rounds(buffer)`` (called only for a
-        sum that is not finite) made instead."""
+        sum that is not finite) made instead. With a ``finisher``, ``summed`` is any
+        collective's future, and the finisher says what must be finite and finishes the
+        bucket instead of the cast."""
         key = buffer.data_ptr()
         # A bucket filed again before its step finished: that step was abandoned (DDP reuses
         # its buffers), and every bucket still held from it is dropped, so that no stale sum
@@ -98,7 +118,7 @@ class HeldSums:
         if gate is None:
             self._devices = comm.future_devices(buffer)
             gate = self._gate = comm.new_future(self._devices)
-        filed = self._filed[key] = _Filed(buffer, summed, rounds)
+        filed = self._filed[key] = _Filed(buffer, summed, rounds, finisher)
         # Derived with ``then``: a bucket that failed fails its future as a real error, which
         # DDP reports with the backend's message. Not through :func:`commhooks.comm.then`: the
         # gate is opened on this thread, or inside a callback that function tracks already
@@ -116,23 +136,23 @@ class HeldSums:
         return len(self._filed)
 
     def finish(self) -> None:
-        """Check every filed sum at once; cast the finite ones back, repair the others, then
-        open the step's gate."""
+        """Check every filed sum at once; cast the finite ones back (or finish them with their
+        finishers), repair the others, then open the step's gate."""
         filed, gate = self._filed.values(), self._gate
         self._filed, self._gate = {}, None
         if gate is None:
             return
-        ready, sums = _summed(filed)
-        finite = finiteness.finite_each(sums)
-        if all(finite):  # the usual step: one batched copy, nothing to repair
-            _cast_back([each.buffer for each in ready], sums)
+        ready, checked = _arrived(filed)
+        finite = finiteness.finite_each(checked)
+        if all(finite):  # the usual step: nothing to repair
+            _finish(ready, checked)
             gate.set_result(None)
             return
-        _cast_back([each.buffer for each, ok in zip(ready, finite) if ok], _kept(sums, finite))
+        _finish(_kept(ready, finite), _kept(checked, finite))
         devices = self._devices
         repairs = [
             self._repair(each, summed, devices)
-            for each, summed, ok in zip(ready, sums, finite)
+            for each, summed, ok in zip(ready, checked, finite)
             if not ok
         ]
         _open_after(gate, repairs)
@@ -164,31 +184,49 @@ def _open_after(gate: "Future[None]", repairs: "list[Future[Any]]") -> None:
     comm.when_done(torch.futures.collect_all(repairs), lambda _: gate.set_result(None))
 
 
-def _summed(filed: "Iterable[_Filed]") -> tuple[list[_Filed], list[torch.Tensor]]:
-    """The buckets whose sums arrived, and those sums (each its bucket's length); a bucket
-    whose collective failed keeps the error, which fails its future alone."""
-    ready, sums = [], []
+def _arrived(filed: "Iterable[_Filed]") -> tuple[list[_Filed], list[torch.Tensor]]:
+    """The buckets whose collectives completed, and what must be finite of each: its sum
+    (its bucket's length), or what its finisher says. A bucket whose collective failed keeps
+    the error, which fails its future alone."""
+    ready, checked = [], []
     for each in filed:
         try:
-            summed = each.summed.wait()[0]  # this stream waits for the sum's
+            value = each.summed.wait()  # this stream waits for the collective's
+            if each.finisher is not None:
+                checked.append(each.finisher.checked())
+                ready.append(each)
+                continue
         except BaseException as exc:
             each.error = exc
             continue
-        numel = each.buffer.numel()
+        summed, numel = value[0], each.buffer.numel()
         # A sum may be longer than its bucket; a view of one that is not costs the host a
         # microsecond a bucket.
-        sums.append(summed if summed.numel() == numel else summed[:numel])
+        checked.append(summed if summed.numel() == numel else summed[:numel])
         ready.append(each)
-    return ready, sums
+    return ready, checked
 
 
-def _kept(sums: list[torch.Tensor], finite: list[bool]) -> list[torch.Tensor]:
-    return [summed for summed, ok in zip(sums, finite) if ok]
+T = TypeVar("T")
 
 
-def _cast_back(buffers: list[torch.Tensor], sums: list[torch.Tensor]) -> None:
-    """Copy each finite sum into its bucket, cast back: one batched copy (one kernel on a
-    GPU)."""
+def _kept(items: list[T], finite: list[bool]) -> list[T]:
+    return [item for item, ok in zip(items, finite) if ok]
+
+
+def _finish(ready: list[_Filed], checked: list[torch.Tensor]) -> None:
+    """Finish the buckets whose check passed: each finisher's in turn, then the sums copied
+    into their buckets, cast back, in one batched copy (one kernel on a GPU)."""
+    buffers, sums = [], []
+    for each, summed in zip(ready, checked):
+        if each.finisher is None:
+            buffers.append(each.buffer)
+            sums.append(summed)
+            continue
+        try:
+            each.value = each.finisher.apply()
+        except BaseException as exc:  # that bucket's future fails, as a real error
+            each.error = exc
     if buffers:
         torch._foreach_copy_(buffers, sums)
         comm.used_on_current_stream(sums)  # made on DDP's stream

@@ -34,6 +34,7 @@ import torch
 from commhooks import comm, finiteness
 from commhooks._warnings import warn_once
 from commhooks.hooks._bucket import GradBucket, float_buffer
+from commhooks.hooks._held_sums import held_sums
 from commhooks.hooks.quantized import blocks, packing
 from commhooks.hooks.quantized.state import (
     HOOK,
@@ -83,7 +84,8 @@ def quantized_hook(
     buffer = float_buffer(bucket, _HOOK)
     group = state.prepare()
     work = state.begin(bucket, buffer)
-    devices, hold = comm.follow_up_options(buffer, bucket.is_last())
+    last = bucket.is_last()
+    devices, hold = comm.follow_up_options(buffer, last)
     queued = comm.holds_follow_ups(devices)  # the checks' reads wait for a later bucket
     if work is None:
         return comm.average(buffer, group) if buffer.numel() else comm.completed(buffer)
@@ -99,6 +101,10 @@ def quantized_hook(
         exchanged = comm.all_to_all(work.received, work.send, group)  # one rank: already done
     else:
         exchanged = _all_to_all_wired(work, wire, settings.format, group)
+    inline = work.alone or issuer.group is group  # the all-to-all is complete (see below)
+    if inline and queued:  # a GPU's: decided with the step's other buckets, at its last
+        exchanged.wait()  # the current stream waits for the all-to-all's
+        return _held_decision(state, work, buffer, last)
 
     # Both phases touch the state's memories: where they wait for their turns, one at a time.
     def share(_: object = None) -> torch.futures.Future[torch.Tensor]:
@@ -110,7 +116,7 @@ def quantized_hook(
     if work.alone and not queued:  # nothing travels and nothing waits: both phases now
         share()
         return _as_future(decide())
-    if work.alone or issuer.group is group:
+    if inline:
         # The all-to-all is complete (comm gives follow-ups the hook's own group only where
         # collectives complete as they are queued, as NCCL's do): the owner's pass and the
         # all-gather follow at once, on DDP's thread, in bucket order, and only the decision,
@@ -192,13 +198,7 @@ def _reduce_and_share(
     """Phase 2: the owner's pass (:func:`_reduce`), then the all-gather on the issuer's group;
     where the follow-ups are held (on a GPU), the check of the gathered scales is held with
     the step's others, answered together at the first decision."""
-    assert state.issuer is not None, "begin() made the issuer"
-    wire, group = work.wire, state.issuer.group
-    if wire is None:  # the packets travel as they are
-        _reduce(state, work)
-        gathered = comm.all_gather_into(work.gathered, work.own_packet, group)
-    else:
-        gathered = _all_gather_wired(state, work, wire, group)
+    wire, gathered = work.wire, _reduce_and_gather(state, work)
     if not queued:
         if wire is None:
             return gathered
@@ -216,6 +216,55 @@ def _reduce_and_share(
         _unwire_gathered(state, work)
     _hold_check(state, work)
     return gathered
+
+
+def _reduce_and_gather(state: QuantizationState, work: Workspace) -> torch.futures.Future[Any]:
+    """The owner's pass (:func:`_reduce`), then the all-gather on the issuer's group (packed
+    first, for a packed format)."""
+    assert state.issuer is not None, "begin() made the issuer"
+    wire, group = work.wire, state.issuer.group
+    if wire is None:  # the packets travel as they are
+        _reduce(state, work)
+        return comm.all_gather_into(work.gathered, work.own_packet, group)
+    return _all_gather_wired(state, work, wire, group)
+
+
+def _held_decision(
+    state: QuantizationState, work: Workspace, buffer: torch.Tensor, last: bool
+) -> torch.futures.Future[torch.Tensor]:
+    """Phase 2, then phase 3 held with the step's other buckets, where collectives complete
+    as they are queued and follow-ups are held (a GPU's): the gathered scales are checked
+    with every held bucket's at once, at the step's last bucket, with one batched pass and
+    one read (:mod:`commhooks.hooks._held_sums`), and only then decoded; a bucket whose
+    scales are not finite is sent again in full precision, in the issuer's order."""
+    gathered = _reduce_and_gather(state, work)
+    assert state.issuer is not None, "begin() made the issuer"
+    decision = _HeldDecision(state, work, buffer)
+    return held_sums(state.issuer).file(buffer, gathered, decision.rounds, last, decision)
+
+
+class _HeldDecision:
+    """Phase 3 of one bucket, held (:func:`_held_decision`): the finisher its held sums call."""
+
+    __slots__ = ("buffer", "state", "work")
+
+    def __init__(self, state: QuantizationState, work: Workspace, buffer: torch.Tensor) -> None:
+        self.state, self.work, self.buffer = state, work, buffer
+
+    def checked(self) -> torch.Tensor:
+        """The gathered scales (the all-gather has completed; packed rows are unpacked)."""
+        _unwire_gathered(self.state, self.work)
+        return self.work.scales
+
+    def apply(self) -> torch.Tensor:
+        """Decode every row into the bucket and keep the errors (the scales are finite)."""
+        _decode(self.state, self.work, self.buffer)
+        return self.buffer
+
+    def rounds(self, buffer: torch.Tensor) -> tuple[comm.Round]:
+        """The repair of scales that are not finite: the bucket sent again plainly."""
+        state = self.state
+        return (lambda _: comm.Issue(lambda: _resend(state, buffer)),)
 
 
 def _held_after(
@@ -239,13 +288,23 @@ def _decode_or_resend(
 ) -> "torch.futures.Future[torch.Tensor] | comm.Finished[torch.Tensor]":
     """Phase 3: decode every row into the bucket and keep the errors, or, if a scale is not
     finite (the same bytes, so the same answer, on every rank), send the bucket again plainly."""
-    fmt, layout = state.settings.format, work.layout
     if _scales_finite(state, work):
-        places = None if layout.in_order else layout.places()
-        blocks.decode_into_(work.gathered, fmt, buffer, work.levels, places)
-        state.commit(work)
+        _decode(state, work, buffer)
         return comm.Finished(buffer)
-    work.clear_padding()
+    return _resend(state, buffer)  # the rows' padding is cleared at the next begin()
+
+
+def _decode(state: QuantizationState, work: Workspace, buffer: torch.Tensor) -> None:
+    """Decode every gathered row into the bucket; keep the step's errors as the memories."""
+    layout = work.layout
+    places = None if layout.in_order else layout.places()
+    blocks.decode_into_(work.gathered, state.settings.format, buffer, work.levels, places)
+    state.commit(work)
+
+
+def _resend(state: QuantizationState, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """Average the bucket in full precision on the issuer's group (its scales were not
+    finite), with a warning if that average is finite."""
     assert state.issuer is not None, "begin() made the issuer"
     averaged = comm.average(buffer, state.issuer.group)
     return comm.then(averaged, lambda fut: _warn_if_finite(fut.value()))

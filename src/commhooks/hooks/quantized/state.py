@@ -277,6 +277,10 @@ class Workspace:
         # Whether the check of the gathered scales is held with the step's others (on a GPU:
         # :func:`commhooks.finiteness.held_for`), to be answered at the first decision.
         self.held = False
+        # Whether a step began on these buffers and has not committed: set by begin(),
+        # cleared by commit(). Still set at the next begin(), the step was abandoned or not
+        # finite, and may have left NaN in the rows' padding (see clear_padding).
+        self.unfinished = False
 
     @property
     def rows(self) -> torch.Tensor:
@@ -305,8 +309,8 @@ class Workspace:
         self.now, self.kept = self.kept, self.now
 
     def clear_padding(self) -> None:
-        """Zero the rows past the bucket's end, which an abandoned step may have left inf or
-        NaN in (a finite step leaves zeros there)."""
+        """Zero the rows past the bucket's end, which a step that never committed (abandoned,
+        or not finite) may have left inf or NaN in (a finite step leaves zeros there)."""
         self.now.rows.view(-1)[self.layout.numel :].zero_()
 
 
@@ -463,6 +467,9 @@ class QuantizationState(HookState):
             return None
         numbers = self._numbering.numbers(bucket.parameters())
         work = self._workspace(bucket, buffer, numbers)
+        if work.unfinished:  # the last step on these buffers never committed
+            work.clear_padding()
+        work.unfinished = True
         work.first, work.second = self._generators_on(buffer.device)
         if self.error.awaits_check or self.owner_error.awaits_check:  # after a load only
             self._check_loaded(numbers, bucket, buffer, work.layout)
@@ -580,6 +587,7 @@ class QuantizationState(HookState):
         Called only for a step whose result is finite, so that inf or NaN never enter a memory,
         and an abandoned step leaves the previous memories as they were.
         """
+        work.unfinished = False
         if not self.settings.error_feedback:
             return
         layout, now = work.layout, work.now
