@@ -4,15 +4,16 @@ On a GPU the host must keep ahead of the device: every Python call and kernel la
 makes per bucket is paid on the host while the device waits for work. With one gloo rank and a
 model whose compute is negligible (``--layers`` layers of ``Linear(--width, --width)``), a
 step's time over DDP's own step without a hook is that host cost, and many small buckets
-(``--bucket-cap-mb``) multiply it. Every hook runs ``--rounds`` times in turn with a fresh
-DDP model, ``--steps`` timed steps each after a warm-up past DDP's bucket rebuild (and
-PowerSGD's start); the medians of the pooled steps are compared within this one run::
+multiply it. Every hook gets one DDP model, warmed up past DDP's bucket rebuild (and
+PowerSGD's start); then ``--rounds`` rounds each time a block of ``--steps`` steps of every
+hook in turn, and a hook's step time is the mean of its fastest fifth of blocks (on a shared
+machine a block that another process slowed down is left out; interleaved, every hook meets
+the same machine)::
 
     python examples/host_cost.py --json host_cost.json
 
-prints, per row, each side's median step time over no hook and the ratio ours/PyTorch's.
-On a shared machine ``--clock cpu`` times steps by this process's CPU time, which other
-processes do not inflate.
+prints, per row, each side's step time over no hook and the ratio ours/PyTorch's. ``--clock
+cpu`` times steps by this process's CPU time instead of the wall's.
 
 ``--backend gloo`` (the default) runs every hook as on a CPU cluster: gloo runs a future's
 callbacks on a worker thread of its own, and PyTorch's hooks pay for the interpreter changing
@@ -123,31 +124,46 @@ def _model(layers: int, width: int) -> nn.Module:
     return nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
 
 
-def time_steps(name: str, cap: float, args: argparse.Namespace) -> list[float]:
-    """Seconds per step of hook ``name`` (a fresh DDP model), after a warm-up. On the inline
-    backend our hooks run inside ``comm.completing_inline()``: a GPU's control flow."""
-    if args.backend == "inline" and not name.startswith("torch_"):
-        with comm.completing_inline():
-            return _timed(name, cap, args)
-    return _timed(name, cap, args)
+class Run:
+    """One hook at one bucket size: a DDP model built and warmed up once (past DDP's bucket
+    rebuild and PowerSGD's start), then timed a block of ``--steps`` steps at a time. On the
+    inline backend our hooks run inside ``comm.completing_inline()``: a GPU's control flow."""
 
+    def __init__(self, name: str, cap: float, args: argparse.Namespace) -> None:
+        self.name, self.args = name, args
+        with self._context():
+            self.ddp = DDP(_model(args.layers, args.width), bucket_cap_mb=cap)
+            attach = HOOKS[name]
+            if attach is not None:
+                attach(self.ddp)
+            self.batch = torch.randn(args.batch, args.width)
+            for _ in range(args.warmup):
+                self._step()
 
-def _timed(name: str, cap: float, args: argparse.Namespace) -> list[float]:
-    ddp = DDP(_model(args.layers, args.width), bucket_cap_mb=cap)
-    attach = HOOKS[name]
-    if attach is not None:
-        attach(ddp)
-    batch = torch.randn(args.batch, args.width)
-    times = []
-    clock = CLOCKS[args.clock]
-    for step in range(args.warmup + args.steps):
-        start = clock()
-        ddp(batch).sum().backward()
-        if step >= args.warmup:
-            times.append(clock() - start)
-        for p in ddp.parameters():
+    def _context(self) -> contextlib.AbstractContextManager[None]:
+        inline = self.args.backend == "inline" and not self.name.startswith("torch_")
+        return comm.completing_inline() if inline else contextlib.nullcontext()
+
+    def _step(self) -> None:
+        self.ddp(self.batch).sum().backward()
+        for p in self.ddp.parameters():
             p.grad = None
-    return times
+
+    def block(self) -> float:
+        """Seconds per step over one block of ``--steps`` steps."""
+        clock = CLOCKS[self.args.clock]
+        with self._context():
+            start = clock()
+            for _ in range(self.args.steps):
+                self._step()
+            return (clock() - start) / self.args.steps
+
+
+def low_fifth(times: list[float]) -> float:
+    """The mean of the fastest fifth of ``times`` (at least one): a block that another process
+    slowed down is left out, and what remains is the hook's own cost."""
+    fastest = sorted(times)[: max(1, len(times) // 5)]
+    return statistics.fmean(fastest)
 
 
 class _OpCounter(TorchDispatchMode):
@@ -170,7 +186,7 @@ class _OpCounter(TorchDispatchMode):
 
 def count_ops(name: str, cap: float, args: argparse.Namespace) -> tuple[float, float]:
     """Operations dispatched per step by hook ``name``'s DDP step, and seconds per step
-    inside multi-tensor operations (as :func:`time_steps` runs it)."""
+    inside multi-tensor operations (on a model of its own, as :class:`Run` times it)."""
     inline = args.backend == "inline" and not name.startswith("torch_")
     counter = _OpCounter()
     with comm.completing_inline() if inline else contextlib.nullcontext():
@@ -202,25 +218,27 @@ def add_ops(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
 
 
 def measure(rows: list[Row], args: argparse.Namespace) -> dict[tuple[str, float], float]:
-    """Median step time of every (hook, bucket size) the rows need, rounds interleaved."""
-    runs = sorted(
+    """Step time of every (hook, bucket size) the rows need: ``--rounds`` blocks each, the
+    hooks' blocks interleaved, summed up by :func:`low_fifth`."""
+    names = sorted(
         {(r.ours, r.bucket_cap_mb) for r in rows} | {(r.theirs, r.bucket_cap_mb) for r in rows}
     )
-    runs += [("no_hook", cap) for cap in sorted({r.bucket_cap_mb for r in rows})]
-    pooled: dict[tuple[str, float], list[float]] = {run: [] for run in runs}
+    names += [("no_hook", cap) for cap in sorted({r.bucket_cap_mb for r in rows})]
+    runs = {key: Run(*key, args) for key in names}
+    blocks: dict[tuple[str, float], list[float]] = {key: [] for key in names}
     for _ in range(args.rounds):
-        for name, cap in runs:
-            pooled[(name, cap)] += time_steps(name, cap, args)
-    return {run: statistics.median(times) for run, times in pooled.items()}
+        for key, run in runs.items():
+            blocks[key].append(run.block())
+    return {key: low_fifth(times) for key, times in blocks.items()}
 
 
-def table(rows: list[Row], medians: dict[tuple[str, float], float]) -> list[dict[str, Any]]:
+def table(rows: list[Row], times: dict[tuple[str, float], float]) -> list[dict[str, Any]]:
     """Each row's host time over no hook, both sides, and their ratio."""
     out = []
     for row in rows:
-        base = medians[("no_hook", row.bucket_cap_mb)]
-        ours = medians[(row.ours, row.bucket_cap_mb)] - base
-        theirs = medians[(row.theirs, row.bucket_cap_mb)] - base
+        base = times[("no_hook", row.bucket_cap_mb)]
+        ours = times[(row.ours, row.bucket_cap_mb)] - base
+        theirs = times[(row.theirs, row.bucket_cap_mb)] - base
         ratio = ours / theirs if theirs > 0 else float("inf")
         out.append(
             {
@@ -282,9 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=96)
     parser.add_argument("--width", type=int, default=32)
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10, help="steps in a timed block")
+    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=20, help="timed blocks of each hook")
     parser.add_argument("--json", help="also write the table to this file")
     parser.add_argument(
         "--clock",
