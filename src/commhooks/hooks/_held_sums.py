@@ -31,6 +31,8 @@ __all__ = ["Finisher", "HeldSums", "held_sums"]
 
 Future = torch.futures.Future
 _derive: Callable[..., Any] = torch._C.Future.then
+# torch's ``Future.wait`` without its Python layer (a frame a bucket; the same call).
+_wait: Callable[[Any], Any] = torch._C.Future.wait
 # What makes a bucket's repair rounds from its buffer, called only for a sum that is not
 # finite: one function for all the buckets of a hook, so that filing one makes nothing.
 Rounds = Callable[[torch.Tensor], Sequence[comm.Round]]
@@ -145,10 +147,10 @@ class HeldSums:
         ready, checked = _arrived(filed)
         finite = finiteness.finite_each(checked)
         if all(finite):  # the usual step: nothing to repair
-            _finish(ready, checked)
+            _finish(ready, checked, self._devices)
             gate.set_result(None)
             return
-        _finish(_kept(ready, finite), _kept(checked, finite))
+        _finish(_kept(ready, finite), _kept(checked, finite), self._devices)
         devices = self._devices
         repairs = [
             self._repair(each, summed, devices)
@@ -191,7 +193,7 @@ def _arrived(filed: "Iterable[_Filed]") -> tuple[list[_Filed], list[torch.Tensor
     ready, checked = [], []
     for each in filed:
         try:
-            value = each.summed.wait()  # this stream waits for the collective's
+            value = _wait(each.summed)  # this stream waits for the collective's
             if each.finisher is not None:
                 checked.append(each.finisher.checked())
                 ready.append(each)
@@ -214,22 +216,30 @@ def _kept(items: list[T], finite: list[bool]) -> list[T]:
     return [item for item, ok in zip(items, finite) if ok]
 
 
-def _finish(ready: list[_Filed], checked: list[torch.Tensor]) -> None:
+def _finish(ready: list[_Filed], checked: list[torch.Tensor], devices: list[torch.device]) -> None:
     """Finish the buckets whose check passed: each finisher's in turn, then the sums copied
     into their buckets, cast back, in one batched copy (one kernel on a GPU)."""
-    buffers, sums = [], []
-    for each, summed in zip(ready, checked):
-        if each.finisher is None:
-            buffers.append(each.buffer)
-            sums.append(summed)
-            continue
-        try:
-            each.value = each.finisher.apply()
-        except BaseException as exc:  # that bucket's future fails, as a real error
-            each.error = exc
+    if any(each.finisher is not None for each in ready):
+        plain = [(each.buffer, summed) for each, summed in zip(ready, checked) if _applied(each)]
+        buffers, sums = [buffer for buffer, _ in plain], [summed for _, summed in plain]
+    else:  # the half-precision hooks' step
+        buffers, sums = [each.buffer for each in ready], checked
     if buffers:
         torch._foreach_copy_(buffers, sums)
-        comm.used_on_current_stream(sums)  # made on DDP's stream
+        if devices:  # CUDA sums, made on DDP's stream
+            comm.used_on_current_stream(sums)
+
+
+def _applied(each: _Filed) -> bool:
+    """Run ``each``'s finisher, if it has one (an error fails that bucket's future alone, as
+    a real error); whether it is a plain sum still to be cast back."""
+    if each.finisher is None:
+        return True
+    try:
+        each.value = each.finisher.apply()
+    except BaseException as exc:
+        each.error = exc
+    return False
 
 
 _held: "weakref.WeakKeyDictionary[comm.OrderedIssuer, HeldSums]" = weakref.WeakKeyDictionary()
