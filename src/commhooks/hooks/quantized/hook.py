@@ -12,11 +12,14 @@ Per bucket, in two phases (the scheme of ZeRO++'s qgZ and torchft's quantized al
    the same on every rank, bit for bit.
 
 A block holding inf or NaN gives the gathered result a scale that is not finite; deciding that
-reads a check back to the host, which on a GPU waits for the device: the check is held with
-the step's other buckets' (:func:`commhooks.finiteness.held_for`) and answered together, one
-batched reduction and one read, at the first decision, which is held until the step's last
-bucket (:func:`commhooks.comm.holds_follow_ups`), so that the host waits once a step, not
-once a bucket.
+reads a check back to the host, which on a GPU waits for the device, so it is read once a
+step, not once a bucket. Where collectives complete as they are queued (NCCL's), the bucket
+is filed in its issuer's held sums (:mod:`commhooks.hooks._held_sums`) and decided at the
+step's last bucket with the others: one batched check of every bucket's gathered scales, then
+each finite bucket decoded in turn. Where they complete later (gloo with CUDA tensors), the
+check is held with the step's others (:func:`commhooks.finiteness.held_for`) and answered
+together at the first decision, which is held until the step's last bucket
+(:func:`commhooks.comm.holds_follow_ups`).
 
 Each rank sends ``2 (p - 1) / p`` of the bucket at ``bits`` per element plus a float32 scale
 per block: with the default 256-element blocks, 0.254 (int8) or 0.129 (int4) of what a
