@@ -29,6 +29,9 @@ class KernelLoader(Generic[T]):
 
     def get(self) -> T | None:
         """The kernels, loading them on the first call; ``None`` while disabled or missing."""
+        loaded = self._loaded
+        if loaded and not self._off:  # once loaded, read without the lock (a call a kernel)
+            return loaded[0]
         with self._lock:
             if self._off:
                 return None

@@ -245,10 +245,12 @@ def _plain_rows(
     """``rows x length`` of ``dtype`` on the CPU, 4-byte aligned (unless not ``aligned``), each
     row contiguous and none overlapping another (what the kernels read through a pointer and a
     row stride): where it starts and its row stride, else ``None``."""
-    if not t.is_cpu or t.dtype != dtype or t.requires_grad or t.shape != (rows, length):
+    if t.dtype != dtype or not t.is_cpu or t.requires_grad or t.shape != (rows, length):
         return None
-    row_stride, column_stride = t.stride()
     at = t.data_ptr()
+    if t.is_contiguous():  # the usual tensor: rows of ``length`` one after another
+        return (at, length) if at % 4 == 0 or not aligned else None
+    row_stride, column_stride = t.stride()
     if (
         (column_stride == 1 or length <= 1)
         and row_stride >= length
