@@ -59,7 +59,7 @@ class _Filed:
     def __init__(
         self,
         buffer: torch.Tensor,
-        summed: "Future[list[torch.Tensor]]",
+        summed: "Future[Any]",
         rounds: "Rounds",
         finisher: Finisher | None,
     ) -> None:
