@@ -202,6 +202,37 @@ def test_the_first_elements_of_rows_decode_to_pytorchs_bits(bits, columns):
 
 @needs_compiler
 @pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("keep", [True, False])
+def test_calls_bound_to_their_tensors_give_the_unbound_calls_bits(bits, keep):
+    fmt = BlockFormat(bits, 64)
+    rows, length = 3, fmt.row_length(3 * 400, 3)
+    x = _hostile(rows, length, seed=bits)
+    first, second = (_hostile(1, 500, seed=seed).view(-1) / 2 for seed in (3, 4))
+    packets = torch.empty(rows, fmt.packet_bytes(length), dtype=torch.uint8)
+    bound_x, unbound_x = x.clone(), x.clone()
+    bound = cpu_kernels.bound_quantize(bound_x, packets, bits, 64, keep, fmt.qmax)
+    assert bound is not None and bound((first, second))
+    expected = torch.empty_like(packets)
+    assert cpu_kernels.quantize_rows(unbound_x, expected, bits, 64, keep, (first, second), fmt.qmax)
+    assert torch.equal(packets, expected) and torch.equal(bound_x, unbound_x)
+    assert bound(None)  # without an addition: the rows as they are now
+    assert cpu_kernels.quantize_rows(unbound_x, expected, bits, 64, keep, None, fmt.qmax)
+    assert torch.equal(packets, expected) and torch.equal(bound_x, unbound_x)
+    assert not bound((first, second.double()))  # an addend it cannot take: nothing done
+    summed, out = torch.empty(1, length), torch.empty(1, length)
+    adding = cpu_kernels.bound_dequantize(packets, bits, 64, summed, add_rows=True)
+    assert adding is not None and adding()
+    assert cpu_kernels.dequantize_rows(packets, bits, 64, out, add_rows=True)
+    assert torch.equal(summed, out)
+    with cpu_kernels.disabled():  # off: the bound calls do nothing and say so
+        assert not bound(None) and not adding()
+    # Tensors the kernels cannot take are not bound at all.
+    assert cpu_kernels.bound_quantize(x.double(), packets, bits, 64, keep, fmt.qmax) is None
+    assert cpu_kernels.bound_dequantize(packets, bits, 64, torch.empty(2, length)) is None
+
+
+@needs_compiler
+@pytest.mark.parametrize("bits", [8, 4])
 def test_several_threads_give_the_same_bits(bits):
     fmt = BlockFormat(bits, 256)
     length = fmt.row_length(3_000_000, 2)

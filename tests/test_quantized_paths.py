@@ -252,3 +252,37 @@ def test_an_abandoned_held_step_fails_its_buckets_and_leaves_no_nan_behind(eager
         assert memories["error"] == {} and memories["owner_error"] == {}  # nothing committed
         # The next step on the same buffer starts from zeroed padding: a fresh state's bits.
         assert torch.isfinite(ours).all() and torch.equal(ours, fresh)
+
+
+def _steps_both_ways(rank: int, world_size: int) -> dict:
+    """Three steps of three buckets (whole rows and a ragged end), with the CPU kernels'
+    calls bound to each workspace's buffers, then with PyTorch's eager operations."""
+    from commhooks import cpu_kernels
+
+    out = {}
+    for eager in (False, True):
+        state = QuantizationState(None, bits=4, block_size=BLOCK)
+        buckets = [
+            FakeBucket([torch.zeros(n)], index=i, last=i == 2) for i, n in enumerate((256, 300, 70))
+        ]
+        applied = []
+        with cpu_kernels.disabled() if eager else _nothing():
+            for step in range(3):
+                futures = []
+                for bucket in buckets:
+                    bucket.set_buffer(_grad(rank, bucket.buffer().numel(), step))
+                    futures.append(quantized_hook(state, bucket))
+                applied.append([f.wait().clone() for f in futures])
+        out[eager] = (applied, state.state_dict())
+    return out
+
+
+def test_bound_kernel_calls_give_the_eager_forms_bits_over_steps():
+    for out in run_on_ranks(_steps_both_ways, 2, env=ENV):
+        (fused, fused_state), (eager, eager_state) = out[False], out[True]
+        for fused_step, eager_step in zip(fused, eager):
+            assert all(torch.equal(a, b) for a, b in zip(fused_step, eager_step))
+        for memory in ("error", "owner_error"):
+            assert fused_state[memory].keys() == eager_state[memory].keys()
+            for key, value in fused_state[memory].items():
+                assert torch.equal(value, eager_state[memory][key]), (memory, key)

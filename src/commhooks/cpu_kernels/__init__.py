@@ -34,6 +34,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
@@ -42,7 +43,12 @@ import torch
 from commhooks._loader import KernelLoader
 
 __all__ = [
+    "Addends",
+    "BoundDequantize",
+    "BoundQuantize",
     "available",
+    "bound_dequantize",
+    "bound_quantize",
     "bfloat16_add_",
     "bfloat16_scaled",
     "dequantize_rows",
@@ -143,6 +149,78 @@ def dequantize_rows(
         out_at[0], out_at[1], int(add_rows), _threads(rows * columns),
     )  # fmt: skip
     return True
+
+
+# A call bound to its tensors (:func:`bound_quantize`, :func:`bound_dequantize`): ``True``
+# once done, ``False`` (nothing done) where the kernels are off or cannot take the addends.
+Addends = tuple[torch.Tensor, torch.Tensor] | None
+BoundQuantize = Callable[[Addends], bool]
+BoundDequantize = Callable[[], bool]
+
+
+def bound_quantize(
+    x: torch.Tensor, packets: torch.Tensor, bits: int, block: int, keep: bool, qmax: int
+) -> BoundQuantize | None:
+    """:func:`quantize_rows` of these two tensors, checked now, not at each call: for buffers
+    a caller owns and keeps as they are (a workspace's, reused at every step; a call a bucket
+    otherwise checks every tensor again, about 3 us on a CPU). The call takes ``add`` (checked
+    at each call: it comes from outside). ``None`` where the kernels cannot take the tensors
+    or are not there; the call returns ``False`` while they are off (:func:`disabled`)."""
+    rows, length = x.shape
+    rows_at, packets_at = _plain_rows(x, torch.float32, rows, length), None
+    if rows_at is not None:
+        packets_at = _packets_fit(packets, rows, length, bits, block)
+    library = None if rows_at is None or packets_at is None else _library()
+    if rows_at is None or packets_at is None or library is None:
+        return None
+    quantize, threads = library.commhooks_quantize, _threads(rows * length)
+    head = (*rows_at, rows, length, block, bits, qmax, *packets_at, int(keep))
+
+    def call(add: Addends) -> bool:
+        if _LOADER.get() is not library:
+            return False
+        if add is None:
+            quantize(*head, None, None, 0, threads)
+        elif _addends_fit(x, *add):
+            quantize(*head, add[0].data_ptr(), add[1].data_ptr(), add[0].numel(), threads)
+        else:
+            return False
+        return True
+
+    return call
+
+
+def bound_dequantize(
+    packets: torch.Tensor,
+    bits: int,
+    block: int,
+    out: torch.Tensor,
+    *,
+    length: int | None = None,
+    add_rows: bool = False,
+) -> BoundDequantize | None:
+    """:func:`dequantize_rows` of these tensors, checked now (see :func:`bound_quantize`)."""
+    rows, columns = packets.shape[0], out.shape[-1]
+    length = columns if length is None else length
+    if out.dim() != 2 or not 0 <= columns <= length:
+        return None
+    out_at, packets_at = _plain_rows(out, torch.float32, 1 if add_rows else rows, columns), None
+    if out_at is not None:
+        packets_at = _packets_fit(packets, rows, length, bits, block)
+    library = None if out_at is None or packets_at is None else _library()
+    if out_at is None or packets_at is None or library is None:
+        return None
+    dequantize = library.commhooks_dequantize
+    args = (*packets_at, rows, length, columns, block, bits, *out_at, int(add_rows))
+    threads = _threads(rows * columns)
+
+    def call() -> bool:
+        if _LOADER.get() is not library:
+            return False
+        dequantize(*args, threads)
+        return True
+
+    return call
 
 
 def bfloat16_scaled(x: torch.Tensor, out: torch.Tensor, world: int) -> bool | None:

@@ -51,6 +51,7 @@ __all__ = [
     "quantize_affine",
     "requantize_sum_",
     "decode_into_",
+    "decode_parts",
     "scales_finite",
 ]
 
@@ -145,6 +146,7 @@ def quantize_(
     generator: torch.Generator | None = None,
     keep_error: bool = True,
     add: tuple[torch.Tensor, torch.Tensor] | None = None,
+    kernel: cpu_kernels.BoundQuantize | None = None,
 ) -> None:
     """Quantize the rows of ``x`` into ``packets``; leave in ``x`` what quantization dropped.
 
@@ -166,8 +168,12 @@ def quantize_(
         add: two float32 tensors of ``n`` elements whose sum first replaces the first ``n``
             elements of ``x`` (contiguous, row after row): the remembered error added to the
             gradient, in the same pass as the quantization where the fused kernels run.
+        kernel: the CPU kernel's call bound to ``x`` and ``packets`` with this format and
+            ``keep_error`` (:func:`commhooks.cpu_kernels.bound_quantize`), tried first.
     """
     if rounding == NEAREST:
+        if kernel is not None and kernel(add):
+            return
         args = (x, packets, fmt.bits, fmt.block, keep_error, add)
         if (x.is_cuda and triton_launch.quantize_rows(*args, qmax=fmt.qmax)) or (
             cpu_kernels.quantize_rows(*args, fmt.qmax)
@@ -348,6 +354,7 @@ def requantize_sum_(
     rounding: str = NEAREST,
     generator: torch.Generator | None = None,
     keep_error: bool = True,
+    kernels: "tuple[cpu_kernels.BoundDequantize, cpu_kernels.BoundQuantize] | None" = None,
 ) -> None:
     """The owner's pass: the mean of the decoded rows of ``packets``, plus ``memory``,
     quantized into ``packet``; what quantization dropped left in ``out``.
@@ -367,6 +374,8 @@ def requantize_sum_(
             elements before quantizing (the owner's remembered error); of ``out``'s shape, to
             all of it.
         rounding, generator, keep_error: as for :func:`quantize_`.
+        kernels: the CPU kernels' calls bound to these tensors, tried first: the sum of the
+            decoded ``packets`` into ``out``, and the quantization of ``out`` into ``packet``.
     """
     if (
         rounding == NEAREST
@@ -378,7 +387,10 @@ def requantize_sum_(
         return
     # Where the owner's kernel does not run, neither does the GPU's decoding kernel (stochastic
     # rounding aside, which is PyTorch's operations anyway).
-    if not cpu_kernels.dequantize_rows(packets, fmt.bits, fmt.block, out, add_rows=True):
+    summed = kernels is not None and kernels[0]()
+    if not summed and not cpu_kernels.dequantize_rows(
+        packets, fmt.bits, fmt.block, out, add_rows=True
+    ):
         _sum_in_row_order(_decode_eager(packets, fmt, scratch, out.shape[1]), out)
     if world != 1:  # x / 1 is x, bit for bit
         out.div_(world)
@@ -387,9 +399,11 @@ def requantize_sum_(
     elif memory is not None:
         out.view(-1)[: memory.numel()].add_(memory.view(-1))
     levels = scratch if scratch.shape[0] == 1 else scratch[:1]
+    kernel = None if kernels is None else kernels[1]
     quantize_(
-        out, packet, fmt, levels, rounding=rounding, generator=generator, keep_error=keep_error
-    )
+        out, packet, fmt, levels, rounding=rounding, generator=generator, keep_error=keep_error,
+        kernel=kernel,
+    )  # fmt: skip
 
 
 def decode_into_(
@@ -398,14 +412,19 @@ def decode_into_(
     out: torch.Tensor,
     scratch: torch.Tensor,
     places: list[tuple[int, int, int, int]] | None = None,
+    kernels: "list[cpu_kernels.BoundDequantize] | None" = None,
 ) -> None:
     """Decode every row of ``packets`` into the flat ``out``: row after row (``places`` None:
     ``out`` holds the rows' first elements, straight into it), or through ``scratch``
     (float32, ``rows x length``), each ``(_, offset, size, source)`` of ``places`` taking
-    ``size`` elements from ``offset`` in the rows to ``source`` in ``out``."""
+    ``size`` elements from ``offset`` in the rows to ``source`` in ``out``. ``kernels``: for
+    ``places`` None, the CPU kernels' calls bound to the parts of :func:`decode_parts`, tried
+    first."""
+    if places is None and kernels and all(kernel() for kernel in kernels):
+        return
     length = scratch.shape[1]
     through = places is not None
-    parts = [(packets, scratch, scratch)] if through else _decoded_parts(packets, out, scratch)
+    parts = [(packets, scratch, scratch)] if through else decode_parts(packets, out, scratch)
     for part, target, spare in parts:
         dequantize_(part, fmt, target, length=length, scratch=spare)
     if places:  # one batched copy: on a GPU one launch, not one a parameter
@@ -416,7 +435,7 @@ def decode_into_(
         )
 
 
-def _decoded_parts(
+def decode_parts(
     packets: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor
 ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """The rows of ``packets`` that decode straight into the flat ``out``, then the row in

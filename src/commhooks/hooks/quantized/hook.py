@@ -96,6 +96,7 @@ def quantized_hook(
     blocks.quantize_(
         work.rows, work.send, settings.format, work.levels, rounding=settings.rounding,
         generator=work.first, keep_error=settings.error_feedback, add=work.addition,
+        kernel=work.now.quantize,
     )  # fmt: skip
     issuer = state.issuer
     assert issuer is not None, "prepare() made the issuer"
@@ -191,7 +192,7 @@ def _reduce(state: QuantizationState, work: Workspace) -> None:
     blocks.requantize_sum_(
         work.received, settings.format, work.mine, work.own_packet, work.levels, work.world,
         memory=memory, rounding=settings.rounding, generator=work.second,
-        keep_error=settings.error_feedback,
+        keep_error=settings.error_feedback, kernels=work.now.owner,
     )  # fmt: skip
 
 
@@ -299,9 +300,12 @@ def _decode_or_resend(
 
 def _decode(state: QuantizationState, work: Workspace, buffer: torch.Tensor) -> None:
     """Decode every gathered row into the bucket; keep the step's errors as the memories."""
-    layout = work.layout
-    places = None if layout.in_order else layout.places()
-    blocks.decode_into_(work.gathered, state.settings.format, buffer, work.levels, places)
+    layout, fmt = work.layout, state.settings.format
+    if layout.in_order:
+        kernels = work.decode_kernels(buffer)
+        blocks.decode_into_(work.gathered, fmt, buffer, work.levels, kernels=kernels)
+    else:
+        blocks.decode_into_(work.gathered, fmt, buffer, work.levels, layout.places())
     state.commit(work)
 
 

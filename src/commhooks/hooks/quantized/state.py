@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from commhooks import comm, handshake, place
+from commhooks import comm, cpu_kernels, handshake, place
 from commhooks._warnings import warn_once
 from commhooks.error_feedback import ErrorFeedback, Key
 from commhooks.hooks._bucket import GradBucket
@@ -210,6 +210,20 @@ class _Side:
         self.params = tuple(flat[o : o + n] for o, n in zip(layout.offsets, layout.sizes))
         self.pieces = tuple(mine[0, start:stop] for _, start, stop in layout.pieces)
         self.bucket = flat[: layout.numel]  # the rows' elements of the bucket, in order
+        # On a CPU, the kernels' calls bound to this side's buffers (see bind_kernels).
+        self.quantize: cpu_kernels.BoundQuantize | None = None
+        self.owner: tuple[cpu_kernels.BoundDequantize, cpu_kernels.BoundQuantize] | None = None
+
+    def bind_kernels(self, work: "Workspace", fmt: blocks.BlockFormat, keep: bool) -> None:
+        """Bind the CPU kernels' calls to this side's buffers and ``work``'s packets: the
+        rank's quantization (rows into ``send``) and the owner's pass (``received`` summed
+        into ``mine``, then ``mine`` into ``own_packet``), checked once here rather than at
+        every call (about 3 us a call on a CPU's host)."""
+        bits, block, qmax = fmt.bits, fmt.block, fmt.qmax
+        self.quantize = cpu_kernels.bound_quantize(self.rows, work.send, bits, block, keep, qmax)
+        summed = cpu_kernels.bound_dequantize(work.received, bits, block, self.mine, add_rows=True)
+        owned = cpu_kernels.bound_quantize(self.mine, work.own_packet, bits, block, keep, qmax)
+        self.owner = (summed, owned) if summed is not None and owned is not None else None
 
 
 class Wire:
@@ -281,6 +295,12 @@ class Workspace:
         # cleared by commit(). Still set at the next begin(), the step was abandoned or not
         # finite, and may have left NaN in the rows' padding (see clear_padding).
         self.unfinished = False
+        self._fmt = fmt
+        self._decoding: tuple[tuple[int, torch.dtype], list[cpu_kernels.BoundDequantize]] | None
+        self._decoding = None
+        if device.type == "cpu":  # the kernels' calls bound once (a GPU's are Triton's)
+            for side in (self.now, self.kept) if error_feedback else (self.now,):
+                side.bind_kernels(self, fmt, error_feedback)
 
     @property
     def rows(self) -> torch.Tensor:
@@ -303,6 +323,23 @@ class Workspace:
         same_place = self.layout.pieces == layout.pieces and self.world == world
         same_length = self.layout.length == layout.length
         return same_rows and same_place and same_length and self.device == device
+
+    def decode_kernels(self, buffer: torch.Tensor) -> list[cpu_kernels.BoundDequantize] | None:
+        """The CPU kernels' calls that decode the gathered rows straight into ``buffer`` (the
+        bucket's, in the layout's order), bound at its first use and again if the bucket
+        moves; ``None`` where the kernels cannot take them."""
+        if self.device.type != "cpu":
+            return None
+        key = (buffer.data_ptr(), buffer.dtype)
+        if self._decoding is None or self._decoding[0] != key:
+            fmt, length = self._fmt, self.layout.length
+            calls = [
+                cpu_kernels.bound_dequantize(part, fmt.bits, fmt.block, target, length=length)
+                for part, target, _ in blocks.decode_parts(self.gathered, buffer, self.levels)
+            ]
+            bound = [call for call in calls if call is not None]
+            self._decoding = (key, bound if len(bound) == len(calls) else [])
+        return self._decoding[1] or None
 
     def swap(self) -> None:
         """Make the side written this step the kept one (its errors are the memories now)."""
