@@ -98,23 +98,14 @@ def quantize_rows(
     """Quantize the rows of ``x`` into ``packets`` as ``quantize.quantize_`` with nearest
     rounding does (``add`` included), codes in ``[-qmax, qmax]`` (by default the widest
     ``bits`` hold); ``False`` (nothing done) where the kernels cannot take these tensors."""
-    rows, length = x.shape
-    rows_at, packets_at = _plain_rows(x, torch.float32, rows, length), None
-    if rows_at is not None:
-        packets_at = _packets_fit(packets, rows, length, bits, block)
-    if rows_at is None or packets_at is None:
-        return False
-    if add is not None and not _addends_fit(x, *add):
+    qmax = (1 << (bits - 1)) - 1 if qmax is None else qmax
+    head = _quantize_head(x, packets, bits, block, keep, qmax)
+    if head is None or (add is not None and not _addends_fit(x, *add)):
         return False
     library = _library()
     if library is None:
         return False
-    first, second = (None, None) if add is None else (add[0].data_ptr(), add[1].data_ptr())
-    library.commhooks_quantize(
-        rows_at[0], rows_at[1], rows, length, block, bits,
-        (1 << (bits - 1)) - 1 if qmax is None else qmax, packets_at[0], packets_at[1],
-        int(keep), first, second, 0 if add is None else add[0].numel(), _threads(rows * length),
-    )  # fmt: skip
+    _quantize(library, head, add, x.numel())
     return True
 
 
@@ -131,23 +122,11 @@ def dequantize_rows(
     ``out`` as ``quantize.dequantize_`` does, or their sum in row order into its one row with
     ``add_rows``; ``out`` may hold fewer columns than ``length``: the rows' first elements.
     ``False`` (nothing done) where the kernels cannot take these tensors."""
-    rows, columns = packets.shape[0], out.shape[-1]
-    length = columns if length is None else length
-    out_rows = 1 if add_rows else rows
-    if out.dim() != 2 or not 0 <= columns <= length:
+    args = _dequantize_args(packets, bits, block, out, length, add_rows)
+    library = None if args is None else _library()
+    if args is None or library is None:
         return False
-    out_at, packets_at = _plain_rows(out, torch.float32, out_rows, columns), None
-    if out_at is not None:
-        packets_at = _packets_fit(packets, rows, length, bits, block)
-    if out_at is None or packets_at is None:
-        return False
-    library = _library()
-    if library is None:
-        return False
-    library.commhooks_dequantize(
-        packets_at[0], packets_at[1], rows, length, columns, block, bits,
-        out_at[0], out_at[1], int(add_rows), _threads(rows * columns),
-    )  # fmt: skip
+    library.commhooks_dequantize(*args)
     return True
 
 
@@ -166,25 +145,16 @@ def bound_quantize(
     otherwise checks every tensor again, about 3 us on a CPU). The call takes ``add`` (checked
     at each call: it comes from outside). ``None`` where the kernels cannot take the tensors
     or are not there; the call returns ``False`` while they are off (:func:`disabled`)."""
-    rows, length = x.shape
-    rows_at, packets_at = _plain_rows(x, torch.float32, rows, length), None
-    if rows_at is not None:
-        packets_at = _packets_fit(packets, rows, length, bits, block)
-    library = None if rows_at is None or packets_at is None else _library()
-    if rows_at is None or packets_at is None or library is None:
+    head = _quantize_head(x, packets, bits, block, keep, qmax)
+    library = None if head is None else _library()
+    if head is None or library is None:
         return None
-    quantize, threads = library.commhooks_quantize, _threads(rows * length)
-    head = (*rows_at, rows, length, block, bits, qmax, *packets_at, int(keep))
+    numel = x.numel()
 
     def call(add: Addends) -> bool:
-        if _LOADER.get() is not library:
+        if _LOADER.get() is not library or (add is not None and not _addends_fit(x, *add)):
             return False
-        if add is None:
-            quantize(*head, None, None, 0, threads)
-        elif _addends_fit(x, *add):
-            quantize(*head, add[0].data_ptr(), add[1].data_ptr(), add[0].numel(), threads)
-        else:
-            return False
+        _quantize(library, head, add, numel)
         return True
 
     return call
@@ -200,6 +170,58 @@ def bound_dequantize(
     add_rows: bool = False,
 ) -> BoundDequantize | None:
     """:func:`dequantize_rows` of these tensors, checked now (see :func:`bound_quantize`)."""
+    args = _dequantize_args(packets, bits, block, out, length, add_rows)
+    library = None if args is None else _library()
+    if args is None or library is None:
+        return None
+    dequantize = library.commhooks_dequantize
+
+    def call() -> bool:
+        if _LOADER.get() is not library:
+            return False
+        dequantize(*args)
+        return True
+
+    return call
+
+
+# The quantizing kernel's arguments but the addition and the threads; the decoding kernel's.
+_Head = tuple[int, ...]
+
+
+def _quantize_head(
+    x: torch.Tensor, packets: torch.Tensor, bits: int, block: int, keep: bool, qmax: int
+) -> _Head | None:
+    """The quantizing kernel's arguments for these rows and packets, up to the addition;
+    ``None`` where it cannot take them."""
+    rows, length = x.shape
+    rows_at, packets_at = _plain_rows(x, torch.float32, rows, length), None
+    if rows_at is not None:
+        packets_at = _packets_fit(packets, rows, length, bits, block)
+    if rows_at is None or packets_at is None:
+        return None
+    return (*rows_at, rows, length, block, bits, qmax, *packets_at, int(keep))
+
+
+def _quantize(library: ctypes.CDLL, head: _Head, add: Addends, numel: int) -> None:
+    """Run the quantizing kernel, ``add`` checked already."""
+    if add is None:
+        library.commhooks_quantize(*head, None, None, 0, _threads(numel))
+    else:
+        first, second = add[0].data_ptr(), add[1].data_ptr()
+        library.commhooks_quantize(*head, first, second, add[0].numel(), _threads(numel))
+
+
+def _dequantize_args(
+    packets: torch.Tensor,
+    bits: int,
+    block: int,
+    out: torch.Tensor,
+    length: int | None,
+    add_rows: bool,
+) -> _Head | None:
+    """The decoding kernel's arguments for these tensors; ``None`` where it cannot take
+    them."""
     rows, columns = packets.shape[0], out.shape[-1]
     length = columns if length is None else length
     if out.dim() != 2 or not 0 <= columns <= length:
@@ -207,20 +229,12 @@ def bound_dequantize(
     out_at, packets_at = _plain_rows(out, torch.float32, 1 if add_rows else rows, columns), None
     if out_at is not None:
         packets_at = _packets_fit(packets, rows, length, bits, block)
-    library = None if out_at is None or packets_at is None else _library()
-    if out_at is None or packets_at is None or library is None:
+    if out_at is None or packets_at is None:
         return None
-    dequantize = library.commhooks_dequantize
-    args = (*packets_at, rows, length, columns, block, bits, *out_at, int(add_rows))
-    threads = _threads(rows * columns)
-
-    def call() -> bool:
-        if _LOADER.get() is not library:
-            return False
-        dequantize(*args, threads)
-        return True
-
-    return call
+    return (
+        *packets_at, rows, length, columns, block, bits, *out_at, int(add_rows),
+        _threads(rows * columns),
+    )  # fmt: skip
 
 
 def bfloat16_scaled(x: torch.Tensor, out: torch.Tensor, world: int) -> bool | None:
