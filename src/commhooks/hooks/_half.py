@@ -63,17 +63,15 @@ def average_in(
     owner: str,
     polled: bool = False,
 ) -> "Future[torch.Tensor]":
-    """Average ``buffer`` across ``group`` in ``dtype``; the future holds ``buffer``, averaged.
+    """Average ``buffer`` across ``group`` in ``dtype``, where reading a check back is free (a
+    CPU bucket; on a GPU :func:`average_held`); the future holds ``buffer``, averaged.
 
-    Issues one collective on ``group`` now, and two follow-up rounds on ``issuer`` (reserved
-    now, or on an accelerator at the step's last bucket), which send something only for a
-    bucket whose sum is not finite (see the module's note).
-    ``buffer`` keeps its own values until the result is known, so that it can be sent again.
-    ``polled``: the first round runs at a poll of this thread (a DDP bucket on a CPU, see
-    :func:`commhooks.hooks._bucket.finished_by_polling`), not in the sum's callback.
+    Issues one collective on ``group`` now, and two follow-up rounds on ``issuer``, reserved
+    now, which send something only for a bucket whose sum is not finite (see the module's
+    note). ``buffer`` keeps its own values until the result is known, so that it can be sent
+    again. ``polled``: the first round runs at a poll of this thread (a DDP bucket on a CPU,
+    see :func:`commhooks.hooks._bucket.finished_by_polling`), not in the sum's callback.
     """
-    if not _reads.are_free(buffer):  # on a GPU: checked with the step's other buckets
-        return average_held(dtype, buffer, group, last_bucket, owner)
     # PyTorch's order (cast, then divide) keeps the results bitwise equal to its hooks'. On two
     # CPU ranks comm.allreduce sums the bucket by sending it to the other rank in chunks and
     # adding each as it arrives, with torch's kernels, where gloo's allreduce adds half
@@ -101,7 +99,8 @@ def average_held(
     last_bucket: bool,
     owner: str,
 ) -> "Future[torch.Tensor]":
-    """:func:`average_in` on an accelerator (or in a GPU's branch on a CPU): PyTorch's cast,
+    """:func:`average_in`'s counterpart on an accelerator (or in a GPU's branch on a CPU,
+    :func:`commhooks._reads.as_on_a_gpu`): PyTorch's cast,
     division and collective, and the sum held with the step's others
     (:mod:`commhooks.hooks._held_sums`). What it needs of ``group`` besides is made at its
     first bucket and looked up once a bucket after (:class:`_HeldPath`): the issuer, its
@@ -119,13 +118,20 @@ class _HeldPath:
     creates the follow-up group (collective), at the same point on every rank."""
 
     # By the group's id, each path keeping a weak reference to its group: a plain dictionary
-    # answers in a tenth of a weak-keyed one's host time, asked once a bucket. A path whose
-    # group is gone is replaced when its id comes back.
+    # answers in a tenth of a weak-keyed one's host time, asked once a bucket. A path goes
+    # when its group does (as the handshake's record of checked groups).
     _of: "dict[int, _HeldPath]" = {}
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         issuer = comm.issuer_for(group)
-        self.group = weakref.ref(group)
+        key = id(group)
+
+        def forget(gone: "weakref.ref[dist.ProcessGroup]") -> None:
+            # The id cannot be reused before this returns (the group is freed after).
+            if key in _HeldPath._of and _HeldPath._of[key].group is gone:
+                del _HeldPath._of[key]
+
+        self.group = weakref.ref(group, forget)
         self.held, self.world, self.follow_up = held_sums(issuer), comm.size(group), issuer.group
         self.repairs: dict[str, Callable[[torch.Tensor], Sequence[comm.Round]]] = {}
 
