@@ -233,6 +233,36 @@ def test_calls_bound_to_their_tensors_give_the_unbound_calls_bits(bits, keep):
 
 @needs_compiler
 @pytest.mark.parametrize("bits", [8, 4])
+def test_a_bound_call_checks_each_new_pair_of_addends_and_adds_in_place(bits):
+    # The pair a call took last is not checked again; any other pair is, even after a pair
+    # that fitted; and the first addend may be the rows themselves (the owner's memory added
+    # in place), with the bits of adding first and quantizing after.
+    fmt = BlockFormat(bits, 64)
+    length = fmt.row_length(300, 1)
+    packets, expected = (torch.empty(1, fmt.packet_bytes(length), dtype=torch.uint8) for _ in "ab")
+    generator = torch.Generator().manual_seed(bits)
+    x, memory = (torch.randn(1, length, generator=generator) * 3 for _ in "xm")
+    bound_x, eager_x = x.clone(), x.clone()
+    bound = cpu_kernels.bound_quantize(bound_x, packets, bits, 64, True, fmt.qmax)
+    assert bound is not None
+    for _ in range(2):  # the second call finds the pair it checked: the same bits again
+        bound_x.copy_(x)
+        assert bound((bound_x, memory))
+        eager_x.copy_(x).add_(memory)
+        assert cpu_kernels.quantize_rows(eager_x, expected, bits, 64, True, None, fmt.qmax)
+        assert torch.equal(packets, expected) and torch.equal(bound_x, eager_x)
+    half = length // 2
+    assert not bound((bound_x, memory[:, :-1]))  # a new pair of another length: refused
+    assert not bound((bound_x.view(-1)[:half], memory.view(-1)[::2][:half]))  # strided  # a shorter pair that fits: only the first elements are added
+    bound_x.copy_(x)
+    assert bound((bound_x.view(-1)[:half], memory.view(-1)[:half]))
+    eager_x.copy_(x).view(-1)[:half].add_(memory.view(-1)[:half])
+    assert cpu_kernels.quantize_rows(eager_x, expected, bits, 64, True, None, fmt.qmax)
+    assert torch.equal(packets, expected) and torch.equal(bound_x, eager_x)
+
+
+@needs_compiler
+@pytest.mark.parametrize("bits", [8, 4])
 def test_several_threads_give_the_same_bits(bits):
     fmt = BlockFormat(bits, 256)
     length = fmt.row_length(3_000_000, 2)

@@ -25,15 +25,17 @@ class KernelLoader(Generic[T]):
         self._load = load
         self._lock = threading.Lock()
         self._loaded: list[T | None] = []  # empty until loaded
-        self._off = 0  # how many disabled() blocks are active, in any thread
+        # How many disabled() blocks are active, in any thread: a plain attribute, which a call
+        # bound to loaded kernels reads instead of calling get() (a frame a kernel call).
+        self.off = 0
 
     def get(self) -> T | None:
         """The kernels, loading them on the first call; ``None`` while disabled or missing."""
         loaded = self._loaded
-        if loaded and not self._off:  # once loaded, read without the lock (a call a kernel)
+        if loaded and not self.off:  # once loaded, read without the lock (a call a kernel)
             return loaded[0]
         with self._lock:
-            if self._off:
+            if self.off:
                 return None
             if not self._loaded:
                 self._loaded.append(self._load())
@@ -43,9 +45,9 @@ class KernelLoader(Generic[T]):
     def disabled(self) -> Iterator[None]:
         """Callers run the eager form, in every thread, while the block is active."""
         with self._lock:
-            self._off += 1
+            self.off += 1
         try:
             yield
         finally:
             with self._lock:
-                self._off -= 1
+                self.off -= 1

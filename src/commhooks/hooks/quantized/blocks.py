@@ -167,7 +167,8 @@ def quantize_(
         keep_error: overwrite ``x`` with the error.
         add: two float32 tensors of ``n`` elements whose sum first replaces the first ``n``
             elements of ``x`` (contiguous, row after row): the remembered error added to the
-            gradient, in the same pass as the quantization where the fused kernels run.
+            gradient, in the same pass as the quantization where the fused kernels run. The
+            first may be ``x`` itself, or its first ``n`` elements (added to in place).
         kernel: the CPU kernel's call bound to ``x`` and ``packets`` with this format and
             ``keep_error`` (:func:`commhooks.cpu_kernels.bound_quantize`), tried first.
     """
@@ -180,7 +181,9 @@ def quantize_(
         ):
             return
     if add is not None:
-        torch.add(add[0], add[1], out=x.view(-1)[: add[0].numel()])
+        # Flat, so that a first addend that is ``x`` itself overlaps the output exactly.
+        first, second = add[0].view(-1), add[1].view(-1)
+        torch.add(first, second, out=x.view(-1)[: first.numel()])
     rows, length = x.shape
     blocks = x.view(rows, length // fmt.block, fmt.block)
     payload, scales = fmt.split(packets, length)
@@ -377,33 +380,57 @@ def requantize_sum_(
         kernels: the CPU kernels' calls bound to these tensors, tried first: the sum of the
             decoded ``packets`` into ``out``, and the quantization of ``out`` into ``packet``.
     """
-    if (
-        rounding == NEAREST
-        and out.is_cuda
-        and triton_launch.requantize_rows(
-            packets, fmt.bits, fmt.block, world, out, packet, keep_error, memory, qmax=fmt.qmax
-        )
-    ):
-        return
-    # Where the owner's kernel does not run, neither does the GPU's decoding kernel (stochastic
-    # rounding aside, which is PyTorch's operations anyway).
+    # A CPU's calls bound to these tensors first (there are none on a GPU): the sum, and with
+    # nearest rounding the quantization too, without the general path's checks.
     summed = kernels is not None and kernels[0]()
-    if not summed and not cpu_kernels.dequantize_rows(
-        packets, fmt.bits, fmt.block, out, add_rows=True
-    ):
-        _sum_in_row_order(_decode_eager(packets, fmt, scratch, out.shape[1]), out)
+    if not summed:
+        if (
+            rounding == NEAREST
+            and out.is_cuda
+            and triton_launch.requantize_rows(
+                packets,
+                fmt.bits,
+                fmt.block,
+                world,
+                out,
+                packet,
+                keep_error,
+                memory,
+                qmax=fmt.qmax,
+            )
+        ):
+            return
+        # Where the owner's kernel does not run, neither does the GPU's decoding kernel
+        # (stochastic rounding aside, which is PyTorch's operations anyway).
+        if not cpu_kernels.dequantize_rows(packets, fmt.bits, fmt.block, out, add_rows=True):
+            _sum_in_row_order(_decode_eager(packets, fmt, scratch, out.shape[1]), out)
     if world != 1:  # x / 1 is x, bit for bit
         out.div_(world)
-    if memory is not None and memory.shape == out.shape:
-        out.add_(memory)
-    elif memory is not None:
-        out.view(-1)[: memory.numel()].add_(memory.view(-1))
+    add = _added_in_place(out, memory)
+    if summed and rounding == NEAREST and kernels is not None and kernels[1](add):
+        return
     levels = scratch if scratch.shape[0] == 1 else scratch[:1]
-    kernel = None if kernels is None else kernels[1]
     quantize_(
         out, packet, fmt, levels, rounding=rounding, generator=generator, keep_error=keep_error,
-        kernel=kernel,
+        add=add,
     )  # fmt: skip
+
+
+def _added_in_place(
+    out: torch.Tensor, memory: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``memory`` added to ``out``'s first elements: on a CPU, the addends of the quantizing
+    pass, which adds them in place (the same two tensors at every step, which a bound kernel
+    checks once); elsewhere, now (a GPU's kernels read their addends apart from ``out``)."""
+    if memory is None:
+        return None
+    whole = memory.shape == out.shape
+    first = out if whole else out.view(-1)[: memory.numel()]
+    second = memory if whole else memory.view(-1)
+    if out.is_cuda:
+        first.add_(second)
+        return None
+    return first, second
 
 
 def decode_into_(
@@ -420,7 +447,7 @@ def decode_into_(
     ``size`` elements from ``offset`` in the rows to ``source`` in ``out``. ``kernels``: for
     ``places`` None, the CPU kernels' calls bound to the parts of :func:`decode_parts`, tried
     first."""
-    if places is None and kernels and all(kernel() for kernel in kernels):
+    if places is None and kernels and _all_ran(kernels):
         return
     length = scratch.shape[1]
     through = places is not None
@@ -433,6 +460,14 @@ def decode_into_(
             [out[source : source + size] for _, _, size, source in places],
             [decoded[offset : offset + size] for _, offset, size, _ in places],
         )
+
+
+def _all_ran(kernels: "list[cpu_kernels.BoundDequantize]") -> bool:
+    """Run each bound call in turn, while they run; whether all did."""
+    for kernel in kernels:  # noqa: SIM110 (all() over a generator: a frame more, a bucket)
+        if not kernel():
+            return False
+    return True
 
 
 def decode_parts(
