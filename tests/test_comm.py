@@ -411,22 +411,33 @@ def _exchanges(rank, world_size):
         expected_gather = torch.stack(
             [((place + 7 * src + 3 * src) % 256).to(torch.uint8) for src in range(world_size)]
         )
+        # Issued straight on the group (NCCL's path): the same rows, counted alike.
+        straight_in, straight_gather = torch.empty_like(received), torch.empty_like(gathered)
+        with comm.observe_collectives() as issued:
+            comm.issue_all_to_all(straight_in, sent, group).wait()
+            comm.issue_all_gather(straight_gather, mine, group).wait()
+        straight = torch.equal(straight_in, expected_in) and torch.equal(
+            straight_gather, expected_gather
+        )
         out[length] = (
             torch.equal(received, expected_in),
             torch.equal(gathered, expected_gather),
             seen.calls,
             seen.bytes,
+            straight,
+            issued.bytes,
         )
     return out
 
 
 def test_rows_land_where_one_collective_puts_them():
     for out in run_on_ranks(_exchanges, 3):
-        for length, (exchanged, gathered, calls, sent) in out.items():
-            assert exchanged and gathered, length
+        for length, (exchanged, gathered, calls, sent, straight, issued) in out.items():
+            assert exchanged and gathered and straight, length
             # Reported as the one all-to-all it stands for, with every byte handed over.
             assert calls == {"all_to_all_single": 1}
             assert sent == {"all_to_all_single": 3 * length}
+            assert issued == {"all_to_all_single": 3 * length, "all_gather_into_tensor": length}
 
 
 def _posting_order(rank, world_size):

@@ -167,3 +167,30 @@ def test_a_loaded_memory_is_checked_once_at_its_first_use_only() -> None:
     trusting = ErrorFeedback("DemoState")  # no bound given: loaded memories are trusted
     trusting.load_state_dict(saved, int, "'error'")
     assert not trusting.awaits_check
+
+
+def test_memory_holds_only_the_very_tensors_recorded_and_records_many_at_once() -> None:
+    memory = ErrorFeedback("DemoState", plausible=lambda residual, gradient: True)
+    views = [torch.zeros(4), torch.zeros(2)]
+    assert not memory.holds([1, 2], views)  # nothing recorded yet
+    memory.record_all([1, 2], views)
+    assert memory.holds([1, 2], views) and memory.items() == [(1, views[0]), (2, views[1])]
+    assert not memory.holds([1, 2], [views[0], views[1].clone()])  # equal, not the same
+    assert not memory.holds([2, 1], views) and not memory.holds([1], views)
+    memory.load_state_dict({"1": torch.ones(4), "2": torch.ones(2)}, int, "'error'")
+    assert not memory.holds([1, 2], views)  # replaced by what was loaded
+    loaded = [memory.get(1, views[0]), memory.get(2, views[1])]
+    assert not memory.holds([1, 2], loaded)  # held, but awaiting its check: looked up
+    memory.record_all([1, 2], views)  # recorded since the load: checked, held again
+    assert not memory.awaits_check and memory.holds([1, 2], views)
+
+
+def test_a_lazy_memory_with_a_product_pending_does_not_hold_its_tensor() -> None:
+    from commhooks.error_feedback import LazyErrorFeedback
+
+    memory = LazyErrorFeedback("DemoState")
+    residual = torch.zeros(2, 3)
+    memory.record_all([1], [residual])
+    assert memory.holds([1], [residual])
+    memory.defer_(1, torch.ones(2, 1), torch.ones(1, 3))  # part of the residual, not in it
+    assert not memory.holds([1], [residual])

@@ -175,7 +175,7 @@ def _failed_gather(rank: int, world_size: int) -> tuple:
     # collective's can be): that bucket fails, and the others are decided as usual.
     from commhooks.hooks.quantized import hook
 
-    issue = comm.all_gather_into
+    issue = comm.issue_all_gather  # the held path's: issued straight on the group
     calls = []
 
     def failing(out: torch.Tensor, tensor: torch.Tensor, group: object) -> object:
@@ -186,7 +186,7 @@ def _failed_gather(rank: int, world_size: int) -> tuple:
             return failed
         return issue(out, tensor, group)
 
-    hook.comm.all_gather_into = failing  # type: ignore[assignment]
+    hook.comm.issue_all_gather = failing  # type: ignore[assignment]
     state = QuantizationState(None, bits=8, block_size=BLOCK)
     buckets = [FakeBucket([_grad(rank, 200, i)], index=i, last=i == 2) for i in range(3)]
     with comm.completing_inline():
@@ -202,10 +202,10 @@ def _failed_gather(rank: int, world_size: int) -> tuple:
 
 
 def test_an_all_gather_failed_as_issued_fails_its_bucket_alone():
-    ((outcomes, pending),) = run_on_ranks(_failed_gather, 1, env=ENV)
-    assert outcomes[0] is True and outcomes[2] is True, outcomes
-    assert "the all-gather of bucket 1 failed" in outcomes[1], outcomes
-    assert pending == 0  # no slot left waiting: the next step is not held back
+    for outcomes, pending in run_on_ranks(_failed_gather, 2, env=ENV):
+        assert outcomes[0] is True and outcomes[2] is True, outcomes
+        assert "the all-gather of bucket 1 failed" in outcomes[1], outcomes
+        assert pending == 0  # no slot left waiting: the next step is not held back
 
 
 def _abandoned(rank: int, world_size: int, eager: bool) -> tuple:
@@ -286,3 +286,29 @@ def test_bound_kernel_calls_give_the_eager_forms_bits_over_steps():
             assert fused_state[memory].keys() == eager_state[memory].keys()
             for key, value in fused_state[memory].items():
                 assert torch.equal(value, eager_state[memory][key]), (memory, key)
+
+
+def _other_parameters(rank: int, world_size: int, inline: bool) -> tuple:
+    """A bucket index that holds other parameters of the same sizes at the next step (a new
+    model, DDP's rebuilt buckets) must not take the memories of the ones it held: the result
+    is a fresh state's. The same parameters again take theirs: unlike a fresh state's."""
+    state = QuantizationState(None, bits=4, block_size=BLOCK)
+    held = FakeBucket([_grad(rank, 100, 0)], index=0)
+
+    def step(hooked: QuantizationState, bucket: FakeBucket, grad: torch.Tensor) -> torch.Tensor:
+        bucket.set_buffer(grad.clone())
+        with comm.completing_inline() if inline else _nothing():
+            return quantized_hook(hooked, bucket).wait().clone()
+
+    step(state, held, _grad(rank, 100, 0))
+    grad = _grad(rank, 100, 1)
+    others = step(state, FakeBucket([grad]), grad)
+    fresh = step(QuantizationState(None, bits=4, block_size=BLOCK), FakeBucket([grad]), grad)
+    again = step(state, held, grad)  # the first parameters: their memory is still kept
+    return torch.equal(others, fresh), torch.equal(again, fresh)
+
+
+@pytest.mark.parametrize("inline", [False, True])
+def test_a_bucket_of_other_parameters_does_not_take_the_last_ones_memories(inline):
+    for same_as_fresh, again_as_fresh in run_on_ranks(_other_parameters, 2, inline, env=ENV):
+        assert same_as_fresh and not again_as_fresh

@@ -20,6 +20,7 @@ into the memory (rather than the memory into the gradient) and subtracts the app
 sends some steps later, in a pass it makes anyway (PowerSGD's single-round variant).
 """
 
+import operator
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -228,6 +229,24 @@ class ErrorFeedback:
             self._checked(key)
         self._residuals[key] = residual
 
+    def record_all(self, keys: Sequence[Key], residuals: Sequence[torch.Tensor]) -> None:
+        """:meth:`record` each key's residual: in one update where no loaded residual awaits
+        its check (a step's usual case: no Python call per key, which a GPU's host pays)."""
+        if self._unchecked:
+            for key, residual in zip(keys, residuals):
+                self.record(key, residual)
+            return
+        self._residuals.update(zip(keys, residuals))
+
+    def holds(self, keys: Sequence[Key], residuals: Sequence[torch.Tensor]) -> bool:
+        """Whether the residual kept for each key is that very tensor (and none awaits its
+        check): a caller that recorded its own buffers finds them where it left them, and
+        need neither look each one up nor copy it (compared without a Python call per key)."""
+        if self._unchecked:
+            return False
+        found = map(self._residuals.get, keys)
+        return len(keys) == len(residuals) and all(map(operator.is_, found, residuals))
+
     def discard(self, key: Key) -> None:
         """Forget the residual of ``key`` (its next gradient is compressed as it is)."""
         if self._unchecked:
@@ -381,6 +400,14 @@ class LazyErrorFeedback(ErrorFeedback):
     def record(self, key: Key, residual: torch.Tensor) -> None:
         self._pending.pop(key, None)
         super().record(key, residual)
+
+    def record_all(self, keys: Sequence[Key], residuals: Sequence[torch.Tensor]) -> None:
+        for key, residual in zip(keys, residuals):
+            self.record(key, residual)
+
+    def holds(self, keys: Sequence[Key], residuals: Sequence[torch.Tensor]) -> bool:
+        # A pending product is part of the residual: only plain ones are where they were left.
+        return not any(key in self._pending for key in keys) and super().holds(keys, residuals)
 
     def discard(self, key: Key) -> None:
         self._pending.pop(key, None)

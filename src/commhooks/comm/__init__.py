@@ -26,6 +26,7 @@ from typing import Any, Generic, TypeVar, cast
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions
 
 from commhooks import _reads
 from commhooks.comm import gloo_cpu
@@ -56,6 +57,8 @@ __all__ = [
     "excludes_this_rank",
     "follow_up_group",
     "follow_up_options",
+    "issue_all_gather",
+    "issue_all_to_all",
     "issue_allreduce",
     "future_devices",
     "new_future",
@@ -94,6 +97,11 @@ def resolve_group(group: Any, *, owner: str = "this hook") -> dist.ProcessGroup:
         ValueError: this rank is not a member of ``group``.
         TypeError: ``group`` is neither a process group nor ``None``.
     """
+    if group is None:  # the usual case, asked once a bucket
+        # (torch.distributed is available: this module's imports need it)
+        world = dist.group.WORLD  # None until torch.distributed is initialised
+        if world is not None:
+            return world
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             f"{owner} needs torch.distributed: call torch.distributed.init_process_group(...) "
@@ -749,6 +757,34 @@ def all_gather_into(
             rows, flat = out.view(group.size(), -1), tensor.reshape(1, -1)
             done = _future_of(_all_gather_single()(rows, flat, group=group, async_op=True))
     return _as_issued(then(done, lambda fut: _checked(fut, out)))
+
+
+_EXCHANGE = dist.AllToAllOptions()  # issued without waiting, as every hook asks
+_EXCHANGE.asyncOp = True
+_GATHER = AllgatherOptions()
+_GATHER.asyncOp = True
+
+
+def issue_all_to_all(
+    out: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup
+) -> "Future[Any]":
+    """:func:`all_to_all` for a group of several ranks whose collectives complete as they are
+    issued (NCCL's; see :func:`follow_up_group`), straight on the group and without a
+    callback: for a caller that only waits on the future (its value is the backend's), which
+    saves torch.distributed's checks and a callback on the host, a bucket."""
+    if _counters:
+        _observed("all_to_all_single", tensor)
+    return _as_issued(group.all_to_all_single(out, tensor, [], [], _EXCHANGE).get_future())
+
+
+def issue_all_gather(
+    out: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup
+) -> "Future[Any]":
+    """:func:`all_gather_into` as :func:`issue_all_to_all` issues :func:`all_to_all`."""
+    if _counters:
+        _observed("all_gather_into_tensor", tensor)
+    work = group.all_gather_single(out.view(-1), tensor.view(-1), _GATHER)
+    return _as_issued(work.get_future())
 
 
 def _kept_here(out: torch.Tensor, tensor: torch.Tensor) -> "Future[torch.Tensor]":

@@ -59,7 +59,7 @@ class _Filed:
     def __init__(
         self,
         buffer: torch.Tensor,
-        summed: "Future[Any]",
+        summed: "Future[Any] | None",
         rounds: "Rounds",
         finisher: Finisher | None,
     ) -> None:
@@ -99,7 +99,7 @@ class HeldSums:
     def file(
         self,
         buffer: torch.Tensor,
-        summed: "Future[Any]",
+        summed: "Future[Any] | None",
         rounds: Rounds,
         last_bucket: bool,
         finisher: Finisher | None = None,
@@ -108,8 +108,8 @@ class HeldSums:
         are not held (:func:`commhooks.comm.holds_follow_ups`); the future holds ``buffer``
         with the average cast back, or the average that ``rounds(buffer)`` (called only for a
         sum that is not finite) made instead. With a ``finisher``, ``summed`` is any
-        collective's future, and the finisher says what must be finite and finishes the
-        bucket instead of the cast."""
+        collective's future (``None``: none to wait for), and the finisher says what must be
+        finite and finishes the bucket instead of the cast."""
         key = buffer.data_ptr()
         # A bucket filed again before its step finished: that step was abandoned (DDP reuses
         # its buffers), and every bucket still held from it is dropped, so that no stale sum
@@ -193,7 +193,8 @@ def _arrived(filed: "Iterable[_Filed]") -> tuple[list[_Filed], list[torch.Tensor
     ready, checked = [], []
     for each in filed:
         try:
-            value = _wait(each.summed)  # this stream waits for the collective's
+            # This stream waits for the collective's (a finisher's bucket may have none).
+            value = None if each.summed is None else _wait(each.summed)
             if each.finisher is not None:
                 checked.append(each.finisher.checked())
                 ready.append(each)
@@ -201,6 +202,7 @@ def _arrived(filed: "Iterable[_Filed]") -> tuple[list[_Filed], list[torch.Tensor
         except BaseException as exc:
             each.error = exc
             continue
+        assert value is not None, "a sum filed without a finisher has its future"
         summed, numel = value[0], each.buffer.numel()
         # A sum may be longer than its bucket; a view of one that is not costs the host a
         # microsecond a bucket.

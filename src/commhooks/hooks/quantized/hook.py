@@ -30,6 +30,7 @@ unpacked after it.
 Hook modules must not use ``from __future__ import annotations``: DDP rejects string annotations.
 """
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -83,32 +84,40 @@ def quantized_hook(
         state: the :class:`QuantizationState` with the options and memories.
         bucket: the gradient bucket DDP hands to the hook (or anything with its methods).
     """
-    state = _check_state(state)
+    if type(state) is not QuantizationState:  # (the exact type: no isinstance a bucket)
+        state = _check_state(state)
     buffer = float_buffer(bucket, _HOOK)
     group = state.prepare()
     work = state.begin(bucket, buffer)
     last = bucket.is_last()
-    devices, hold = comm.follow_up_options(buffer, last)
+    devices = comm.future_devices(buffer)
     queued = comm.holds_follow_ups(devices)  # the checks' reads wait for a later bucket
+    hold = queued and not last  # (comm.follow_up_options, without asking twice)
     if work is None:
         return comm.average(buffer, group) if buffer.numel() else comm.completed(buffer)
     settings = state.settings
-    blocks.quantize_(
-        work.rows, work.send, settings.format, work.levels, rounding=settings.rounding,
-        generator=work.first, keep_error=settings.error_feedback, add=work.addition,
-        kernel=work.now.quantize,
-    )  # fmt: skip
+    bound = work.now.quantize  # a CPU's call bound to these buffers, tried first (none on a GPU)
+    if bound is None or settings.rounding != blocks.NEAREST or not bound(work.addition):
+        blocks.quantize_(
+            work.rows, work.send, work.fmt, work.levels, rounding=settings.rounding,
+            generator=work.first, keep_error=settings.error_feedback, add=work.addition,
+        )  # fmt: skip
     issuer = state.issuer
     assert issuer is not None, "prepare() made the issuer"
-    wire = work.wire  # a packed format's packets travel packed
-    if wire is None:
-        exchanged = comm.all_to_all(work.received, work.send, group)  # one rank: already done
-    else:
-        exchanged = _all_to_all_wired(work, wire, settings.format, group)
-    inline = work.alone or issuer.group is group  # the all-to-all is complete (see below)
+    if work.alone:  # nothing travels: the packets are what the exchanges would hand back
+        _reduce(state, work)
+        if queued:  # a GPU's: decided with the step's other buckets, at its last
+            return _held_decision(state, work, buffer, None, last)
+        return _as_future(_decode_or_resend(state, work, buffer))
+    # Where collectives complete as they are queued (NCCL's), comm gives follow-ups the hook's
+    # own group: the all-to-all is complete when issued, and the owner's pass and the
+    # all-gather follow at once, on DDP's thread, in bucket order.
+    inline = issuer.group is group
     if inline and queued:  # a GPU's: decided with the step's other buckets, at its last
-        exchanged.wait()  # the current stream waits for the all-to-all's
-        return _held_decision(state, work, buffer, last)
+        _exchange_rows(work, work.fmt, group, comm.issue_all_to_all).wait()
+        gathered = _reduce_and_gather(state, work, comm.issue_all_gather)
+        return _held_decision(state, work, buffer, gathered, last)
+    exchanged = _exchange_rows(work, work.fmt, group, comm.all_to_all)
 
     # Both phases touch the state's memories: where they wait for their turns, one at a time.
     def share(_: object = None) -> torch.futures.Future[torch.Tensor]:
@@ -117,14 +126,7 @@ def quantized_hook(
     def decide() -> "torch.futures.Future[torch.Tensor] | comm.Finished[torch.Tensor]":
         return _decode_or_resend(state, work, buffer)
 
-    if work.alone and not queued:  # nothing travels and nothing waits: both phases now
-        share()
-        return _as_future(decide())
-    if inline:
-        # The all-to-all is complete (comm gives follow-ups the hook's own group only where
-        # collectives complete as they are queued, as NCCL's do): the owner's pass and the
-        # all-gather follow at once, on DDP's thread, in bucket order, and only the decision,
-        # which reads the check, waits for its turn.
+    if inline:  # only the decision, which reads the check, waits for its turn
         exchanged.wait()  # the current stream waits for the all-to-all's
         gathered = share()
     else:
@@ -148,31 +150,38 @@ def _check_state(state: Any) -> QuantizationState:
     return state
 
 
-def _all_to_all_wired(
-    work: Workspace, wire: Wire, fmt: blocks.BlockFormat, group: Any
-) -> torch.futures.Future[torch.Tensor]:
-    """Phase 1's exchange for a packed format: the packets packed, then sent."""
+# An exchange of :mod:`commhooks.comm`: ``(out, tensor, group)``, complete when its future is.
+Exchange = Callable[[torch.Tensor, torch.Tensor, Any], torch.futures.Future[Any]]
+
+
+def _exchange_rows(
+    work: Workspace, fmt: blocks.BlockFormat, group: Any, exchange: Exchange
+) -> torch.futures.Future[Any]:
+    """Phase 1's exchange, the all-to-all (the packets packed first, for a packed format)."""
+    wire = work.wire
+    if wire is None:  # the packets travel as they are
+        return exchange(work.received, work.send, group)
     packing.to_wire_(work.send, fmt, work.layout.length, wire.send)
-    return comm.all_to_all(wire.received, wire.send, group)
+    return exchange(wire.received, wire.send, group)
 
 
 def _all_gather_wired(
-    state: QuantizationState, work: Workspace, wire: Wire, group: Any
-) -> torch.futures.Future[torch.Tensor]:
+    state: QuantizationState, work: Workspace, wire: Wire, group: Any, gather: Exchange
+) -> torch.futures.Future[Any]:
     """Phase 2's exchange for a packed format: the rows the all-to-all brought unpacked
     before the owner's pass, this rank's packet packed after it (its gathered rows are
     unpacked by :func:`_unwire_gathered` once the all-gather completes)."""
-    fmt, length = state.settings.format, work.layout.length
+    fmt, length = work.fmt, work.layout.length
     packing.from_wire_(wire.received, fmt, length, work.received)
     _reduce(state, work)
     packing.to_wire_(work.own_packet, fmt, length, wire.own)
-    return comm.all_gather_into(wire.gathered, wire.own, group)
+    return gather(wire.gathered, wire.own, group)
 
 
 def _unwire_gathered(state: QuantizationState, work: Workspace) -> None:
     """Unpack the gathered rows, for a packed format (nothing to do for another)."""
     if work.wire is not None:
-        fmt, length = state.settings.format, work.layout.length
+        fmt, length = work.fmt, work.layout.length
         packing.from_wire_(work.wire.gathered, fmt, length, work.gathered)
 
 
@@ -190,7 +199,7 @@ def _reduce(state: QuantizationState, work: Workspace) -> None:
     again, in one pass where a kernel takes it."""
     settings, memory = state.settings, state.owner_memory(work)
     blocks.requantize_sum_(
-        work.received, settings.format, work.mine, work.own_packet, work.levels, work.world,
+        work.received, work.fmt, work.now.mine, work.own_packet, work.levels, work.world,
         memory=memory, rounding=settings.rounding, generator=work.second,
         keep_error=settings.error_feedback, kernels=work.now.owner,
     )  # fmt: skip
@@ -222,29 +231,38 @@ def _reduce_and_share(
     return gathered
 
 
-def _reduce_and_gather(state: QuantizationState, work: Workspace) -> torch.futures.Future[Any]:
+def _reduce_and_gather(
+    state: QuantizationState, work: Workspace, gather: Exchange = comm.all_gather_into
+) -> torch.futures.Future[Any]:
     """The owner's pass (:func:`_reduce`), then the all-gather on the issuer's group (packed
     first, for a packed format)."""
     assert state.issuer is not None, "begin() made the issuer"
     wire, group = work.wire, state.issuer.group
     if wire is None:  # the packets travel as they are
         _reduce(state, work)
-        return comm.all_gather_into(work.gathered, work.own_packet, group)
-    return _all_gather_wired(state, work, wire, group)
+        return gather(work.gathered, work.own_packet, group)
+    return _all_gather_wired(state, work, wire, group, gather)
 
 
 def _held_decision(
-    state: QuantizationState, work: Workspace, buffer: torch.Tensor, last: bool
+    state: QuantizationState,
+    work: Workspace,
+    buffer: torch.Tensor,
+    gathered: torch.futures.Future[Any] | None,
+    last: bool,
 ) -> torch.futures.Future[torch.Tensor]:
-    """Phase 2, then phase 3 held with the step's other buckets, where collectives complete
-    as they are queued and follow-ups are held (a GPU's): the gathered scales are checked
-    with every held bucket's at once, at the step's last bucket, with one batched pass and
-    one read (:mod:`commhooks.hooks._held_sums`), and only then decoded; a bucket whose
-    scales are not finite is sent again in full precision, in the issuer's order."""
-    gathered = _reduce_and_gather(state, work)
-    assert state.issuer is not None, "begin() made the issuer"
+    """Phase 3 held with the step's other buckets, where collectives complete as they are
+    queued and follow-ups are held (a GPU's), once the all-gather is ``gathered`` (``None``:
+    one rank, nothing travelled): the gathered scales are checked with every held bucket's
+    at once, at the step's last bucket, with one batched pass and one read
+    (:mod:`commhooks.hooks._held_sums`), and only then decoded; a bucket whose scales are
+    not finite is sent again in full precision, in the issuer's order."""
+    held = work.held_sums
+    if held is None:
+        assert state.issuer is not None, "begin() made the issuer"
+        held = work.held_sums = held_sums(state.issuer)
     decision = _HeldDecision(state, work, buffer)
-    return held_sums(state.issuer).file(buffer, gathered, decision.rounds, last, decision)
+    return held.file(buffer, gathered, decision.rounds, last, decision)
 
 
 class _HeldDecision:
@@ -257,8 +275,10 @@ class _HeldDecision:
 
     def checked(self) -> torch.Tensor:
         """The gathered scales (the all-gather has completed; packed rows are unpacked)."""
-        _unwire_gathered(self.state, self.work)
-        return self.work.scales
+        work = self.work
+        if work.wire is not None:
+            _unwire_gathered(self.state, work)
+        return work.scales
 
     def apply(self) -> torch.Tensor:
         """Decode every row into the bucket and keep the errors (the scales are finite)."""
@@ -300,7 +320,7 @@ def _decode_or_resend(
 
 def _decode(state: QuantizationState, work: Workspace, buffer: torch.Tensor) -> None:
     """Decode every gathered row into the bucket; keep the step's errors as the memories."""
-    layout, fmt = work.layout, state.settings.format
+    layout, fmt = work.layout, work.fmt
     if layout.in_order:
         kernels = work.decode_kernels(buffer)
         blocks.decode_into_(work.gathered, fmt, buffer, work.levels, kernels=kernels)

@@ -7,6 +7,8 @@ is :mod:`commhooks.hooks.quantized.hook`.
 import dataclasses
 import functools
 import itertools
+import operator
+import weakref
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -17,6 +19,7 @@ from commhooks import comm, cpu_kernels, handshake, place
 from commhooks._warnings import warn_once
 from commhooks.error_feedback import ErrorFeedback, Key
 from commhooks.hooks._bucket import GradBucket
+from commhooks.hooks._held_sums import HeldSums
 from commhooks.hooks.quantized import blocks
 from commhooks.numbering import ParameterNumbering
 from commhooks.options import Options, flag, integer, one_of, option
@@ -26,6 +29,7 @@ __all__ = ["BucketLayout", "QuantizationOptions", "QuantizationState", "Wire", "
 
 OWNER = "QuantizationState"
 HOOK = "quantized_hook"  # the name the handshake reports for the hook using this state
+_referent = weakref.ref.__call__  # a weak reference's object, as a C function for map()
 _PHASES = (0, 1)  # the two quantizations: a rank's own gradient, the average of its row
 
 
@@ -134,6 +138,11 @@ class BucketLayout:
     length: int
     pieces: tuple[tuple[str, int, int], ...]
     piece_sources: tuple[int, ...]
+
+    @functools.cached_property
+    def piece_keys(self) -> tuple[str, ...]:
+        """The keys of :attr:`pieces`, in order."""
+        return tuple(key for key, _, _ in self.pieces)
 
     @functools.cached_property
     def in_order(self) -> bool:
@@ -251,6 +260,9 @@ class Workspace:
     feedback there is no error to keep, and both sides are one. ``wire``: with a packed
     format and several ranks, what those four travel as (:class:`Wire`); ``None`` otherwise.
 
+    ``fmt`` is the block format the buffers were made for; ``alone`` whether the group has
+    one rank; ``params`` the bucket's parameters, held weakly (:meth:`serves`).
+
     Set by :meth:`QuantizationState.begin` for each step: ``addition``
     (what the quantizing pass adds, or ``None`` when ``rows`` is filled already), ``first``
     and ``second`` (the generators of the two quantizations, ``None`` with nearest rounding);
@@ -266,7 +278,13 @@ class Workspace:
         error_feedback: bool,
     ) -> None:
         self.layout, self.device, self.world = layout, device, world
+        self.alone = world == 1  # one rank: the exchanges are then the packets themselves
+        # The held sums of the state's issuer, found at the first held step (a workspace
+        # lives no longer than its issuer: a new group makes new ones).
+        self.held_sums: HeldSums | None = None
         self.order = layout.numbers  # the parameters' numbers in the bucket's order
+        # The parameters themselves, in that order, held weakly (see serves).
+        self.params: tuple[weakref.ref[torch.Tensor], ...] = ()
         length, packet = layout.length, fmt.packet_bytes(layout.length)
 
         def floats(rows: int) -> torch.Tensor:
@@ -295,7 +313,7 @@ class Workspace:
         # cleared by commit(). Still set at the next begin(), the step was abandoned or not
         # finite, and may have left NaN in the rows' padding (see clear_padding).
         self.unfinished = False
-        self._fmt = fmt
+        self.fmt = fmt  # the block format the buffers were made for
         self._decoding: tuple[tuple[int, torch.dtype], list[cpu_kernels.BoundDequantize]] | None
         self._decoding = None
         if device.type == "cpu":  # the kernels' calls bound once (a GPU's are Triton's)
@@ -312,10 +330,17 @@ class Workspace:
         """This rank's averaged row this step (then its error)."""
         return self.now.mine
 
-    @property
-    def alone(self) -> bool:
-        """Whether the group has one rank: the exchanges are then the packets themselves."""
-        return self.world == 1
+    def serves(self, params: list[torch.Tensor], buffer: torch.Tensor) -> bool:
+        """Whether ``params`` are the parameters of this workspace's last step, in its order,
+        and ``buffer`` holds them on its device (then their gradients tiled it already):
+        compared without a Python call per parameter, which a GPU's host pays per bucket."""
+        known = self.params
+        return (
+            len(known) == len(params)
+            and all(map(operator.is_, map(_referent, known), params))
+            and self.layout.numel == buffer.numel()
+            and self.device == buffer.device
+        )
 
     def fits(self, layout: BucketLayout, world: int, device: torch.device) -> bool:
         """Whether these buffers serve ``layout`` (the same rows, in any bucket order)."""
@@ -332,7 +357,7 @@ class Workspace:
             return None
         key = (buffer.data_ptr(), buffer.dtype)
         if self._decoding is None or self._decoding[0] != key:
-            fmt, length = self._fmt, self.layout.length
+            fmt, length = self.fmt, self.layout.length
             calls = [
                 cpu_kernels.bound_dequantize(part, fmt.bits, fmt.block, target, length=length)
                 for part, target, _ in blocks.decode_parts(self.gathered, buffer, self.levels)
@@ -502,27 +527,26 @@ class QuantizationState(HookState):
         """
         if not self.compressing(bucket.is_last()) or buffer.numel() == 0:
             return None
-        numbers = self._numbering.numbers(bucket.parameters())
-        work = self._workspace(bucket, buffer, numbers)
+        work = self._workspaces.get(bucket.index())
+        if work is None or not work.serves(bucket.parameters(), buffer):
+            work = self._workspace(bucket, buffer)
         if work.unfinished:  # the last step on these buffers never committed
             work.clear_padding()
         work.unfinished = True
-        work.first, work.second = self._generators_on(buffer.device)
+        if self.settings.rounding != blocks.NEAREST:  # (nearest rounding draws nothing)
+            work.first, work.second = self._generators_on(buffer.device)
         if self.error.awaits_check or self.owner_error.awaits_check:  # after a load only
-            self._check_loaded(numbers, bucket, buffer, work.layout)
+            self._check_loaded(work.order, bucket, buffer, work.layout)
         work.addition = self._compensate(work, buffer)
         return work
 
-    def _workspace(
-        self, bucket: GradBucket, buffer: torch.Tensor, numbers: tuple[int, ...]
-    ) -> Workspace:
-        """The buffers of ``bucket``: last step's, when it holds the same parameters in the
-        same order (then its gradients tiled its buffer already); made again when its layout
-        or device changes."""
+    def _workspace(self, bucket: GradBucket, buffer: torch.Tensor) -> Workspace:
+        """The buffers of ``bucket`` where last step's do not serve it (:meth:`Workspace.serves`):
+        last step's still, laid out again, when it holds the same parameters in another order;
+        made again when its layout or device changes."""
+        params = bucket.parameters()
         found = self._workspaces.get(bucket.index())
-        same = found is not None and found.order == numbers and found.device == buffer.device
-        if same and found is not None and found.layout.numel == buffer.numel():
-            return found
+        numbers = self._numbering.numbers(params)
         layout = self._layout(numbers, _piece_sizes(bucket.gradients(), buffer))
         if found is None or not found.fits(layout, self._world, buffer.device):
             settings = self.settings
@@ -531,6 +555,7 @@ class QuantizationState(HookState):
             )
             self._workspaces[bucket.index()] = found
         found.layout, found.order = layout, numbers
+        found.params = tuple(weakref.ref(p) for p in params)
         return found
 
     def _layout(self, numbers: tuple[int, ...], sizes: tuple[int, ...]) -> BucketLayout:
@@ -596,10 +621,13 @@ class QuantizationState(HookState):
             else:
                 _scatter(buffer, layout, work.now.params, None)
             return None
-        found = [self.error.get(k, v) for k, v in zip(layout.numbers, work.kept.params)]
+        kept = work.kept
+        if layout.in_order and self.error.holds(layout.numbers, kept.params):
+            return buffer, kept.bucket  # the last step's errors, where it left them
+        found = [self.error.get(k, v) for k, v in zip(layout.numbers, kept.params)]
         if layout.in_order:
-            _gather(found, work.kept.params)
-            return buffer, work.kept.bucket
+            _gather(found, kept.params)
+            return buffer, kept.bucket
         _scatter(buffer, layout, work.now.params, found)
         return None
 
@@ -612,9 +640,9 @@ class QuantizationState(HookState):
         pieces = work.layout.pieces
         if not self.settings.error_feedback or not pieces:
             return None
-        memory = self.owner_error
-        kept = work.kept.pieces
-        _gather([memory.get(key, v) for (key, _, _), v in zip(pieces, kept)], kept)
+        memory, keys, kept = self.owner_error, work.layout.piece_keys, work.kept.pieces
+        if not memory.holds(keys, kept):  # not where the last step left them
+            _gather([memory.get(key, v) for key, v in zip(keys, kept)], kept)
         return work.kept.mine  # zeros past the pieces, as the rows' padding leaves them
 
     # -- used by the hook, once the step's result is known --------------------------------------
@@ -628,10 +656,8 @@ class QuantizationState(HookState):
         if not self.settings.error_feedback:
             return
         layout, now = work.layout, work.now
-        for number, view in zip(layout.numbers, now.params):
-            self.error.record(number, view)
-        for (key, _, _), view in zip(layout.pieces, now.pieces):
-            self.owner_error.record(key, view)
+        self.error.record_all(layout.numbers, now.params)
+        self.owner_error.record_all(layout.piece_keys, now.pieces)
         work.swap()
 
     # -- internal -------------------------------------------------------------------------------
