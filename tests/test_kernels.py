@@ -252,6 +252,10 @@ def test_a_bound_call_checks_each_new_pair_of_addends_and_adds_in_place(bits):
         assert cpu_kernels.quantize_rows(eager_x, expected, bits, 64, True, None, fmt.qmax)
         assert torch.equal(packets, expected) and torch.equal(bound_x, eager_x)
     half = length // 2
+    gradient, kept = torch.randn(length), torch.randn(length)
+    assert bound((gradient, kept))
+    kept.resize_(half)  # the same pair, one of them shorter now: checked again, refused
+    assert not bound((gradient, kept))
     assert not bound((bound_x, memory[:, :-1]))  # a new pair of another length: refused
     assert not bound((bound_x.view(-1)[:half], memory.view(-1)[::2][:half]))  # strided  # a shorter pair that fits: only the first elements are added
     bound_x.copy_(x)

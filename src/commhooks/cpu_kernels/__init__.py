@@ -155,20 +155,24 @@ def bound_quantize(
         return None
     args = (ctypes.c_int64 * 14)(*head, 0, 0, 0, _threads(x.numel()))
     quantize, at = library.commhooks_quantize_packed, ctypes.addressof(args)  # args: held below
-    fitted: list[torch.Tensor] = []  # the last addends that fit (held: their ids stay theirs)
+    # The last addends that fit, held (so that their ids stay theirs), with where they were and
+    # their lengths then: the same tensors, still there and as long, are not checked again.
+    fitted: list[object] = []
 
     def call(add: Addends) -> bool:
         if _LOADER.off:  # turned off (loaded, since bound): the eager form instead
             return False
         if add is None:
             args[12] = 0  # nothing added
-        else:
-            first, second = add
-            if not (fitted and first is fitted[0] and second is fitted[1]):
-                if not _addends_fit(x, first, second):
-                    return False
-                fitted[:] = add
-            args[10], args[11], args[12] = first.data_ptr(), second.data_ptr(), first.numel()
+            quantize(at)
+            return True
+        first, second = add
+        where = (first.data_ptr(), second.data_ptr(), first.numel(), second.numel())
+        if not (fitted and first is fitted[0] and second is fitted[1] and where == fitted[2]):
+            if not _addends_fit(x, first, second):
+                return False
+            fitted[:] = (first, second, where)
+        args[10], args[11], args[12] = where[0], where[1], where[2]
         quantize(at)
         return True
 
