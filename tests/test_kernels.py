@@ -257,10 +257,9 @@ def test_a_bound_call_checks_each_new_pair_of_addends_and_adds_in_place(bits):
     kept.resize_(half)  # the same pair, one of them shorter now: checked again, refused
     assert not bound((gradient, kept))
     assert not bound((bound_x, memory[:, :-1]))  # a new pair of another length: refused
-    assert not bound(
-        (bound_x.view(-1)[:half], memory.view(-1)[::2][:half])
-    )  # strided  # a shorter pair that fits: only the first elements are added
-    bound_x.copy_(x)
+    strided = memory.view(-1)[::2][:half]
+    assert not bound((bound_x.view(-1)[:half], strided))  # a strided addend: refused
+    bound_x.copy_(x)  # a shorter pair that fits: only the first elements are added
     assert bound((bound_x.view(-1)[:half], memory.view(-1)[:half]))
     eager_x.copy_(x).view(-1)[:half].add_(memory.view(-1)[:half])
     assert cpu_kernels.quantize_rows(eager_x, expected, bits, 64, True, None, fmt.qmax)
