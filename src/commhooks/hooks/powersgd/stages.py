@@ -597,8 +597,9 @@ def finish_single(step: BucketStep, averaged: torch.Tensor) -> None:
     scratch = step.scratch()
     errors = None
     absorbed = [(m, pi, qi) for m, pi, qi in zip(singles, p, qt) if m.absorbed is not None]
-    now = [m for m, _, _ in absorbed if lowrank.fits_one_block(m.view)]
-    later = [(m.key, pi, qi) for m, pi, qi in absorbed if not lowrank.fits_one_block(m.view)]
+    small = [lowrank.fits_one_block(m.view) for m, _, _ in absorbed]  # asked once a matrix
+    now = [m for (m, _, _), fits in zip(absorbed, small) if fits]
+    later = [(m.key, pi, qi) for (m, pi, qi), fits in zip(absorbed, small) if not fits]
     memory = step.state.memory if step.state.settings.use_error_feedback else None
     if memory is not None:
         memory.defer_all_(later)
