@@ -575,3 +575,16 @@ def test_a_groups_size_and_pairing_are_its_own_and_stay_so():
         assert out[0] == out[1] == (3, 1, False)
         if rank < 2:
             assert out[2] == (2, True) and out[3] is False
+
+
+def test_options_ask_for_no_wait_only_where_torch_has_the_field():
+    # torch before 2.7 has no ``asyncOp`` on its options (its group calls never waited):
+    # setting one there would fail the package's import.
+    class Older:
+        __slots__ = ("timeout",)
+
+    older = Older()
+    assert comm._without_waiting(older) is older and not hasattr(older, "asyncOp")
+    newer = dist.AllreduceOptions()
+    newer.asyncOp = False
+    assert comm._without_waiting(newer).asyncOp is True

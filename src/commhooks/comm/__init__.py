@@ -26,7 +26,7 @@ from typing import Any, Generic, TypeVar, cast
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import AllgatherOptions
+from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions
 
 from commhooks import _reads
 from commhooks.comm import gloo_cpu
@@ -699,9 +699,20 @@ def issue_allreduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[l
     return issued
 
 
-_SUM = dist.AllreduceOptions()  # a sum issued without waiting: what every hook asks for
+Options = TypeVar("Options", AllreduceOptions, AllToAllOptions, AllgatherOptions)
+
+
+def _without_waiting(options: Options) -> Options:
+    """``options`` for a collective issued without waiting, as every hook asks: ``asyncOp``
+    where this torch has the field (2.7 on, where it is the default too; before it, a group's
+    own calls never waited), so that the package imports on every torch it supports."""
+    if hasattr(options, "asyncOp"):
+        options.asyncOp = True
+    return options
+
+
+_SUM = _without_waiting(AllreduceOptions())  # a sum: what every hook asks for
 _SUM.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
-_SUM.asyncOp = True
 
 
 def _all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> Any:
@@ -759,10 +770,8 @@ def all_gather_into(
     return _as_issued(then(done, lambda fut: _checked(fut, out)))
 
 
-_EXCHANGE = dist.AllToAllOptions()  # issued without waiting, as every hook asks
-_EXCHANGE.asyncOp = True
-_GATHER = AllgatherOptions()
-_GATHER.asyncOp = True
+_EXCHANGE = _without_waiting(AllToAllOptions())
+_GATHER = _without_waiting(AllgatherOptions())
 
 
 def issue_all_to_all(
@@ -774,7 +783,8 @@ def issue_all_to_all(
     saves torch.distributed's checks and a callback on the host, a bucket."""
     if _counters:
         _observed("all_to_all_single", tensor)
-    return _as_issued(group.all_to_all_single(out, tensor, [], [], _EXCHANGE).get_future())
+    # The group's methods of every torch this package supports (newer ones add other names).
+    return _as_issued(group.alltoall_base(out, tensor, [], [], _EXCHANGE).get_future())
 
 
 def issue_all_gather(
@@ -783,7 +793,9 @@ def issue_all_gather(
     """:func:`all_gather_into` as :func:`issue_all_to_all` issues :func:`all_to_all`."""
     if _counters:
         _observed("all_gather_into_tensor", tensor)
-    work = group.all_gather_single(out.view(-1), tensor.view(-1), _GATHER)
+    # The group's gather into one tensor on every supported torch: what
+    # ``dist.all_gather_into_tensor`` calls (newer torch also names it ``all_gather_single``).
+    work = group._allgather_base(out.view(-1), tensor.view(-1), _GATHER)
     return _as_issued(work.get_future())
 
 
