@@ -146,7 +146,6 @@ def quantize_(
     generator: torch.Generator | None = None,
     keep_error: bool = True,
     add: tuple[torch.Tensor, torch.Tensor] | None = None,
-    kernel: cpu_kernels.BoundQuantize | None = None,
 ) -> None:
     """Quantize the rows of ``x`` into ``packets``; leave in ``x`` what quantization dropped.
 
@@ -169,12 +168,8 @@ def quantize_(
             elements of ``x`` (contiguous, row after row): the remembered error added to the
             gradient, in the same pass as the quantization where the fused kernels run. The
             first may be ``x`` itself, or its first ``n`` elements (added to in place).
-        kernel: the CPU kernel's call bound to ``x`` and ``packets`` with this format and
-            ``keep_error`` (:func:`commhooks.cpu_kernels.bound_quantize`), tried first.
     """
     if rounding == NEAREST:
-        if kernel is not None and kernel(add):
-            return
         args = (x, packets, fmt.bits, fmt.block, keep_error, add)
         if (x.is_cuda and triton_launch.quantize_rows(*args, qmax=fmt.qmax)) or (
             cpu_kernels.quantize_rows(*args, fmt.qmax)
@@ -378,27 +373,16 @@ def requantize_sum_(
             all of it.
         rounding, generator, keep_error: as for :func:`quantize_`.
         kernels: the CPU kernels' calls bound to these tensors, tried first: the sum of the
-            decoded ``packets`` into ``out``, and the quantization of ``out`` into ``packet``.
+            decoded ``packets`` into ``out``, and the quantization of ``out`` (with ``memory``
+            added) into ``packet``.
     """
     # A CPU's calls bound to these tensors first (there are none on a GPU): the sum, and with
     # nearest rounding the quantization too, without the general path's checks.
     summed = kernels is not None and kernels[0]()
     if not summed:
-        if (
-            rounding == NEAREST
-            and out.is_cuda
-            and triton_launch.requantize_rows(
-                packets,
-                fmt.bits,
-                fmt.block,
-                world,
-                out,
-                packet,
-                keep_error,
-                memory,
-                qmax=fmt.qmax,
-            )
-        ):
+        owner = (packets, fmt.bits, fmt.block, world, out, packet, keep_error, memory)
+        on_gpu = rounding == NEAREST and out.is_cuda
+        if on_gpu and triton_launch.requantize_rows(*owner, qmax=fmt.qmax):
             return
         # Where the owner's kernel does not run, neither does the GPU's decoding kernel
         # (stochastic rounding aside, which is PyTorch's operations anyway).

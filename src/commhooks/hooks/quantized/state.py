@@ -325,11 +325,6 @@ class Workspace:
         """The rows quantized this step (then their error)."""
         return self.now.rows
 
-    @property
-    def mine(self) -> torch.Tensor:
-        """This rank's averaged row this step (then its error)."""
-        return self.now.mine
-
     def serves(self, params: list[torch.Tensor], buffer: torch.Tensor) -> bool:
         """Whether ``params`` are the parameters of this workspace's last step, in its order,
         and ``buffer`` holds them on its device (then their gradients tiled it already):
