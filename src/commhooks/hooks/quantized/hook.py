@@ -88,8 +88,8 @@ def quantized_hook(
         state = _check_state(state)
     buffer = float_buffer(bucket, _HOOK)
     group = state.prepare()
-    work = state.begin(bucket, buffer)
     last = bucket.is_last()
+    work = state.begin(bucket, buffer, last)
     devices = comm.future_devices(buffer)
     queued = comm.holds_follow_ups(devices)  # the checks' reads wait for a later bucket
     hold = queued and not last  # (comm.follow_up_options, without asking twice)

@@ -509,7 +509,7 @@ class QuantizationState(HookState):
             self.iter += 1
         return compressing
 
-    def begin(self, bucket: GradBucket, buffer: torch.Tensor) -> Workspace | None:
+    def begin(self, bucket: GradBucket, buffer: torch.Tensor, last: bool) -> Workspace | None:
         """What the hook needs of the state for ``bucket``'s step, in one call, once
         :meth:`prepare` has given it the group: the bucket's :class:`Workspace` with its rows
         compensated (or the addition the quantizing pass makes, :attr:`Workspace.addition`)
@@ -520,7 +520,7 @@ class QuantizationState(HookState):
         memories with the gradient (:meth:`_check_loaded`). Raises ``ValueError`` if the
         bucket's gradients do not tile its buffer.
         """
-        if not self.compressing(bucket.is_last()) or buffer.numel() == 0:
+        if not self.compressing(last) or buffer.numel() == 0:
             return None
         work = self._workspaces.get(bucket.index())
         if work is None or not work.serves(bucket.parameters(), buffer):
