@@ -1,6 +1,6 @@
 """One command that checks every hook on one GPU and writes what it found to a JSON file.
 
-On one GPU and in under 8 minutes (under 3 on an H100) it runs one section after another, each
+On one GPU and in under 8 minutes (about 3 on an H100) it runs one section after another, each
 in fresh rank processes with a time budget of its own (a section that raises or runs out of
 time is recorded as failed, with its error, and the next one runs):
 
@@ -14,7 +14,9 @@ time is recorded as failed, with its error, and the next one runs):
    that this mode does not see counted through PyTorch's GPU trace;
 5. ``step_time``: step time and peak memory against PyTorch's hooks on the 4 x 4096 MLP, with
    one bucket and with 25 MB buckets (``examples/gpu_step_time.py``'s measurement);
-6. ``bandwidth``: the quantize passes' speed (``examples/quantize_passes.py``).
+6. ``bandwidth``: the quantize passes' speed (``examples/quantize_passes.py``);
+7. ``host_cost``: each hook's host time per step against PyTorch's on 96 tiny buckets (and
+   PowerSGD's with one), on one NCCL rank (``examples/host_cost.py --backend nccl``).
 
 It prints a table of the sections and of the goals (each met or missed) and writes everything
 to ``--json`` (default ``gpu_check.json``). ``--device cpu`` runs every section's logic on the
@@ -30,6 +32,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -59,9 +62,13 @@ class Settings:
     quantize_rounds: int
     per_hook_s: float  # how long one hook may take in the many-buckets section
     side_by_side: int  # hooks checked at once in the many-bucket and sync sections
+    host_argv: tuple[str, ...]  # host_cost.py's backend and sizes
 
 
-GPU = Settings(True, 330, ("--device", "cuda", "--rounds", "3"), 1 << 26, 20, 30, 4)
+GPU = Settings(
+    True, 330, ("--device", "cuda", "--rounds", "3"), 1 << 26, 20, 30, 4,
+    ("--backend", "nccl", "--rounds", "8"),
+)  # fmt: skip
 CPU = Settings(
     False,
     100,
@@ -71,6 +78,8 @@ CPU = Settings(
     2,
     30,
     1,
+    ("--backend", "inline", "--layers", "8", "--steps", "2", "--warmup", "3", "--rounds", "2",
+     "--only", "allreduce,fp16,int8"),
 )  # fmt: skip
 
 
@@ -240,13 +249,34 @@ def bandwidth(settings: Settings, budget: Budget) -> dict[str, Result]:
     return out
 
 
+def host_cost(settings: Settings, budget: Budget) -> dict[str, Result]:
+    """examples/host_cost.py's table, each row with its ratio to PyTorch's and its goal: on
+    the GPU one NCCL rank; on a CPU the backend that completes collectives as NCCL does."""
+    script = Path(__file__).resolve().parent / "host_cost.py"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "host_cost.json"
+        cmd = [sys.executable, str(script), *settings.host_argv, "--json", str(path)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=budget.left())
+        except subprocess.TimeoutExpired as exc:
+            return {"table": {"verdict": "fail", "error": f"no answer within {exc.timeout:.0f} s"}}
+        rows = json.loads(path.read_text())["rows"] if path.exists() else []
+    lines = [line.rstrip() for line in proc.stdout.splitlines() if line.strip()]
+    found: Result = {"verdict": "pass", "rows": rows, "lines": lines, "stderr": proc.stderr[-2000:]}
+    if proc.returncode != 0 or not rows:
+        last = proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}, no table"]
+        found.update(verdict="fail", error=last[-1][:300])
+    return {"table": found}
+
+
 SECTIONS: dict[str, tuple[Callable[[Settings, Budget], dict[str, Result]], float]] = {
     "parity": (parity, 50),
     "init_forms": (init_forms, 30),
     "many_buckets": (many_buckets, 80),
     "sync_audit": (sync_audit, 40),
-    "step_time": (step_time, 240),
+    "step_time": (step_time, 195),
     "bandwidth": (bandwidth, 30),
+    "host_cost": (host_cost, 45),
 }  # seconds each: 470 in all, within 8 minutes with the start
 
 

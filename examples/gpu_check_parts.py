@@ -502,6 +502,26 @@ def sync_goals(section: Result) -> list[Result]:
     return goals
 
 
+def host_goals(section: Result) -> list[Result]:
+    """Each row of host_cost.py's table as a goal: its ratio to PyTorch's against its limit."""
+    table = section.get("parts", {}).get("table", {})
+    rows = table.get("rows", [])
+    if not rows:
+        why = table.get("error") or section.get("error") or "not measured"
+        return [{"goal": "host time per step", "measured": None, "limit": None,
+                 "verdict": f"missed: {why}"[:200]}]  # fmt: skip
+    return [
+        {
+            "goal": f"host time {r['hook']} / {r['against']}, {r['buckets']} bucket"
+            + ("" if r["buckets"] == 1 else "s"),
+            "measured": r["ratio"],
+            "limit": r["goal"],
+            "verdict": "met" if r["met"] else "missed",
+        }
+        for r in rows
+    ]
+
+
 def goals(sections: dict[str, Result]) -> list[Result]:
     """Every goal with its verdict: met, missed (and why), or n/a or skipped (and why)."""
     out: list[Result] = []
@@ -511,4 +531,6 @@ def goals(sections: dict[str, Result]) -> list[Result]:
             out += step_goals(label, found.get(label, sections["step_time"]))
     if "sync_audit" in sections:
         out += sync_goals(sections["sync_audit"])
+    if "host_cost" in sections:
+        out += host_goals(sections["host_cost"])
     return out

@@ -1,4 +1,4 @@
-"""Host cost of each hook per step, as a ratio to PyTorch's counterpart, on one CPU rank.
+"""Host cost of each hook per step, as a ratio to PyTorch's counterpart, on one rank.
 
 On a GPU the host must keep ahead of the device: every Python call and kernel launch a hook
 makes per bucket is paid on the host while the device waits for work. With one gloo rank and a
@@ -22,7 +22,10 @@ collectives complete as they are issued, as NCCL's futures do (:mod:`commhooks.i
 with our hooks inside :func:`commhooks.comm.completing_inline`, so that they take the GPU's
 branches (follow-ups held until the last bucket, checks kept on the device). There the
 PowerSGD rows are measured with one bucket and with many; on gloo PyTorch's PowerSGD with
-several buckets hangs, so they use one.
+several buckets hangs, so they use one. ``--backend nccl`` measures on a GPU itself (one NCCL
+rank, the model on ``cuda:0``): a block's time runs from an idle device to the end of its last
+step's work, and with compute this small the device waits for the host, so a step's time over
+no hook is again what the hook costs the host (``examples/gpu_check.py`` runs it).
 
 ``--ops`` also counts, per step over no hook, the operations each side dispatches (on a GPU,
 each is a kernel launch at most; views launch none) and the time ours spends inside
@@ -110,18 +113,41 @@ ROWS = [
     Row("power_sgd", "torch_power_sgd", ONE_BUCKET_MB, 1.0),
     Row("power_sgd_single_round", "torch_power_sgd", ONE_BUCKET_MB, 1.0),
 ]
-# On the inline backend PyTorch's PowerSGD runs with many buckets too. bf16 is left out there:
-# the backend stands for NCCL but is not it, and register() allows bf16 on gloo and NCCL only
-# (the fp16 row takes the same path in another dtype).
-INLINE_ROWS = [r for r in ROWS if r.ours != "bf16"] + [
+# Where collectives complete as they are queued PyTorch's PowerSGD runs with many buckets too.
+# bf16 is left out of the inline backend's rows: it stands for NCCL but is not it, and
+# register() allows bf16 on gloo and NCCL only (the fp16 row takes the same path in another
+# dtype).
+MANY_POWERSGD = [
     Row("power_sgd", "torch_power_sgd", MANY_BUCKETS_MB, 1.0),
     Row("power_sgd_single_round", "torch_power_sgd", MANY_BUCKETS_MB, 1.0),
 ]
+ROWS_OF = {
+    "gloo": ROWS,
+    "inline": [r for r in ROWS if r.ours != "bf16"] + MANY_POWERSGD,
+    "nccl": ROWS + MANY_POWERSGD,
+}
 
 
-def _model(layers: int, width: int) -> nn.Module:
+def _model(layers: int, width: int, device: str = "cpu") -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
+    return nn.Sequential(*(nn.Linear(width, width) for _ in range(layers))).to(device)
+
+
+def _device(args: argparse.Namespace) -> str:
+    return "cuda" if args.backend == "nccl" else "cpu"
+
+
+def _ddp(args: argparse.Namespace, cap: float) -> DDP:
+    """The measured model in DDP, on the backend's device, with buckets of ``cap`` MB."""
+    device = _device(args)
+    ids = [0] if device == "cuda" else None
+    return DDP(_model(args.layers, args.width, device), device_ids=ids, bucket_cap_mb=cap)
+
+
+def _idle() -> None:
+    """Wait until a GPU has run everything queued (nothing to wait for on a CPU)."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 class Run:
@@ -132,11 +158,11 @@ class Run:
     def __init__(self, name: str, cap: float, args: argparse.Namespace) -> None:
         self.name, self.args = name, args
         with self._context():
-            self.ddp = DDP(_model(args.layers, args.width), bucket_cap_mb=cap)
+            self.ddp = _ddp(args, cap)
             attach = HOOKS[name]
             if attach is not None:
                 attach(self.ddp)
-            self.batch = torch.randn(args.batch, args.width)
+            self.batch = torch.randn(args.batch, args.width, device=_device(args))
             for _ in range(args.warmup):
                 self._step()
 
@@ -153,9 +179,11 @@ class Run:
         """Seconds per step over one block of ``--steps`` steps."""
         clock = CLOCKS[self.args.clock]
         with self._context():
+            _idle()
             start = clock()
             for _ in range(self.args.steps):
                 self._step()
+            _idle()
             return (clock() - start) / self.args.steps
 
 
@@ -190,11 +218,11 @@ def count_ops(name: str, cap: float, args: argparse.Namespace) -> tuple[float, f
     inline = args.backend == "inline" and not name.startswith("torch_")
     counter = _OpCounter()
     with comm.completing_inline() if inline else contextlib.nullcontext():
-        ddp = DDP(_model(args.layers, args.width), bucket_cap_mb=cap)
+        ddp = _ddp(args, cap)
         attach = HOOKS[name]
         if attach is not None:
             attach(ddp)
-        batch = torch.randn(args.batch, args.width)
+        batch = torch.randn(args.batch, args.width, device=_device(args))
         for step in range(args.warmup + args.steps):
             with counter if step >= args.warmup else contextlib.nullcontext():
                 ddp(batch).sum().backward()
@@ -279,19 +307,21 @@ def _print_ops(rows: list[dict[str, Any]]) -> None:
 
 def bucket_count(cap: float, args: argparse.Namespace) -> int:
     """How many buckets DDP makes of the model at ``cap`` once it has rebuilt them."""
-    ddp = DDP(_model(args.layers, args.width), bucket_cap_mb=cap)
+    ddp = _ddp(args, cap)
     seen: set[int] = set()
 
     def count(_: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         seen.add(bucket.index())
-        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        fut.set_result(bucket.buffer())
+        buffer = bucket.buffer()
+        devices = [buffer.device] if buffer.is_cuda else None  # a CUDA value needs its device
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=devices)
+        fut.set_result(buffer)
         return fut
 
     ddp.register_comm_hook(None, count)
     for _ in range(2):
         seen.clear()
-        ddp(torch.randn(2, args.width)).sum().backward()
+        ddp(torch.randn(2, args.width, device=_device(args))).sum().backward()
     return len(seen)
 
 
@@ -320,23 +350,30 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--backend",
-        choices=("gloo", "inline"),
+        choices=sorted(ROWS_OF),
         default="gloo",
-        help="gloo, or a backend that completes collectives as NCCL does (a GPU's host cost)",
+        help="gloo; a backend that completes collectives as NCCL does (a GPU's host cost); "
+        "or NCCL on one GPU",
     )
     args = parser.parse_args(argv)
+    if args.backend == "nccl" and not torch.cuda.is_available():
+        parser.error("--backend nccl needs a CUDA device; use --backend inline on a CPU")
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         if args.backend == "inline":
             inline_group.init()
         else:
+            if args.backend == "nccl":
+                torch.cuda.set_device(0)
             store = dist.FileStore(os.path.join(tmp, "store"), 1)
-            dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+            dist.init_process_group(args.backend, store=store, rank=0, world_size=1)
         try:
-            rows_of = INLINE_ROWS if args.backend == "inline" else ROWS
+            rows_of = ROWS_OF[args.backend]
             chosen = [r for r in rows_of if not args.only or r.ours in args.only.split(",")]
             buckets = {cap: bucket_count(cap, args) for cap in {r.bucket_cap_mb for r in chosen}}
             rows = table(chosen, measure(chosen, args))
+            for row in rows:
+                row["buckets"] = buckets[row["bucket_cap_mb"]]
             if args.ops:
                 add_ops(rows, args)
         finally:

@@ -589,3 +589,23 @@ def test_fsdp2_hooks_on_nccl():
     world = _nccl_world()
     for r in run_on_ranks(_fsdp_on_cuda, world, backend="nccl"):
         assert all(r.values()), r
+
+
+def test_host_cost_measures_on_one_nccl_rank(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "host.json"
+    argv = ["--backend", "nccl", "--layers", "4", "--steps", "2", "--warmup", "3", "--rounds", "1"]
+    proc = subprocess.run(
+        [sys.executable, str(root / "examples" / "host_cost.py"), *argv,
+         "--only", "allreduce,int8,power_sgd", "--json", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["hook"] for r in rows} == {"allreduce", "int8", "power_sgd"}
+    assert all(r["ours_ms"] > 0 and r["theirs_ms"] > 0 and r["buckets"] >= 1 for r in rows)

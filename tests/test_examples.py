@@ -377,6 +377,18 @@ def test_host_cost_on_the_inline_backend_adds_powersgd_with_many_buckets(tmp_pat
     assert found["args"]["backend"] == "inline" and ("bf16", 0.004) not in rows
     assert ("power_sgd", 0.004) in rows and ("power_sgd", 4096.0) in rows
     assert all(r["met"] == (r["ratio"] <= r["goal"]) for r in found["rows"])
+    buckets = {r["bucket_cap_mb"]: r["buckets"] for r in found["rows"]}
+    assert buckets == {0.004: 6, 4096.0: 1}  # a bucket a layer at the tiny cap
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here: tests/test_cuda.py runs it")
+def test_host_cost_on_nccl_without_a_gpu_says_what_to_run_instead():
+    script = str(EXAMPLES / "host_cost.py")
+    proc = subprocess.run(
+        [sys.executable, script, "--backend", "nccl"], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2
+    assert "--backend nccl needs a CUDA device; use --backend inline on a CPU" in proc.stderr
 
 
 def test_host_cost_counts_operations_and_multi_tensor_time_where_asked(tmp_path):

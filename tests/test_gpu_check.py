@@ -10,7 +10,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
-SECTIONS = ["parity", "init_forms", "many_buckets", "sync_audit", "step_time", "bandwidth"]
+SECTIONS = [
+    "parity", "init_forms", "many_buckets", "sync_audit", "step_time", "bandwidth", "host_cost",
+]  # fmt: skip
 
 
 def _run(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
@@ -31,7 +33,7 @@ def test_every_section_runs_on_the_cpu_and_reports_a_verdict(tmp_path):
     proc, found = _run(tmp_path)
     sections = found["sections"]
     assert list(sections) == SECTIONS
-    for name in ("parity", "init_forms", "many_buckets", "step_time", "bandwidth"):
+    for name in ("parity", "init_forms", "many_buckets", "step_time", "bandwidth", "host_cost"):
         assert sections[name]["verdict"] == "pass", (name, json.dumps(sections[name])[:3000])
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert sections["sync_audit"]["verdict"] == "skipped: no CUDA"
@@ -51,6 +53,10 @@ def test_every_section_runs_on_the_cpu_and_reports_a_verdict(tmp_path):
     assert verdicts["25 MB buckets: peak memory fp16 / torch_fp16"].startswith("n/a")
     assert verdicts["no host-device sync in a finite step: power_sgd"] == "skipped: no CUDA"
     assert "no host-device sync in a finite step: int4" in proc.stdout
+    hosts = sections["host_cost"]["parts"]["table"]["rows"]
+    assert [r["hook"] for r in hosts] == ["allreduce", "fp16", "int8"], hosts
+    assert all(r["buckets"] == 8 and r["ours_ms"] > 0 and r["theirs_ms"] > 0 for r in hosts)
+    assert verdicts["host time int8 / torch_fp16, 8 buckets"] in ("met", "missed")
     met = sum(v == "met" for v in verdicts.values())
     assert f"goals: {met} met" in proc.stdout
 
@@ -92,6 +98,23 @@ def test_goals_compare_ours_with_pytorchs_and_say_why_when_they_cannot(parts):
     bf16 = goals["one bucket: step time bf16 / torch_bf16"]["verdict"]
     assert bf16 == "n/a: torch_bf16 TypeError: needs CUDA"
     assert goals["one bucket: step time int4 / fp16"]["verdict"].startswith("missed: not measured")
+
+
+def test_each_host_cost_row_is_a_goal_and_a_missing_table_says_why(parts):
+    rows = [
+        {"hook": "fp16", "against": "torch_fp16", "buckets": 96, "ratio": 1.2, "goal": 1.0,
+         "met": False},
+        {"hook": "power_sgd", "against": "torch_power_sgd", "buckets": 1, "ratio": 0.8,
+         "goal": 1.0, "met": True},
+    ]  # fmt: skip
+    found = parts.host_goals({"parts": {"table": {"verdict": "pass", "rows": rows}}})
+    assert [(g["goal"], g["measured"], g["limit"], g["verdict"]) for g in found] == [
+        ("host time fp16 / torch_fp16, 96 buckets", 1.2, 1.0, "missed"),
+        ("host time power_sgd / torch_power_sgd, 1 bucket", 0.8, 1.0, "met"),
+    ]
+    failed = {"verdict": "fail", "parts": {"table": {"verdict": "fail", "error": "no answer"}}}
+    (only,) = parts.host_goals(failed)
+    assert only["verdict"] == "missed: no answer" and only["measured"] is None
 
 
 def test_the_first_sync_is_found_in_the_hooks_traceback(parts):
