@@ -1,6 +1,7 @@
 """``comm``: the ordering guarantee of ``OrderedIssuer``, and sums over ranks."""
 
 import contextlib
+import gc
 import random
 import subprocess
 import sys
@@ -588,3 +589,63 @@ def test_options_ask_for_no_wait_only_where_torch_has_the_field():
     newer = dist.AllreduceOptions()
     newer.asyncOp = False
     assert comm._without_waiting(newer).asyncOp is True
+
+
+_RECREATED_GROUPS_SCRIPT = """
+import gc, os, sys, tempfile, weakref, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+import commhooks
+from commhooks import comm
+HOOKS = ["allreduce", "fp16", "bf16", "int8", "power_sgd", "power_sgd_single_round"]
+worlds = []
+for cycle in range(3):
+    with tempfile.TemporaryDirectory() as tmp:
+        store = dist.FileStore(os.path.join(tmp, "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        with comm.completing_inline():  # follow-ups share the hook's group, as on NCCL
+            for name in HOOKS if cycle else ["none"]:  # the first: plain DDP
+                ddp = DDP(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)),
+                          bucket_cap_mb=0.0001)
+                if name != "none":
+                    commhooks.register(ddp, name, **({"start_powerSGD_iter": 1}
+                                                     if "power" in name else {}))
+                for _ in range(3):
+                    ddp(torch.randn(2, 8)).sum().backward()
+                del ddp
+        worlds.append(weakref.ref(dist.group.WORLD))
+        dist.destroy_process_group()
+        gc.collect()
+print("alive after destroy:", [w() is not None for w in worlds], flush=True)
+"""
+
+
+def test_a_destroyed_group_whose_follow_ups_it_carried_is_not_kept_alive(tmp_path):
+    # Where follow-ups share the hook's group (NCCL's way), the stateless hooks' issuer and
+    # the held sums had kept every group alive after destroy_process_group. The first cycle
+    # runs plain DDP, whose first group torch keeps itself: only the later ones are ours.
+    script = tmp_path / "recreated.py"
+    script.write_text(_RECREATED_GROUPS_SCRIPT)
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "alive after destroy: [True, False, False]" in proc.stdout or (
+        "alive after destroy: [False, False, False]" in proc.stdout
+    ), proc.stdout
+
+
+def test_a_borrowed_group_is_held_weakly_and_its_loss_named():
+    class Group:  # stands for a process group: only identity and weak references matter
+        pass
+
+    group = Group()
+    issuer = comm.OrderedIssuer(group, borrowed=True)  # type: ignore[arg-type]
+    assert issuer.group is group
+    owned = comm.OrderedIssuer(group)  # type: ignore[arg-type]
+    del group
+    gc.collect()
+    assert owned.group is not None  # an issuer that owns its group keeps it
+    del owned
+    gc.collect()
+    with pytest.raises(RuntimeError, match="destroy_process_group"):
+        _ = issuer.group

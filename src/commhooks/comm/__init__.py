@@ -947,8 +947,15 @@ class OrderedIssuer:
     The order of collectives therefore never depends on thread timing, on either group.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
-        self._group = group
+    def __init__(self, group: dist.ProcessGroup | None = None, *, borrowed: bool = False) -> None:
+        """``borrowed``: ``group`` is owned elsewhere (the very group whose follow-ups these
+        are, where :func:`follow_up_group` shares it) and is kept weakly, so that an issuer
+        kept for it does not keep it alive once torch has destroyed it; otherwise the issuer
+        owns its group."""
+        self._group = None if borrowed else group
+        self._borrowed: weakref.ref[dist.ProcessGroup] | None = None
+        if borrowed and group is not None:
+            self._borrowed = weakref.ref(group)
         self._lock = threading.RLock()
         self._reserved = 0
         self._next = 0
@@ -959,12 +966,22 @@ class OrderedIssuer:
     @property
     def group(self) -> dist.ProcessGroup:
         """The group of the follow-ups: the only group a step may issue a collective on."""
-        if self._group is None:
+        group = self._group
+        if group is not None:
+            return group
+        if self._borrowed is None:
             raise RuntimeError(
                 "OrderedIssuer: made without a group, so its steps cannot issue collectives; "
                 "build it as OrderedIssuer(comm.follow_up_group(group))."
             )
-        return self._group
+        group = self._borrowed()
+        if group is None:
+            raise RuntimeError(
+                "OrderedIssuer: its process group is gone (destroyed with "
+                "torch.distributed.destroy_process_group); a hook on a new group gets an "
+                "issuer of its own: register the hook again on the new group."
+            )
+        return group
 
     def reserve(self) -> int:
         """Claim the next slot. Call only from the hook's own thread."""
@@ -1183,7 +1200,11 @@ class IssuerPool:
         with self._lock:
             issuer = self._issuers.get(group)
             if issuer is None:
-                issuer = self._issuers[group] = OrderedIssuer(follow_up_group(group))
+                follow_up = follow_up_group(group)
+                # Where the follow-ups share the group (NCCL's), the issuer must not hold it:
+                # the pool keeps it only while the group lives.
+                issuer = OrderedIssuer(follow_up, borrowed=follow_up is group)
+                self._issuers[group] = issuer
             return issuer
 
 

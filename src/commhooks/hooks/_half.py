@@ -132,7 +132,9 @@ class _HeldPath:
                 del _HeldPath._of[key]
 
         self.group = weakref.ref(group, forget)
-        self.held, self.world, self.follow_up = held_sums(issuer), comm.size(group), issuer.group
+        # The issuer, not its group: a path must not keep the group alive (the issuer of a
+        # group whose follow-ups share it holds it weakly, see comm.IssuerPool).
+        self.held, self.world, self.issuer = held_sums(issuer), comm.size(group), issuer
         self.repairs: dict[str, Callable[[torch.Tensor], Sequence[comm.Round]]] = {}
 
     @classmethod
@@ -142,9 +144,9 @@ class _HeldPath:
         if path is None or path.group() is not group:
             path = cls._of[id(group)] = cls(group)
         if owner not in path.repairs:
-            world, follow_up = path.world, path.follow_up
+            world, issuer = path.world, path.issuer
             path.repairs[owner] = lambda buffer: _Repair(
-                buffer, world, follow_up, owner, flagged=False
+                buffer, world, issuer.group, owner, flagged=False
             ).rounds()
         return path
 

@@ -91,7 +91,9 @@ class HeldSums:
     by hand (about 3 us a bucket on a CPU's host)."""
 
     def __init__(self, issuer: comm.OrderedIssuer) -> None:
-        self._issuer = issuer
+        # Weakly: the held sums are kept by their issuer (see held_sums), and a strong
+        # reference back would keep both alive for good.
+        self._issuer = weakref.ref(issuer)
         self._filed: dict[int, _Filed] = {}  # by the buffer's address, in the order filed
         self._gate: Future[None] | None = None
         self._devices: list[torch.device] = []  # the CUDA devices of the step's buckets
@@ -173,7 +175,11 @@ class HeldSums:
     ) -> "Future[Any]":
         """The repair rounds of a sum that is not finite, issued now, in the issuer's order;
         the future completes once ``each`` holds what they made."""
-        repaired = self._issuer.rounds(comm.completed(summed), each.rounds(each.buffer), devices)
+        issuer = self._issuer()
+        if issuer is None:  # its hooks and states let go of it: nothing can issue the rounds
+            each.error = RuntimeError("a held bucket's issuer is gone; its sum is not repaired")
+            return comm.completed(None)
+        repaired = issuer.rounds(comm.completed(summed), each.rounds(each.buffer), devices)
         return comm.then(repaired, each.settle)
 
 
