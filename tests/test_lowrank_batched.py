@@ -140,9 +140,10 @@ def test_absorb_all_equals_one_absorb_per_matrix(shape, monkeypatch):
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(together.items(), apart.items()))
 
 
-def _absorb_unchecked(memory, grads, factors, together):
+def _absorb_unchecked(memory, grads, factors, together, cleaned=None):
     """One step as on a GPU's branch: the gradients unchecked, every factor in one flat buffer
-    marked at once (batched), or one call per matrix each marking its own factor."""
+    marked at once (batched, with the gradients zeroed where not finite by the caller if
+    ``cleaned``), or one call per matrix each marking its own factor."""
     from commhooks.error_feedback import mark_non_finite_
 
     n, m = grads[0].shape
@@ -157,7 +158,7 @@ def _absorb_unchecked(memory, grads, factors, together):
         refines.append(right)
     scratch = torch.empty(lowrank.scratch_elements(grads[0], 2))
     if together:
-        memory.absorb_all_(steps, refines, scratch, sent_in=flat)
+        memory.absorb_all_(steps, refines, scratch, sent_in=flat, cleaned=cleaned)
     else:
         for (k, g, known, sent), right in zip(steps, refines):
             memory.absorb_(k, g, known, sent, right, scratch, mark=False)
@@ -175,9 +176,12 @@ def test_absorb_all_on_a_gpus_branch_equals_one_absorb_per_matrix(shape, monkeyp
     gen = torch.Generator().manual_seed(n * m + r + 1)
     passes = []
     real = lowrank.accumulate_whole_factors_
-    monkeypatch.setattr(lowrank, "accumulate_whole_factors_", lambda p: passes.append(1) or real(p))
+    monkeypatch.setattr(
+        lowrank, "accumulate_whole_factors_", lambda *a: passes.append(1) or real(*a)
+    )
     together, apart = LazyErrorFeedback("test"), LazyErrorFeedback("test")
-    together.max_pending_rank = apart.max_pending_rank = 3 * r  # folds every few steps
+    zeroed = LazyErrorFeedback("test")  # together, the gradients zeroed a stack at a time
+    together.max_pending_rank = apart.max_pending_rank = zeroed.max_pending_rank = 3 * r
     with _reads.as_on_a_gpu():
         for step in range(7):
             grads = [torch.randn(n, m, generator=gen) for _ in range(5)]
@@ -188,10 +192,18 @@ def test_absorb_all_on_a_gpus_branch_equals_one_absorb_per_matrix(shape, monkeyp
             ]
             mine = _absorb_unchecked(together, [g.clone() for g in grads], factors, True)
             theirs = _absorb_unchecked(apart, [g.clone() for g in grads], factors, False)
+            stack = torch.stack(grads)  # the gradients as views of one stack, as a run's
+            parts = lowrank.finite_parts([stack[:2], stack[2:]])
+            cleaned = _absorb_unchecked(zeroed, list(stack.unbind(0)), factors, True, parts)
             assert torch.equal(mine.isnan(), theirs.isnan())
             assert torch.equal(mine.nan_to_num(), theirs.nan_to_num())
+            assert torch.equal(cleaned.isnan(), theirs.isnan())
+            assert torch.equal(cleaned.nan_to_num(), theirs.nan_to_num())
             assert mine.isnan().all() == (step == 3)
             assert together.pending_ranks() == apart.pending_ranks()
-    assert len(passes) == 7
-    items = zip(together.items(), apart.items())
-    assert all(torch.equal(a, b) and torch.isfinite(a).all() for (_, a), (_, b) in items)
+    assert len(passes) == 14
+    items = zip(together.items(), apart.items(), zeroed.items())
+    assert all(
+        torch.equal(a, b) and torch.equal(a, c) and torch.isfinite(a).all()
+        for (_, a), (_, b), (_, c) in items
+    )

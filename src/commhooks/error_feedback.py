@@ -496,13 +496,16 @@ class LazyErrorFeedback(ErrorFeedback):
         scratch: torch.Tensor,
         finite: bool = False,
         sent_in: torch.Tensor | None = None,
+        cleaned: Sequence[torch.Tensor] | None = None,
     ) -> list[Absorbed]:
         """:meth:`absorb_` of each ``(key, gradient, known, sent)``, refining ``Q`` where
         ``refine_q`` says so: a bucket's matrices alone, in one call to the memory. ``finite``:
         the caller found every gradient finite (one check for them all). ``sent_in``: a tensor
         that holds every ``sent`` (the flat buffer they are views of); where gradients are
         checked on the device (a GPU) it is marked once for all of them
-        (:func:`mark_non_finite_`) instead of each ``sent`` on its own.
+        (:func:`mark_non_finite_`) instead of each ``sent`` on its own, and ``cleaned``, if
+        given, holds each gradient with its non-finite elements zeroed, made together by the
+        caller (:func:`lowrank.finite_parts`), for that branch to add.
 
         Finite gradients small enough for :func:`lowrank.accumulates_together` are absorbed
         together (:meth:`_absorb_together`): the same bits, a few operations per matrix
@@ -513,7 +516,7 @@ class LazyErrorFeedback(ErrorFeedback):
         if sent_in is not None and not finite and len(steps) > 1 and not _reads.are_free(sent_in):
             # A GPU's branch: whole matrices, checked on the device; all the factors are
             # marked at once.
-            absorbed = self._absorb_together(steps, refine_q, checked=False)
+            absorbed = self._absorb_together(steps, refine_q, checked=False, cleaned=cleaned)
             mark_non_finite_([step[1] for step in steps], sent_in)
             return absorbed
         return [
@@ -526,11 +529,13 @@ class LazyErrorFeedback(ErrorFeedback):
         steps: Sequence[tuple[Key, torch.Tensor, torch.Tensor, torch.Tensor]],
         refine_q: Sequence[bool],
         checked: bool = True,
+        cleaned: Sequence[torch.Tensor] | None = None,
     ) -> list[Absorbed]:
         """:meth:`absorb_` of many gradients, their passes made by one call to the compressor:
         :func:`lowrank.accumulate_factors_` for finite ones on a CPU (``checked``), or
         :func:`lowrank.accumulate_whole_factors_` on a GPU's branch, which adds non-finite
-        elements as zeros; the memories' bookkeeping is :meth:`absorb_`'s."""
+        elements as zeros (those of ``cleaned``, where the caller zeroed them); the memories'
+        bookkeeping is :meth:`absorb_`'s."""
         absorbed: list[Absorbed] = []
         passes: list[lowrank.AccumulatePass] = []
         for (key, gradient, known, sent), refines in zip(steps, refine_q):
@@ -543,7 +548,7 @@ class LazyErrorFeedback(ErrorFeedback):
         if checked:
             lowrank.accumulate_factors_(passes)
         else:
-            lowrank.accumulate_whole_factors_(passes)
+            lowrank.accumulate_whole_factors_(passes, cleaned)
         return absorbed
 
     def defer_all_(self, products: Sequence[tuple[Key, torch.Tensor, torch.Tensor]]) -> None:

@@ -23,6 +23,7 @@ __all__ = [
     "compression_sizes",
     "deduct_pending_left_",
     "deduct_pending_right_",
+    "finite_parts",
     "is_finite",
     "plausible_residual",
     "keep_nonzero_columns",
@@ -446,7 +447,9 @@ def accumulate_factors_(passes: Sequence[AccumulatePass]) -> None:
             out.addmm_(p0, torch.mm(q0t, known), alpha=-1)
 
 
-def accumulate_whole_factors_(passes: Sequence[AccumulatePass]) -> None:
+def accumulate_whole_factors_(
+    passes: Sequence[AccumulatePass], cleaned: Sequence[torch.Tensor] | None = None
+) -> None:
     """:func:`accumulate_left_factor_` or :func:`accumulate_right_factor_` of each pass, on a
     GPU's branch (whole matrices, unchecked: a non-finite element is added as zero, for the
     caller to mark), and its pending product deducted from ``sent``.
@@ -455,11 +458,14 @@ def accumulate_whole_factors_(passes: Sequence[AccumulatePass]) -> None:
     cleaned matrix in one batched addition (one kernel on a GPU for many small matrices, the
     same elementwise sums), then each matrix's products follow as they do there, so the results
     are those passes' bits with fewer launches and less of the host's time per matrix.
+    ``cleaned``: each pass's matrix with its non-finite elements zeroed, where the caller made
+    them together (:func:`finite_parts`); else each is cleaned here, one pass a matrix.
     """
     if not passes:
         return
-    cleaned = [each[1].nan_to_num(nan=0.0, posinf=0.0, neginf=0.0) for each in passes]
-    torch._foreach_add_([each[0] for each in passes], cleaned)
+    if cleaned is None:
+        cleaned = [_zeroed(each[1]) for each in passes]
+    torch._foreach_add_([each[0] for each in passes], list(cleaned))
     for memory, _, pending, folds, known, sent, right in passes:
         if folds and pending is not None:
             memory.addmm_(pending[0], pending[1], alpha=-1)
@@ -471,6 +477,18 @@ def accumulate_whole_factors_(passes: Sequence[AccumulatePass]) -> None:
             torch.mm(memory, known, out=sent)
             if pending is not None and not folds:
                 deduct_pending_left_(sent, pending, known.t())
+
+
+def finite_parts(stacks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The matrices of each ``(count, n, m)`` stack, in order, each a copy with its non-finite
+    elements zeroed (what :func:`accumulate_whole_factors_` adds): one pass a stack, where
+    cleaning them one by one takes a pass (a kernel launch on a GPU) a matrix."""
+    return [matrix for stack in stacks for matrix in _zeroed(stack).unbind(0)]
+
+
+def _zeroed(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor`` with inf and NaN replaced by zeros."""
+    return tensor.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def deduct_pending_left_(

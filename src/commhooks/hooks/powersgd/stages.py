@@ -448,10 +448,24 @@ def first_factors(step: BucketStep, single: bool) -> tuple[torch.Tensor, torch.T
     lowrank.project_(starts, products, eps, method, exact=not settings.single_round)
     if singles:
         refines = [b.refines_q for b in singles]
-        absorbed = step.state.memory.absorb_all_(steps, refines, scratch, finite, send)
+        # On a GPU's branch the gradients are added with inf and NaN as zeros: zeroed here a
+        # run at a time, one launch where it was one a matrix.
+        cleaned = None if checks or len(steps) < 2 else lowrank.finite_parts(_alone_stacks(step))
+        memory = step.state.memory
+        absorbed = memory.absorb_all_(steps, refines, scratch, finite, send, cleaned)
         for b, each in zip(singles, absorbed):
             b.matrices[0].absorbed = each
     return known, send
+
+
+def _alone_stacks(step: BucketStep) -> list[torch.Tensor]:
+    """The gradients of the matrices compressed alone, in the order of their runs, as stacks:
+    a run's strided view of them all where they lie at one stride, else each on its own."""
+    stacks: list[torch.Tensor] = []
+    for run in step.runs:
+        if not run.batches[0].stacked:
+            stacks += [run.stack] if run.stack is not None else [b.stack for b in run.batches]
+    return stacks
 
 
 def _fill_starts(step: BucketStep, known: torch.Tensor) -> None:
