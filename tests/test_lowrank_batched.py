@@ -140,10 +140,10 @@ def test_absorb_all_equals_one_absorb_per_matrix(shape, monkeypatch):
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(together.items(), apart.items()))
 
 
-def _absorb_unchecked(memory, grads, factors, together, cleaned=None):
+def _absorb_unchecked(memory, grads, factors, together, stacks=None):
     """One step as on a GPU's branch: the gradients unchecked, every factor in one flat buffer
-    marked at once (batched, with the gradients zeroed where not finite by the caller if
-    ``cleaned``), or one call per matrix each marking its own factor."""
+    marked at once (batched, the gradients zeroed and checked a stack at a time where
+    ``stacks`` hold them), or one call per matrix each marking its own factor."""
     from commhooks.error_feedback import mark_non_finite_
 
     n, m = grads[0].shape
@@ -158,7 +158,7 @@ def _absorb_unchecked(memory, grads, factors, together, cleaned=None):
         refines.append(right)
     scratch = torch.empty(lowrank.scratch_elements(grads[0], 2))
     if together:
-        memory.absorb_all_(steps, refines, scratch, sent_in=flat, cleaned=cleaned)
+        memory.absorb_all_(steps, refines, scratch, sent_in=flat, stacks=stacks)
     else:
         for (k, g, known, sent), right in zip(steps, refines):
             memory.absorb_(k, g, known, sent, right, scratch, mark=False)
@@ -193,8 +193,8 @@ def test_absorb_all_on_a_gpus_branch_equals_one_absorb_per_matrix(shape, monkeyp
             mine = _absorb_unchecked(together, [g.clone() for g in grads], factors, True)
             theirs = _absorb_unchecked(apart, [g.clone() for g in grads], factors, False)
             stack = torch.stack(grads)  # the gradients as views of one stack, as a run's
-            parts = lowrank.finite_parts([stack[:2], stack[2:]])
-            cleaned = _absorb_unchecked(zeroed, list(stack.unbind(0)), factors, True, parts)
+            stacks = [stack[:2], stack[2:]]
+            cleaned = _absorb_unchecked(zeroed, list(stack.unbind(0)), factors, True, stacks)
             assert torch.equal(mine.isnan(), theirs.isnan())
             assert torch.equal(mine.nan_to_num(), theirs.nan_to_num())
             assert torch.equal(cleaned.isnan(), theirs.isnan())

@@ -496,16 +496,17 @@ class LazyErrorFeedback(ErrorFeedback):
         scratch: torch.Tensor,
         finite: bool = False,
         sent_in: torch.Tensor | None = None,
-        cleaned: Sequence[torch.Tensor] | None = None,
+        stacks: Sequence[torch.Tensor] | None = None,
     ) -> list[Absorbed]:
         """:meth:`absorb_` of each ``(key, gradient, known, sent)``, refining ``Q`` where
         ``refine_q`` says so: a bucket's matrices alone, in one call to the memory. ``finite``:
         the caller found every gradient finite (one check for them all). ``sent_in``: a tensor
         that holds every ``sent`` (the flat buffer they are views of); where gradients are
         checked on the device (a GPU) it is marked once for all of them
-        (:func:`mark_non_finite_`) instead of each ``sent`` on its own, and ``cleaned``, if
-        given, holds each gradient with its non-finite elements zeroed, made together by the
-        caller (:func:`lowrank.finite_parts`), for that branch to add.
+        (:func:`mark_non_finite_`) instead of each ``sent`` on its own. ``stacks``: the
+        gradients again, as ``(count, n, m)`` stacks that hold them in order (a run of
+        matrices at one stride is one view); where given, that branch zeroes their
+        non-finite elements and checks them a stack at a time, not a matrix at a time.
 
         Finite gradients small enough for :func:`lowrank.accumulates_together` are absorbed
         together (:meth:`_absorb_together`): the same bits, a few operations per matrix
@@ -516,8 +517,9 @@ class LazyErrorFeedback(ErrorFeedback):
         if sent_in is not None and not finite and len(steps) > 1 and not _reads.are_free(sent_in):
             # A GPU's branch: whole matrices, checked on the device; all the factors are
             # marked at once.
+            cleaned = None if stacks is None else lowrank.finite_parts(stacks)
             absorbed = self._absorb_together(steps, refine_q, checked=False, cleaned=cleaned)
-            mark_non_finite_([step[1] for step in steps], sent_in)
+            mark_non_finite_(stacks or [step[1] for step in steps], sent_in)
             return absorbed
         return [
             self.absorb_(key, gradient, known, sent, refines, scratch, finite)

@@ -448,11 +448,10 @@ def first_factors(step: BucketStep, single: bool) -> tuple[torch.Tensor, torch.T
     lowrank.project_(starts, products, eps, method, exact=not settings.single_round)
     if singles:
         refines = [b.refines_q for b in singles]
-        # On a GPU's branch the gradients are added with inf and NaN as zeros: zeroed here a
-        # run at a time, one launch where it was one a matrix.
-        cleaned = None if checks or len(steps) < 2 else lowrank.finite_parts(_alone_stacks(step))
-        memory = step.state.memory
-        absorbed = memory.absorb_all_(steps, refines, scratch, finite, send, cleaned)
+        # On a GPU's branch the gradients are zeroed where not finite and checked a run at a
+        # time, one launch where it was one a matrix.
+        stacks = None if checks else _alone_stacks(step)
+        absorbed = step.state.memory.absorb_all_(steps, refines, scratch, finite, send, stacks)
         for b, each in zip(singles, absorbed):
             b.matrices[0].absorbed = each
     return known, send
