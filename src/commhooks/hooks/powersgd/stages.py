@@ -13,6 +13,7 @@ Factors of all matrices live in flat buffers, one factor after another, so that 
 carries them all; a batch's factor is a ``(batch, rows, rank)`` view into such a buffer.
 """
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -67,16 +68,25 @@ class Matrix:
 
 @dataclass
 class Batch:
-    """Matrices of one shape, rank and step, compressed with batched products (or one alone)."""
+    """Matrices of one shape, rank and step, compressed with batched products (or one alone).
+
+    A step makes one for each matrix alone, so what only some steps use is made when first
+    asked for: a view costs the host about a microsecond, a bucket of a hundred matrices a
+    tenth of a millisecond for each view that nobody reads."""
 
     matrices: list[Matrix]
-    stack: torch.Tensor  # (B, n, m): a view of the single matrix, or a stacked copy
-    known: torch.Tensor = field(init=False)  # the factor the step starts from, (B, ., r)
-    sent: torch.Tensor = field(init=False)  # the factor the step sends, (B, ., r)
+    copy: torch.Tensor | None  # several matrices: their (B, n, m) copy, filled once M is formed
+    known: torch.Tensor = field(init=False)  # the factor the step starts from, (B, ., r),
+    sent: torch.Tensor = field(init=False)  # and the one it sends: set by Run.give_views
 
     @property
     def stacked(self) -> bool:
         return len(self.matrices) > 1
+
+    @functools.cached_property
+    def stack(self) -> torch.Tensor:
+        """(B, n, m): the stacked copy, or a view of the single matrix."""
+        return self.copy if self.copy is not None else self.matrices[0].view.unsqueeze(0)
 
     @property
     def refines_q(self) -> bool:
@@ -85,8 +95,8 @@ class Batch:
 
     def dims(self) -> tuple[int, int, int, int]:
         """``(matrices, rows, cols, rank)``."""
-        count, n, m = self.stack.shape
-        return count, n, m, self.matrices[0].rank
+        n, m = self.matrices[0].view.shape
+        return len(self.matrices), n, m, self.matrices[0].rank
 
 
 @dataclass
@@ -101,6 +111,7 @@ class Run:
     # Matrices alone, laid out at a regular stride in one buffer (a bucket's layers of one
     # width usually are): a (count, n, m) view of them all, for batched products; else None.
     stack: torch.Tensor | None = None
+    viewed: bool = False  # its batches have their views of known and sent (give_views)
 
     @property
     def refines_q(self) -> bool:
@@ -114,6 +125,20 @@ class Run:
         _, n, m, rank = self.batches[0].dims()
         return self.count, n, m, rank
 
+    def give_views(self) -> None:
+        """Give each batch its views of the run's ``known`` and ``sent`` (once a step, and
+        only where a batch's own factors are used: its own products, or a random start)."""
+        if self.viewed:
+            return
+        self.viewed = True
+        if len(self.batches) == 1:
+            self.batches[0].known, self.batches[0].sent = self.known, self.sent
+            return
+        counts = [len(b.matrices) for b in self.batches]
+        known, sent = self.known.split_with_sizes(counts), self.sent.split_with_sizes(counts)
+        for b, kv, sv in zip(self.batches, known, sent):
+            b.known, b.sent = kv, sv
+
     def products(self, right: bool) -> list[lowrank.Product]:
         """The products of this run's factors: ``M known -> sent`` (``Mᵀ`` where the run
         refines ``Q``), or with ``right`` ``Mᵀ sent -> known``. ``Mᵀ P`` is one batched product
@@ -122,10 +147,11 @@ class Run:
         keep for thin factors."""
         if right and self.stack is not None:
             return [(self.stack, self.sent, self.known, True)]
-        if right:
-            return [(b.stack, b.sent, b.known, True) for b in self.batches]
         if self.refines_q and self.stack is not None:
             return [(self.stack, self.known, self.sent, True)]
+        self.give_views()
+        if right:
+            return [(b.stack, b.sent, b.known, True) for b in self.batches]
         return [(b.stack, b.known, b.sent, b.refines_q) for b in self.batches]
 
 
@@ -153,7 +179,8 @@ class BucketStep:
         """One block's worth of working memory for the blocked products, made once per call."""
         if self._scratch is None:
             sizes = (
-                lowrank.scratch_elements(r.batches[0].stack[0], r.dims()[3]) for r in self.runs
+                lowrank.scratch_elements(r.batches[0].matrices[0].view, r.dims()[3])
+                for r in self.runs
             )
             self._scratch = self.made(self.buffer.new_empty(max(sizes, default=0)))
         return self._scratch
@@ -279,12 +306,11 @@ def kinds(step: BucketStep) -> list[list[Matrix]]:
 def form_batches(step: BucketStep, kinds: list[list[Matrix]]) -> None:
     """One :class:`Batch` per kind, and the runs of consecutive batches of one shape."""
     for matrices in kinds:
+        copy = None
         if len(matrices) > 1:  # a copy, filled once M is formed (see first_factors)
             first = matrices[0].view
-            stack = step.made(first.new_empty((len(matrices), *first.shape)))
-        else:
-            stack = matrices[0].view.unsqueeze(0)
-        step.batches.append(Batch(matrices, stack))
+            copy = step.made(first.new_empty((len(matrices), *first.shape)))
+        step.batches.append(Batch(matrices, copy))
     for b in step.batches:
         last = step.runs[-1] if step.runs else None
         if last is not None and _same_kind(last.batches[-1], b):
@@ -312,9 +338,10 @@ def _strided(views: list[torch.Tensor]) -> torch.Tensor | None:
 
 
 def _same_kind(a: Batch, b: Batch) -> bool:
-    return a.stack.shape[1:] == b.stack.shape[1:] and (a.matrices[0].rank, a.matrices[0].step) == (
-        b.matrices[0].rank,
-        b.matrices[0].step,
+    first, other = a.matrices[0], b.matrices[0]
+    return first.view.shape == other.view.shape and (first.rank, first.step) == (
+        other.rank,
+        other.step,
     )
 
 
@@ -335,7 +362,8 @@ def lay_out(step: BucketStep, leading: int) -> tuple[torch.Tensor, torch.Tensor]
 
     Returns ``(known, send)``; ``send`` begins with ``leading`` elements for the caller (the
     tensors sent as they are), then every batch's sent factor. A run's factors are one stack
-    in each buffer; its batches' factors are views of that stack.
+    in each buffer; its batches' factors are views of that stack, made where they are used
+    (:meth:`Run.give_views`).
     """
     known = step.new_flat(sum(math.prod(known_shape(r)) for r in step.runs))
     send = step.new_flat(leading + sum(math.prod(sent_shape(r)) for r in step.runs))
@@ -345,11 +373,6 @@ def lay_out(step: BucketStep, leading: int) -> tuple[torch.Tensor, torch.Tensor]
         run.known = factor_view(known[k : k + math.prod(shape)], shape, starts_from_q(run))
         run.sent = factor_view(send[s : s + math.prod(shape_sent)], shape_sent, sends_q(run))
         k, s = k + math.prod(shape), s + math.prod(shape_sent)
-        counts = [len(b.matrices) for b in run.batches]
-        for b, kv, sv in zip(
-            run.batches, run.known.split_with_sizes(counts), run.sent.split_with_sizes(counts)
-        ):
-            b.known, b.sent = kv, sv
     return known, send
 
 
@@ -443,7 +466,9 @@ def first_factors(step: BucketStep, single: bool) -> tuple[torch.Tensor, torch.T
     for b in step.batches:
         if b.stacked:  # a copy of M, now formed
             torch.stack([m.view for m in b.matrices], out=b.stack)
-    checks = bool(singles) and _reads.are_free(singles[0].stack)  # a read a block: CPU only
+    checks = bool(singles) and _reads.are_free(
+        singles[0].matrices[0].view
+    )  # CPU only: a read a block
     finite = checks and lowrank.is_finite(*together, *apart)
     lowrank.project_(starts, products, eps, method, exact=not settings.single_round)
     if singles:
@@ -505,6 +530,7 @@ def _random_starts(
     """Fill a run's starting factors batch by batch, drawing where none is stored."""
     if gen is None:
         gen = _seeded(state)
+    run.give_views()
     at = 0
     for b in run.batches:
         mine, at = stored[at : at + len(b.matrices)], at + len(b.matrices)
@@ -599,7 +625,6 @@ def finish_single(step: BucketStep, averaged: torch.Tensor) -> None:
     alone = [run for run in step.runs if not run.batches[0].stacked]
     matrices = [m for run in stacked for m in run.matrices()]
     singles = [m for run in alone for m in run.matrices()]
-    p, qt = _factors_of(alone)
     groups, alone_groups = _reconstructions(stacked), _reconstructions(alone)
     copies = [
         (run.known.clone().unbind(0), run.sent.clone().unbind(0))
@@ -609,10 +634,14 @@ def finish_single(step: BucketStep, averaged: torch.Tensor) -> None:
     ]
     scratch = step.scratch()
     errors = None
-    absorbed = [(m, pi, qi) for m, pi, qi in zip(singles, p, qt) if m.absorbed is not None]
-    small = [lowrank.fits_one_block(m.view) for m, _, _ in absorbed]  # asked once a matrix
-    now = [m for (m, _, _), fits in zip(absorbed, small) if fits]
-    later = [(m.key, pi, qi) for (m, pi, qi), fits in zip(absorbed, small) if not fits]
+    absorbed = [i for i, m in enumerate(singles) if m.absorbed is not None]
+    small = [lowrank.fits_one_block(singles[i].view) for i in absorbed]  # asked once a matrix
+    now = [singles[i] for i, fits in zip(absorbed, small) if fits]
+    larger = [i for i, fits in zip(absorbed, small) if not fits]
+    later = []
+    if larger:  # each matrix's own factors, only where a product is kept to subtract later
+        p, qt = _factors_of(alone)
+        later = [(singles[i].key, p[i], qt[i]) for i in larger]
     memory = step.state.memory if step.state.settings.use_error_feedback else None
     if memory is not None:
         memory.defer_all_(later)
