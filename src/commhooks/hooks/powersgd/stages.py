@@ -76,8 +76,9 @@ class Batch:
 
     matrices: list[Matrix]
     copy: torch.Tensor | None  # several matrices: their (B, n, m) copy, filled once M is formed
-    known: torch.Tensor = field(init=False)  # the factor the step starts from, (B, ., r),
-    sent: torch.Tensor = field(init=False)  # and the one it sends: set by Run.give_views
+    # The factors the step starts from and sends, (B, ., r): views that Run.give_views sets.
+    known: torch.Tensor = field(init=False)
+    sent: torch.Tensor = field(init=False)
 
     @property
     def stacked(self) -> bool:
@@ -339,10 +340,7 @@ def _strided(views: list[torch.Tensor]) -> torch.Tensor | None:
 
 def _same_kind(a: Batch, b: Batch) -> bool:
     first, other = a.matrices[0], b.matrices[0]
-    return first.view.shape == other.view.shape and (first.rank, first.step) == (
-        other.rank,
-        other.step,
-    )
+    return (first.view.shape, first.rank, first.step) == (other.view.shape, other.rank, other.step)
 
 
 def known_shape(b: Batch | Run) -> Shape:
@@ -452,10 +450,10 @@ def first_factors(step: BucketStep, single: bool) -> tuple[torch.Tensor, torch.T
         if alone and not run.batches[0].stacked
         for m, known, sent in zip(run.matrices(), run.known.unbind(0), run.sent.unbind(0))
     ]
-    # On a CPU the memory checks each gradient it absorbs (one sum read back each); a run's
-    # gradients at a regular stride are checked together first, with one sum.
-    together = [r.stack for r in step.runs if r.stack is not None and not r.batches[0].stacked]
-    apart = [b.stack for r in step.runs if r.stack is None for b in r.batches if not b.stacked]
+    # The singles' gradients a run at a time where they lie at one stride: on a CPU checked
+    # first with one sum (the memory would read one back a gradient), on a GPU's branch
+    # zeroed where not finite and checked with one launch a run, not one a matrix.
+    gradients = _alone_stacks(step) if singles else []
     method = "qr" if settings.single_round else "auto"  # its own numerics: the faster QR
     starts = _merged(step.runs, known=True)
     scratch = step.scratch()
@@ -466,16 +464,12 @@ def first_factors(step: BucketStep, single: bool) -> tuple[torch.Tensor, torch.T
     for b in step.batches:
         if b.stacked:  # a copy of M, now formed
             torch.stack([m.view for m in b.matrices], out=b.stack)
-    checks = bool(singles) and _reads.are_free(
-        singles[0].matrices[0].view
-    )  # CPU only: a read a block
-    finite = checks and lowrank.is_finite(*together, *apart)
+    checks = bool(singles) and _reads.are_free(gradients[0])  # a read a block: CPU only
+    finite = checks and lowrank.is_finite(*gradients)
     lowrank.project_(starts, products, eps, method, exact=not settings.single_round)
     if singles:
         refines = [b.refines_q for b in singles]
-        # On a GPU's branch the gradients are zeroed where not finite and checked a run at a
-        # time, one launch where it was one a matrix.
-        stacks = None if checks else _alone_stacks(step)
+        stacks = None if checks else gradients
         absorbed = step.state.memory.absorb_all_(steps, refines, scratch, finite, send, stacks)
         for b, each in zip(singles, absorbed):
             b.matrices[0].absorbed = each
