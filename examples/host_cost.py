@@ -18,7 +18,7 @@ cpu`` times steps by this process's CPU time instead of the wall's.
 ``--backend gloo`` (the default) runs every hook as on a CPU cluster: gloo runs a future's
 callbacks on a worker thread of its own, and PyTorch's hooks pay for the interpreter changing
 hands at each. ``--backend inline`` measures what a GPU's host pays instead: a backend whose
-collectives complete as they are issued, as NCCL's futures do (:mod:`commhooks.inline_group`),
+collectives complete as they are issued, as NCCL's futures do (:mod:`commhooks.testing.inline_group`),
 with our hooks inside :func:`commhooks.comm.completing_inline`, so that they take the GPU's
 branches (follow-ups held until the last bucket, checks kept on the device). There the
 PowerSGD rows are measured with one bucket and with many; on gloo PyTorch's PowerSGD with
@@ -54,7 +54,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import commhooks
-from commhooks import comm, inline_group
+from commhooks import comm
+from commhooks.testing import inline_group
 
 Attach = Callable[[DDP], None]
 # ``cpu`` counts the processor time of every thread of this process (gloo's included), not

@@ -27,8 +27,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from commhooks import cpu_kernels, quantize
-from commhooks.hooks.quantized import triton_launch
+from commhooks import quantize
+from commhooks.compress import cpu_kernels, triton_launch
 
 Pass = tuple[Callable[[], object], int]  # the pass, and the bytes it must read and write
 

@@ -12,7 +12,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commhooks
-from commhooks import comm, inline_group
+from commhooks import comm
+from commhooks.testing import inline_group
 
 warnings.simplefilter("ignore")
 inline_group.init()

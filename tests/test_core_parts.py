@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from commhooks.error_feedback import ErrorFeedback
+from commhooks.compress.error_feedback import ErrorFeedback
 from commhooks.options import Options, flag, integer, one_of, option, real
 from commhooks.state import StateDictError, check_count, check_tensor
 
@@ -186,7 +186,7 @@ def test_memory_holds_only_the_very_tensors_recorded_and_records_many_at_once() 
 
 
 def test_a_lazy_memory_with_a_product_pending_does_not_hold_its_tensor() -> None:
-    from commhooks.error_feedback import LazyErrorFeedback
+    from commhooks.compress.error_feedback import LazyErrorFeedback
 
     memory = LazyErrorFeedback("DemoState")
     residual = torch.zeros(2, 3)

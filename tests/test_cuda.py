@@ -484,7 +484,7 @@ def test_streaming_diloco_on_cuda_tensors(backend):
 def _quantized_with_or_without_triton(rank: int, world_size: int, eager: tuple) -> tuple:
     """Three steps of each quantized hook (int8, int4, int4 packed) on a bucket of odd length;
     ranks in ``eager`` run PyTorch's operations instead of the Triton kernels."""
-    from commhooks.hooks.quantized import triton_launch
+    from commhooks.compress import triton_launch
 
     if rank in eager:
         os.environ["COMMHOOKS_TRITON"] = "0"  # read when the kernels are first wanted
@@ -545,7 +545,7 @@ def _owners_pass(rows: torch.Tensor, bits: int) -> tuple[torch.Tensor, ...]:
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 @pytest.mark.parametrize("bits", [8, 4])
 def test_eight_rows_sum_to_the_same_bits_with_and_without_triton(bits):
-    from commhooks.hooks.quantized import triton_launch
+    from commhooks.compress import triton_launch
 
     gen = torch.Generator().manual_seed(bits)
     rows = (torch.randn(8, 1 << 16, generator=gen) * torch.logspace(-3, 3, 8)[:, None]).cuda()

@@ -14,7 +14,7 @@ from torch import nn
 
 import commhooks
 from commhooks import comm
-from commhooks.diloco import DiLoCoOptions, split_by_module
+from commhooks.averaging.diloco import DiLoCoOptions, split_by_module
 from commhooks.testing import run_on_ranks
 
 pytestmark = pytest.mark.timeout(120)

@@ -25,7 +25,8 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import commhooks
-from commhooks import _reads, comm, lowrank
+from commhooks import _reads, comm
+from commhooks.compress import lowrank
 from commhooks.testing import run_on_ranks
 
 _READ = torch.ops.aten._local_scalar_dense.default

@@ -1,4 +1,4 @@
-"""The inline backend (commhooks.inline_group): one rank whose collectives complete as they are
+"""The inline backend (commhooks.testing.inline_group): one rank whose collectives complete as they are
 issued, as NCCL's futures do, for PyTorch's hooks and ours; each check in a process of its own."""
 
 import json

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from commhooks import QuantizationState, cpu_kernels, quantize, quantized_hook
+from commhooks import QuantizationState, quantize, quantized_hook
+from commhooks.compress import cpu_kernels
 from commhooks.quantize import BlockFormat
 from commhooks.testing import run_on_ranks
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from commhooks import lowrank
-from commhooks.error_feedback import ErrorFeedback, LazyErrorFeedback
+from commhooks.compress import lowrank
+from commhooks.compress.error_feedback import ErrorFeedback, LazyErrorFeedback
 
 
 def _strided_views(count: int, n: int, m: int, gen: torch.Generator) -> list[torch.Tensor]:
@@ -144,7 +144,7 @@ def _absorb_unchecked(memory, grads, factors, together, stacks=None):
     """One step as on a GPU's branch: the gradients unchecked, every factor in one flat buffer
     marked at once (batched, the gradients zeroed and checked a stack at a time where
     ``stacks`` hold them), or one call per matrix each marking its own factor."""
-    from commhooks.error_feedback import mark_non_finite_
+    from commhooks.compress.error_feedback import mark_non_finite_
 
     n, m = grads[0].shape
     r = factors[0][0].shape[1]

@@ -4,7 +4,7 @@ taking each matrix in one piece as on a GPU (forced here on CPU tensors)."""
 import pytest
 import torch
 
-from commhooks import lowrank
+from commhooks.compress import lowrank
 
 
 @pytest.fixture(autouse=True, params=["blocks", "whole"])

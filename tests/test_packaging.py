@@ -60,5 +60,5 @@ def test_the_wheel_has_one_top_level_package_with_the_baselines_inside_the_bench
     assert tops == {"commhooks"}
     assert "commhooks/bench/baselines/__init__.py" in names
     assert "commhooks/bench/baselines/floors.py" in names
-    assert "commhooks/cpu_kernels/_blockquant.c" in names
-    assert "commhooks/cpu_kernels/_base13.c" in names
+    assert "commhooks/compress/cpu_kernels/_blockquant.c" in names
+    assert "commhooks/compress/cpu_kernels/_base13.c" in names

@@ -12,9 +12,9 @@ import pytest
 import torch
 from ddp_utils import FakeBucket
 
-from commhooks import QuantizationState, comm, cpu_kernels, quantized_hook
-from commhooks.hooks.quantized import blocks, packing
-from commhooks.hooks.quantized.blocks import BlockFormat
+from commhooks import QuantizationState, comm, quantized_hook
+from commhooks.compress import blocks, cpu_kernels, packing
+from commhooks.compress.blocks import BlockFormat
 from commhooks.testing import run_on_ranks
 
 pytestmark = pytest.mark.timeout(120)

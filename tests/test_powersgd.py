@@ -25,8 +25,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import commhooks
-from commhooks import PowerSGDState, _reads, batched_powerSGD_hook, lowrank, powerSGD_hook
-from commhooks.error_feedback import LazyErrorFeedback
+from commhooks import PowerSGDState, _reads, batched_powerSGD_hook, powerSGD_hook
+from commhooks.compress import lowrank
+from commhooks.compress.error_feedback import LazyErrorFeedback
 from commhooks.testing import run_on_ranks
 
 ONE_BUCKET = 100  # bucket_cap_mb: the whole model in one bucket

@@ -13,8 +13,8 @@ import torch
 from ddp_utils import FakeBucket
 
 from commhooks import PowerSGDState, batched_powerSGD_hook, config, powerSGD_hook
-from commhooks.error_feedback import ErrorFeedback, LazyErrorFeedback
-from commhooks.factors import FactorMemory
+from commhooks.compress.error_feedback import ErrorFeedback, LazyErrorFeedback
+from commhooks.compress.factors import FactorMemory
 from commhooks.hooks.powersgd import PowerSGDOptions
 from commhooks.hooks.powersgd.plan import Plan, bucket_order
 from commhooks.state import StateDictError

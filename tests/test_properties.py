@@ -1,6 +1,6 @@
 """Property-based tests (hypothesis) of the compression math and of the hooks' cast path.
 
-The pure math of :mod:`commhooks.lowrank` is tested in this process. Properties that need a hook
+The pure math of :mod:`commhooks.compress.lowrank` is tested in this process. Properties that need a hook
 (which needs torch.distributed) run inside one rank started by ``run_on_ranks``: each check there
 is a hypothesis test whose outcome ("ok" or the falsifying example's traceback) comes back here.
 
@@ -19,7 +19,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import commhooks
-from commhooks import PowerSGDState, lowrank, powerSGD_hook
+from commhooks import PowerSGDState, powerSGD_hook
+from commhooks.compress import lowrank
 from commhooks.testing import run_on_ranks
 
 FAST = settings(

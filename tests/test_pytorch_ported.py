@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commhooks
-from commhooks.parameters import get_params_to_average
+from commhooks.averaging.parameters import get_params_to_average
 from commhooks.testing import run_on_ranks
 
 

@@ -221,7 +221,7 @@ def test_what_quantization_drops_is_plausible_and_an_absurd_memory_is_not(bits, 
 
 
 def test_what_a_low_rank_approximation_drops_is_plausible_and_an_absurd_memory_is_not():
-    from commhooks import lowrank
+    from commhooks.compress import lowrank
 
     gen = torch.Generator().manual_seed(0)
     gradient = torch.randn(32, 16, generator=gen)

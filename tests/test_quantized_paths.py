@@ -22,7 +22,7 @@ def _grad(rank: int, n: int, step: int) -> torch.Tensor:
 def _two_phases_alone(grad, first, second, bits):
     """The two phases on one rank, written out with the math's functions: the applied result,
     and the two errors left."""
-    from commhooks.hooks.quantized import blocks
+    from commhooks.compress import blocks
 
     fmt, n = blocks.BlockFormat(bits, BLOCK), grad.numel()
     length = fmt.row_length(n, 1)
@@ -213,7 +213,7 @@ def _abandoned(rank: int, world_size: int, eager: bool) -> tuple:
     padding the quantizing pass then fills with NaN), then a whole step on the same buffer.
     ``eager``: PyTorch's operations, whose block maximum NaN makes NaN, as a GPU's does (the
     CPU kernels' maximum passes over NaN)."""
-    from commhooks import cpu_kernels
+    from commhooks.compress import cpu_kernels
 
     with cpu_kernels.disabled() if eager else _nothing():
         return _abandoned_step(rank)
@@ -257,7 +257,7 @@ def test_an_abandoned_held_step_fails_its_buckets_and_leaves_no_nan_behind(eager
 def _steps_both_ways(rank: int, world_size: int) -> dict:
     """Three steps of three buckets (whole rows and a ragged end), with the CPU kernels'
     calls bound to each workspace's buffers, then with PyTorch's eager operations."""
-    from commhooks import cpu_kernels
+    from commhooks.compress import cpu_kernels
 
     out = {}
     for eager in (False, True):

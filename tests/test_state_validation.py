@@ -128,7 +128,7 @@ def test_post_local_sgd_optimizer_refuses_bad_entries_and_changes_nothing(change
 
 def _options_classes():
     """Every options class of the package (imported through the public modules)."""
-    import commhooks.averagers
+    import commhooks.averaging.averagers
     import commhooks.hooks.local_sgd
     import commhooks.hooks.powersgd
     import commhooks.hooks.quantized  # noqa: F401

@@ -20,7 +20,8 @@ import pytest
 import torch
 import triton_interpreted as cases
 
-from commhooks import cpu_kernels, quantize
+from commhooks import quantize
+from commhooks.compress import cpu_kernels
 from commhooks.quantize import BlockFormat
 
 pytestmark = pytest.mark.timeout(120)
@@ -288,7 +289,7 @@ def test_importing_and_quantizing_on_a_cpu_leave_triton_unimported():
 
 def test_commhooks_triton_0_turns_the_kernels_off():
     pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
-    script = "from commhooks.hooks.quantized import triton_launch; print(triton_launch.available())"
+    script = "from commhooks.compress import triton_launch; print(triton_launch.available())"
     assert _run(script, COMMHOOKS_TRITON="0", TRITON_INTERPRET="1").strip() == "False"
     assert _run(script, TRITON_INTERPRET="1").strip() == "True"
 
@@ -298,7 +299,7 @@ def test_a_triton_whose_division_flushes_subnormals_is_not_used():
     script = (
         "import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
         "import triton; triton.__version__ = '3.5.1'\n"
-        "from commhooks.hooks.quantized import triton_launch; print(triton_launch.available())"
+        "from commhooks.compress import triton_launch; print(triton_launch.available())"
     )
     said = _run(script, TRITON_INTERPRET="1")
     assert said.strip().endswith("False") and "older than 3.6" in said, said

@@ -12,8 +12,8 @@ import sys
 
 import torch
 
-from commhooks import cpu_kernels, quantize
-from commhooks.hooks.quantized import triton_launch
+from commhooks import quantize
+from commhooks.compress import cpu_kernels, triton_launch
 from commhooks.quantize import BlockFormat
 
 # Lengths past a program's tile (2048 elements; 1024 in the owner's pass): several programs.

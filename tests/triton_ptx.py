@@ -13,7 +13,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from commhooks.hooks.quantized import triton_kernels as kernels
+from commhooks.compress import triton_kernels as kernels
 
 TARGETS = {"sm_90": GPUTarget("cuda", 90, 32), "sm_80": GPUTarget("cuda", 80, 32)}
 TILE = {"BLOCK": 256, "WIDTH": 256, "GROUP": 8}

@@ -9,7 +9,7 @@ working on gloo/CPU as well as NCCL/GPU::
 
 from commhooks import checkpoint, fsdp
 from commhooks._warnings import CommHooksWarning
-from commhooks.averagers import (
+from commhooks.averaging.averagers import (
     HierarchicalAveragerOptions,
     HierarchicalModelAverager,
     ModelAverager,
@@ -20,8 +20,9 @@ from commhooks.averagers import (
     average_parameters,
     get_params_to_average,
 )
+from commhooks.averaging.diloco import DiLoCoOptions, DiLoCoSyncError, StreamingDiLoCo, diloco_hook
+from commhooks.averaging.optim import PostLocalSGDOptimizer
 from commhooks.config import CommHookType, HookConfig, register, register_from_config
-from commhooks.diloco import DiLoCoOptions, DiLoCoSyncError, StreamingDiLoCo, diloco_hook
 from commhooks.hooks import (
     allreduce_hook,
     bf16_compress_hook,
@@ -43,7 +44,6 @@ from commhooks.hooks.quantized import (
     quantization_pertensor_hook,
     quantized_hook,
 )
-from commhooks.optim import PostLocalSGDOptimizer
 from commhooks.state import HookState, StateDictError, StatelessState
 
 __version__ = "0.1.0"

@@ -220,7 +220,7 @@ def _quantized_specs() -> dict[CommHookType, HookSpec]:
 
 
 def _diloco_specs() -> dict[CommHookType, HookSpec]:
-    from commhooks.diloco import DiLoCoOptions, diloco_hook, state_from_options
+    from commhooks.averaging.diloco import DiLoCoOptions, diloco_hook, state_from_options
 
     plain = "hook 'diloco' syncs the whole model at once, without overlap; use hook "
     plain += "'streaming_diloco' for fragments, a delay or a blend, or drop the option."

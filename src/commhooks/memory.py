@@ -1,9 +1,9 @@
 """The error-feedback memories under their former module name, for code that imports them here.
 
-They live in :mod:`commhooks.error_feedback`, whose name says what they hold.
+They live in :mod:`commhooks.compress.error_feedback`, whose name says what they hold.
 """
 
-from commhooks.error_feedback import (
+from commhooks.compress.error_feedback import (
     Absorbed,
     ErrorFeedback,
     Key,

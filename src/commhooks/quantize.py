@@ -1,9 +1,9 @@
 """The quantization math under its former module name, for code that imports it here.
 
-It lives in :mod:`commhooks.hooks.quantized.blocks`, beside the hook, the state and the kernels.
+It lives in :mod:`commhooks.compress.blocks`, beside the hook, the state and the kernels.
 """
 
-from commhooks.hooks.quantized.blocks import (
+from commhooks.compress.blocks import (
     NEAREST,
     RESIDUAL_SLACK,
     ROUNDINGS,

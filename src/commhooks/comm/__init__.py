@@ -336,7 +336,7 @@ def completing_inline() -> Iterator[None]:
 
 def _as_issued(fut: "Future[T]") -> "Future[T]":
     """``fut``, or within :func:`completing_inline` a future holding its result already (one
-    complete as it was issued, as NCCL's and :mod:`commhooks.inline_group`'s are, as it is)."""
+    complete as it was issued, as NCCL's and :mod:`commhooks.testing.inline_group`'s are, as it is)."""
     if not _inline or fut.done():
         return fut
     try:

@@ -8,7 +8,7 @@ posted first); each returns ``None`` for a tensor and group it does not take (:f
 :func:`takes`), and the caller issues the backend's collective. gloo's send and receive
 works only block, so each group gets a thread of its own that waits for them and completes
 the futures handed back (:class:`_Waiter`), ended at interpreter exit and forgotten in a
-forked child. A bfloat16 chunk is added by the CPU kernel of :mod:`commhooks.cpu_kernels`
+forked child. A bfloat16 chunk is added by the CPU kernel of :mod:`commhooks.compress.cpu_kernels`
 where it is built.
 """
 
@@ -26,8 +26,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from commhooks import cpu_kernels
 from commhooks.comm._futures import fail
+from commhooks.compress import cpu_kernels
 
 __all__ = [
     "CHUNKS_IN_FLIGHT",
@@ -64,7 +64,7 @@ T = TypeVar("T")
 # hook took 26.5 ms for a bucket of 6M float32 elements summed in chunks, PyTorch's 22.9 ms
 # with gloo's allreduce, so larger float32 tensors stay with gloo. At two ranks the sum is
 # one rounded addition per element: the same bits either way. bfloat16 chunks are added by a
-# fused kernel where it is built (:mod:`commhooks.cpu_kernels`), with torch.add's bits: torch
+# fused kernel where it is built (:mod:`commhooks.compress.cpu_kernels`), with torch.add's bits: torch
 # converts bfloat16 to float and back in several integer operations per element.
 CHUNK_BYTES = 1 << 19
 CHUNKS_IN_FLIGHT = 8

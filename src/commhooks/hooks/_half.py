@@ -2,7 +2,7 @@
 
 The common path is PyTorch's own, pass for pass: cast the bucket down, divide by the world
 size, sum across ranks, cast the sum back into the bucket. On CPU in bfloat16 the cast, the
-division and the check below are one fused pass with PyTorch's bits (:mod:`commhooks.cpu_kernels`):
+division and the check below are one fused pass with PyTorch's bits (:mod:`commhooks.compress.cpu_kernels`):
 PyTorch converts to bfloat16 in integer arithmetic, slower than to float16, and its two passes
 made the bf16 hook take 1.16-1.17x the fp16 one's time (a 6M-element bucket, two ranks).
 Whether every summed element stayed finite is learnt on the way: on CPU with one or two ranks
@@ -45,8 +45,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from commhooks import _reads, comm, cpu_kernels
+from commhooks import _reads, comm
 from commhooks._warnings import warn_once
+from commhooks.compress import cpu_kernels
 from commhooks.hooks._held_sums import held_sums
 
 __all__ = ["all_finite", "average_held", "average_in", "saturating_cast"]
@@ -202,7 +203,7 @@ def _scale_down(flat: torch.Tensor, values: torch.Tensor, world: int) -> bool:
     """Write ``flat`` cast to ``values``' dtype, then divided by ``world``, into ``values``;
     whether a cast value is infinite or NaN, where that is learnt on the way (else ``False``).
 
-    bfloat16 takes one fused pass where the kernels are built (:mod:`commhooks.cpu_kernels`).
+    bfloat16 takes one fused pass where the kernels are built (:mod:`commhooks.compress.cpu_kernels`).
     Otherwise the check rides on the division: PyTorch's unscaling kernel, its gradient
     scaler's, which multiplies by ``1 / world``, exact for one or two ranks, so the same bits
     as PyTorch's ``div_``. With more ranks the flag is not used and ``div_`` itself runs.

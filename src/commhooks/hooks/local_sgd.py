@@ -2,11 +2,11 @@
 
 After ``start_localSGD_iter`` optimizer steps, gradients are averaged only within a
 ``subgroup`` (by default, the ranks on the same machine, whose links are fast) or not at all;
-a model averager (:mod:`commhooks.averagers`) then averages the *parameters* across the world
+a model averager (:mod:`commhooks.averaging.averagers`) then averages the *parameters* across the world
 every few steps. Slow inter-machine links are used once per period instead of once per step.
 
 Unlike PyTorch's hook, the default per-machine subgroup works without CUDA: machine membership
-comes from the launch environment (see :mod:`commhooks._machines`), and
+comes from the launch environment (see :mod:`commhooks.comm.machines`), and
 ``state.subgroup_source`` says how it was derived.
 
 Note for maintainers: hook modules must not use ``from __future__ import annotations``. DDP
@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import GradBucket
 
 from commhooks import comm, handshake
-from commhooks._machines import MACHINE_ID_VAR, local_launch_info, machine_rank_lists
+from commhooks.comm.machines import MACHINE_ID_VAR, local_launch_info, machine_rank_lists
 from commhooks.hooks._bucket import gradient_buffer
 from commhooks.options import Options, count, flag, option
 from commhooks.state import HookState, check_count

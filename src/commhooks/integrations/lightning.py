@@ -26,7 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from commhooks.averagers import ModelAverager
+from commhooks.averaging.averagers import ModelAverager
 from commhooks.config import CommHookType, HookConfig, register_from_config
 from commhooks.integrations.checkpoint import PerRankState
 from commhooks.state import StatelessState

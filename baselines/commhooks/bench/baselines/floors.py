@@ -27,7 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from commhooks import comm, lowrank
+from commhooks import comm
+from commhooks.compress import lowrank
 
 __all__ = ["FLOOR_HOOKS", "FloorState", "attach_floor"]
 

@@ -16,9 +16,10 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from commhooks import lowrank, place
-from commhooks.error_feedback import Key, LazyErrorFeedback
-from commhooks.factors import FactorMemory
+from commhooks import place
+from commhooks.compress import lowrank
+from commhooks.compress.error_feedback import Key, LazyErrorFeedback
+from commhooks.compress.factors import FactorMemory
 from commhooks.numbering import FIRST_SEEN, FROM_LAST, ParameterNumbering
 from commhooks.state import StateDictError, check_count, check_tensor
 

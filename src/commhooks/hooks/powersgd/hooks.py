@@ -36,9 +36,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from commhooks import comm, lowrank
-from commhooks.error_feedback import Key
-from commhooks.factors import BOTH, P_STEP
+from commhooks import comm
+from commhooks.compress import lowrank
+from commhooks.compress.error_feedback import Key
+from commhooks.compress.factors import BOTH, P_STEP
 from commhooks.hooks._bucket import float_buffer
 
 from .codec import BATCHED, LAYERWISE

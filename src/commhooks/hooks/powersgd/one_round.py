@@ -4,7 +4,7 @@ Each step refines one factor of each matrix, alternately ``P = M Q`` (from the l
 ``Q = Mᵀ P`` (from the last ``P``), and sends it packed with the tensors sent as they are. A
 matrix compressed on its own never has its memory added to the gradient: the gradient is added
 into the memory, and the factor formed, in one pass before the collective
-(:meth:`~commhooks.error_feedback.LazyErrorFeedback.absorb_`); after the collective one pass writes
+(:meth:`~commhooks.compress.error_feedback.LazyErrorFeedback.absorb_`); after the collective one pass writes
 ``P Qᵀ`` into the gradient, and the memory keeps ``P Qᵀ`` to subtract later (a small matrix's
 is subtracted at once, with the bucket's other small ones).
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from commhooks import lowrank
+from commhooks.compress import lowrank
 
 __all__ = ["Plan", "bucket_order"]
 

@@ -5,7 +5,7 @@ which are sent as they are) and hands it to a pipeline, :mod:`.two_rounds` or
 :mod:`.one_round`, which reads as the algorithm and calls the stages here. The stages use the
 state's parts through their public methods: ``state.memory`` (error feedback),
 ``state.factors`` (warm start), ``state.rng`` (PyTorch's seeds); the arithmetic is
-:mod:`commhooks.lowrank`'s. The pipelines issue the collectives, through :mod:`commhooks.comm`;
+:mod:`commhooks.compress.lowrank`'s. The pipelines issue the collectives, through :mod:`commhooks.comm`;
 here only :func:`fall_back` does, and :meth:`BucketStep.follow_up` hands a pipeline's next
 round to the state's issuer.
 
@@ -22,9 +22,10 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from commhooks import _reads, comm, finiteness, lowrank
-from commhooks.error_feedback import Absorbed, Key
-from commhooks.factors import P_STEP, Q_STEP
+from commhooks import _reads, comm, finiteness
+from commhooks.compress import lowrank
+from commhooks.compress.error_feedback import Absorbed, Key
+from commhooks.compress.factors import P_STEP, Q_STEP
 
 from .state import PowerSGDState
 

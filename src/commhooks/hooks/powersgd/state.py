@@ -12,10 +12,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from commhooks import comm, handshake, lowrank, place
+from commhooks import comm, handshake, place
 from commhooks._warnings import CommHooksWarning, warn_once
-from commhooks.error_feedback import Key, LazyErrorFeedback
-from commhooks.factors import FactorMemory
+from commhooks.compress import lowrank
+from commhooks.compress.error_feedback import Key, LazyErrorFeedback
+from commhooks.compress.factors import FactorMemory
 from commhooks.numbering import ParameterNumbering
 from commhooks.options import SettingView
 from commhooks.state import HookState, StateDictError
@@ -49,7 +50,7 @@ class PowerSGDState(HookState):
     the rounds and latency; the approximation follows the gradient one step later, so it
     converges more slowly than the default at the same rank (error feedback makes up part of
     it). Needs ``warm_start``. Its error memory is a
-    :class:`~commhooks.error_feedback.LazyErrorFeedback`, which saves a pass over the gradients
+    :class:`~commhooks.compress.error_feedback.LazyErrorFeedback`, which saves a pass over the gradients
     after the collective; ``error_dict`` and ``state_dict()`` show the errors themselves.
 
     On a step whose result is not finite (some rank's gradient or memory held inf or NaN) the

@@ -2,7 +2,7 @@
 
 With one bucket all of this runs after backward, on the critical path of the step, so passes
 over the gradients are fused where that is faster: the reconstruction and the new error in one
-blocked pass (:func:`commhooks.lowrank.reconstruct_`). Three passes in all: compensate and
+blocked pass (:func:`commhooks.compress.lowrank.reconstruct_`). Three passes in all: compensate and
 multiply, multiply, and write both the approximation and the new error.
 
 Hook modules must not use ``from __future__ import annotations``: DDP rejects string annotations.

@@ -10,7 +10,7 @@ One module a concern:
 * ``pytorch_hooks``: PyTorch's uint8 quantization hooks under their own names.
 * ``triton_launch`` and ``triton_kernels``: the GPU kernels of the math's fused passes, and the
   checks and launches that dispatch to them. (The CPU kernels live in
-  :mod:`commhooks.cpu_kernels`, beside the other C code.)
+  :mod:`commhooks.compress.cpu_kernels`, beside the other C code.)
 """
 
 from commhooks.hooks.quantized.hook import QuantizationOptions, QuantizationState, quantized_hook

@@ -3,7 +3,7 @@
 Per bucket, in two phases (the scheme of ZeRO++'s qgZ and torchft's quantized allreduce):
 
 1. Each rank adds its remembered error to its gradient, cuts the zero-padded result into one
-   row per rank, quantizes it in blocks with a scale each (:mod:`commhooks.hooks.quantized.blocks`),
+   row per rank, quantizes it in blocks with a scale each (:mod:`commhooks.compress.blocks`),
    and keeps what was dropped as its next error. An all-to-all hands each rank every rank's copy
    of the row it owns.
 2. The owner decodes and sums those copies in float32, divides by the world size, adds the
@@ -24,7 +24,7 @@ together at the first decision, which is held until the step's last bucket
 Each rank sends ``2 (p - 1) / p`` of the bucket at ``bits`` per element plus a float32 scale
 per block: with the default 256-element blocks, 0.254 (int8) or 0.129 (int4) of what a
 float32 ring allreduce sends, at any world size; 0.121 with ``packed`` 4-bit codes, 13 levels
-eight to 30 bits (:mod:`commhooks.hooks.quantized.packing`), packed before each exchange and
+eight to 30 bits (:mod:`commhooks.compress.packing`), packed before each exchange and
 unpacked after it.
 
 Hook modules must not use ``from __future__ import annotations``: DDP rejects string annotations.
@@ -37,9 +37,9 @@ import torch
 
 from commhooks import comm, finiteness
 from commhooks._warnings import warn_once
+from commhooks.compress import blocks, packing
 from commhooks.hooks._bucket import GradBucket, float_buffer
 from commhooks.hooks._held_sums import held_sums
-from commhooks.hooks.quantized import blocks, packing
 from commhooks.hooks.quantized.state import (
     HOOK,
     QuantizationOptions,

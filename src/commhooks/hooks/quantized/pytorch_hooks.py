@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from commhooks import comm
+from commhooks.compress import blocks
 from commhooks.hooks._bucket import GradBucket, float_buffer, group_state
-from commhooks.hooks.quantized import blocks
 from commhooks.options import integer
 
 __all__ = ["quantization_perchannel_hook", "quantization_pertensor_hook"]

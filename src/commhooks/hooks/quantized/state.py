@@ -15,12 +15,12 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from commhooks import comm, cpu_kernels, handshake, place
+from commhooks import comm, handshake, place
 from commhooks._warnings import warn_once
-from commhooks.error_feedback import ErrorFeedback, Key
+from commhooks.compress import blocks, cpu_kernels
+from commhooks.compress.error_feedback import ErrorFeedback, Key
 from commhooks.hooks._bucket import GradBucket
 from commhooks.hooks._held_sums import HeldSums
-from commhooks.hooks.quantized import blocks
 from commhooks.numbering import ParameterNumbering
 from commhooks.options import Options, flag, integer, one_of, option
 from commhooks.state import HookState, StateDictError, check_count, check_tensor
@@ -236,7 +236,7 @@ class _Side:
 
 
 class Wire:
-    """The packets of a packed format as they travel (:mod:`commhooks.hooks.quantized.packing`):
+    """The packets of a packed format as they travel (:mod:`commhooks.compress.packing`):
     ``send``/``received`` for the all-to-all, ``own``/``gathered`` for the all-gather."""
 
     def __init__(self, world: int, size: int, device: torch.device) -> None:
@@ -379,7 +379,7 @@ class QuantizationState(HookState):
     block_size=128)``. Each option reads as an attribute (``state.bits``),
     read-only; ``state.settings`` is the whole typed object.
 
-    Two error memories, both :class:`~commhooks.error_feedback.ErrorFeedback`:
+    Two error memories, both :class:`~commhooks.compress.error_feedback.ErrorFeedback`:
 
     * ``error``: what this rank's quantization dropped from its own gradient, one float32
       tensor per parameter, keyed by the parameter's number (counted from DDP's last

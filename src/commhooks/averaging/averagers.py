@@ -14,7 +14,7 @@ or attach it to the optimizer once, and it runs after every ``optimizer.step()``
     averager.attach(optimizer, model.named_parameters())
 
 Each averager counts its steps in ``step``; averaging happens at the steps its schedule picks,
-over the parameters that have a gradient (:func:`commhooks.parameters.get_params_to_average`).
+over the parameters that have a gradient (:func:`commhooks.averaging.parameters.get_params_to_average`).
 ``step`` and the schedule are in :meth:`state_dict`, so a resumed run averages at the same steps.
 """
 
@@ -32,8 +32,7 @@ from torch.utils.hooks import RemovableHandle
 
 from commhooks import comm, handshake
 from commhooks._warnings import CommHooksWarning
-from commhooks.options import Options, count, flag, option, real
-from commhooks.parameters import (
+from commhooks.averaging.parameters import (
     Named,
     Params,
     average_parameters,
@@ -42,6 +41,7 @@ from commhooks.parameters import (
     named_in_groups,
     positional,
 )
+from commhooks.options import Options, count, flag, option, real
 from commhooks.state import (
     HookState,
     StateDictError,

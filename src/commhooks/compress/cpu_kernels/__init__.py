@@ -1,5 +1,5 @@
 """Fused CPU kernels, built on first use and loaded with ctypes: for the quantization math
-(:mod:`commhooks.hooks.quantized.blocks`), the bf16 hook and the two-rank exchange of
+(:mod:`commhooks.compress.blocks`), the bf16 hook and the two-rank exchange of
 :mod:`commhooks.comm`. They only speed up work on CPU tensors; the C sources lie beside this
 loader.
 

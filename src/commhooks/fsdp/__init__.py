@@ -23,10 +23,10 @@ import torch.distributed as dist
 from torch import nn
 
 from commhooks import comm
-from commhooks._fsdp_bucket import ShardHook, StepTracker, reduced_shards
-from commhooks._fsdp_pending import PendingShards
 from commhooks.config import CommHookType, HookConfig, hook_spec, parse_name
 from commhooks.config import hook_names as _all_hook_names
+from commhooks.fsdp.bucket import ShardHook, StepTracker, reduced_shards
+from commhooks.fsdp.pending import PendingShards
 from commhooks.place import MeshPlace, shard_place
 from commhooks.state import HookState
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from commhooks._warnings import warn_once
-from commhooks.error_feedback import Key
+from commhooks.compress.error_feedback import Key
 from commhooks.state import StateDictError, check_tensor
 
 __all__ = ["BOTH", "P_STEP", "Q_STEP", "FactorMemory"]

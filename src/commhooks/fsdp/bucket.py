@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from commhooks import comm
-from commhooks._fsdp_layout import ShardSlot, managed_shards, shard_becomes_gradients
-from commhooks._fsdp_pending import PendingShards, place
+from commhooks.fsdp.layout import ShardSlot, managed_shards, shard_becomes_gradients
+from commhooks.fsdp.pending import PendingShards, place
 
 __all__ = ["ShardBucket", "ShardHook", "StepTracker"]
 

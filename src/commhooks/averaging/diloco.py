@@ -9,7 +9,7 @@ is in flight at a time; a fragment's collective is issued without waiting and ap
 ``fragment_sync_delay`` inner steps later, hidden behind them, and its outer gradient may
 travel in 8 or 4 bits (the two-phase quantized average of :mod:`commhooks.hooks.quantized`,
 with error feedback on both sides, so what one sync leaves out is sent in the next). In 4
-bits the codes have 13 levels, packed eight to 30 bits (:mod:`commhooks.hooks.quantized.packing`),
+bits the codes have 13 levels, packed eight to 30 bits (:mod:`commhooks.compress.packing`),
 with a float32 scale per 512 values: 3.8125 bits a value, so that a run sends at most
 ``1 / (8 sync_every)`` of what a float32 allreduce of every step's gradients sends.
 
@@ -42,11 +42,11 @@ import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
 from commhooks import comm
-from commhooks.averagers import ModelAverager, OuterOptions, default_outer_optimizer
+from commhooks.averaging.averagers import ModelAverager, OuterOptions, default_outer_optimizer
+from commhooks.averaging.parameters import Named, averaged_views, named_in_groups
 from commhooks.hooks._bucket import GradBucket, gradient_buffer
 from commhooks.hooks.quantized import QuantizationState, quantized_hook
 from commhooks.options import count, flag, option, real
-from commhooks.parameters import Named, averaged_views, named_in_groups
 from commhooks.state import StateDictError, check_count, check_optimizer_state, check_tensor
 
 __all__ = [
@@ -621,7 +621,7 @@ class StreamingDiLoCo(ModelAverager):
         self, group: dist.ProcessGroup | None, bits: int, outer: bool = False
     ) -> QuantizationState:
         # Outer gradients in 4 bits travel packed, 13 levels eight to 30 bits, with a scale
-        # per 512 values: 3.8125 bits a value with the scales (commhooks.hooks.quantized.packing).
+        # per 512 values: 3.8125 bits a value with the scales (commhooks.compress.packing).
         # Outer gradients are changes over several inner steps, smoother than one step's
         # gradient: on the bench's default task 512-value blocks train as 256 did (43 steps to
         # allreduce's loss, the same held-out loss), 1024 took 45.

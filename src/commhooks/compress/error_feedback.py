@@ -28,8 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from commhooks import _reads, lowrank
+from commhooks import _reads
 from commhooks._warnings import CommHooksWarning, warn_once
+from commhooks.compress import lowrank
 from commhooks.state import StateDictError, check_tensor
 
 # Guards the read-modify-write of a memory's unchecked keys (see ErrorFeedback._checked); rare:
@@ -45,7 +46,7 @@ Key = int | str
 Plausible = Callable[[torch.Tensor, torch.Tensor], bool]
 """``plausible(residual, gradient)``: whether a residual can be what compressing a gradient of
 that size dropped. Each compressor bounds its own residuals (see the ``plausible_residual`` of
-:mod:`commhooks.hooks.quantized.blocks` and of :mod:`commhooks.lowrank`)."""
+:mod:`commhooks.compress.blocks` and of :mod:`commhooks.compress.lowrank`)."""
 
 
 class ErrorFeedback:

@@ -6,7 +6,7 @@ Two schemes:
   scale, ``absmax / qmax``, and each element the integer nearest to ``x / scale`` (or one of
   the two nearest, at random, with ``stochastic`` rounding), in ``[-qmax, qmax]``: 127 for
   8 bits, 7 for 4 bits (6 where the codes are packed to travel, see
-  :mod:`commhooks.hooks.quantized.packing`). Symmetric, so zero is exact and no zero point
+  :mod:`commhooks.compress.packing`). Symmetric, so zero is exact and no zero point
   travels. 4-bit codes are stored offset by 8, two to a byte, the first element in the low
   nibble.
 * **Min-max affine uint8** (PyTorch's per-tensor and per-channel drop-ins): each channel gets
@@ -21,9 +21,9 @@ rank, is handled in a few vectorised passes, writing into buffers the caller kee
 to step (allocating a bucket-sized tensor costs page faults on every step on a CPU).
 
 Block quantization with nearest rounding, its decoding and the owner's pass run fused kernels,
-one read and one write of the bucket instead of six: on a CPU in C (:mod:`commhooks.cpu_kernels`)
+one read and one write of the bucket instead of six: on a CPU in C (:mod:`commhooks.compress.cpu_kernels`)
 where a C compiler is found, on a CUDA GPU in Triton
-(:mod:`~commhooks.hooks.quantized.triton_launch`) where Triton is installed. The eager PyTorch
+(:mod:`~commhooks.compress.triton_launch`) where Triton is installed. The eager PyTorch
 operations below compute the same bits everywhere else.
 """
 
@@ -34,8 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from commhooks import cpu_kernels
-from commhooks.hooks.quantized import triton_launch
+from commhooks.compress import cpu_kernels, triton_launch
 
 __all__ = [
     "NEAREST",
@@ -64,7 +63,7 @@ ROUNDINGS = (NEAREST, STOCHASTIC)
 _SMALLEST_ABSMAX = 1e-30
 # Added to 4-bit codes in [-8, 7] so that each nibble holds a value in [0, 15].
 _NIBBLE_OFFSET = 8
-# The largest code of a packed format: 13 levels (see commhooks.hooks.quantized.packing).
+# The largest code of a packed format: 13 levels (see commhooks.compress.packing).
 _PACKED_QMAX = 6
 
 
@@ -82,7 +81,7 @@ class BlockFormat:
         block: elements per scale; a multiple of 8, so that a row of whole blocks fills whole
             bytes at 4 bits and its scales start 4-byte aligned.
         packed: 4 bits only: codes of 13 levels, packed eight to 30 bits where they travel
-            (:mod:`commhooks.hooks.quantized.packing`; ``block`` a multiple of 32).
+            (:mod:`commhooks.compress.packing`; ``block`` a multiple of 32).
     """
 
     bits: int

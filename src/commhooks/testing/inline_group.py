@@ -10,7 +10,7 @@ and this one does so on a CPU: every collective returns a finished work holding 
 ``examples/host_cost.py --backend inline`` uses it, with our hooks inside
 :func:`commhooks.comm.completing_inline`, which makes them take the GPU's branches.
 
-    from commhooks import inline_group
+    from commhooks.testing import inline_group
     inline_group.init()  # instead of init_process_group, in a process of its own
 
 Not for training: nothing leaves the process.

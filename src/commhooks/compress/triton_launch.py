@@ -1,4 +1,4 @@
-"""Block quantization on GPUs in Triton kernels, for :mod:`commhooks.hooks.quantized.blocks`.
+"""Block quantization on GPUs in Triton kernels, for :mod:`commhooks.compress.blocks`.
 
 PyTorch's eager form reads and writes a bucket six times to quantize it, and the owner's pass
 (decode every rank's row, sum, divide, add its error, quantize again) several more; each
@@ -344,7 +344,7 @@ def _load() -> ModuleType | None:
             triton.__version__, ".".join(map(str, _OLDEST_TRITON)),
         )  # fmt: skip
         return None
-    return importlib.import_module("commhooks.hooks.quantized.triton_kernels")
+    return importlib.import_module("commhooks.compress.triton_kernels")
 
 
 # The Triton kernels' module, loaded on first use.

@@ -3,11 +3,11 @@
 A block's float32 scale costs 32 bits over the block's values: 0.125 bits a value with the
 default 256-value blocks, so 4-bit codes with their scales take 4.125 bits a value. Where what
 is sent must fit in 4 bits a value, scales included (DiLoCo's outer gradients, see
-:mod:`commhooks.diloco`), the codes keep 13 levels (``[-6, 6]``) instead of 15: eight of them
+:mod:`commhooks.averaging.diloco`), the codes keep 13 levels (``[-6, 6]``) instead of 15: eight of them
 take 30 bits, since ``13 ** 8 < 2 ** 30``, and a value costs 3.75 bits, 3.875 with its scale.
 The steps are 7/6 as coarse as with 15 levels; error feedback sends what they leave out later.
 
-Quantization itself is unchanged (:mod:`commhooks.hooks.quantized.blocks`, with ``qmax`` 6):
+Quantization itself is unchanged (:mod:`commhooks.compress.blocks`, with ``qmax`` 6):
 a format with ``packed`` set keeps its packets as nibbles in memory, and only what travels is
 packed: :func:`to_wire_` before a collective, :func:`from_wire_` after it. A wire packet is the
 row's float32 scales, then its packed codes (the layout of ``cpu_kernels/_base13.c``: four
@@ -20,8 +20,8 @@ import functools
 
 import torch
 
-from commhooks import cpu_kernels
-from commhooks.hooks.quantized.blocks import BlockFormat
+from commhooks.compress import cpu_kernels
+from commhooks.compress.blocks import BlockFormat
 
 __all__ = ["CODES_PER_GROUP", "from_wire_", "pack13_", "packed_bytes", "to_wire_", "unpack13_"]
 

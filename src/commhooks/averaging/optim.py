@@ -7,7 +7,7 @@
     opt.step()  # local step, then parameter averaging when due
 
 Kept so that code written for PyTorch ports by changing the import. It is a thin shell over
-:meth:`commhooks.averagers.ModelAverager.attach`, which new code can call directly: the
+:meth:`commhooks.averaging.averagers.ModelAverager.attach`, which new code can call directly: the
 averager is attached to the inner optimizer, so ``step()`` is the inner optimizer's. It is a
 ``torch.optim.Optimizer`` (learning-rate schedulers accept it) whose ``state_dict`` holds the
 inner optimizer's state and the averager's and loads with ``weights_only=True``: the inner
@@ -22,7 +22,7 @@ from typing import Any, ClassVar, overload
 import torch
 
 from commhooks._warnings import CommHooksWarning
-from commhooks.averagers import ModelAverager
+from commhooks.averaging.averagers import ModelAverager
 from commhooks.state import HookState, StateDictError, check_count, check_optimizer_state
 
 __all__ = ["PostLocalSGDOptimizer"]
@@ -36,7 +36,7 @@ class PostLocalSGDOptimizer(HookState, torch.optim.Optimizer):
     Args:
         optim: the local (inner) optimizer. The averager is attached to it
             (:meth:`ModelAverager.attach`), so it averages after every ``optim.step()``.
-        averager: a :class:`commhooks.averagers.ModelAverager`; its ``warmup_steps`` should equal
+        averager: a :class:`commhooks.averaging.averagers.ModelAverager`; its ``warmup_steps`` should equal
             the hook's ``start_localSGD_iter``.
     """
 
