@@ -24,7 +24,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commhooks
-from commhooks import comm, quantize
+from commhooks import comm
+from commhooks.compress import blocks as quantize
 from commhooks.testing import run_on_ranks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

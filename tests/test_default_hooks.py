@@ -1,6 +1,5 @@
 """The default hooks against plain DDP and PyTorch's own hooks, on gloo with 2 ranks."""
 
-import warnings
 
 import pytest
 import torch
@@ -137,16 +136,6 @@ def test_wrappers_compose_with_stateless_hooks(wrapper):
     assert torch.equal(a, b)
 
 
-def _overflow(rank, world_size, values, buckets=1):
-    local = torch.tensor(values[rank], dtype=torch.float32)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for _ in range(buckets):
-            out = commhooks.fp16_compress_hook(None, FakeBucket([local.clone()])).wait()
-    assert all(issubclass(w.category, commhooks.CommHooksWarning) for w in caught)
-    return out, [str(w.message) for w in caught]
-
-
 def test_warnings_are_filterable_as_ours_as_user_and_as_runtime_warnings():
     assert issubclass(commhooks.CommHooksWarning, UserWarning)
     assert issubclass(commhooks.CommHooksWarning, RuntimeWarning)
@@ -154,114 +143,6 @@ def test_warnings_are_filterable_as_ours_as_user_and_as_runtime_warnings():
         commhooks.PeriodicModelAverager(2).load_state_dict(
             commhooks.PeriodicModelAverager(2, warmup_steps=1).state_dict()
         )
-
-
-def _divide_then_cast_reference(values, world_size):
-    """Each rank's ``(x / world).half()``, summed in float16, cast back: no overflow handling."""
-    total = torch.zeros(len(values[0]), dtype=torch.float16)
-    for row in values:
-        total += (torch.tensor(row, dtype=torch.float32) / world_size).half()
-    return total.float()
-
-
-def test_fp16_average_too_large_for_fp16_is_resent_in_fp32():
-    values = [[1e5, 1.0, -2e5], [1e5, 3.0, -2e5]]
-    for out, messages in run_on_ranks(_overflow, 2, values):
-        assert torch.equal(out, torch.tensor([1e5, 2.0, -2e5]))
-        assert any("re-sent" in m for m in messages)
-
-
-def test_fp16_average_beyond_fp16_range_falls_back_to_fp32_and_warns_once():
-    # 7e4 fits once divided by two, but the average, 7e4, is beyond float16's 65504.
-    values = [[7e4, 0.5], [7e4, 0.5]]
-    for out, messages in run_on_ranks(_overflow, 2, values, buckets=3):
-        assert torch.equal(out, torch.tensor([7e4, 0.5]))
-        assert len(messages) == 1
-        assert "re-sent in torch.float32" in messages[0] and "65504" in messages[0]
-
-
-def test_fp16_value_that_fits_after_averaging_is_divided_before_the_cast():
-    # PyTorch casts 7e4 to inf before dividing; here that element is divided first.
-    values = [[7e4, 0.5], [0.0, 0.5]]
-    expected = _divide_then_cast_reference(values, 2)
-    assert torch.equal(expected, torch.tensor([35008.0, 0.5]))
-    for out, messages in run_on_ranks(_overflow, 2, values):
-        assert torch.equal(out, expected)
-        assert messages == []
-
-
-def _against_pytorch(rank, world_size):
-    torch.manual_seed(rank)
-    local = torch.randn(4000) * 10.0 ** torch.randint(-8, 5, (4000,))
-    local[0::50] = 6e4  # fits float16 on both ranks
-    local[1::50] = 9e4 if rank == 1 else 1.0  # beyond float16 on rank 1; the average fits
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        ours = commhooks.fp16_compress_hook(None, FakeBucket([local.clone()])).wait()
-    theirs = torch_default.fp16_compress_hook(None, FakeBucket([local.clone()])).wait()
-    everyone = [torch.empty_like(local) for _ in range(world_size)]
-    dist.all_gather(everyone, local)
-    return ours, theirs, _divide_then_cast_reference(everyone, world_size), len(caught)
-
-
-def test_fp16_is_bitwise_pytorch_wherever_pytorch_stays_finite():
-    for ours, theirs, reference, warned in run_on_ranks(_against_pytorch, 2):
-        fine = torch.isfinite(theirs)
-        assert not fine.all(), "the data should overflow in PyTorch's hook somewhere"
-        assert torch.equal(ours[fine], theirs[fine])
-        assert torch.equal(ours[~fine], reference[~fine])
-        assert torch.isfinite(ours).all() and warned == 0
-
-
-@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
-def test_fp16_non_finite_gradient_passes_through_like_allreduce(bad):
-    values = [[bad, 1.0, 7e4], [1.0, 1.0, 0.0]]
-    for out, messages in run_on_ranks(_overflow, 2, values):
-        assert torch.equal(out[0].isnan(), torch.tensor(bad).isnan()) and not out[0].isfinite()
-        assert out[1] == 1.0 and out[2] == 3.5e4  # the rest is plain allreduce's result
-        assert not any("re-sent" in m for m in messages)
-
-
-def _three_ranks(rank, world_size):
-    out = {"pytorch": _against_pytorch(rank, world_size)}
-    # Each rank's 65504 / 3 rounds up in float16 (21840), and three of those sum past the
-    # range although every value, and the average, fits: only a check of the sum sees it.
-    out["rounded past"] = _overflow(rank, world_size, [[65504.0, 1.0]] * 3)
-    out["cast overflow"] = _overflow(rank, world_size, [[9e4, 1.0], [0.0, 2.0], [0.0, 3.0]])
-    out["nan"] = _overflow(rank, world_size, [[float("nan"), 1.0], [1.0, 2.0], [1.0, 3.0]])
-    return out
-
-
-def test_fp16_on_three_ranks_keeps_every_promise():
-    # Three ranks take the path that reads the summed bucket (on one or two, a flag decides).
-    for out in run_on_ranks(_three_ranks, 3):
-        ours, theirs, reference, warned = out["pytorch"]
-        fine = torch.isfinite(theirs)
-        assert torch.equal(ours[fine], theirs[fine]) and warned == 0
-        assert torch.equal(ours[~fine], reference[~fine]) and torch.isfinite(ours).all()
-        value, messages = out["rounded past"]
-        third = torch.tensor([65504.0, 1.0]) * (1.0 / 3)  # plain allreduce's arithmetic
-        assert torch.equal(value, third + third + third)  # PyTorch's hook gives inf
-        assert len(messages) == 1 and "re-sent in torch.float32" in messages[0]
-        value, messages = out["cast overflow"]  # 9e4 overflows float16; 3e4 does not
-        torch.testing.assert_close(value, torch.tensor([3e4, 2.0]), rtol=1e-3, atol=0)
-        assert messages == []
-        value, messages = out["nan"]
-        assert value[0].isnan() and value[1] == 2.0 and messages == []
-
-
-def _fp16_wrapper_clips(rank, world_size):
-    hook = commhooks.fp16_compress_wrapper(commhooks.allreduce_hook)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out = hook(None, FakeBucket([torch.tensor([1e6, 1.0])])).wait()
-    return out, [str(w.message) for w in caught]
-
-
-def test_fp16_wrapper_clips_out_of_range_values_with_a_warning():
-    for out, messages in run_on_ranks(_fp16_wrapper_clips, 2):
-        assert torch.isfinite(out).all() and out[0] == 65504.0
-        assert any("clipped" in m for m in messages)
 
 
 def _bad_inputs(rank, world_size):

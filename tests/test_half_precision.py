@@ -1,12 +1,6 @@
-"""The float16 and bfloat16 hooks: their memory, their accelerator logic run on CPU, and how they
-fail when a peer dies. gloo, 2 ranks.
+"""The float16 and bfloat16 hooks: PyTorch's semantics (inf where float16 overflows), the
+opt-in repair, their memory, and how they fail when a peer dies. gloo, 2-3 ranks."""
 
-The other promises (bitwise PyTorch, overflow handling, non-finite gradients) are checked in
-``test_default_hooks.py``; here the same promises are checked again with the logic the hooks
-follow on an accelerator, forced on CPU tensors.
-"""
-
-import contextlib
 import datetime
 import multiprocessing
 import os
@@ -15,21 +9,130 @@ import signal
 import tempfile
 import time
 import warnings
-from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_utils import FakeBucket, batches, flat_params, make_ddp, make_mlp, train
+from ddp_utils import FakeBucket, batches, make_ddp, make_mlp
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_default
 
 import commhooks
-from commhooks import _reads, comm
+from commhooks import StatelessState
 from commhooks.bench import footprint
-from commhooks.comm import gloo_cpu
-from commhooks.hooks import _half
-from commhooks.hooks._held_sums import held_sums
 from commhooks.testing import run_on_ranks
+
+INF = float("inf")
+
+
+# ----------------------------------------------------------------------------------------------
+# PyTorch's semantics by default; the repair when asked
+# ----------------------------------------------------------------------------------------------
+def _both_ways(rank, world_size, values, hook_name="fp16_compress_hook"):
+    """The hook's result on ``values[rank]``, with the defaults and with the repair, the
+    repair's warnings, and PyTorch's hook's result."""
+    local = torch.tensor(values[rank], dtype=torch.float32)
+    hook = getattr(commhooks, hook_name)
+    plain = hook(None, FakeBucket([local.clone()])).wait()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        repair = StatelessState(None, on_nonfinite="repair")
+        repaired = hook(repair, FakeBucket([local.clone()])).wait()
+    theirs = getattr(torch_default, hook_name)(None, FakeBucket([local.clone()])).wait()
+    return plain, repaired, [str(w.message) for w in caught], theirs
+
+
+def _plain_average(values):
+    world = len(values)
+    return sum(torch.tensor(row) * (1.0 / world) for row in values)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        [[1e5, 1.0, -2e5], [1e5, 3.0, -2e5]],  # each cast overflows; the average fits
+        [[7e4, 0.5], [0.0, 0.5]],  # one rank's cast overflows
+        [[7e4, 0.5], [7e4, 0.5]],  # the average itself is beyond float16's range
+    ],
+    ids=["both-overflow", "one-overflows", "average-beyond-range"],
+)
+def test_fp16_overflow_gives_inf_as_pytorch_and_the_finite_average_with_repair(values):
+    for plain, repaired, messages, theirs in run_on_ranks(_both_ways, 2, values):
+        assert torch.equal(plain, theirs) and not torch.isfinite(plain).all()
+        assert torch.equal(repaired, _plain_average(values))
+        assert len(messages) == 1 and "bucket 0" in messages[0], messages
+        assert "on_nonfinite='repair'" in messages[0]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), INF], ids=["nan", "inf"])
+def test_a_non_finite_gradient_stays_non_finite_either_way(bad):
+    values = [[bad, 1.0, 2.0], [1.0, 1.0, 0.0]]
+    for plain, repaired, _, theirs in run_on_ranks(_both_ways, 2, values):
+        for out in (plain, repaired):
+            assert not out[0].isfinite() and out[0].isnan() == torch.tensor(bad).isnan()
+            assert out[1] == 1.0 and out[2] == 1.0
+
+
+def _bitwise(rank, world_size):
+    torch.manual_seed(rank)
+    local = torch.randn(4000) * 10.0 ** torch.randint(-8, 5, (4000,))
+    local[1::50] = 9e4 if rank == 1 else 1.0  # beyond float16 on rank 1
+    ours = commhooks.fp16_compress_hook(None, FakeBucket([local.clone()])).wait()
+    theirs = torch_default.fp16_compress_hook(None, FakeBucket([local.clone()])).wait()
+    return ours, theirs
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_fp16_is_bitwise_pytorchs_everywhere(world_size):
+    for ours, theirs in run_on_ranks(_bitwise, world_size):
+        assert torch.equal(ours, theirs)
+        assert not torch.isfinite(theirs).all()  # inf where float16 overflowed
+
+
+def _bf16_arithmetic(rank, world_size):
+    torch.manual_seed(rank)
+    local = torch.randn(5000) * 10.0 ** torch.randint(-30, 30, (5000,))
+    ours = commhooks.bf16_compress_hook(None, FakeBucket([local.clone()])).wait()
+    low = local.to(torch.bfloat16).div_(world_size)  # PyTorch's bf16 hook, step by step
+    dist.all_reduce(low)
+    return ours, local.copy_(low)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_bf16_is_pytorchs_cast_divide_sum_cast_back(world_size):
+    # PyTorch's own bf16 hook refuses to run without CUDA: its arithmetic, step by step.
+    for ours, reference in run_on_ranks(_bf16_arithmetic, world_size):
+        assert torch.equal(ours, reference)
+
+
+def _wrapper_both_ways(rank, world_size):
+    values = torch.tensor([1e6, -1e6, 1.0, INF, -INF]) if rank == 0 else torch.ones(5)
+    hook = commhooks.fp16_compress_wrapper(commhooks.allreduce_hook)
+    plain = hook(None, FakeBucket([values.clone()])).wait()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        repair = StatelessState(None, on_nonfinite="repair")
+        repaired = hook(repair, FakeBucket([values.clone()])).wait()
+    return plain, repaired, len(caught)
+
+
+def test_the_fp16_wrapper_casts_as_pytorch_and_repairs_when_asked():
+    for plain, repaired, warned in run_on_ranks(_wrapper_both_ways, 2):
+        # PyTorch's wrapper casts 1e6 to inf, and so does ours: no clipping.
+        assert plain.dtype == torch.float16 and torch.isinf(plain[:2]).all()
+        assert torch.equal(repaired[:3].float(), torch.tensor([5e5 + 0.5, -5e5 + 0.5, 1.0]))
+        assert torch.isposinf(repaired[3]) and torch.isneginf(repaired[4]) and warned == 1
+
+
+def _float16_bucket_through_the_wrapper(rank, world_size):
+    grads = torch.tensor([1.0, INF, -INF, 65504.0, -2.5], dtype=torch.float16)
+    hook = commhooks.fp16_compress_wrapper(commhooks.noop_hook)
+    return grads, hook(None, FakeBucket([grads.clone()])).wait()
+
+
+def test_fp16_wrapper_keeps_a_float16_buckets_infinities():
+    for grads, out in run_on_ranks(_float16_bucket_through_the_wrapper, 1):
+        assert torch.equal(out, grads)
+
 
 # ----------------------------------------------------------------------------------------------
 # Memory: what the hooks allocate per bucket
@@ -85,207 +188,15 @@ def _memory_per_bucket(rank, world_size):
 def test_each_bucket_costs_at_most_one_full_size_temporary():
     # PyTorch's fp16 hook writes one full-size float16 copy of the bucket, and gloo a buffer of
     # 2 MiB: an eighth of that copy. A second full-size copy, a float32 one, or even a half
-    # one on top of that, fails here, and so does anything that PyTorch's hook does not need:
-    # our hooks' two-rank sum receives the other rank's bucket into 4 MiB, reused chunk by chunk
-    # (2 MiB more than gloo's buffer, for a link kept busier).
-    scratch = gloo_cpu.CHUNK_BYTES * gloo_cpu.CHUNKS_IN_FLIGHT
-    assert scratch <= 4 << 20
+    # one on top of that, fails here, and so does anything that PyTorch's hook does not need.
     for rank, out in enumerate(run_on_ranks(_memory_per_bucket, 2)):
         for name, (peak, written) in out.items():
             copy = ELEMENTS * MEASURED[name][1].itemsize
             assert peak < 1.5 * copy and written < 1.5 * copy, (rank, name, peak / copy, out)
-            extra = scratch - (2 << 20) if name in ("fp16", "bf16") else 0
-            assert peak < out["pytorch_fp16"][0] + extra + 0.1 * copy, (rank, name, out)
+            assert peak < out["pytorch_fp16"][0] + 0.1 * copy, (rank, name, out)
         # bfloat16 values take as many bytes as float16 ones, and nothing else may differ.
         assert out["bf16"][0] < out["fp16"][0] + 0.02 * ELEMENTS * 2, (rank, out)
 
-
-# ----------------------------------------------------------------------------------------------
-# The finiteness check: a sum first, the minimum and maximum only when the sum is not finite
-# ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_all_finite_finds_every_non_finite_element_and_nothing_else(dtype):
-    top = torch.finfo(dtype).max
-    assert _half.all_finite(torch.zeros(0, dtype=dtype))
-    assert _half.all_finite(torch.tensor([1.0, -2.0, 0.5], dtype=dtype))
-    # Finite elements whose total is beyond the dtype's range: the sum overflows, the check
-    # must not.
-    assert not torch.isfinite(torch.full((8,), top, dtype=dtype).sum())
-    assert _half.all_finite(torch.full((8,), top, dtype=dtype))
-    assert _half.all_finite(torch.tensor([top, top, -top], dtype=dtype))
-    for bad in (float("inf"), -float("inf"), float("nan")):
-        for where in (0, 5, 999):
-            x = torch.full((1000,), 0.5, dtype=dtype)
-            x[where] = bad
-            assert not _half.all_finite(x), (bad, where)
-    both = torch.tensor([float("inf"), -float("inf"), 1.0], dtype=dtype)  # a sum of NaN
-    assert not _half.all_finite(both)
-
-
-def _large_finite_bucket(rank, world_size):
-    # Every element and every average fits float16, but the bucket's total does not: the hook
-    # must take PyTorch's path, bit for bit, without re-sending or warning. (The first call
-    # sets up the group's follow-up issuer and checks the ranks agree: not counted.)
-    values = torch.full((4096,), 3e4 if rank == 0 else 2e4)
-    commhooks.fp16_compress_hook(None, FakeBucket([torch.ones(8)])).wait()
-    with warnings.catch_warnings(record=True) as caught, comm.observe_collectives() as sent:
-        warnings.simplefilter("always")
-        ours = commhooks.fp16_compress_hook(None, FakeBucket([values])).wait()
-    theirs = torch_default.fp16_compress_hook(dist.group.WORLD, FakeBucket([values])).wait()
-    return ours, theirs, [str(w.message) for w in caught], dict(sent.calls)
-
-
-@pytest.mark.timeout(60)
-def test_a_bucket_whose_total_overflows_is_still_averaged_as_pytorch_does():
-    for ours, theirs, caught, calls in run_on_ranks(_large_finite_bucket, 2):
-        assert calls == {"all_reduce": 1}, calls  # nothing sent again
-        assert torch.equal(ours, theirs)
-        torch.testing.assert_close(ours, torch.full_like(ours, 25000.0), rtol=1e-3, atol=0)
-        assert caught == []
-
-
-# ----------------------------------------------------------------------------------------------
-# The accelerator's logic, forced on CPU tensors
-# ----------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _as_on_an_accelerator():
-    """CPU tensors take an accelerator's paths: follow-ups (which read the checks) held until
-    the last bucket, and no check read back in the wrappers."""
-    with mock.patch.object(comm, "holds_follow_ups", lambda devices: True), _reads.as_on_a_gpu():
-        yield
-
-
-def _promises_on_an_accelerator(rank, world_size):
-    out = {}
-    with _as_on_an_accelerator():
-        data = batches(rank, 4)
-        for name, ours, theirs in (
-            ("hook", commhooks.fp16_compress_hook, torch_default.fp16_compress_hook),
-            (
-                "wrapper",
-                commhooks.fp16_compress_wrapper(commhooks.allreduce_hook),
-                torch_default.fp16_compress_wrapper(torch_default.allreduce_hook),
-            ),
-        ):
-            a, b = make_ddp(make_mlp(), ours), make_ddp(make_mlp(), theirs)
-            train(a, data)
-            train(b, data)
-            out[name] = flat_params(a.module), flat_params(b.module)
-        out["buckets"] = _held_buckets(rank)
-        out["abandoned"] = _abandoned_step(rank)
-        out["clip"] = _clipped_without_reading(rank)
-    return out
-
-
-# Per bucket: rank 0's values, rank 1's values, what each of the hook's promises gives.
-BUCKETS = [
-    ([1.0, -2.5], [3.0, 0.25], [2.0, -1.125]),  # plain
-    ([7e4, 0.5], [0.0, 0.5], [35008.0, 0.5]),  # rank 0's cast overflows; divided first, fits
-    ([7e4, 1.0], [7e4, 3.0], [7e4, 2.0]),  # the average is beyond float16: re-sent in float32
-    ([float("nan"), 1.0, 7e4], [1.0, 1.0, 0.0], [float("nan"), 1.0, 3.5e4]),  # as allreduce
-]
-
-
-def _held_buckets(rank):
-    """Several buckets of one step: nothing is read back (no step runs) before the last."""
-    issuer = comm.issuer_for(dist.group.WORLD)
-    futures = []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for index, values in enumerate(BUCKETS):
-            bucket = FakeBucket([torch.tensor(values[rank])], index, last=False)
-            futures.append(commhooks.fp16_compress_hook(None, bucket))
-        time.sleep(0.5)  # long enough for every collective above to complete
-        held = (held_sums(issuer).pending, [f.done() for f in futures])
-        last = FakeBucket([torch.tensor(BUCKETS[0][rank])], len(BUCKETS), last=True)
-        futures.append(commhooks.fp16_compress_hook(None, last))
-        values = [f.wait() for f in futures]
-    return held, values, [str(w.message) for w in caught]
-
-
-def _abandoned_step(rank):
-    """A step whose last bucket never came (an exception in the backward pass, say): the next
-    step's call on the same buffer drops its held sum, so nothing stale lands in the buffer."""
-    bucket = FakeBucket([torch.tensor([1.0, 2.0]) * (rank + 1)], 0, last=False)
-    stale = commhooks.fp16_compress_hook(None, bucket)
-    bucket.buffer().copy_(torch.tensor([10.0, 20.0]) * (rank + 1))
-    last = FakeBucket([torch.zeros(2)], 0, last=True)
-    last.set_buffer(bucket.buffer())  # DDP's next step: the same bucket buffer
-    fresh = commhooks.fp16_compress_hook(None, last)
-    try:
-        stale.wait()
-        stale_error = ""
-    except RuntimeError as exc:
-        stale_error = str(exc)
-    return stale_error, fresh.wait().tolist(), held_sums(comm.issuer_for(dist.group.WORLD)).pending
-
-
-def _clipped_without_reading(rank):
-    hook = commhooks.fp16_compress_wrapper(commhooks.noop_hook)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        inf = float("inf")
-        out = hook(None, FakeBucket([torch.tensor([1e6, -1e6, 1.0, inf, -inf])])).wait()
-    return out, len(caught)
-
-
-def _float16_bucket_through_the_wrapper(rank, world_size):
-    inf = float("inf")
-    grads = torch.tensor([1.0, inf, -inf, 65504.0, -2.5], dtype=torch.float16)
-    hook = commhooks.fp16_compress_wrapper(commhooks.noop_hook)
-    return grads, hook(None, FakeBucket([grads.clone()])).wait()
-
-
-def test_fp16_wrapper_keeps_a_float16_buckets_infinities():
-    # A float16 model's bucket is cast to itself: no copy, and nothing beyond float16's range;
-    # its own inf must reach a loss scaler as inf, not clipped to 65504 in place.
-    for grads, out in run_on_ranks(_float16_bucket_through_the_wrapper, 1):
-        assert torch.equal(out, grads)
-
-
-@pytest.mark.timeout(120)
-def test_the_accelerator_logic_keeps_every_promise():
-    for out in run_on_ranks(_promises_on_an_accelerator, 2):
-        for name in ("hook", "wrapper"):
-            ours, theirs = out[name]
-            assert torch.equal(ours, theirs), name
-        (pending, done), values, messages = out["buckets"]
-        assert pending == len(BUCKETS) and not any(done)
-        for got, (_, _, expected) in zip(values, BUCKETS):
-            expected = torch.tensor(expected)
-            assert torch.equal(got.isnan(), expected.isnan()), (got, expected)
-            assert torch.equal(got.nan_to_num(), expected.nan_to_num()), (got, expected)
-        assert len(messages) == 1 and "re-sent in torch.float32" in messages[0]
-        stale_error, fresh, pending = out["abandoned"]
-        assert "abandoned with its step" in stale_error
-        assert fresh == [15.0, 30.0] and pending == 0  # the new step's average, (10 + 20) / 2
-        clipped, warned = out["clip"]
-        inf = float("inf")
-        assert torch.equal(clipped, torch.tensor([65504.0, -65504.0, 1.0, inf, -inf]))
-        assert warned == 0  # counting the clipped values would mean reading back
-
-
-def test_a_held_bucket_whose_collective_failed_fails_alone_and_as_a_real_error():
-    # Each held bucket's future is derived from its step's gate: a failed sum raises on that
-    # bucket's future (DDP then reports the backend's error), and the others hold their buffers.
-    from commhooks.hooks._held_sums import HeldSums
-
-    held = HeldSums(comm.OrderedIssuer())
-    buffers = [torch.full((3,), 5.0 + i) for i in range(3)]
-    failed: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
-    failed.set_exception(RuntimeError("NCCL error: the peer went away"))
-    sums = [comm.completed([torch.zeros(3)]), failed, comm.completed([torch.ones(3)])]
-    with comm.completing_inline():
-        outs = [
-            held.file(b, s, lambda buffer: (), last_bucket=i == 2)
-            for i, (b, s) in enumerate(zip(buffers, sums))
-        ]
-    assert all(out.done() for out in outs) and held.pending == 0
-    assert outs[0].wait() is buffers[0] and torch.equal(buffers[0], torch.zeros(3))
-    assert outs[2].wait() is buffers[2] and torch.equal(buffers[2], torch.ones(3))
-    with pytest.raises(RuntimeError, match="the peer went away"):
-        outs[1].wait()
-    assert torch.equal(buffers[1], torch.full((3,), 6.0))  # left as it was
 
 
 # ----------------------------------------------------------------------------------------------

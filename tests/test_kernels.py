@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from commhooks import QuantizationState, quantize, quantized_hook
+from commhooks import QuantizationState, quantized_hook
+from commhooks.compress import blocks as quantize
 from commhooks.compress import cpu_kernels
 from commhooks.quantize import BlockFormat
 from commhooks.testing import run_on_ranks
@@ -54,7 +55,7 @@ def test_the_kernels_build_on_first_use_and_are_loaded_from_the_cache_after(tmp_
     cache = tmp_path / "cache"
     script = (
         "import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
-        "from commhooks import cpu_kernels; print('available', cpu_kernels.available())"
+        "from commhooks.compress import cpu_kernels; print('available', cpu_kernels.available())"
     )
     env = {**os.environ, "PYTHONPATH": SRC, "COMMHOOKS_CACHE_DIR": str(cache)}
     env.pop("COMMHOOKS_NATIVE", None)
@@ -70,7 +71,7 @@ def test_the_kernels_build_on_first_use_and_are_loaded_from_the_cache_after(tmp_
 def test_a_damaged_build_in_the_cache_is_built_again(tmp_path):
     cache = tmp_path / "cache"
     env = {**os.environ, "PYTHONPATH": SRC, "COMMHOOKS_CACHE_DIR": str(cache)}
-    script = "from commhooks import cpu_kernels; print('available', cpu_kernels.available())"
+    script = "from commhooks.compress import cpu_kernels; print('available', cpu_kernels.available())"
     subprocess.run([sys.executable, "-c", script], env=env, check=True, capture_output=True)
     (built,) = cache.glob("kernels-*.so")
     built.write_bytes(built.read_bytes()[:100])  # truncated: the loader refuses it
@@ -83,7 +84,7 @@ def test_a_damaged_build_in_the_cache_is_built_again(tmp_path):
 def test_ranks_building_at_once_all_load_one_build(tmp_path):
     cache = tmp_path / "cache"
     env = {**os.environ, "PYTHONPATH": SRC, "COMMHOOKS_CACHE_DIR": str(cache)}
-    script = "from commhooks import cpu_kernels; assert cpu_kernels.available()"
+    script = "from commhooks.compress import cpu_kernels; assert cpu_kernels.available()"
     started = [subprocess.Popen([sys.executable, "-c", script], env=env) for _ in range(4)]
     assert [p.wait(timeout=120) for p in started] == [0, 0, 0, 0]
     assert len(list(cache.glob("kernels-*.so"))) == 1
@@ -97,7 +98,7 @@ def test_ranks_building_at_once_all_load_one_build(tmp_path):
 def test_without_the_kernels_quantization_still_works_and_says_why(tmp_path, env):
     script = (
         "import logging, sys, torch; logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
-        "from commhooks import cpu_kernels, quantize\n"
+        "from commhooks.compress import blocks as quantize, cpu_kernels\n"
         "fmt = quantize.BlockFormat(8, 8); x = torch.arange(16.0).view(1, 16)\n"
         "p = torch.empty(1, fmt.packet_bytes(16), dtype=torch.uint8)\n"
         "quantize.quantize_(x, p, fmt, torch.empty_like(x))\n"

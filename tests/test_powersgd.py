@@ -1,11 +1,8 @@
 """PowerSGD hooks against PyTorch's (the oracle) and where PyTorch's break, gloo, 2-3 ranks."""
 
-import contextlib
 import logging
 import math
-import pickle
 import warnings
-from unittest import mock
 
 import numpy as np
 import pytest
@@ -25,9 +22,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import commhooks
-from commhooks import PowerSGDState, _reads, batched_powerSGD_hook, powerSGD_hook
+from commhooks import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
 from commhooks.compress import lowrank
-from commhooks.compress.error_feedback import LazyErrorFeedback
 from commhooks.testing import run_on_ranks
 
 ONE_BUCKET = 100  # bucket_cap_mb: the whole model in one bucket
@@ -292,10 +288,15 @@ def _fake_bucket_checks(rank, world_size):
         "zero-pytorch": _zero_layer(rank, world_size, False),
         "error-feedback": [_error_feedback(rank, world_size, single) for single in (False, True)],
         "full-rank": _full_rank(rank, world_size),
-        "non-finite": [_non_finite(rank, world_size, single) for single in (False, True)],
-        "non-finite-unchecked": _non_finite_unchecked(rank, world_size),
-        "non-finite-unchecked-several": _non_finite_unchecked_among_several(rank, world_size),
-        "gpu-paths": _gpu_paths(rank, world_size),
+        "non-finite": [
+            _non_finite(rank, world_size, single, policy)
+            for single in (False, True)
+            for policy in ("propagate", "repair")
+        ],
+        "non-finite-several": [
+            _non_finite(rank, world_size, single, "propagate", SEVERAL, BAD_IN_THE_SECOND)
+            for single in (False, True)
+        ],
     }
 
 
@@ -361,87 +362,59 @@ def test_full_rank_equals_plain_allreduce(fake_bucket_results):
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-def _non_finite(rank, world_size, single_round, device="cpu", shapes=((16, 12), (12,)), bad=3):
+def _non_finite(
+    rank, world_size, single_round, policy, shapes=((16, 12), (12,)), bad=3, device="cpu"
+):
+    """A step whose gradient holds inf on rank 0, after a finite one: the result, and whether
+    the memory and the factors are exactly what the finite step left."""
     gen = torch.Generator().manual_seed(rank)
     tensors = [torch.randn(shape, generator=gen) for shape in shapes]
     bucket = FakeBucket(tensors, device=device)
-    state = PowerSGDState(None, start_powerSGD_iter=0, single_round=single_round)
+    state = PowerSGDState(
+        None, start_powerSGD_iter=0, single_round=single_round, on_nonfinite=policy
+    )
     powerSGD_hook(state, bucket).wait()
     saved = {k: v.clone() for k, v in state.error_dict.items()}
-    factors = {k: v.clone() for k, v in state.q_memory_dict.items()}
+    factors = {k: v.clone() for k, v in [*state.q_memory_dict.items()]}
+    p_factors = {k: v.clone() for k, v in state.p_memory_dict.items()}
     local = torch.randn(bucket.buffer().shape, generator=gen)
     if rank == 0:
         local[bad] = float("inf")
     bucket.buffer().copy_(local)
-    out = powerSGD_hook(state, bucket).wait()
-    errors = state.error_dict
-    unchanged = saved.keys() == errors.keys() and all(
-        torch.equal(factors[k], state.q_memory_dict[k]) for k in factors
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = powerSGD_hook(state, bucket).wait().cpu()
+    kept = (
+        saved.keys() == state.error_dict.keys()
+        and all(torch.equal(saved[k], state.error_dict[k]) for k in saved)
+        and all(torch.equal(factors[k], state.q_memory_dict[k]) for k in factors)
+        and all(torch.equal(p_factors[k], state.p_memory_dict[k]) for k in p_factors)
     )
-    # Largest change of the error memory, relative to the finite gradient's scale.
-    scale = local[torch.isfinite(local)].abs().max()
-    drift = max((saved[k] - errors[k]).abs().max().item() for k in saved) / scale
-    exact = all(torch.equal(saved[k], errors[k]) for k in saved)
-    return bool(torch.isfinite(out).all()), unchanged, out, exact, float(drift)
+    everyone = local.clone()
+    dist.all_reduce(everyone)
+    return out, kept, everyone / world_size, len(caught)
 
 
-@contextlib.contextmanager
-def _as_on_a_gpu():
-    """CPU tensors take a GPU's paths: whole matrices, and no check read back to the host."""
-    with mock.patch.object(lowrank, "_blocked", lambda matrix: False), _reads.as_on_a_gpu():
-        yield
-
-
-def _non_finite_unchecked(rank, world_size):
-    with _as_on_a_gpu():
-        return _non_finite(rank, world_size, True)
-
-
-# Three matrices compressed alone, the inf in the second: its factors are marked once for the
-# bucket (error_feedback.mark_non_finite_).
-SEVERAL_ALONE = ((16, 12), (12,), (20, 6), (10, 10))
+# Three matrices, the inf in the second.
+SEVERAL = ((16, 12), (12,), (20, 6), (10, 10))
 BAD_IN_THE_SECOND = 16 * 12 + 12 + 5
 
 
-def _non_finite_unchecked_among_several(rank, world_size):
-    with _as_on_a_gpu():
-        return _non_finite(rank, world_size, True, shapes=SEVERAL_ALONE, bad=BAD_IN_THE_SECOND)
-
-
-def _gpu_paths(rank, world_size):
-    with _as_on_a_gpu():
-        return [_error_feedback(rank, world_size, single) for single in (False, True)]
-
-
-def test_error_feedback_identity_on_a_gpu_s_paths(fake_bucket_results):
+def test_a_non_finite_step_leaves_memory_and_factors_exactly_as_they_were(fake_bucket_results):
     for per_rank in fake_bucket_results:
-        assert per_rank["gpu-paths"] == [4 * 3, 4 * 3]
+        for out, kept, plain, warned in per_rank["non-finite"] + per_rank["non-finite-several"]:
+            assert kept and not torch.isfinite(out).all()
 
 
-def test_non_finite_gradient_unchecked_keeps_error_memory_to_rounding(fake_bucket_results):
-    # Non-finite elements are added as zeros and the factor is marked NaN on the device: every
-    # rank falls back, and every rank's memory is the old one to the rounding of one addition,
-    # the rank whose gradient held the inf included.
+def test_the_repair_sends_a_non_finite_bucket_again_as_plain_allreduce(fake_bucket_results):
     for per_rank in fake_bucket_results:
-        finite, unchanged, out, _, drift = per_rank["non-finite-unchecked"]
-        assert not finite and unchanged
-        assert drift < 1e-6
-        assert torch.isinf(out[3]) and torch.isfinite(torch.cat([out[:3], out[4:]])).all()
-
-
-def test_one_non_finite_matrix_among_several_unchecked_sends_the_bucket_again(
-    fake_bucket_results,
-):
-    # On a GPU's branch the bucket's factors are marked at once: one matrix's inf makes the
-    # whole step fall back, and no memory takes more than the rounding of one addition.
-    for per_rank in fake_bucket_results:
-        finite, unchanged, out, _, drift = per_rank["non-finite-unchecked-several"]
-        assert not finite and unchanged
-        assert drift < 1e-6
-        bad = BAD_IN_THE_SECOND
-        assert (
-            torch.isinf(out[bad]) and torch.isfinite(torch.cat([out[:bad], out[bad + 1 :]])).all()
-        )
+        for single in (0, 1):
+            propagated, _, _, quiet = per_rank["non-finite"][2 * single]
+            repaired, _, plain, warned = per_rank["non-finite"][2 * single + 1]
+            # Warned once a process for the hook and bucket: at the first repair (two rounds).
+            assert quiet == 0 and warned == (1 - single)
+            assert torch.isinf(repaired[3]) and torch.equal(repaired, plain)
+            assert not torch.equal(propagated.isfinite(), plain.isfinite())  # NaN spreads
 
 
 def test_a_layer_learns_again_after_a_zero_gradient(fake_bucket_results):
@@ -450,137 +423,6 @@ def test_a_layer_learns_again_after_a_zero_gradient(fake_bucket_results):
         for sizes in per_rank["zero-then-learn"]:
             assert sizes[0] == 0.0
             assert all(math.isfinite(x) and x > 0 for x in sizes[1:]), sizes
-
-
-def test_non_finite_gradient_keeps_error_memory_clean(fake_bucket_results):
-    for rank, per_rank in enumerate(fake_bucket_results):
-        for single, (finite, unchanged, _, exact, drift) in enumerate(per_rank["non-finite"]):
-            assert not finite and unchanged  # the overflow shows on every rank; memory is kept
-            if single and rank == 1:
-                # A rank with a finite gradient added it into the memory during the collective
-                # and took it back out: the memory is the old one to the rounding of that.
-                assert drift < 1e-6
-            else:  # the two-round variant, and the rank whose gradient was not finite
-                assert exact
-        # Both variants send the bucket again as plain allreduce would: inf where it was.
-        for _, _, out, _, _ in per_rank["non-finite"]:
-            assert torch.isinf(out[3]) and torch.isfinite(torch.cat([out[:3], out[4:]])).all()
-
-
-def _lazy_memory(rank, world_size):
-    """The single-round memory, kept lazily, behaves as if it were an error every step."""
-    lowrank._BLOCK_BYTES = 4 * 12 * 4  # 4 rows of the 16 x 12 matrix per block
-    LazyErrorFeedback.max_pending_rank = 3  # rank 1: fold the pending products every 3rd step
-    gen = torch.Generator().manual_seed(rank)
-    shapes = [(16, 12), (12,), (20, 6)]
-    numel = sum(torch.Size(s).numel() for s in shapes)
-    steps = [torch.randn(numel, generator=gen) for _ in range(9)]
-    looked, unlooked = (PowerSGDState(None, start_powerSGD_iter=0, single_round=True) for _ in "ab")
-    buckets = {id(s): FakeBucket([torch.zeros(s) for s in shapes]) for s in (looked, unlooked)}
-    outputs = {"looked": [], "unlooked": []}
-    pending_ranks = []
-    for grad in steps:
-        for name, state in (("looked", looked), ("unlooked", unlooked)):
-            bucket = buckets[id(state)]
-            bucket.buffer().copy_(grad)
-            outputs[name].append(powerSGD_hook(state, bucket).wait().clone())
-            if name == "looked":
-                _ = state.error_dict  # every step: the memory is turned into errors
-        pending_ranks.append(sorted(unlooked.memory.pending_ranks().values()))
-    kept_lazily = len(unlooked.memory.pending_ranks())
-    errors = (looked.error_dict, pickle.loads(pickle.dumps(unlooked)).error_dict)
-    bucket = buckets[id(unlooked)]
-
-    def bad_step():
-        """A NaN in the third block of rank 0's 16 x 12 matrix: the step is undone."""
-        before = pickle.loads(pickle.dumps(unlooked))  # the lazy form, to compare with later
-        bad = steps[0].clone()
-        if rank == 0:
-            bad[9 * 12 + 5] = float("nan")
-        bucket.buffer().copy_(bad)
-        out = powerSGD_hook(unlooked, bucket).wait()
-        kept = all(
-            torch.equal(before.q_memory_dict[k], unlooked.q_memory_dict[k])
-            for k in before.q_memory_dict
-        )
-        ranks = sorted(unlooked.memory.pending_ranks().values())
-        after = {k: v.clone() for k, v in unlooked.error_dict.items()}  # later steps write it
-        return before.error_dict, after, bool(torch.isfinite(out).all()), kept, ranks
-
-    # The products pending have rank 3 after 9 steps: the next step folds them in, and the
-    # memory of the rows it did not reach is made an error when the step is undone.
-    fold = bad_step()
-    bucket.buffer().copy_(steps[1])
-    powerSGD_hook(unlooked, bucket).wait()  # pending rank 1: the next step does not fold
-    no_fold = bad_step()
-    return {
-        "outputs": outputs,
-        "kept_lazily": kept_lazily,
-        "pending_ranks": pending_ranks,
-        "errors": errors,
-        "bad_steps": (fold, no_fold),
-    }
-
-
-def _small_matrices_memory(rank, world_size, block_bytes):
-    """Single-round steps, with blocks of ``block_bytes``: per step, the shapes of the matrices
-    left with a product pending, and whether each matrix's memory is, to the bit, its old error
-    plus its gradient less the approximation the step wrote into the bucket."""
-    lowrank._BLOCK_BYTES = block_bytes
-    shapes = [(16, 12), (12,), (20, 6)]
-    places = {shapes[0]: 0, shapes[2]: 16 * 12 + 12}  # where each matrix is in the bucket
-    state = PowerSGDState(None, start_powerSGD_iter=0, single_round=True)
-    bucket = FakeBucket([torch.zeros(s) for s in shapes])
-    gen = torch.Generator().manual_seed(rank)
-    old = {shape: torch.zeros(shape) for shape in places}
-    seen = []
-    for _ in range(4):
-        grad = torch.randn(bucket.buffer().numel(), generator=gen)
-        bucket.buffer().copy_(grad)
-        out = powerSGD_hook(state, bucket).wait()
-        pending = set(state.memory.pending_ranks())  # reading the memory subtracts them
-        memory = {key: tensor.clone() for key, tensor in state.memory.items()}
-        errors = {tuple(e.shape): e for e in memory.values() if e.dim() == 2}
-        exact = {}
-        for shape, at in places.items():
-            g, approx = (t[at : at + math.prod(shape)].view(shape) for t in (grad, out))
-            exact[shape] = torch.equal(errors[shape], (old[shape] + g) - approx)
-        seen.append(({tuple(memory[k].shape) for k in pending}, exact))
-        old = errors
-    return seen
-
-
-def test_single_round_takes_small_matrices_products_out_of_their_memory_at_once():
-    for per_rank in run_on_ranks(_small_matrices_memory, 2, lowrank._BLOCK_BYTES):
-        for pending, exact in per_rank:
-            assert pending == set() and exact == {(16, 12): True, (20, 6): True}
-    # Blocks of 480 bytes: the 16 x 12 matrix (768 bytes) takes two and keeps its product
-    # pending; the 20 x 6 one (480 bytes) fits one and has its product subtracted at once.
-    for per_rank in run_on_ranks(_small_matrices_memory, 2, 480):
-        for pending, exact in per_rank:
-            assert pending == {(16, 12)} and exact[(20, 6)]
-
-
-def test_lazy_memory_matches_an_error_memory_and_survives_a_bad_step():
-    for per_rank in run_on_ranks(_lazy_memory, 2):
-        assert per_rank["kept_lazily"] == 2  # both matrices
-        # Products pile up to rank 3, then are subtracted in the pass of the next step.
-        assert [r[0] for r in per_rank["pending_ranks"]] == [1, 2, 3, 1, 2, 3, 1, 2, 3]
-        # The same sums in another order: float32 rounding, whose size depends on the CPU's
-        # kernels (a difference of 2.6e-6 on an output of 0.13 was seen on one machine).
-        for a, b in zip(per_rank["outputs"]["looked"], per_rank["outputs"]["unlooked"]):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-        looked, unlooked = per_rank["errors"]
-        assert looked.keys() == unlooked.keys()
-        for k in looked:  # the same sums in another order: rounding of values of order 1
-            torch.testing.assert_close(looked[k], unlooked[k], rtol=1e-5, atol=1e-5)
-        (*_, fold_ranks), (*_, no_fold_ranks) = per_rank["bad_steps"]
-        assert fold_ranks == [] and no_fold_ranks == [1, 1]
-        for before, after, finite, kept, _ in per_rank["bad_steps"]:
-            assert not finite and kept
-            assert before.keys() == after.keys()
-            for k in before:  # the step was undone: every rank has its memory back
-                torch.testing.assert_close(after[k], before[k], rtol=1e-6, atol=1e-6)
 
 
 def _wrapped(rank, world_size, wrapper):

@@ -5,7 +5,7 @@ from typing import Any
 import pytest
 import torch
 
-from commhooks import quantize
+from commhooks.compress import blocks as quantize
 from commhooks.quantize import BlockFormat
 
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 import triton_interpreted as cases
 
-from commhooks import quantize
+from commhooks.compress import blocks as quantize
 from commhooks.compress import cpu_kernels
 from commhooks.quantize import BlockFormat
 

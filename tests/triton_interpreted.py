@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from commhooks import quantize
+from commhooks.compress import blocks as quantize
 from commhooks.compress import cpu_kernels, triton_launch
 from commhooks.quantize import BlockFormat
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from commhooks import comm
 from commhooks.options import Options, suggest
-from commhooks.state import StatelessState
+from commhooks.state import StatelessOptions, StatelessState
 
 __all__ = [
     "CommHookType",
@@ -147,22 +147,33 @@ def _specs() -> dict[CommHookType, HookSpec]:
         state_from_options,
     )
 
+    def stateless(group: dist.ProcessGroup | None, options: Mapping[str, Any]) -> StatelessState:
+        return StatelessState(group, **options)
+
+    local = "the ranks' results differ after its warm-up, so a bucket is never sent again"
     return {
         CommHookType.NO: HookSpec(hook=None),
-        CommHookType.ALLREDUCE: HookSpec(allreduce_hook),
-        CommHookType.FP16: HookSpec(fp16_compress_hook),
-        CommHookType.BF16: HookSpec(bf16_compress_hook),
-        CommHookType.NOOP: HookSpec(noop_hook),
+        CommHookType.ALLREDUCE: HookSpec.of(allreduce_hook, StatelessOptions, stateless),
+        CommHookType.FP16: HookSpec.of(fp16_compress_hook, StatelessOptions, stateless),
+        CommHookType.BF16: HookSpec.of(bf16_compress_hook, StatelessOptions, stateless),
+        CommHookType.NOOP: HookSpec(
+            noop_hook, notes={_NONFINITE: f"hook 'noop' sends nothing to repair. {_DROP}"}
+        ),
         CommHookType.POST_LOCAL_SGD: HookSpec(
             post_localSGD_hook,
             state_from_options,
             frozenset({*PostLocalSGDOptions.names(), "subgroup"}),
             required=PostLocalSGDOptions.required(),
+            notes={_NONFINITE: f"with hook 'post_local_sgd' {local}. {_DROP}"},
         ),
         **_powersgd_specs(),
         **_quantized_specs(),
         **_diloco_specs(),
     }
+
+
+_NONFINITE = "on_nonfinite"
+_DROP = "Drop the option."
 
 
 def _powersgd_specs() -> dict[CommHookType, HookSpec]:
@@ -230,15 +241,21 @@ def _diloco_specs() -> dict[CommHookType, HookSpec]:
         "fragment_update_alpha": 0.0,
         "keep_inflight_steps": False,
     }
+    outer = (
+        "a DiLoCo worker averages in full precision, and a sync whose average is not finite "
+        f"leaves the outer state as it was. {_DROP}"
+    )
     return {
         CommHookType.DILOCO: HookSpec.of(
             diloco_hook,
             DiLoCoOptions,
             state_from_options,
             fixed=fixed,
-            notes=dict.fromkeys(fixed, plain),
+            notes={**dict.fromkeys(fixed, plain), _NONFINITE: outer},
         ),
-        CommHookType.STREAMING_DILOCO: HookSpec.of(diloco_hook, DiLoCoOptions, state_from_options),
+        CommHookType.STREAMING_DILOCO: HookSpec.of(
+            diloco_hook, DiLoCoOptions, state_from_options, notes={_NONFINITE: outer}
+        ),
     }
 
 

@@ -11,12 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["FIRST_SEEN", "FROM_LAST", "ParameterNumbering"]
-
-FROM_LAST = "from_last"
-"""The last parameter of DDP's list is 0, the one before it 1, and so on (the default)."""
-FIRST_SEEN = "first_seen"
-"""Numbers in the order the hook first met the parameters (states of format version 1)."""
+__all__ = ["ParameterNumbering"]
 
 
 class ParameterNumbering:
@@ -31,16 +26,10 @@ class ParameterNumbering:
     DDP then buckets each dtype apart, and the runs of the dtypes interleave by bucket size.)
 
     Parameters are held by weak reference: the numbering never keeps a model alive. The
-    numbering itself is not saved (it is recomputed from the first step), only its scheme.
-
-    Args:
-        scheme: :data:`FROM_LAST`, or :data:`FIRST_SEEN` for states saved that way.
+    numbering itself is not saved: it is found again at the first step.
     """
 
-    def __init__(self, scheme: str = FROM_LAST) -> None:
-        if scheme not in (FROM_LAST, FIRST_SEEN):
-            raise ValueError(f"numbering must be {FROM_LAST!r} or {FIRST_SEEN!r}, got {scheme!r}")
-        self.scheme = scheme
+    def __init__(self) -> None:
         self._start_over()
 
     def _start_over(self) -> None:
@@ -49,10 +38,9 @@ class ParameterNumbering:
 
     def __getstate__(self) -> dict[str, str]:
         # Weak references cannot be pickled, and the numbers are found again at the first step.
-        return {"scheme": self.scheme}
+        return {}
 
     def __setstate__(self, state: dict[str, str]) -> None:
-        self.scheme = state["scheme"]
         self._start_over()
 
     def numbers(self, params: Sequence[torch.Tensor]) -> tuple[int, ...]:
@@ -66,7 +54,7 @@ class ParameterNumbering:
             if entry is not None and entry[0]() is p:
                 known[id(p)] = entry[1]
         new = [p for p in params if id(p) not in known]
-        for p in reversed(new) if self.scheme == FROM_LAST else new:
+        for p in reversed(new):
             known[id(p)] = self._next
             self._numbers[id(p)] = (weakref.ref(p), self._next)
             self._next += 1
@@ -91,6 +79,4 @@ class ParameterNumbering:
 
     def describe(self, number: int) -> str:
         """Words for parameter ``number`` in messages, saying how it was counted."""
-        if self.scheme == FIRST_SEEN:
-            return f"parameter #{number} (in the order DDP's first step presented them)"
         return f"parameter #{number} (counted from DDP's last parameter, 0 being the last)"

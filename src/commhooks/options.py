@@ -29,6 +29,7 @@ __all__ = [
     "count",
     "flag",
     "integer",
+    "nonfinite_option",
     "one_of",
     "option",
     "real",
@@ -322,3 +323,20 @@ def _bounds(minimum: float | None, maximum: float | None) -> str:
 def _shown(bound: float) -> str:
     # Integers in full (a seed's bound is 4294967295, not 4.29497e+09).
     return str(bound) if isinstance(bound, int) else f"{bound:g}"
+
+
+def nonfinite_option() -> Any:
+    """The ``on_nonfinite`` option every compressing hook takes, spelled once.
+
+    ``"propagate"`` (PyTorch's semantics): a sum that is not finite comes back as it is, and a
+    loss scaler skips the step; nothing is read back from the device. ``"repair"``: a bucket
+    whose compressed average is not finite is averaged again in full precision, at one wait for
+    the device a step (:mod:`commhooks.hooks.repair`).
+    """
+    return option(
+        "propagate",
+        "'propagate' returns a non-finite average as plain allreduce would (a loss scaler then "
+        "skips the step); 'repair' averages such a bucket again in full precision, where the "
+        "compression overflowed (one wait for the device a step)",
+        one_of("propagate", "repair"),
+    )

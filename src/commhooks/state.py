@@ -12,6 +12,7 @@ Two ways to persist one, both safe:
   :meth:`HookState.bind` gives it another.
 """
 
+import dataclasses
 import math
 import numbers
 import os
@@ -21,9 +22,12 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from commhooks.options import Options, nonfinite_option
+
 __all__ = [
     "HookState",
     "StateDictError",
+    "StatelessOptions",
     "StatelessState",
     "check_count",
     "check_optimizer_state",
@@ -226,6 +230,14 @@ class HookState:
         states that keep per-rank memories, and compared when one is loaded."""
         self._mesh_place = dict(place)
 
+    @property
+    def on_nonfinite(self) -> str:
+        """What the hook does with a bucket whose average is not finite: ``"propagate"``
+        (return it, as plain allreduce would) or ``"repair"`` (average it again in full
+        precision); an option of the states whose hooks take it."""
+        settings = getattr(self, "settings", None)
+        return str(getattr(settings, "on_nonfinite", "propagate"))
+
     def handshake_fields(self) -> dict[str, Any]:
         """What every rank's copy of this state must agree on before its first collective.
 
@@ -320,8 +332,18 @@ class HookState:
         raise NotImplementedError
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StatelessOptions(Options):
+    """The options of the hooks that keep no state (``allreduce``, ``fp16``, ``bf16``)."""
+
+    owner: ClassVar[str] = "StatelessState"
+
+    on_nonfinite: str = nonfinite_option()
+
+
 class StatelessState(HookState):
-    """The state of a hook that keeps none: only the process group it communicates on.
+    """The state of a hook that keeps none: the process group it communicates on, and what it
+    does with a non-finite average (:class:`StatelessOptions`).
 
     :func:`commhooks.register` returns one for every hook without a state of its own
     (``allreduce``, ``fp16``, ``bf16``, ``noop``, and ``no``), so that whatever it returned can
@@ -332,6 +354,12 @@ class StatelessState(HookState):
 
     kind: ClassVar[str] = "stateless"
     version: ClassVar[int] = 1
+
+    def __init__(
+        self, process_group: dist.ProcessGroup | None = None, on_nonfinite: str = "propagate"
+    ) -> None:
+        super().__init__(process_group)
+        self.settings = StatelessOptions(on_nonfinite=on_nonfinite)
 
     def _save(self) -> dict[str, Any]:
         return {}

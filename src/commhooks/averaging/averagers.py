@@ -14,7 +14,8 @@ or attach it to the optimizer once, and it runs after every ``optimizer.step()``
     averager.attach(optimizer, model.named_parameters())
 
 Each averager counts its steps in ``step``; averaging happens at the steps its schedule picks,
-over the parameters that have a gradient (:func:`commhooks.averaging.parameters.get_params_to_average`).
+over the parameters that have a gradient
+(:func:`commhooks.averaging.parameters.get_params_to_average`).
 ``step`` and the schedule are in :meth:`state_dict`, so a resumed run averages at the same steps.
 """
 

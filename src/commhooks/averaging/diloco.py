@@ -537,12 +537,10 @@ class StreamingDiLoCo(ModelAverager):
             if self.options.bits is None:
                 future = comm.average(flat, group)
             else:
-                # The quantized hook, on this fragment as on a bucket; its follow-up runs as
-                # soon as the first phase completes, not held for a later bucket.
+                # The quantized hook, on this fragment as on a bucket.
                 hook: Callable[[Any, Any], torch.futures.Future[torch.Tensor]] = quantized_hook
-                with comm.unheld_follow_ups():
-                    bucket = _FragmentBucket(fragment, flat, params)
-                    future = hook(self.quantizers[fragment], bucket)
+                bucket = _FragmentBucket(fragment, flat, params)
+                future = hook(self.quantizers[fragment], bucket)
         except RuntimeError as exc:
             raise _sync_error(fragment, exc) from exc
         self.in_flight = _InFlight(fragment, inner + self.options.fragment_sync_delay, flat, local)

@@ -36,8 +36,8 @@ class PostLocalSGDOptimizer(HookState, torch.optim.Optimizer):
     Args:
         optim: the local (inner) optimizer. The averager is attached to it
             (:meth:`ModelAverager.attach`), so it averages after every ``optim.step()``.
-        averager: a :class:`commhooks.averaging.averagers.ModelAverager`; its ``warmup_steps`` should equal
-            the hook's ``start_localSGD_iter``.
+        averager: a :class:`commhooks.averaging.averagers.ModelAverager`; its ``warmup_steps``
+            should equal the hook's ``start_localSGD_iter``.
     """
 
     kind: ClassVar[str] = "post_local_sgd_optimizer"

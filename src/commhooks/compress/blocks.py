@@ -21,8 +21,8 @@ rank, is handled in a few vectorised passes, writing into buffers the caller kee
 to step (allocating a bucket-sized tensor costs page faults on every step on a CPU).
 
 Block quantization with nearest rounding, its decoding and the owner's pass run fused kernels,
-one read and one write of the bucket instead of six: on a CPU in C (:mod:`commhooks.compress.cpu_kernels`)
-where a C compiler is found, on a CUDA GPU in Triton
+one read and one write of the bucket instead of six: on a CPU in C
+(:mod:`commhooks.compress.cpu_kernels`) where a C compiler is found, on a CUDA GPU in Triton
 (:mod:`~commhooks.compress.triton_launch`) where Triton is installed. The eager PyTorch
 operations below compute the same bits everywhere else.
 """

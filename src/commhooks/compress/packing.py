@@ -3,9 +3,10 @@
 A block's float32 scale costs 32 bits over the block's values: 0.125 bits a value with the
 default 256-value blocks, so 4-bit codes with their scales take 4.125 bits a value. Where what
 is sent must fit in 4 bits a value, scales included (DiLoCo's outer gradients, see
-:mod:`commhooks.averaging.diloco`), the codes keep 13 levels (``[-6, 6]``) instead of 15: eight of them
-take 30 bits, since ``13 ** 8 < 2 ** 30``, and a value costs 3.75 bits, 3.875 with its scale.
-The steps are 7/6 as coarse as with 15 levels; error feedback sends what they leave out later.
+:mod:`commhooks.averaging.diloco`), the codes keep 13 levels (``[-6, 6]``) instead of 15: eight
+of them take 30 bits, since ``13 ** 8 < 2 ** 30``, and a value costs 3.75 bits, 3.875 with its
+scale. The steps are 7/6 as coarse as with 15 levels; error feedback sends what they leave out
+later.
 
 Quantization itself is unchanged (:mod:`commhooks.compress.blocks`, with ``qmax`` 6):
 a format with ``packed`` set keeps its packets as nibbles in memory, and only what travels is

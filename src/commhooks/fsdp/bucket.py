@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from commhooks import comm
 from commhooks.fsdp.layout import ShardSlot, managed_shards, shard_becomes_gradients
 from commhooks.fsdp.pending import PendingShards, place
+from commhooks.hooks.repair import deciding_each_bucket
 
 __all__ = ["ShardBucket", "ShardHook", "StepTracker"]
 
@@ -177,7 +177,7 @@ class ShardHook:
         if pending is not None and not shard_becomes_gradients(self.module, shard, slots):
             pending = None
         bucket = ShardBucket(self.index, shard, slots, self.steps.arrive(self.index))
-        with comm.unheld_follow_ups():
+        with deciding_each_bucket():
             averaging = self.hook(self.state, bucket)
             if pending is None or not pending.add(shard, averaging):
                 place(shard, averaging.wait())

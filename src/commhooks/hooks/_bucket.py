@@ -93,16 +93,3 @@ def float_buffer(bucket: GradBucket, owner: str) -> torch.Tensor:
             "dense (sparse=False)."
         )
     return buffer
-
-
-def finished_by_polling(bucket: GradBucket, buffer: torch.Tensor) -> bool:
-    """Whether a hook finishes ``bucket`` at a poll of DDP's thread (:func:`commhooks.comm.poll`)
-    rather than in a callback on the backend's thread.
-
-    Only for DDP's own buckets: DDP calls the hook on every bucket of a step, the last one
-    marked, and reads no result before the last call has returned, so a bucket finished at a
-    later call, or at the last one, is finished in time. Any other caller (FSDP2's shards, a
-    fragment, a test's bucket) may wait for a result before the next call, which would then
-    never come. And only where :func:`commhooks.comm.polls` says so (CPU tensors, never a GPU).
-    """
-    return isinstance(bucket, GradBucket) and comm.polls(buffer)

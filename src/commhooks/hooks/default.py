@@ -12,15 +12,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from commhooks import _reads, comm, handshake
-from commhooks.hooks._bucket import (
-    GradBucket,
-    finished_by_polling,
-    float_buffer,
-    gradient_buffer,
-    group_state,
-)
-from commhooks.hooks._half import average_held, average_in, saturating_cast
+from commhooks import comm, handshake
+from commhooks.compress import cpu_kernels
+from commhooks.hooks._bucket import GradBucket, float_buffer, gradient_buffer, group_state
+from commhooks.hooks.repair import policy_of, repaired
 
 __all__ = [
     "allreduce_hook",
@@ -34,55 +29,46 @@ Hook = Callable[[Any, GradBucket], "torch.futures.Future[torch.Tensor]"]
 
 
 def allreduce_hook(
-    process_group: dist.ProcessGroup | None, bucket: GradBucket
+    process_group: Any, bucket: GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket across the group: the same result, bit for bit, as DDP without a hook.
 
     Sparse gradients (``nn.Embedding(..., sparse=True)``, in buckets of their own) included.
 
     Args:
-        process_group: group to average over; ``None`` for the default group.
+        process_group: group to average over; ``None`` for the default group (or the
+            :class:`~commhooks.state.StatelessState` that ``commhooks.register`` makes).
         bucket: the gradient bucket DDP hands to the hook.
     """
     group = group_state(process_group, "allreduce_hook")
     buffer = gradient_buffer(bucket, "allreduce_hook")
-    if not finished_by_polling(bucket, buffer):
-        return comm.average(buffer, group)
-    averaged = comm.average_polled(buffer, group)
-    comm.poll(bucket.is_last())
-    return averaged
+    policy = policy_of(process_group)
+    return repaired(policy, bucket, group, "allreduce_hook", lambda: comm.average(buffer, group))
 
 
 def fp16_compress_hook(
-    process_group: dist.ProcessGroup | None, bucket: GradBucket
+    process_group: Any, bucket: GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket in float16, halving the bytes on the wire.
 
-    The arithmetic is PyTorch's (cast, then divide by the world size), so results match its
-    ``fp16_compress_hook`` bit for bit wherever PyTorch's stay finite, at the same cost plus one
-    pass that reads the sum's minimum and maximum. Where PyTorch's would not stay finite:
-
-    * a rank's value too large for float16 (|x| > 65504) but finite: PyTorch sends ``inf``.
-      Here the elements whose sum is not finite are sent again, divided by the world size
-      before the cast where the cast overflowed, so an average that float16 can hold comes out
-      finite.
-    * the average itself is beyond float16's range: every rank sees the same non-finite sum, so
-      all of them re-send that bucket in its own precision and warn once.
-
-    Gradients that were already non-finite come out non-finite, exactly as with plain
-    allreduce. On an accelerator the host waits for the device once a step, at the last
-    bucket, never once a bucket. Sparse gradients are refused (use ``allreduce_hook``).
+    PyTorch's arithmetic, pass for pass (cast, divide by the world size, sum, cast back into
+    the bucket), so its results are bitwise those of PyTorch's ``fp16_compress_hook``: a rank's
+    value beyond float16's range (|x| > 65504) is sent as ``inf``, and a loss scaler skips the
+    step. With ``on_nonfinite="repair"`` (``register(ddp, "fp16", on_nonfinite="repair")``) a
+    bucket whose float16 sum is not finite is averaged again in its own precision. Sparse
+    gradients are refused (use ``allreduce_hook``).
     """
     return _cast_average(process_group, bucket, torch.float16, "fp16_compress_hook")
 
 
 def bfloat16_compress_hook(
-    process_group: dist.ProcessGroup | None, bucket: GradBucket
+    process_group: Any, bucket: GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket in bfloat16: half the bytes, float32's range, fewer mantissa bits.
 
-    Works on gloo/CPU as well as NCCL. The arithmetic is PyTorch's ``bf16_compress_hook``'s
-    (cast, then divide); a sum beyond bfloat16's range is handled as in ``fp16_compress_hook``.
+    Works on gloo/CPU as well as NCCL, with PyTorch's ``bf16_compress_hook``'s arithmetic (on
+    CPU the cast and the division are one pass with its bits). ``on_nonfinite`` as in
+    ``fp16_compress_hook``.
     """
     return _cast_average(process_group, bucket, torch.bfloat16, "bf16_compress_hook")
 
@@ -97,11 +83,21 @@ def _cast_average(
 ) -> torch.futures.Future[torch.Tensor]:
     group = group_state(state, owner)
     buffer = float_buffer(bucket, owner)
-    if not _reads.are_free(buffer):  # a GPU's: the sum held with the step's others
-        return average_held(dtype, buffer, group, bucket.is_last(), owner)
-    polled = finished_by_polling(bucket, buffer)
-    issuer = comm.issuer_for(group)
-    return average_in(dtype, buffer, group, issuer, bucket.is_last(), owner, polled)
+    return repaired(
+        policy_of(state), bucket, group, owner, lambda: average_in(buffer, dtype, group)
+    )
+
+
+def average_in(
+    buffer: torch.Tensor, dtype: torch.dtype, group: dist.ProcessGroup
+) -> torch.futures.Future[torch.Tensor]:
+    """Average ``buffer`` across ``group`` in ``dtype``: cast, divide, sum, and cast the sum
+    back into ``buffer`` in the collective's one callback; the future holds ``buffer``."""
+    world = group.size()
+    low = torch.empty(buffer.shape, dtype=dtype, device=buffer.device)
+    if dtype != torch.bfloat16 or not cpu_kernels.bfloat16_scaled(buffer, low, world):
+        low.copy_(buffer).div_(world)
+    return comm.allreduce_then(low, group, buffer.copy_)
 
 
 def fp16_compress_wrapper(hook: Hook) -> Hook:
@@ -109,8 +105,9 @@ def fp16_compress_wrapper(hook: Hook) -> Hook:
 
     Composes with any hook of this package, stateful ones included:
     ``fp16_compress_wrapper(powerSGD_hook)`` compresses the low-rank factors' traffic too.
-    Values beyond float16's range (|x| > 65504) are clipped to it before the hook runs, with a
-    warning on CPU, rather than turned into ``inf``. As with PyTorch's wrapper, the future holds
+    Values beyond float16's range (|x| > 65504) become ``inf``, as in PyTorch's wrapper; with
+    the hook's state's ``on_nonfinite="repair"``, a bucket whose result is not finite is
+    averaged again in the bucket's own precision. As with PyTorch's wrapper, the future holds
     the float16 copy with the hook's result in it: DDP casts that back as it copies it into the
     gradients, one pass fewer than casting it into the bucket first.
     """
@@ -145,14 +142,23 @@ class CastWrapper:
         self.__wrapped__ = hook
 
     def __call__(self, state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-        low = saturating_cast(float_buffer(bucket, self.owner), self.dtype, self.owner)
         # One cross-rank check for the wrapper and its hook, at the first call on the group.
         group = comm.resolve_group(getattr(state, "process_group", state), owner=self.owner)
         with handshake.wrapping(self.owner, self.hook, state, group):
-            bucket.set_buffer(low)
-            reduced = self.hook(state, bucket)
+            return repaired(
+                policy_of(state), bucket, group, self.owner, lambda: self._run(state, bucket)
+            )
+
+    def _run(self, state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        low = float_buffer(bucket, self.owner).to(self.dtype)
+        bucket.set_buffer(low)
+        reduced = self.hook(state, bucket)
         # Nothing to copy when the hook's result is ``low`` itself, as with allreduce_hook.
-        return comm.then(reduced, lambda fut: low.copy_(fut.value()))
+        return comm.then(reduced, lambda fut: _into(low, fut.value()))
 
     def __repr__(self) -> str:
         return f"{self.owner}({getattr(self.hook, '__name__', self.hook)!r})"
+
+
+def _into(low: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+    return low if result is low else low.copy_(result)

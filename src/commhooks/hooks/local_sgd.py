@@ -2,8 +2,9 @@
 
 After ``start_localSGD_iter`` optimizer steps, gradients are averaged only within a
 ``subgroup`` (by default, the ranks on the same machine, whose links are fast) or not at all;
-a model averager (:mod:`commhooks.averaging.averagers`) then averages the *parameters* across the world
-every few steps. Slow inter-machine links are used once per period instead of once per step.
+a model averager (:mod:`commhooks.averaging.averagers`) then averages the *parameters* across
+the world every few steps. Slow inter-machine links are used once per period instead of once
+per step.
 
 Unlike PyTorch's hook, the default per-machine subgroup works without CUDA: machine membership
 comes from the launch environment (see :mod:`commhooks.comm.machines`), and

@@ -1,13 +1,11 @@
 """Fused CPU kernels, built on first use and loaded with ctypes: for the quantization math
-(:mod:`commhooks.compress.blocks`), the bf16 hook and the two-rank exchange of
-:mod:`commhooks.comm`. They only speed up work on CPU tensors; the C sources lie beside this
-loader.
+(:mod:`commhooks.compress.blocks`) and the bf16 hook. They only speed up work on CPU tensors;
+the C sources lie beside this loader.
 
 PyTorch has no single operation that quantizes a block with its own scale and keeps the error,
 so its eager form reads and writes the bucket six times (4-5x the cost of copying it once).
-``_blockquant.c`` does it in one read and one write. ``_bfloat16.c`` casts a bucket to bfloat16,
-checks it and divides it in one pass where PyTorch takes two, and adds two ranks' bfloat16
-values with a faster conversion than PyTorch's. ``_base13.c`` packs 13-level 4-bit codes eight
+``_blockquant.c`` does it in one read and one write. ``_bfloat16.c`` casts a bucket to bfloat16
+and divides it in one pass where PyTorch takes two. ``_base13.c`` packs 13-level 4-bit codes eight
 to 30 bits and back in one pass where PyTorch takes a dozen. All use PyTorch's arithmetic, so
 that both forms give the same bits (``tests/test_kernels.py`` and ``tests/test_packing.py``
 hold them to it); ``_parallel.c`` runs their parts on threads. They are plain C with no
@@ -49,7 +47,6 @@ __all__ = [
     "available",
     "bound_dequantize",
     "bound_quantize",
-    "bfloat16_add_",
     "bfloat16_scaled",
     "dequantize_rows",
     "disabled",
@@ -257,39 +254,22 @@ def _dequantize_args(
     )  # fmt: skip
 
 
-def bfloat16_scaled(x: torch.Tensor, out: torch.Tensor, world: int) -> bool | None:
+def bfloat16_scaled(x: torch.Tensor, out: torch.Tensor, world: int) -> bool:
     """Write ``x`` cast to bfloat16, then divided by ``world``, into ``out``, as
-    ``out.copy_(x).div_(world)`` does; whether any cast value is infinite or NaN. ``None``
-    (nothing done) where the kernels cannot take these tensors."""
+    ``out.copy_(x).div_(world)`` does; whether it was done (``False``: the kernels cannot take
+    these tensors, and nothing was written)."""
     n = x.numel()
     if world < 1 or not (_flat(x, torch.float32, n) and _flat(out, torch.bfloat16, n)):
-        return None
+        return False
     library = _library()
     if library is None:
-        return None
+        return False
     # Multiplying by 1 / world is the division's bits where that is exact: a power of two.
     divide = world & (world - 1) != 0
     factor = float(world) if divide else 1.0 / world
-    nonfinite = library.commhooks_bf16_scale_down(
+    library.commhooks_bf16_scale_down(
         x.data_ptr(), out.data_ptr(), n, factor, int(divide), _threads(n)
     )
-    return bool(nonfinite)
-
-
-def bfloat16_add_(out: torch.Tensor, other: torch.Tensor) -> bool:
-    """``out += other`` for two bfloat16 tensors, as ``torch.add(out, other, out=out)`` does
-    (every NaN becomes one quiet NaN); ``False`` (nothing done) where the kernels cannot take
-    these tensors, which includes two that share memory."""
-    n = out.numel()
-    if not (_flat(out, torch.bfloat16, n) and _flat(other, torch.bfloat16, n)):
-        return False
-    first, second = sorted((out.data_ptr(), other.data_ptr()))
-    if first + 2 * n > second:
-        return False
-    library = _library()
-    if library is None:
-        return False
-    library.commhooks_bf16_add(out.data_ptr(), other.data_ptr(), n, _threads(n))
     return True
 
 
@@ -420,9 +400,7 @@ def _load() -> ctypes.CDLL | None:
     for packed in (library.commhooks_quantize_packed, library.commhooks_dequantize_packed):
         packed.argtypes, packed.restype = [_P], None  # the arguments' array (see bound_*)
     library.commhooks_bf16_scale_down.argtypes = [_P, _P, _I64, _F32, _INT, _INT]
-    library.commhooks_bf16_scale_down.restype = _INT
-    library.commhooks_bf16_add.argtypes = [_P, _P, _I64, _INT]
-    library.commhooks_bf16_add.restype = None
+    library.commhooks_bf16_scale_down.restype = None
     for packing in (library.commhooks_pack13, library.commhooks_unpack13):
         packing.argtypes = [_P, _I64, _P, _I64, _I64, _I64]
         packing.restype = None

@@ -1,4 +1,4 @@
-"""PowerSGD state <-> its state dict (format versions 1 and 2) and its legacy pickles.
+"""PowerSGD state <-> its state dict.
 
 A state dict comes from a file, which may be damaged or hostile: :func:`decode` checks every
 entry before anything is used (a tensor must be dense, contiguous and finite, error and factors
@@ -18,14 +18,13 @@ import torch
 
 from commhooks import place
 from commhooks.compress import lowrank
-from commhooks.compress.error_feedback import Key, LazyErrorFeedback
+from commhooks.compress.error_feedback import ErrorFeedback, Key
 from commhooks.compress.factors import FactorMemory
-from commhooks.numbering import FIRST_SEEN, FROM_LAST, ParameterNumbering
 from commhooks.state import StateDictError, check_count, check_tensor
 
 from .options import COSMETIC, PowerSGDOptions
 
-__all__ = ["HOOKS", "Snapshot", "decode", "encode", "key_of", "upgrade_pickled"]
+__all__ = ["HOOKS", "Snapshot", "decode", "encode", "key_of"]
 
 OWNER = "PowerSGDState"
 LAYERWISE, BATCHED = "powerSGD_hook", "batched_powerSGD_hook"
@@ -47,10 +46,9 @@ class Snapshot:
     world_size: int | None
     rank: int | None
     place: dict[str, int | str] | None  # mesh coordinates (commhooks.place); None: not saved
-    memory: LazyErrorFeedback
+    memory: ErrorFeedback
     factors: FactorMemory
     layouts: dict[str, tuple[int, ...]]
-    numbering: str
     hook: str | None
 
 
@@ -65,10 +63,7 @@ def key_of(name: object) -> Key:
 
 
 def encode(snap: Snapshot, options: PowerSGDOptions) -> dict[str, Any]:
-    """The state dict of ``snap`` (without the header :class:`~commhooks.state.HookState` adds).
-
-    Reading the error memory brings a lazily kept one into the form of errors, in place.
-    """
+    """The state dict of ``snap`` (without the header :class:`~commhooks.state.HookState` adds)."""
     name, keys, pos, has_gauss, cached = snap.rng
     return {
         "options": options.as_dict(),
@@ -89,7 +84,6 @@ def encode(snap: Snapshot, options: PowerSGDOptions) -> dict[str, Any]:
         "error": snap.memory.state_dict(),
         **snap.factors.state_dict(),
         "layouts": {k: list(v) for k, v in snap.layouts.items()},
-        "numbering": snap.numbering,
         "hook": snap.hook,
     }
 
@@ -133,7 +127,7 @@ def _check_options(saved: Any, options: PowerSGDOptions) -> None:
 def _parse(
     sd: Mapping[str, Any], options: PowerSGDOptions, describe: Callable[[Key], str]
 ) -> Snapshot:
-    memory = LazyErrorFeedback(OWNER, describe, lowrank.plausible_residual)
+    memory = ErrorFeedback(OWNER, describe, lowrank.plausible_residual)
     memory.load_state_dict(sd["error"], key_of, "error")
     factors = FactorMemory(OWNER, describe)
     factors.load_state_dict(sd, key_of)
@@ -149,14 +143,12 @@ def _parse(
         next_stats_report=check_count("next_stats_report", sd["next_stats_report"]),
         rng=_rng(sd["rng"]),
         world_size=_known(check_count("world_size", sd["world_size"], minimum=-1)),
-        rank=_known(check_count("rank", sd.get("rank", -1), minimum=-1)),  # not in version 1
+        rank=_known(check_count("rank", sd["rank"], minimum=-1)),
         place=None if sd.get("place") is None else place.checked("place", sd["place"]),
         memory=memory,
         factors=factors,
         layouts=_layouts(sd["layouts"]),
-        # Version 1 numbered the parameters as first seen.
-        numbering=_numbering(sd["numbering"]) if sd["version"] >= 2 else FIRST_SEEN,
-        hook=_hook(sd.get("hook"), memory, factors),
+        hook=_hook(sd["hook"], memory, factors),
     )
 
 
@@ -233,13 +225,7 @@ def _layouts(value: Any) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _numbering(value: Any) -> str:
-    if value not in (FROM_LAST, FIRST_SEEN):
-        raise ValueError(f"numbering must be {FROM_LAST!r} or {FIRST_SEEN!r}, got {value!r}")
-    return str(value)
-
-
-def _hook(saved: Any, memory: LazyErrorFeedback, factors: FactorMemory) -> str | None:
+def _hook(saved: Any, memory: ErrorFeedback, factors: FactorMemory) -> str | None:
     """The hook the state was saved by: as saved, or (before it was) told by its keys."""
     if saved is not None and saved not in HOOKS:
         raise ValueError(f"hook must be one of {', '.join(HOOKS)} or None, got {saved!r}")
@@ -248,37 +234,3 @@ def _hook(saved: Any, memory: LazyErrorFeedback, factors: FactorMemory) -> str |
     if len(told) > 1 or (saved is not None and told and told != {saved}):
         raise ValueError(f"entries of per-parameter and per-bucket keys, saved by hook {saved!r}")
     return saved if saved is not None else next(iter(told), None)
-
-
-def upgrade_pickled(attrs: dict[str, Any], describe: Callable[[Key], str]) -> dict[str, Any]:
-    """The attributes of a state pickled by a release that kept everything on the state itself.
-
-    Such a pickle holds the options, memories and factors as attributes of their own; they
-    are gathered into their parts here, so that it unpickles into today's state.
-    """
-    settings = PowerSGDOptions.from_mapping(
-        {n: attrs[n] for n in PowerSGDOptions.names() if n in attrs}
-    )
-    memory = LazyErrorFeedback(OWNER, describe, lowrank.plausible_residual)
-    for key, residual in attrs.get("_errors", {}).items():
-        memory.record(key, residual)
-    for key, (p, qt) in attrs.get("_pending", {}).items():
-        memory.defer_(key, p, qt)
-    factors = FactorMemory(OWNER, describe)
-    factors.p, factors.q = (
-        dict(attrs.get("p_memory_dict", {})),
-        dict(attrs.get("q_memory_dict", {})),
-    )
-    factors.last_step = dict(attrs.get("_last_step", {}))
-    kept = ("rng", "iter", "total_numel_before_compression", "total_numel_after_compression")
-    return {
-        **{n: attrs[n] for n in (*kept, "next_stats_report", "_process_group") if n in attrs},
-        "_settings": settings,
-        "memory": memory,
-        "factors": factors,
-        "layouts": dict(attrs.get("_layouts", {})),
-        # Releases before the numbering was kept numbered the parameters as first seen.
-        "numbering": ParameterNumbering(attrs.get("_numbering", FIRST_SEEN)),
-        "hook_name": _hook(None, memory, factors),
-        "_saved_world": (attrs.get("_saved_world_size"), attrs.get("_saved_rank"), None),
-    }

@@ -41,12 +41,11 @@ from commhooks.compress import lowrank
 from commhooks.compress.error_feedback import Key
 from commhooks.compress.factors import BOTH, P_STEP
 from commhooks.hooks._bucket import float_buffer
+from commhooks.hooks.repair import repaired
 
 from .codec import BATCHED, LAYERWISE
-from .one_round import one_round
-from .stages import BucketStep, Matrix
 from .state import PowerSGDState
-from .two_rounds import two_rounds
+from .step import BucketStep, Matrix, one_round, two_rounds
 
 __all__ = ["batched_powerSGD_hook", "powerSGD_hook", "state_maker"]
 
@@ -131,7 +130,7 @@ def batched_powerSGD_hook(
         key, square.view(side, side), rank, state.factors.next_step(key) if single else BOTH
     )
     step = BucketStep(state, bucket, buffer, group, [matrix], [], [], writeback)
-    step.made(square)
+    step.made.append(square)
     return _run(step)
 
 
@@ -167,7 +166,11 @@ def _begin(
 
 def _run(step: BucketStep) -> "Future[torch.Tensor]":
     """Issue the bucket's pipeline; the step counts once the last bucket's is under way."""
-    done = one_round(step) if step.state.settings.single_round else two_rounds(step)
+    pipeline = one_round if step.state.settings.single_round else two_rounds
+    done = repaired(
+        step.state.on_nonfinite, step.bucket, step.group, step.state.hook_name or "PowerSGD",
+        lambda: pipeline(step),
+    )  # fmt: skip
     step.state.maybe_increase_iter(step.bucket)
     return done
 

@@ -3,7 +3,7 @@
 import dataclasses
 from typing import Any, ClassVar
 
-from commhooks.options import Options, flag, integer, option, real
+from commhooks.options import Options, flag, integer, nonfinite_option, option, real
 
 __all__ = ["COSMETIC", "PowerSGDOptions"]
 
@@ -20,7 +20,8 @@ def _stats_frequency(owner: str, name: str, value: Any) -> int:
 class PowerSGDOptions(Options):
     """How :func:`powerSGD_hook` and :func:`batched_powerSGD_hook` compress.
 
-    The names and defaults are PyTorch's ``PowerSGDState`` arguments, plus ``single_round``.
+    The names and defaults are PyTorch's ``PowerSGDState`` arguments, plus ``single_round``
+    and ``on_nonfinite``.
     ``matrix_approximation_rank`` and ``start_powerSGD_iter`` are the ones to tune.
     """
 
@@ -77,6 +78,8 @@ class PowerSGDOptions(Options):
         _FLAG,
     )
 
+    on_nonfinite: str = nonfinite_option()
+
     def check_together(self) -> None:
         if self.single_round and not self.warm_start:
             raise ValueError(
@@ -86,7 +89,7 @@ class PowerSGDOptions(Options):
             )
 
 
-COSMETIC = ("compression_stats_logging_frequency", "start_powerSGD_iter")
+COSMETIC = ("compression_stats_logging_frequency", "start_powerSGD_iter", "on_nonfinite")
 """Options that may change across a restart without making the saved memory meaningless."""
 
 PowerSGDOptions.__module__ = "commhooks.hooks.powersgd"  # what pickles and reprs name

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from commhooks import comm, handshake, place
 from commhooks._warnings import CommHooksWarning, warn_once
 from commhooks.compress import lowrank
-from commhooks.compress.error_feedback import Key, LazyErrorFeedback
+from commhooks.compress.error_feedback import ErrorFeedback, Key
 from commhooks.compress.factors import FactorMemory
 from commhooks.numbering import ParameterNumbering
 from commhooks.options import SettingView
@@ -49,14 +49,12 @@ class PowerSGDState(HookState):
     (``Q = Mᵀ P`` with the last ``P``), and sends it packed with the uncompressed tensors. Half
     the rounds and latency; the approximation follows the gradient one step later, so it
     converges more slowly than the default at the same rank (error feedback makes up part of
-    it). Needs ``warm_start``. Its error memory is a
-    :class:`~commhooks.compress.error_feedback.LazyErrorFeedback`, which saves a pass over the gradients
-    after the collective; ``error_dict`` and ``state_dict()`` show the errors themselves.
+    it). Needs ``warm_start``.
 
-    On a step whose result is not finite (some rank's gradient or memory held inf or NaN) the
-    bucket is sent again as plain allreduce would, a loss scaler sees inf/NaN where it puts
-    them, and the memory stays as it was; a memory that was not finite itself is reset to zero
-    with a warning.
+    On a step whose result is not finite (some rank's gradient held inf or NaN) the bucket
+    comes back non-finite, as PyTorch's hook gives it (a loss scaler skips the step), and the
+    memory and factors stay as they were, decided on the device. With
+    ``on_nonfinite="repair"`` such a bucket is averaged again as plain allreduce would.
 
     Parts, each public: ``settings`` (the options), ``memory`` (the error feedback),
     ``factors`` (warm-start ``P`` and ``Q``), ``numbering`` (stable parameter numbers, the
@@ -67,8 +65,7 @@ class PowerSGDState(HookState):
     """
 
     kind = "powersgd"
-    # 2: parameters numbered from the last one (numbering.FROM_LAST); 1 numbered them as first seen.
-    version = 2
+    version = 1
     _transient = ("_plans", "_checked_group", "_reloaded", "_issuer", "_announced")
 
     matrix_approximation_rank = SettingView[int]()
@@ -95,6 +92,7 @@ class PowerSGDState(HookState):
         compression_stats_logging_frequency: int = 10_000,
         batch_tensors_with_same_shape: bool = False,
         single_round: bool = False,
+        on_nonfinite: str = "propagate",
     ) -> None:
         super().__init__(process_group)
         given = locals()  # PyTorch's signature; the options themselves are PowerSGDOptions'
@@ -108,7 +106,7 @@ class PowerSGDState(HookState):
         self.next_stats_report = 0
         self.hook_name: str | None = None  # the hook this state serves, once known
         self.numbering = ParameterNumbering()
-        self.memory = LazyErrorFeedback(codec.OWNER, self.describe, lowrank.plausible_residual)
+        self.memory = ErrorFeedback(codec.OWNER, self.describe, lowrank.plausible_residual)
         self.factors = FactorMemory(codec.OWNER, self.describe)
         self.layouts: dict[str, tuple[int, ...]] = {}
         # (size, rank, mesh place) a loaded state was saved at; None where not known
@@ -122,11 +120,6 @@ class PowerSGDState(HookState):
         self._issuer: tuple[dist.ProcessGroup, comm.OrderedIssuer] | None = None
         self._announced = False
         self.memory.check_before_use()  # unpickled memories are checked as loaded ones are
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        if "_settings" not in state:  # pickled by a release that kept no parts
-            state = codec.upgrade_pickled(state, self.describe)
-        super().__setstate__(state)
 
     @property
     def settings(self) -> PowerSGDOptions:
@@ -156,9 +149,7 @@ class PowerSGDState(HookState):
     def error_dict(self) -> dict[Key, torch.Tensor]:
         """The error-feedback memory by key: what compression dropped, per parameter (or bucket).
 
-        A new dict of the memory's own tensors. The single-round variant keeps its memory
-        lazily; reading this first turns every entry into an error, in place, at the cost of
-        one pass over the memory.
+        A new dict of the memory's own tensors.
         """
         return dict(self.memory.items())
 
@@ -359,7 +350,6 @@ class PowerSGDState(HookState):
             memory=self.memory,
             factors=self.factors,
             layouts=self.layouts,
-            numbering=self.numbering.scheme,
             hook=self.hook_name,
         )
         return codec.encode(snapshot, self.settings)
@@ -375,8 +365,6 @@ class PowerSGDState(HookState):
         self.next_stats_report = snap.next_stats_report
         self.rng.set_state(snap.rng)
         self.memory, self.factors, self.layouts = snap.memory, snap.factors, snap.layouts
-        if snap.numbering != self.numbering.scheme:
-            self.numbering = ParameterNumbering(snap.numbering)
         self.hook_name = self.hook_name or snap.hook
         self._saved_world = (snap.world_size, snap.rank, snap.place)
         if self.handshake_fields() != agreed:

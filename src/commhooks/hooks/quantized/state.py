@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import itertools
 import operator
+import threading
 import weakref
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -20,9 +21,8 @@ from commhooks._warnings import warn_once
 from commhooks.compress import blocks, cpu_kernels
 from commhooks.compress.error_feedback import ErrorFeedback, Key
 from commhooks.hooks._bucket import GradBucket
-from commhooks.hooks._held_sums import HeldSums
 from commhooks.numbering import ParameterNumbering
-from commhooks.options import Options, flag, integer, one_of, option
+from commhooks.options import Options, flag, integer, nonfinite_option, one_of, option
 from commhooks.state import HookState, StateDictError, check_count, check_tensor
 
 __all__ = ["BucketLayout", "QuantizationOptions", "QuantizationState", "Wire", "Workspace"]
@@ -78,6 +78,7 @@ class QuantizationOptions(Options):
         "seed of stochastic rounding (each rank adds its rank to it)",
         check=integer(0, 2**62),
     )
+    on_nonfinite: str = nonfinite_option()
 
     def check_together(self) -> None:
         if self.packed and (self.bits != 4 or self.block_size % 32):
@@ -265,8 +266,7 @@ class Workspace:
 
     Set by :meth:`QuantizationState.begin` for each step: ``addition``
     (what the quantizing pass adds, or ``None`` when ``rows`` is filled already), ``first``
-    and ``second`` (the generators of the two quantizations, ``None`` with nearest rounding);
-    by the hook, ``check``: the check of the gathered scales, where it was queued.
+    and ``second`` (the generators of the two quantizations, ``None`` with nearest rounding).
     """
 
     def __init__(
@@ -279,9 +279,6 @@ class Workspace:
     ) -> None:
         self.layout, self.device, self.world = layout, device, world
         self.alone = world == 1  # one rank: the exchanges are then the packets themselves
-        # The held sums of the state's issuer, found at the first held step (a workspace
-        # lives no longer than its issuer: a new group makes new ones).
-        self.held_sums: HeldSums | None = None
         self.order = layout.numbers  # the parameters' numbers in the bucket's order
         # The parameters themselves, in that order, held weakly (see serves).
         self.params: tuple[weakref.ref[torch.Tensor], ...] = ()
@@ -306,9 +303,6 @@ class Workspace:
         self.addition: tuple[torch.Tensor, torch.Tensor] | None = None
         self.first: torch.Generator | None = None
         self.second: torch.Generator | None = None
-        # Whether the check of the gathered scales is held with the step's others (on a GPU:
-        # :func:`commhooks.finiteness.held_for`), to be answered at the first decision.
-        self.held = False
         # Whether a step began on these buffers and has not committed: set by begin(),
         # cleared by commit(). Still set at the next begin(), the step was abandoned or not
         # finite, and may have left NaN in the rows' padding (see clear_padding).
@@ -413,6 +407,7 @@ class QuantizationState(HookState):
         "_generators",
         "_world",
         "_rank",
+        "_committing",
     )
 
     def __init__(
@@ -436,6 +431,7 @@ class QuantizationState(HookState):
         self._reloaded: str | None = None  # how a load mid-run changed the handshake's fields
         self._generators: list[torch.Generator] = []
         self._world, self._rank = 1, 0  # the checked group's, set by prepare()
+        self._committing = threading.Lock()
         self.error.check_before_use()  # unpickled memories are checked as loaded ones are
         self.owner_error.check_before_use()
 
@@ -620,10 +616,10 @@ class QuantizationState(HookState):
         if layout.in_order and self.error.holds(layout.numbers, kept.params):
             return buffer, kept.bucket  # the last step's errors, where it left them
         found = [self.error.get(k, v) for k, v in zip(layout.numbers, kept.params)]
+        _gather(found, kept.params)  # the kept side holds the memories, should the step fail
         if layout.in_order:
-            _gather(found, kept.params)
             return buffer, kept.bucket
-        _scatter(buffer, layout, work.now.params, found)
+        _scatter(buffer, layout, work.now.params, list(kept.params))
         return None
 
     def owner_memory(self, work: Workspace) -> torch.Tensor | None:
@@ -641,19 +637,25 @@ class QuantizationState(HookState):
         return work.kept.mine  # zeros past the pieces, as the rows' padding leaves them
 
     # -- used by the hook, once the step's result is known --------------------------------------
-    def commit(self, work: Workspace) -> None:
+    def commit(self, work: Workspace, finite: torch.Tensor) -> None:
         """Keep the errors this step left in ``work`` as the memories; swap the buffers.
 
-        Called only for a step whose result is finite, so that inf or NaN never enter a memory,
-        and an abandoned step leaves the previous memories as they were.
+        ``finite`` (a boolean tensor on the device) says whether the step's result was finite:
+        where it was not, the errors are replaced by the memories as they were before the step,
+        on the device, so that inf or NaN never enter a memory and no value is read back.
+        Callbacks of several buckets may commit at once (gloo's threads): one at a time here.
         """
         work.unfinished = False
         if not self.settings.error_feedback:
             return
-        layout, now = work.layout, work.now
-        self.error.record_all(layout.numbers, now.params)
-        self.owner_error.record_all(layout.piece_keys, now.pieces)
-        work.swap()
+        now, kept = work.now, work.kept
+        torch.where(finite, now.rows, kept.rows, out=now.rows)
+        torch.where(finite, now.mine, kept.mine, out=now.mine)
+        layout = work.layout
+        with self._committing:
+            self.error.record_all(layout.numbers, now.params)
+            self.owner_error.record_all(layout.piece_keys, now.pieces)
+            work.swap()
 
     # -- internal -------------------------------------------------------------------------------
     def _memory(self) -> ErrorFeedback:

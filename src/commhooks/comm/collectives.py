@@ -1,0 +1,334 @@
+"""The collectives the hooks issue, as torch.distributed's own, returning futures.
+
+Every collective is the backend's (gloo, NCCL), issued with ``async_op=True`` as PyTorch's
+hooks issue theirs, and counted by :func:`observe_collectives` as the kind a cost model prices.
+:func:`completing_inline` is the test seam that makes any backend's futures complete as they
+are returned, as NCCL's do, so that a CPU test runs a GPU's control flow.
+"""
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "CollectiveCounter",
+    "all_gather_into",
+    "all_to_all",
+    "allreduce",
+    "allreduce_then",
+    "average",
+    "forward",
+    "completed",
+    "completes_inline",
+    "completing_inline",
+    "fail",
+    "future_devices",
+    "new_future",
+    "observe_collectives",
+    "then",
+    "used_on_current_stream",
+]
+
+T = TypeVar("T")
+S = TypeVar("S")
+Future = torch.futures.Future
+
+
+# -- futures -------------------------------------------------------------------------------------
+def future_devices(*values: Any) -> list[torch.device]:
+    """The CUDA devices of the tensors in ``values``: what a future holding them must know.
+
+    A future made with those devices records, when its result is set, an event on each
+    device's current stream, and whoever waits on it (DDP included) makes its own stream wait
+    for that event; without them, a consumer could read tensors whose kernels are still queued.
+    """
+    found: dict[str, torch.device] = {}
+    for value in values:
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                found[str(t.device)] = t.device
+    return list(found.values())
+
+
+def new_future(devices: Sequence[torch.device] | None = None) -> "Future[Any]":
+    """A future to complete by hand, synchronised with the streams of ``devices`` if any."""
+    return Future(devices=list(devices)) if devices else Future()
+
+
+def completed(value: T) -> "Future[T]":
+    """A future already holding ``value``: what a hook that sends nothing returns."""
+    fut: Future[T] = new_future(future_devices(value))
+    fut.set_result(value)
+    return fut
+
+
+def then(fut: "Future[S]", fn: Callable[["Future[S]"], T]) -> "Future[T]":
+    """``fut.then(fn)``: one name for every callback the package hands a future."""
+    return fut.then(fn)
+
+
+def fail(fut: "Future[Any]", exc: BaseException) -> None:
+    """Complete ``fut`` with the error ``exc``, which whoever waits on it receives."""
+    fut.set_exception(exc)
+
+
+def forward(src: "Future[T]", dst: "Future[T]") -> None:
+    """Complete ``dst`` with ``src``'s value, or its error."""
+    try:
+        value = src.value()
+    except BaseException as exc:
+        fail(dst, exc)
+        return
+    dst.set_result(value)
+
+
+def chain(src: "Future[T]", dst: "Future[T]") -> None:
+    """Complete ``dst`` with ``src``'s value, or its error, once ``src`` is done."""
+    src.add_done_callback(lambda done: forward(done, dst))
+
+
+def used_on_current_stream(tensors: Sequence[torch.Tensor]) -> None:
+    """Tell the allocator that the CUDA tensors among ``tensors`` are used on the current
+    stream, so that their memory goes to no other tensor before this stream's kernels ran:
+    for tensors made on DDP's stream and last used in a callback, which runs on another."""
+    for t in tensors:
+        if t.is_cuda:
+            t.record_stream(torch.cuda.current_stream(t.device))
+
+
+# -- the test seam -------------------------------------------------------------------------------
+_inline = False
+
+
+@contextlib.contextmanager
+def completing_inline() -> Iterator[None]:
+    """Within this block, collectives behave as NCCL's do, on any backend: for testing.
+
+    Every future this module returns for a collective is complete when it is returned (NCCL
+    completes a collective's future once the collective is queued, so a callback runs at once,
+    on the issuing thread), and follow-ups share the hook's group (:func:`follow_up_group`).
+    Process-wide; not for use while another thread issues collectives.
+    """
+    global _inline
+    before, _inline = _inline, True
+    try:
+        yield
+    finally:
+        _inline = before
+
+
+def completes_inline() -> bool:
+    """Whether :func:`completing_inline` is in force."""
+    return _inline
+
+
+def _issued(work: Any) -> "Future[list[torch.Tensor]]":
+    """The future of a collective's ``work``; within :func:`completing_inline`, complete."""
+    fut: Future[list[torch.Tensor]] = work.get_future()
+    if not _inline or fut.done():
+        return fut
+    try:
+        return completed(fut.wait())
+    except BaseException:  # a failed collective: its future holds the error already
+        return fut
+
+
+# -- observing what is sent ----------------------------------------------------------------------
+class CollectiveCounter:
+    """Calls and bytes handed to each kind of collective while an observer was open.
+
+    The bytes are what this rank hands over (a collective's input), not what crosses the wire:
+    what that puts on each link depends on the algorithm and the cluster's shape, which is the
+    cost model's business (``commhooks.bench.costmodel``).
+    """
+
+    def __init__(self, torch_calls: bool = False) -> None:
+        self.torch_calls = torch_calls  # also counts calls made straight to torch.distributed
+        self.calls: dict[str, int] = {}
+        self.bytes: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def record(self, kind: str, nbytes: int) -> None:
+        """Count one collective of ``kind`` handing over ``nbytes``. Safe from any thread."""
+        with self._lock:
+            self.calls[kind] = self.calls.get(kind, 0) + 1
+            self.bytes[kind] = self.bytes.get(kind, 0) + nbytes
+
+
+# torch.distributed's collectives that ``observe_collectives(torch_calls=True)`` counts: the
+# argument (position, name) holding what this rank hands over.
+_TORCH_COLLECTIVES: dict[str, tuple[int, str]] = {
+    "all_reduce": (0, "tensor"),
+    "broadcast": (0, "tensor"),
+    "all_gather": (1, "tensor"),
+    "all_gather_into_tensor": (1, "input_tensor"),
+    "reduce_scatter_tensor": (1, "input"),
+    "all_to_all_single": (1, "input"),
+}
+_counters: list[CollectiveCounter] = []
+_originals: dict[str, Callable[..., Any]] = {}
+_lock = threading.Lock()
+_local = threading.local()  # ``issuing``: this thread is inside one of this module's calls
+
+
+@contextlib.contextmanager
+def observe_collectives(*, torch_calls: bool = False) -> Iterator[CollectiveCounter]:
+    """Count the collectives this process issues while inside, per kind: calls and bytes.
+
+    Counting covers every thread (follow-ups are issued from the backend's on gloo).
+
+    Args:
+        torch_calls: also count calls made straight to ``torch.distributed`` (PyTorch's own
+            hooks, a user's hook): its collective functions are wrapped, process-wide, while
+            such an observer is open. DDP's own allreduce (no hook), issued from C++, is never
+            seen.
+
+    Yields:
+        the counter, complete once the block is left.
+    """
+    counter = CollectiveCounter(torch_calls)
+    with _lock:
+        _counters.append(counter)
+        if torch_calls and not _originals:
+            _wrap_torch()
+    try:
+        yield counter
+    finally:
+        with _lock:
+            _counters.remove(counter)
+            if _originals and not any(c.torch_calls for c in _counters):
+                for name, original in _originals.items():
+                    setattr(dist, name, original)
+                _originals.clear()
+
+
+def _wrap_torch() -> None:
+    for name, (position, keyword) in _TORCH_COLLECTIVES.items():
+        original = getattr(dist, name, None)
+        if original is not None:
+            _originals[name] = original
+            setattr(dist, name, _counting(name, position, keyword, original))
+
+
+def _counting(
+    name: str, position: int, keyword: str, original: Callable[..., Any]
+) -> Callable[..., Any]:
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        if not getattr(_local, "issuing", False):
+            given = args[position] if len(args) > position else kwargs.get(keyword)
+            _observed(name, given, direct=True)
+        return original(*args, **kwargs)
+
+    counted.__wrapped__ = original  # type: ignore[attr-defined]
+    return counted
+
+
+def _observed(kind: str, handed: Any, direct: bool = False) -> None:
+    """Report a collective of ``kind`` handing over ``handed`` to the open observers;
+    ``direct``: called straight on torch.distributed, for the observers that asked for those."""
+    if not _counters:
+        return
+    nbytes = handed.numel() * handed.element_size() if isinstance(handed, torch.Tensor) else 0
+    for counter in list(_counters):
+        if counter.torch_calls or not direct:
+            counter.record(kind, nbytes)
+
+
+@contextlib.contextmanager
+def _issuing(kind: str, handed: torch.Tensor) -> Iterator[None]:
+    """Report a collective of ``kind``, then issue it inside the block uncounted again."""
+    _observed(kind, handed)
+    before = getattr(_local, "issuing", False)
+    _local.issuing = True
+    try:
+        yield
+    finally:
+        _local.issuing = before
+
+
+# -- the collectives -----------------------------------------------------------------------------
+def allreduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.Tensor]":
+    """Sum ``tensor`` in place across ``group``; the future resolves to the sum (``tensor``
+    itself, or for a sparse tensor the sum gloo returns)."""
+    with _issuing("all_reduce", tensor):
+        work = dist.all_reduce(tensor, group=group, async_op=True)
+    return _issued(work).then(_first)
+
+
+def allreduce_then(
+    tensor: torch.Tensor, group: dist.ProcessGroup, fn: Callable[[torch.Tensor], T]
+) -> "Future[T]":
+    """:func:`allreduce`, then ``fn`` on the sum in the collective's one callback (a second
+    callback would cost the host once a bucket); the future holds what ``fn`` returns."""
+    with _issuing("all_reduce", tensor):
+        work = dist.all_reduce(tensor, group=group, async_op=True)
+    return _issued(work).then(lambda fut: fn(fut.value()[0]))
+
+
+def average(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.Tensor]":
+    """Average ``tensor`` in place across ``group``, scaled before the sum as DDP scales it.
+
+    A dense tensor is multiplied by ``1 / world_size`` and a sparse one divided, DDP's own
+    arithmetic, so that the result is bitwise what DDP gives without a hook.
+    """
+    world = group.size()
+    if tensor.layout == torch.strided:
+        tensor.mul_(1.0 / world)
+    else:
+        tensor.div_(world)
+    return allreduce(tensor, group)
+
+
+def all_to_all(
+    out: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup
+) -> "Future[torch.Tensor]":
+    """Send row ``i`` of ``tensor`` to rank ``i``; row ``j`` of ``out`` comes from rank ``j``.
+
+    Both are ``world_size x ...`` and contiguous; the future resolves to ``out``. On a group of
+    one rank nothing travels: ``out`` becomes ``tensor``, at once.
+    """
+    if group.size() == 1:
+        return _kept_here(out, tensor)
+    with _issuing("all_to_all_single", tensor):
+        work = dist.all_to_all_single(out, tensor, group=group, async_op=True)
+    return _issued(work).then(lambda fut: _checked(fut, out))
+
+
+def all_gather_into(
+    out: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup
+) -> "Future[torch.Tensor]":
+    """Row ``j`` of ``out`` (``world_size x tensor.numel()``) becomes rank ``j``'s ``tensor``;
+    the future resolves to ``out``. On a group of one rank: ``out`` becomes ``tensor``."""
+    if group.size() == 1:
+        return _kept_here(out, tensor)
+    with _issuing("all_gather_into_tensor", tensor):
+        work = _all_gather_single()(out.view(-1), tensor.view(-1), group=group, async_op=True)
+    return _issued(work).then(lambda fut: _checked(fut, out))
+
+
+def _first(fut: "Future[list[torch.Tensor]]") -> torch.Tensor:
+    return fut.value()[0]
+
+
+def _checked(fut: "Future[Any]", out: torch.Tensor) -> torch.Tensor:
+    fut.value()  # raises here if the collective failed
+    return out
+
+
+def _kept_here(out: torch.Tensor, tensor: torch.Tensor) -> "Future[torch.Tensor]":
+    """A one-rank exchange: ``tensor``'s elements in ``out`` (no copy where they are one)."""
+    if out.data_ptr() != tensor.data_ptr():
+        out.view(-1).copy_(tensor.reshape(-1))
+    return completed(out)
+
+
+def _all_gather_single() -> Callable[..., Any]:
+    # Renamed in recent PyTorch, where the old name warns on every call.
+    gather: Callable[..., Any] = getattr(dist, "all_gather_single", None) or (
+        dist.all_gather_into_tensor
+    )
+    return gather

@@ -1,0 +1,277 @@
+"""Process groups: resolving a hook's group, its size and ranks, the groups the package makes
+(per machine, follow-ups), and the rare blocking gathers of small Python objects."""
+
+import datetime
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
+
+import torch.distributed as dist
+
+from commhooks.comm.collectives import completes_inline
+
+__all__ = [
+    "all_gather_objects",
+    "backend_for_device",
+    "check_same_on_grid",
+    "excludes_this_rank",
+    "follow_up_group",
+    "gather_objects",
+    "global_ranks",
+    "group_rank",
+    "group_timeout",
+    "is_default_group",
+    "new_groups",
+    "resolve_group",
+    "size",
+    "world_size",
+]
+
+
+def resolve_group(group: Any, *, owner: str = "this hook") -> dist.ProcessGroup:
+    """Return the process group to communicate on, validating it first.
+
+    Args:
+        group: a ``ProcessGroup`` or ``None`` for the default (world) group.
+        owner: name used in error messages, so the user knows which object complained.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised.
+        ValueError: this rank is not a member of ``group``.
+        TypeError: ``group`` is neither a process group nor ``None``.
+    """
+    if group is None:  # the usual case, asked once a bucket
+        # (torch.distributed is available: this module's imports need it)
+        world = dist.group.WORLD  # None until torch.distributed is initialised
+        if world is not None:
+            return world
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            f"{owner} needs torch.distributed: call torch.distributed.init_process_group(...) "
+            "before the first backward pass."
+        )
+    if type(group) is dist.ProcessGroup:  # the usual case, asked once a bucket: see below
+        return group
+    if group is None:
+        return _world()
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"{owner}: this rank (global rank {dist.get_rank()}) is not a member of the process "
+            "group it was given. Pass a group that contains every DDP rank, or None for the "
+            "default group."
+        )
+    # ``isinstance`` on torch's group class takes a Python-level check (about 0.2 us), so the
+    # exact type is tried first, above.
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"{owner} expects a torch.distributed.ProcessGroup or None, got {type(group).__name__}."
+        )
+    return group
+
+
+def _world() -> dist.ProcessGroup:
+    """The default group; only called once torch.distributed is initialised."""
+    world = dist.group.WORLD
+    if world is None:  # not initialised: resolve_group has said so already
+        raise RuntimeError("torch.distributed has no default process group yet.")
+    return world
+
+
+def excludes_this_rank(group: Any) -> bool:
+    """Whether ``group`` is what ``new_group`` returns to ranks outside the new group."""
+    return group is dist.GroupMember.NON_GROUP_MEMBER
+
+
+def is_default_group(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group`` is the default (world) group; ``None`` counts as the default."""
+    return group is None or group is dist.group.WORLD
+
+
+def backend_for_device(group: dist.ProcessGroup | None, device_type: str) -> str:
+    """The backend ``group`` uses for tensors on ``device_type`` (``"gloo"``, ``"nccl"``...).
+
+    A group initialised as ``"cpu:gloo,cuda:nccl"`` (PyTorch's default with CUDA) reports
+    each device's backend; a plain ``"gloo"`` group serves every device.
+    """
+    name = str(dist.get_backend(group)).lower()
+    if ":" not in name:
+        return name
+    pairs = dict(part.split(":", 1) for part in name.split(",") if ":" in part)
+    return pairs.get(device_type, next(iter(pairs.values())))
+
+
+def world_size(group: dist.ProcessGroup | None) -> int:
+    """Number of ranks in ``group`` (``None``: the default group)."""
+    return dist.get_world_size(group)
+
+
+_sizes: "weakref.WeakKeyDictionary[dist.ProcessGroup, int]" = weakref.WeakKeyDictionary()
+
+
+def size(group: dist.ProcessGroup) -> int:
+    """``group.size()``, remembered: a group's size never changes, and asking the backend for
+    it costs the host about a microsecond, which a hook would pay once a bucket."""
+    known = _sizes.get(group)
+    if known is None:
+        known = _sizes[group] = group.size()
+    return known
+
+
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    """This process's rank inside ``group``."""
+    return dist.get_rank(group)
+
+
+def global_ranks(group: dist.ProcessGroup | None) -> list[int]:
+    """The global ranks of ``group``'s members, in group-rank order."""
+    return dist.get_process_group_ranks(group if group is not None else _world())
+
+
+def new_groups(
+    rank_lists: list[list[int]], parent: dist.ProcessGroup | None = None
+) -> list[dist.ProcessGroup | None]:
+    """Create one process group per list of global ranks, in the order given.
+
+    Creating a group is a collective over the default group: every rank must call this with the
+    same lists in the same order, including ranks that belong to none of them. A list that is
+    the whole world reuses the default group instead of opening new connections. Each group
+    takes the timeout of ``parent`` (``None``: the default group), the group it is carved
+    from, and so does its creation: a peer that died or stopped during it is reported within
+    that timeout, not torch's default of 30 minutes.
+
+    Returns:
+        one entry per list: the group where this rank is a member, ``None`` where it is not.
+    """
+    world = dist.get_world_size()
+    me = dist.get_rank()
+    timeout = group_timeout(parent)
+    out: list[dist.ProcessGroup | None] = []
+    for ranks in rank_lists:
+        if sorted(ranks) == list(range(world)):
+            out.append(dist.group.WORLD)
+            continue
+        group = dist.new_group(ranks=sorted(ranks), timeout=timeout)
+        out.append(group if me in ranks else None)
+    return out
+
+
+def group_timeout(group: dist.ProcessGroup | None) -> datetime.timedelta:
+    """How long a collective on ``group`` (``None``: the default group) may wait for a peer.
+
+    It is the ``timeout`` given to ``init_process_group`` (or ``new_group``) for that group.
+    Torch keeps it in each backend's options; where a backend does not expose it, the default
+    group's is taken, and failing that torch's own default. Every group the package creates
+    inherits it from the group it derives from, so that a dead or stopped peer is reported
+    within the time the user chose.
+    """
+    pg = group if group is not None else dist.group.WORLD
+    found = _backend_timeouts(pg)
+    if found:
+        return max(found)
+    if pg is not dist.group.WORLD:
+        return group_timeout(None)
+    return dist.default_pg_timeout
+
+
+def _backend_timeouts(pg: Any) -> list[datetime.timedelta]:
+    # Private in torch 2.x (``ProcessGroup._get_backend(device).options._timeout``) but the
+    # only place the value lives; anything unexpected means "unknown", never an error.
+    found: list[datetime.timedelta] = []
+    for device in getattr(pg, "_device_types", ()):
+        try:
+            value = pg._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError, TypeError):
+            continue
+        if isinstance(value, datetime.timedelta) and value.total_seconds() > 0:
+            found.append(value)
+    return found
+
+
+def all_gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Blocking gather of one picklable object per rank. For rare, small exchanges only."""
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any] | None:
+    """Gather one picklable object per rank on the group's first rank (``None`` elsewhere).
+
+    For checkpoints written by one rank: only that rank holds every rank's copy.
+    """
+    group = group or _world()
+    first = dist.get_global_rank(group, 0)
+    out: list[Any] | None = (
+        [None] * dist.get_world_size(group) if dist.get_rank() == first else None
+    )
+    dist.gather_object(obj, out, dst=first, group=group)
+    return out
+
+
+def check_same_on_grid(
+    options: dict[str, Any], groups: Sequence[dist.ProcessGroup], *, owner: str
+) -> None:
+    """Raise on every rank of a grid of ranks if any option differs between any two of them.
+
+    ``groups`` are this rank's groups along each dimension of the grid (for HSDP: the ranks of
+    its machine, then the ranks holding the same shard on other machines). What each rank knows
+    is gathered along one dimension after the other, so after the last every rank holds every
+    rank's options without a group spanning the grid; one small gather per dimension, once.
+
+    Raises:
+        ValueError: naming each differing option and its value on every rank (global ranks).
+    """
+    known: dict[int, dict[str, Any]] = {dist.get_rank(): options}
+    for group in groups:
+        merged: dict[int, dict[str, Any]] = {}
+        for part in all_gather_objects(known, group):
+            merged.update(part)
+        known = merged
+    _raise_if_differing(dict(sorted(known.items())), owner)
+
+
+def _raise_if_differing(by_rank: Mapping[int, Mapping[str, Any]], owner: str) -> None:
+    everyone = list(by_rank.values())
+    differing = [
+        name
+        for name in sorted(set().union(*(o.keys() for o in everyone)))
+        if any(o.get(name) != everyone[0].get(name) for o in everyone)
+    ]
+    if differing:
+        details = "; ".join(
+            f"{name}: " + ", ".join(f"rank {r}={o.get(name)!r}" for r, o in by_rank.items())
+            for name in differing
+        )
+        raise ValueError(
+            f"{owner} was configured differently on different ranks ({details}). "
+            "Every rank must build its state with the same options."
+        )
+
+
+def follow_up_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """The group an :class:`OrderedIssuer` issues ``group``'s follow-ups on.
+
+    On a group of NCCL alone, ``group`` itself: NCCL completes a collective's future as it is
+    queued, so every callback, and with it every follow-up, runs on the thread that issued the
+    collective before it, DDP's, in the same order on every rank, interleaved with DDP's own
+    collectives alike. No second communicator then, and no group made inside a hook: with NCCL
+    initialised eagerly (``init_process_group(device_id=...)``) torch makes each new group by
+    splitting the default group's communicator, which every rank of the world must join, and
+    the ranks outside a subgroup never run its hook.
+
+    Otherwise (gloo, whose callbacks run on its worker threads) a new group with ``group``'s
+    ranks, backend and timeout. Creating a group is collective: call it at the same point on
+    every rank of ``group``. It waits for the other ranks at most ``group``'s timeout (see
+    :func:`group_timeout`), and so does every collective on the new group.
+    """
+    if completes_inline() or str(dist.get_backend(group)).lower() == "nccl":
+        return group
+    made = dist.new_group(
+        ranks=dist.get_process_group_ranks(group),
+        backend=dist.get_backend(group),
+        timeout=group_timeout(group),
+        use_local_synchronization=True,
+    )
+    if made is None:  # only for a rank outside the ranks, which calls this never
+        raise RuntimeError("follow_up_group: this rank is not in the group it was given.")
+    return cast(dist.ProcessGroup, made)

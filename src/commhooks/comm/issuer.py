@@ -1,0 +1,165 @@
+"""Follow-up collectives issued in the same order on every rank, whatever thread gets there first.
+
+A collective that needs the result of an earlier one (PowerSGD's ``Q`` after ``P``, the
+quantized hook's all-gather after its all-to-all) can only be started once that result is
+there: in a future's callback, which gloo runs on one of its worker threads, in a different
+order on each rank. PyTorch's PowerSGD issues its follow-ups there and aborts gloo with a
+"collective mismatch" as soon as a model has several buckets. :class:`OrderedIssuer` runs each
+follow-up in the order its slot was reserved (on DDP's thread, in bucket order), on a group of
+its own, so that neither group ever sees two ranks issue in different orders.
+
+With NCCL a collective's future is complete once the collective is queued, so callbacks run at
+once on DDP's thread, in order already: the follow-ups then share the hook's group
+(:func:`~commhooks.comm.groups.follow_up_group`), and the issuer only runs them in turn.
+"""
+
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from commhooks.comm.collectives import chain, fail, new_future
+from commhooks.comm.groups import follow_up_group
+
+__all__ = ["IssuerPool", "OrderedIssuer", "issuer_for"]
+
+T = TypeVar("T")
+Future = torch.futures.Future
+
+
+class OrderedIssuer:
+    """Runs follow-up steps in the order their slots were reserved, each issuing at most one
+    collective, on :attr:`group` only."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *, borrowed: bool = False) -> None:
+        """``borrowed``: ``group`` is owned elsewhere (the hook's own group, which NCCL's
+        follow-ups share) and kept weakly, so that an issuer kept for it does not keep it
+        alive once torch has destroyed it. Without a group, steps cannot issue collectives."""
+        self._group = None if borrowed else group
+        self._borrowed = weakref.ref(group) if borrowed and group is not None else None
+        self._lock = threading.RLock()
+        self._reserved = 0
+        self._next = 0
+        self._ready: dict[int, Callable[[], None]] = {}
+        self._draining = False
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The group of the follow-ups: the only group a step may issue a collective on."""
+        group = self._group if self._borrowed is None else self._borrowed()
+        if group is None and self._borrowed is None:
+            raise RuntimeError(
+                "OrderedIssuer: made without a group, so its steps cannot issue collectives; "
+                "build it as OrderedIssuer(comm.follow_up_group(group))."
+            )
+        if group is None:
+            raise RuntimeError(
+                "OrderedIssuer: its process group is gone (destroyed with "
+                "torch.distributed.destroy_process_group); register the hook again on the "
+                "new group."
+            )
+        return group
+
+    def then(
+        self,
+        after: "Future[Any]",
+        step: Callable[[Any], "Future[T]"],
+        devices: list[torch.device] | None = None,
+    ) -> "Future[T]":
+        """When ``after`` completes, run ``step(after's value)`` in a slot reserved now.
+
+        ``step`` may compute, issue at most one collective on :attr:`group`, and returns a
+        future (``completed(...)`` when it sends nothing); the future returned here resolves
+        to that future's value. A failed ``after`` or a ``step`` that raises fails it, and
+        releases the slot, so later follow-ups are not held back. ``devices``: the CUDA
+        devices of the tensors involved, whose streams the returned future synchronises.
+        Call on the hook's thread.
+        """
+        with self._lock:
+            slot = self._reserved
+            self._reserved += 1
+        out: Future[T] = new_future(devices)
+
+        def on_done(done: "Future[Any]") -> None:
+            self._start(slot, lambda: _run(step, done, out))
+
+        after.add_done_callback(on_done)
+        return out
+
+    def _start(self, slot: int, run: Callable[[], None]) -> None:
+        """File ``run`` for ``slot`` and run every filed step whose turn has come.
+
+        In a loop, never nested: a step whose collective completes at once (NCCL's) files the
+        next slot from inside this loop, which then runs it, so any number of buckets costs
+        one stack frame.
+        """
+        with self._lock:
+            self._ready[slot] = run
+            if self._draining:
+                return
+            self._draining = True
+            try:
+                while self._next in self._ready:
+                    self._ready.pop(self._next)()
+                    self._next += 1
+            finally:
+                self._draining = False
+
+    @property
+    def pending(self) -> int:
+        """Slots reserved but not run yet (0 between steps)."""
+        with self._lock:
+            return self._reserved - self._next
+
+
+def _run(step: Callable[[Any], "Future[T]"], done: "Future[Any]", out: "Future[T]") -> None:
+    """Run ``step`` on ``done``'s value and forward its result (or any error) to ``out``."""
+    try:
+        sent = step(done.wait())  # wait(): this stream waits for the input's, on a GPU
+    except BaseException as exc:
+        fail(out, exc)
+        return
+    chain(sent, out)
+
+
+class IssuerPool:
+    """One :class:`OrderedIssuer` per group, for the hooks (or states) that share it.
+
+    Sharing is safe where the sharers reserve their slots one after another, in the same order
+    on every rank (on one thread, or threads that take turns, as DDP's backward and the
+    optimizer's step do), and cheaper: on gloo each issuer's follow-up group has its own
+    connections and threads. Kept weakly by the group: an issuer goes when its group does.
+    """
+
+    def __init__(self) -> None:
+        self._issuers: weakref.WeakKeyDictionary[dist.ProcessGroup, OrderedIssuer] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._lock = threading.Lock()
+
+    def issuer(self, group: dist.ProcessGroup) -> OrderedIssuer:
+        """The issuer of ``group``'s follow-ups. The first call for a group creates its
+        follow-up group (collective): make it at the same point on every rank."""
+        issuer = self._issuers.get(group)
+        if issuer is not None:
+            return issuer
+        with self._lock:
+            issuer = self._issuers.get(group)
+            if issuer is None:
+                follow_up = follow_up_group(group)
+                issuer = OrderedIssuer(follow_up, borrowed=follow_up is group)
+                self._issuers[group] = issuer
+            return issuer
+
+
+_stateless = IssuerPool()
+
+
+def issuer_for(group: dist.ProcessGroup) -> OrderedIssuer:
+    """The follow-up issuer of ``group`` that the stateless hooks share (a hook with a state of
+    its own owns one). The first call for a group creates its follow-up group: hooks call this
+    on DDP's thread, at their first bucket, the same point on every rank."""
+    return _stateless.issuer(group)
