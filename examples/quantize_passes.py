@@ -2,7 +2,7 @@
 
 The floor is one pass that reads and writes the whole float32 bucket (``out.copy_(x)``; an
 elementwise ``torch.add`` of two buckets is shown too). Each pass of
-:mod:`commhooks.quantize` runs over the same bucket, as the hook runs it (one row per rank,
+:mod:`commhooks.compress.blocks` runs over the same bucket, as the hook runs it (one row per rank,
 error kept), in one process, one thread by default; the measurements alternate round by round,
 so that other load on the machine falls on all of them alike, and each reports its median, the
 bytes it must move over its time (GB/s), and that rate against the copy's. With ``--device
@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from commhooks import quantize
+from commhooks.compress import blocks as quantize
 from commhooks.compress import cpu_kernels, triton_launch
 
 Pass = tuple[Callable[[], object], int]  # the pass, and the bytes it must read and write

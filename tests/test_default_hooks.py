@@ -1,6 +1,5 @@
 """The default hooks against plain DDP and PyTorch's own hooks, on gloo with 2 ranks."""
 
-
 import pytest
 import torch
 import torch.distributed as dist

@@ -198,7 +198,6 @@ def test_each_bucket_costs_at_most_one_full_size_temporary():
         assert out["bf16"][0] < out["fp16"][0] + 0.02 * ELEMENTS * 2, (rank, out)
 
 
-
 # ----------------------------------------------------------------------------------------------
 # A peer killed by SIGKILL: the backend's error, not a failure to read the hook's result
 # ----------------------------------------------------------------------------------------------

@@ -191,8 +191,7 @@ def test_the_packed_hook_gives_the_unpacked_exchanges_bits_and_sends_packed_byte
 
 def _both_paths(rank: int, world_size: int) -> dict:
     """Four buckets for two steps (a NaN in bucket 1 at the second), through gloo's path and
-    through the one where collectives complete as they are queued (NCCL's: the gathered rows
-    unpacked as the all-gather returns, their check held with the step's others)."""
+    through the one where collectives complete as they are queued (NCCL's)."""
     out = {}
     for inline in (False, True):
         state = QuantizationState(None, bits=4, block_size=BLOCK, packed=True)
@@ -217,8 +216,6 @@ def test_packed_buckets_give_the_same_bits_where_collectives_complete_as_queued(
             for queued, gloo in zip(out[True, step][1], out[False, step][1]):
                 assert torch.equal(queued.nan_to_num(), gloo.nan_to_num())
         grads, applied = out[True, 1]
-        plain = (ranks[0][True, 1][0][1] + ranks[1][True, 1][0][1]) / 2
-        assert torch.equal(applied[1].nan_to_num(), plain.nan_to_num())  # sent again plainly
-        assert applied[1].isnan().sum() == 2
+        assert not applied[1].isfinite().all()  # the NaN's blocks decode to NaN, as sent
         assert all(bool(torch.isfinite(a).all()) for i, a in enumerate(applied) if i != 1)
     assert all(torch.equal(a, b) for a, b in zip(ranks[0][True, 0][1], ranks[1][True, 0][1]))

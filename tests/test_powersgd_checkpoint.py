@@ -38,20 +38,14 @@ def _original(
     options=OPTIONS,
     hook=powerSGD_hook,
     bucket_cap_mb=0.004,
-    version_1=False,
     **ddp,
 ):
     data = batches(rank, 2 * HALF)
     model, state = make_mlp(widths=WIDTHS), PowerSGDState(None, **options)
-    if version_1:  # what a release that numbered parameters as first seen trained and saved
-        state.numbering.scheme = "first_seen"
     ddp = make_ddp(model, hook, state, bucket_cap_mb, **ddp)
     opt = _optimizer(ddp)
     _train(ddp, opt, data[:HALF])
     hook_state = state.state_dict()
-    if version_1:
-        hook_state["version"] = 1
-        del hook_state["numbering"]
     saved = {"model": model.state_dict(), "opt": opt.state_dict(), "hook": hook_state}
     torch.save(saved, os.path.join(folder, f"rank{rank}.pt"))
     _train(ddp, opt, data[HALF:])
@@ -146,13 +140,6 @@ def test_resume_with_unused_parameter_search_and_other_buckets(tmp_path, saved, 
         assert torch.equal(params, expected)
 
 
-def test_a_version_1_state_resumes_with_its_own_numbering(tmp_path):
-    folder = str(tmp_path)
-    first = run_on_ranks(_original, 2, folder, version_1=True)
-    for (expected, *_), (params, messages) in zip(first, run_on_ranks(_resumed, 2, folder, 0.004)):
-        assert messages == [] and torch.equal(params, expected)
-
-
 def _numbers(rank, world_size, bucket_cap_mb, find_unused):
     model, state = make_mlp(widths=WIDTHS), PowerSGDState(None, **OPTIONS)
     ddp = make_ddp(model, powerSGD_hook, state, bucket_cap_mb, find_unused_parameters=find_unused)
@@ -190,58 +177,6 @@ class _Pickled:
 
     def __reduce__(self):
         return (object.__new__, (PowerSGDState,), self.attrs)
-
-
-def _legacy_pickle(numbering=None, **memories):
-    """A state pickled by a release that kept its options and memories as attributes."""
-    attrs = {
-        **PowerSGDState(None, **OPTIONS).options(),
-        "_process_group": None,
-        "rng": PowerSGDState(None).rng,
-        "iter": 7,
-        "total_numel_before_compression": 0,
-        "total_numel_after_compression": 0,
-        "next_stats_report": 0,
-        "_errors": {},
-        "_pending": {},
-        "q_memory_dict": {},
-        "p_memory_dict": {},
-        "_last_step": {},
-        "_layouts": {},
-        "_saved_world_size": None,
-        "_saved_rank": None,
-        **memories,
-    }
-    if numbering is not None:
-        attrs["_numbering"] = numbering
-    return pickle.dumps(_Pickled(attrs))
-
-
-def test_a_state_pickled_before_numbering_was_saved_numbers_as_first_seen():
-    assert pickle.loads(_legacy_pickle()).numbering.scheme == "first_seen"
-    assert pickle.loads(_legacy_pickle("from_last")).numbering.scheme == "from_last"
-    assert pickle.loads(pickle.dumps(PowerSGDState(None))).numbering.scheme == "from_last"
-
-
-def test_a_state_pickled_before_its_parts_keeps_its_memory_and_factors():
-    error, q, p = torch.ones(4, 3), torch.ones(3, 2), torch.ones(4, 2)
-    pending = (torch.full((4, 1), 0.5), torch.ones(1, 3))  # one product still to subtract
-    state = pickle.loads(
-        _legacy_pickle(
-            "from_last",
-            _errors={0: error.clone(), 1: torch.ones(5)},
-            _pending={0: pending},
-            q_memory_dict={0: q},
-            p_memory_dict={0: p},
-            _last_step={0: "p"},
-        )
-    )
-    assert state.iter == 7 and state.settings.matrix_approximation_rank == 2
-    assert state.memory.pending_ranks() == {0: 1}
-    assert torch.equal(state.error_dict[0], error - 0.5) and state.memory.pending_ranks() == {}
-    assert torch.equal(state.error_dict[1], torch.ones(5))
-    assert torch.equal(state.q_memory_dict[0], q) and torch.equal(state.p_memory_dict[0], p)
-    assert state.factors.next_step(0) == "q" and state.hook_name == "powerSGD_hook"
 
 
 def test_resume_with_other_world_size_resets_error_memory_with_warning(original):
@@ -326,8 +261,6 @@ def _broken(sd, what):
         sd["error"] = {**sd["error"], "0": "not a tensor"}
     elif what == "bad-iter":
         sd["iter"] = -4
-    elif what == "bad-numbering":
-        sd["numbering"] = "alphabetical"
     return sd
 
 
@@ -337,7 +270,6 @@ def _broken(sd, what):
         ("missing-rng", "malformed PowerSGD state dict.*'rng'"),
         ("bad-tensor", r"malformed.*error\['0'\] must be a floating-point tensor"),
         ("bad-iter", "malformed.*iter must be an integer >= 0"),
-        ("bad-numbering", "malformed.*numbering must be 'from_last' or 'first_seen'"),
     ],
 )
 def test_malformed_state_dict_raises_and_changes_nothing(original, what, match):

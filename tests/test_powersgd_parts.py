@@ -13,7 +13,7 @@ import torch
 from ddp_utils import FakeBucket
 
 from commhooks import PowerSGDState, batched_powerSGD_hook, config, powerSGD_hook
-from commhooks.compress.error_feedback import ErrorFeedback, LazyErrorFeedback
+from commhooks.compress.error_feedback import ErrorFeedback
 from commhooks.compress.factors import FactorMemory
 from commhooks.hooks.powersgd import PowerSGDOptions
 from commhooks.hooks.powersgd.plan import Plan, bucket_order
@@ -60,86 +60,19 @@ def test_register_derives_names_and_checks_from_the_options_class():
 
 
 # -- the lazy error memory ---------------------------------------------------------------------
-@pytest.mark.parametrize("refine_q", [False, True])
-def test_lazy_memory_absorbs_a_gradient_and_defers_the_approximation(refine_q):
-    memory = LazyErrorFeedback("DemoState")
-    old, grad = _randn(6, 5, seed=1), _randn(6, 5, seed=2)
-    memory.record("w", old.clone())
-    known = _randn(6 if refine_q else 5, 2, seed=3)
-    sent = torch.empty(5 if refine_q else 6, 2, dtype=torch.float64)
-    scratch = torch.empty(1000, dtype=torch.float64)
-    memory.absorb_("w", grad, known, sent, refine_q, scratch)
-    total = old + grad
-    torch.testing.assert_close(sent, total.t() @ known if refine_q else total @ known)
-    p, qt = _randn(6, 1, seed=4), _randn(1, 5, seed=5)
-    memory.defer_("w", p, qt)
-    assert memory.pending_ranks() == {"w": 1}
-    # The next factor is formed as if P Qᵀ were gone already, without a pass over the memory.
-    memory.absorb_("w", torch.zeros(6, 5, dtype=torch.float64), known, sent, refine_q, scratch)
-    error = total - p @ qt
-    torch.testing.assert_close(sent, error.t() @ known if refine_q else error @ known)
-    assert memory.pending_ranks() == {"w": 1}
-    torch.testing.assert_close(memory.get("w", grad), error)  # read as an error, in place
-    assert memory.pending_ranks() == {}
+def test_a_memory_keeps_the_new_errors_only_where_the_step_was_finite():
+    memory = ErrorFeedback("DemoState")
+    old = torch.arange(6.0).view(2, 3)
+    memory.record(0, old.clone())
+    new = torch.full((2, 3), 7.0)
+    memory.record_where(torch.tensor(False), [0, 1], [new, new])
+    # Not finite: the old residual stays, and a key without one gets zeros, not the new errors.
+    assert torch.equal(memory.get(0, old), old) and torch.equal(memory.get(1, old), old * 0)
+    kept = memory.get(0, old)
+    memory.record_where(torch.tensor(True), [0], [new])
+    assert torch.equal(memory.get(0, old), new) and memory.get(0, old) is kept  # in place
 
 
-def test_lazy_memory_folds_pending_products_once_they_reach_their_rank():
-    memory = LazyErrorFeedback("DemoState")
-    memory.max_pending_rank = 2
-    memory.record("w", torch.zeros(4, 3, dtype=torch.float64))
-    known, sent = _randn(3, 1), torch.empty(4, 1, dtype=torch.float64)
-    scratch = torch.empty(100, dtype=torch.float64)
-    ranks = []
-    for step in range(4):
-        absorbed = memory.absorb_("w", _randn(4, 3, seed=step), known, sent, False, scratch)
-        memory.defer_("w", _randn(4, 1, seed=10 + step), _randn(1, 3, seed=20 + step))
-        ranks.append((memory.pending_ranks()["w"], absorbed.folded is not None))
-    assert ranks == [(1, False), (2, False), (1, True), (2, False)]
-
-
-def test_lazy_memory_subtracts_a_formed_product_at_once_with_what_was_pending():
-    memory = LazyErrorFeedback("SubtractState")
-    old, product = _randn(4, 3, seed=1), _randn(4, 3, seed=2)
-    memory.record("w", old.clone())
-    p0, q0t = _randn(4, 1, seed=3), _randn(1, 3, seed=4)
-    memory.defer_("w", p0, q0t)
-    memory.subtract_([("w", product), ("unknown", product)])  # a key without memory: skipped
-    assert memory.pending_ranks() == {} and "unknown" not in memory
-    torch.testing.assert_close(memory.get("w", old), old - p0 @ q0t - product)
-
-
-def test_lazy_memory_rolls_an_abandoned_step_back_and_resets_a_non_finite_memory():
-    memory = LazyErrorFeedback("RollBackState")
-    old = _randn(4, 3)
-    memory.record("w", old.clone())
-    memory.defer_("w", _randn(4, 1, seed=1), _randn(1, 3, seed=2))
-    known, sent = _randn(3, 1), torch.empty(4, 1, dtype=torch.float64)
-    scratch = torch.empty(100, dtype=torch.float64)
-    absorbed = memory.absorb_("w", _randn(4, 3, seed=3), known, sent, False, scratch)
-    memory.roll_back_(absorbed)
-    assert memory.pending_ranks() == {"w": 1}  # kept lazily through the abandoned step
-    pending = _randn(4, 1, seed=1) @ _randn(1, 3, seed=2)
-    torch.testing.assert_close(memory.get("w", old), old - pending)  # to the rounding of one add
-    memory.record("w", torch.full((4, 3), math.nan, dtype=torch.float64))
-    absorbed = memory.absorb_("w", _randn(4, 3, seed=3), known, sent, False, scratch)
-    assert not torch.isfinite(sent).all()
-    with pytest.warns(UserWarning, match="held inf or NaN and was reset"):
-        memory.roll_back_(absorbed)
-    assert "w" not in memory
-
-
-def test_withdrawing_a_non_finite_residual_loses_only_what_it_covered():
-    memory = ErrorFeedback("WithdrawState")  # warnings are said once per owner and key
-    residual = torch.tensor([0.5, math.inf, 0.25])
-    memory.record("w", residual)
-    grad = torch.tensor([1.0, 2.0, 3.0])
-    memory.compensate_("w", grad)
-    with pytest.warns(UserWarning, match="held inf or NaN and was reset"):
-        memory.withdraw_("w", grad)
-    assert torch.equal(grad, torch.tensor([1.0, 0.0, 3.0])) and "w" not in memory
-
-
-# -- the factor memory -------------------------------------------------------------------------
 def test_factor_memory_warm_start_alternation_and_state_dict():
     factors = FactorMemory("DemoState", describe=lambda key: f"matrix {key}")
     assert factors.next_step(0) == "p"
@@ -253,7 +186,6 @@ def _broken(what):
         ("q", "must be a mapping", "q"),
         ("last_step", "must be a mapping", 3),
         ("layouts", "must be a mapping", [1, 2]),
-        ("numbering", "numbering must be", 2),
         ("hook", "hook must be one of", "allreduce_hook"),
         ("rng", "rng must be a mapping", 7),
     ],

@@ -1,7 +1,7 @@
-"""The quantized hook's shortcuts keep the two phases' bits: a group of one rank sends nothing,
-and where collectives complete as they are queued (NCCL's way, here through
-``comm.completing_inline``) the checks of the gathered scales are held with the step's others
-and answered together by the first decision, held until the step's last bucket."""
+"""The quantized hook's paths keep the two phases' bits: a group of one rank sends nothing,
+collectives that complete as they are queued (NCCL's way, here through
+``comm.completing_inline``) give gloo's bits, a failed all-gather fails its bucket alone, a
+non-finite step leaves nothing behind, and the CPU kernels' bound calls give the eager bits."""
 
 import pytest
 import torch
@@ -72,14 +72,12 @@ class _nothing:
 def test_one_rank_sends_nothing_and_applies_the_two_phases_bits():
     [out] = run_on_ranks(_alone, 1, env=ENV, timeout=100)
     for (inline, bits), (steps, calls) in out.items():
-        # Nothing travels, but the plain average of the step with inf and NaN.
-        assert calls == {"all_reduce": 1}, (inline, bits)
+        assert calls == {}, (inline, bits)  # nothing travels
         for step, (grad, applied, before, before_owner, after) in enumerate(steps):
             first = before.get(0, torch.zeros(300))
             second = before_owner.get("0:0-300", torch.zeros(300))
-            if step == 2:  # inf and NaN: the plain average of one rank, memories spared
-                assert torch.equal(applied.isnan(), grad.isnan())
-                assert torch.equal(applied.nan_to_num(), grad.nan_to_num())
+            if step == 2:  # inf and NaN: non-finite where they were, memories spared
+                assert not applied[~grad.isfinite()].isfinite().any()
                 assert torch.equal(after["error"]["0"], first)
                 assert torch.equal(after["owner_error"]["0:0-300"], second)
                 continue
@@ -90,64 +88,6 @@ def test_one_rank_sends_nothing_and_applies_the_two_phases_bits():
     for bits in (8, 4):  # held or not, the same bits
         for ours, theirs in zip(out[False, bits][0], out[True, bits][0]):
             assert torch.equal(ours[1].nan_to_num(), theirs[1].nan_to_num())
-
-
-def _held(rank: int, world_size: int) -> dict:
-    from commhooks import finiteness
-    from commhooks.hooks._held_sums import held_sums
-
-    checks: list[int] = []  # the tensors of each batched check, as it is made
-    real = finiteness.finite_each
-
-    def spy(tensors: list[torch.Tensor]) -> list[bool]:
-        checks.append(len(tensors))
-        return real(tensors)
-
-    finiteness.finite_each = spy
-    out: dict = {}
-    for inline in (False, True):
-        state = QuantizationState(None, bits=8, block_size=BLOCK)
-        buckets = [FakeBucket([torch.zeros(100 + 50 * i)], index=i, last=i == 3) for i in range(4)]
-        for step in range(2):
-            grads = [_grad(rank, b.buffer().numel(), step) for b in buckets]
-            if step == 1:
-                grads[1][5 + rank] = float("nan")
-            before = state.state_dict()
-            futures, seen = [], []
-            checks.clear()
-            with comm.completing_inline() if inline else _nothing():
-                for bucket, grad in zip(buckets, grads):
-                    bucket.set_buffer(grad.clone())
-                    futures.append(quantized_hook(state, bucket))
-                    pending = held_sums(state.issuer).pending if state.issuer else 0
-                    seen.append((pending, list(checks), [f.done() for f in futures]))
-            applied = [f.wait().clone() for f in futures]
-            out[inline, step] = (grads, applied, seen, before, state.state_dict())
-    return out
-
-
-@pytest.mark.timeout(120)
-def test_held_checks_are_answered_together_at_the_last_bucket():
-    ranks = run_on_ranks(_held, 2, env=ENV, timeout=100)
-    for out in ranks:
-        for step in range(2):
-            grads, applied, seen, before, after = out[True, step]
-            # Each bucket is held as its hook returns, its future not done; nothing is read
-            # before the last, and then all four are answered by one batched check.
-            for i in range(3):
-                assert seen[i] == (i + 1, [], [False] * (i + 1)), seen
-            assert seen[3] == (0, [4], [True] * 4), seen
-            assert all(s[0] == 0 and s[1] == [] for s in out[False, step][2])  # read as it goes
-            _, applied_gloo, _, _, after_gloo = out[False, step]
-            for ours, gloo in zip(applied, applied_gloo):
-                assert torch.equal(ours.nan_to_num(), gloo.nan_to_num())
-            if step == 1:  # the NaN bucket comes back as plain allreduce puts it
-                assert applied[1].isnan().sum() == 2
-                assert all(torch.isfinite(a).all() for i, a in enumerate(applied) if i != 1)
-                number = 1  # bucket 1's parameter: numbered as the buckets came
-                assert torch.equal(after["error"][str(number)], before["error"][str(number)])
-    plain = ranks[0][True, 1][0][1] * 0.5 + ranks[1][True, 1][0][1] * 0.5
-    assert torch.equal(ranks[0][True, 1][1][1].nan_to_num(), plain.nan_to_num())
 
 
 def _huge(rank: int, world_size: int) -> tuple:
@@ -172,10 +112,10 @@ def test_finite_scales_whose_held_norm_overflows_are_not_sent_again():
 
 def _failed_gather(rank: int, world_size: int) -> tuple:
     # The all-gather of bucket 1 fails as it is issued (a future already failed, as an NCCL
-    # collective's can be): that bucket fails, and the others are decided as usual.
+    # collective's can be): that bucket fails, and the others finish as usual.
     from commhooks.hooks.quantized import hook
 
-    issue = comm.issue_all_gather  # the held path's: issued straight on the group
+    gather = comm.all_gather_into
     calls = []
 
     def failing(out: torch.Tensor, tensor: torch.Tensor, group: object) -> object:
@@ -184,9 +124,9 @@ def _failed_gather(rank: int, world_size: int) -> tuple:
             failed: torch.futures.Future[torch.Tensor] = torch.futures.Future()
             failed.set_exception(RuntimeError("the all-gather of bucket 1 failed"))
             return failed
-        return issue(out, tensor, group)
+        return gather(out, tensor, group)
 
-    hook.comm.issue_all_gather = failing  # type: ignore[assignment]
+    hook.comm.all_gather_into = failing  # type: ignore[assignment]
     state = QuantizationState(None, bits=8, block_size=BLOCK)
     buckets = [FakeBucket([_grad(rank, 200, i)], index=i, last=i == 2) for i in range(3)]
     with comm.completing_inline():
@@ -208,49 +148,39 @@ def test_an_all_gather_failed_as_issued_fails_its_bucket_alone():
         assert pending == 0  # no slot left waiting: the next step is not held back
 
 
-def _abandoned(rank: int, world_size: int, eager: bool) -> tuple:
-    """A held step whose last bucket never comes, its one bucket holding NaN (whose block's
-    padding the quantizing pass then fills with NaN), then a whole step on the same buffer.
-    ``eager``: PyTorch's operations, whose block maximum NaN makes NaN, as a GPU's does (the
-    CPU kernels' maximum passes over NaN)."""
+def _after_a_bad_step(rank: int, world_size: int, eager: bool) -> tuple:
+    """A step whose one bucket holds NaN in its last block (whose padding the quantizing pass
+    then fills with NaN), then a finite step on the same buffer, and the same finite step on a
+    fresh state. ``eager``: PyTorch's operations, whose block maximum NaN makes NaN, as a
+    GPU's does (the CPU kernels' maximum passes over NaN)."""
     from commhooks.compress import cpu_kernels
 
     with cpu_kernels.disabled() if eager else _nothing():
-        return _abandoned_step(rank)
-
-
-def _abandoned_step(rank: int) -> tuple:
-    state = QuantizationState(None, bits=8, block_size=BLOCK)
-    fresh = QuantizationState(None, bits=8, block_size=BLOCK)
-    bucket = FakeBucket([torch.zeros(100)], index=0, last=False)  # 100 of 128: padded
-    grad = _grad(rank, 100, 0)
-    broken = grad.clone()
-    broken[99] = float("nan")  # in the last block, with the padding
-    with comm.completing_inline():
-        bucket.set_buffer(broken)
-        stale = quantized_hook(state, bucket)
-        memories = state.state_dict()
-        done_before = stale.done()
-        bucket.set_last(True)
-        results = []
-        for hooked, buffer in ((state, bucket.buffer()), (fresh, torch.zeros(100))):
-            bucket.set_buffer(buffer.copy_(grad))  # DDP's next step: the same bucket buffer
-            results.append(quantized_hook(hooked, bucket).wait().clone())
-    try:
-        stale.wait()
-        error = ""
-    except RuntimeError as exc:
-        error = str(exc)
-    return done_before, error, memories, results
+        state = QuantizationState(None, bits=8, block_size=BLOCK)
+        fresh = QuantizationState(None, bits=8, block_size=BLOCK)
+        bucket = FakeBucket([torch.zeros(100)])  # 100 of 128: padded
+        grad = _grad(rank, 100, 0)
+        broken = grad.clone()
+        broken[99] = float("nan")  # in the last block, with the padding
+        with comm.completing_inline():
+            bucket.set_buffer(broken)
+            bad = quantized_hook(state, bucket).wait().clone()
+            memories = state.state_dict()
+            results = []
+            for hooked in (state, fresh):
+                bucket.set_buffer(grad.clone())
+                results.append(quantized_hook(hooked, bucket).wait().clone())
+    return bad, memories, results
 
 
 @pytest.mark.parametrize("eager", [False, True])
-def test_an_abandoned_held_step_fails_its_buckets_and_leaves_no_nan_behind(eager):
-    ranks = run_on_ranks(_abandoned, 2, eager, env=ENV)
-    for done_before, error, memories, (ours, fresh) in ranks:
-        assert not done_before and "abandoned with its step" in error
-        assert memories["error"] == {} and memories["owner_error"] == {}  # nothing committed
-        # The next step on the same buffer starts from zeroed padding: a fresh state's bits.
+def test_a_non_finite_step_leaves_no_nan_behind(eager):
+    for bad, memories, (ours, fresh) in run_on_ranks(_after_a_bad_step, 2, eager, env=ENV):
+        assert not bad[99].isfinite()
+        # Nothing kept but zeros (the memories of a first step that was not finite).
+        assert all(not t.any() for t in memories["error"].values())
+        assert all(not t.any() for t in memories["owner_error"].values())
+        # The next step on the same buffers: a fresh state's bits, no NaN left in the padding.
         assert torch.isfinite(ours).all() and torch.equal(ours, fresh)
 
 

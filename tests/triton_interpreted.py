@@ -14,7 +14,7 @@ import torch
 
 from commhooks.compress import blocks as quantize
 from commhooks.compress import cpu_kernels, triton_launch
-from commhooks.quantize import BlockFormat
+from commhooks.compress.blocks import BlockFormat
 
 # Lengths past a program's tile (2048 elements; 1024 in the owner's pass): several programs.
 OWNED = 2560
@@ -100,38 +100,6 @@ def non_finite_input() -> torch.Tensor:
     return x
 
 
-def flag_inputs(bits: int) -> list[tuple[torch.Tensor, int, int]]:
-    """Packets (blocks of 16, rows of 64), columns to decode, the flag's value before: finite,
-    finite with the flag already set, inf and NaN, NaN beyond the columns decoded, NaN
-    within them."""
-    fmt = BlockFormat(bits, 16)
-    gen = torch.Generator().manual_seed(bits)
-    finite, late = torch.randn(2, 64, generator=gen), torch.randn(2, 64, generator=gen)
-    late[0, 60] = float("nan")
-    packets = {}
-    for name, x in (("finite", finite), ("non-finite", non_finite_input()), ("late", late)):
-        packets[name] = torch.empty(2, fmt.packet_bytes(64), dtype=torch.uint8)
-        with cpu_kernels.disabled():
-            quantize.quantize_(x, packets[name], fmt, torch.empty_like(x))
-    return [
-        (packets["finite"], 64, 0),
-        (packets["finite"], 64, 1),
-        (packets["non-finite"], 64, 0),
-        (packets["late"], 47, 0),
-        (packets["late"], 49, 0),
-    ]
-
-
-def _flagged(bits: int) -> list[tuple[torch.Tensor, int]]:
-    """Each of :func:`flag_inputs`' decoded rows and flag."""
-    found = []
-    for packets, columns, before in flag_inputs(bits):
-        flag, out = torch.full((1,), before, dtype=torch.int32), torch.empty(2, columns)
-        _decoded(packets, BlockFormat(bits, 16), out, length=64, nonfinite=flag)
-        found.append((out, int(flag)))
-    return found
-
-
 def _quantized(x, fmt, keep=True, add=None, **how):
     left = x.clone()
     packets = torch.full((x.shape[0], fmt.packet_bytes(x.shape[1])), 7, dtype=torch.uint8)
@@ -174,8 +142,6 @@ def _refusals() -> list[bool]:
         q(x, packets, 8, 4, True),  # a block of whole bytes at 4 bits: a multiple of 8
         d(packets, 8, 8, torch.empty(2, 32, dtype=torch.float64)),
         d(packets, 8, 8, torch.empty(1, 32).half(), add_rows=True),  # sums are float32
-        d(packets, 8, 8, torch.empty(2, 32), nonfinite=torch.zeros(1)),  # a float flag
-        d(packets, 8, 8, torch.empty(1, 32), add_rows=True, nonfinite=torch.zeros(1).int()),
         r(packets, 8, 8, 0, torch.empty(1, 32), packets[:1], True),  # world 0
     ]
 
@@ -215,7 +181,6 @@ def run_all() -> dict[str, object]:
         summed = _decoded(packets, fmt, torch.empty(1, 256), add_rows=True)
         owned = _owner(packets, fmt, 3, None, False, 256, reciprocal=True)
         results[f"reciprocal {bits}"] = (packets, left, summed, owned)
-        results[f"flag {bits}"] = _flagged(bits)
     packed = BlockFormat(4, 64, packed=True)
     for rows, keep in PACKED:
         x = quantize_input(4, 64, rows)[1]

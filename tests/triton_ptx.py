@@ -37,7 +37,7 @@ def _signature(bits: int) -> dict[str, dict[str, str]]:
         },
         "decode_kernel": {
             "codes": codes, "scales": "*fp32", "packet_stride": "i32", "scale_stride": "i32",
-            "out": "*fp32", "out_stride": "i32", "flag": "*i32", "rows": "i32",
+            "out": "*fp32", "out_stride": "i32", "rows": "i32",
             "columns": "i32", "blocks": "i32",
         },
         "requantize_kernel": {
@@ -51,7 +51,7 @@ def _signature(bits: int) -> dict[str, dict[str, str]]:
 
 CONSTANTS = {
     "quantize_kernel": {"KEEP": True, "ADD": True, "RECIPROCAL": True},
-    "decode_kernel": {"SUM": False, "BFLOAT16": False, "FLAG": True},
+    "decode_kernel": {"SUM": False, "BFLOAT16": False},
     "requantize_kernel": {"KEEP": True, "MEMORY": True, "RECIPROCAL": True},
 }
 

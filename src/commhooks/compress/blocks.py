@@ -51,7 +51,6 @@ __all__ = [
     "requantize_sum_",
     "decode_into_",
     "decode_parts",
-    "scales_finite",
 ]
 
 NEAREST, STOCHASTIC = "nearest", "stochastic"
@@ -151,7 +150,7 @@ def quantize_(
     Per element, the error ``x - dequantized`` is at most half a step, ``scale / 2 =
     absmax / (2 qmax)`` of its block, with ``nearest`` rounding; with ``stochastic`` rounding
     it is less than a whole step and zero on average. A block holding inf or NaN gets a
-    non-finite scale, which is how a receiver knows (see :func:`scales_finite`).
+    non-finite scale, which is how a receiver knows.
 
     Args:
         x: float32, ``rows x length``, rows of whole blocks. Overwritten with the error when
@@ -200,15 +199,6 @@ def quantize_(
         blocks.addcmul_(steps, scales.neg().unsqueeze(2))
 
 
-def _flag_non_finite(
-    packets: torch.Tensor, fmt: BlockFormat, length: int, columns: int, flag: torch.Tensor
-) -> None:
-    """Set ``flag`` to 1 if a scale of the blocks holding each row's first ``columns``
-    elements is not finite; leave it as it was otherwise."""
-    scales = fmt.split(packets, length)[1][:, : math.ceil(columns / fmt.block)]
-    flag.bitwise_or_(torch.isfinite(scales).logical_not_().any())
-
-
 def _store_codes(levels: torch.Tensor, payload: torch.Tensor, fmt: BlockFormat) -> None:
     """Write integral ``levels`` (float32, in [-qmax, qmax]) as codes into ``payload``."""
     if fmt.bits == 8:
@@ -246,7 +236,6 @@ def dequantize_(
     *,
     length: int | None = None,
     scratch: torch.Tensor | None = None,
-    nonfinite: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode ``packets`` into ``out`` (``rows x columns``, any floating dtype); returns ``out``.
 
@@ -257,20 +246,14 @@ def dequantize_(
             fewer, each of its rows gets the first ``columns`` elements of its packet's row
             (the end of a bucket that fills part of a row).
         scratch: float32 ``rows x length``, through which the eager form decodes such a row.
-        nonfinite: one int32 element, set to 1 if a scale of a block decoded is inf or NaN
-            (then so are that block's values) and left as it was otherwise: a verdict that
-            stays on the device (computed in the decoding launch by the GPU kernels), which
-            several calls may share.
     """
     columns = out.shape[1]
     length = columns if length is None else length
     args = (packets, fmt.bits, fmt.block, out)
-    if out.is_cuda and triton_launch.dequantize_rows(*args, length=length, nonfinite=nonfinite):
-        return out  # the flag set in the same launch
+    if out.is_cuda and triton_launch.dequantize_rows(*args, length=length):
+        return out
     if not cpu_kernels.dequantize_rows(*args, length=length):
         _decode_eager(packets, fmt, out, length, scratch)
-    if nonfinite is not None:
-        _flag_non_finite(packets, fmt, length, columns, nonfinite)
     return out
 
 
@@ -468,14 +451,6 @@ def decode_parts(
     end = out[whole * length :].view(1, -1)
     ragged = (packets[whole : whole + 1], end, scratch[whole : whole + 1])
     return [*straight, ragged] if whole else [ragged]
-
-
-def scales_finite(packets: torch.Tensor, fmt: BlockFormat, length: int) -> bool:
-    """Whether every scale in ``packets`` is finite, i.e. no block held inf or NaN.
-
-    Reads the result back to the host (a device sync on an accelerator).
-    """
-    return bool(torch.isfinite(fmt.split(packets, length)[1]).all())
 
 
 # ----------------------------------------------------------------------------------------------

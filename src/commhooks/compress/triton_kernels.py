@@ -47,7 +47,6 @@ INTERPRETED = interpreting()  # how the kernels below were built
 _SMALLEST_ABSMAX: tl.constexpr = tl.constexpr(1e-30)
 _ROUNDER: tl.constexpr = tl.constexpr(12582912.0)  # 1.5 * 2**23: x + it - it is rint(x)
 _MAGNITUDE: tl.constexpr = tl.constexpr(0x7FFFFFFF)
-_EXPONENT: tl.constexpr = tl.constexpr(0x7F800000)  # all ones: inf or NaN
 
 
 @triton.jit
@@ -195,7 +194,6 @@ def decode_kernel(
     scale_stride,
     out,
     out_stride,
-    flag,
     rows,
     columns,
     blocks,
@@ -205,19 +203,15 @@ def decode_kernel(
     BITS: tl.constexpr,
     SUM: tl.constexpr,
     BFLOAT16: tl.constexpr,
-    FLAG: tl.constexpr,
 ):
     """Decode the first ``columns`` elements of each row into ``out``'s rows, or (``SUM``)
-    their sum in row order into its one row; with ``FLAG`` (not with ``SUM``), set ``flag`` to
-    1 if a scale read is not finite."""
+    their sum in row order into its one row."""
     row = tl.program_id(1).to(tl.int64)
     block, column, inside = _tile(BLOCK, WIDTH, GROUP, blocks)
     value = _decode(
         codes, scales, row, block, inside, blocks, packet_stride, scale_stride,
         BLOCK, WIDTH, GROUP, BITS,
     )  # fmt: skip
-    if FLAG:
-        _flag_non_finite(scales + row * scale_stride, block, blocks, flag)
     if SUM:
         for other in range(1, rows):
             value += _decode(
@@ -227,16 +221,6 @@ def decode_kernel(
     # bfloat16 as int16 bits; float16 rounded once to nearest, ties to even
     value = _bfloat16_bits(value) if BFLOAT16 else value.to(out.dtype.element_ty)
     tl.store(out + row * out_stride + column, value, mask=inside & (column < columns))
-
-
-@triton.jit
-def _flag_non_finite(scales, block, blocks, flag):
-    """Store 1 in ``flag`` if one of these blocks' scales is inf or NaN (every program that
-    finds one stores the same 1: no atomics, and no pass of its own)."""
-    step = tl.load(scales + block, mask=block < blocks, other=0.0)
-    exponent = step.to(tl.int32, bitcast=True) & _EXPONENT
-    found = tl.max((exponent == _EXPONENT).to(tl.int32), axis=0)
-    tl.store(flag, found, mask=found != 0)
 
 
 @triton.jit

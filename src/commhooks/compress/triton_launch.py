@@ -117,14 +117,12 @@ def dequantize_rows(
     *,
     length: int | None = None,
     add_rows: bool = False,
-    nonfinite: torch.Tensor | None = None,
 ) -> bool:
     """Decode ``packets`` (rows of ``length`` elements, by default ``out``'s) into the rows of
     ``out`` (float32, bfloat16 or float16) as ``quantize.dequantize_`` does, or their sum in
     row order into its one float32 row with ``add_rows``; ``out`` may hold fewer columns than
-    ``length``: the rows' first elements. ``nonfinite`` (one int32 element; not with
-    ``add_rows``) is set to 1 if a scale read is not finite, and left as it was otherwise.
-    ``False`` (nothing done) where the kernels cannot take these tensors."""
+    ``length``: the rows' first elements. ``False`` (nothing done) where the kernels cannot
+    take these tensors."""
     rows, columns = packets.shape[0], out.shape[-1]
     length = columns if length is None else length
     kernels = _module()
@@ -135,8 +133,6 @@ def dequantize_rows(
     dtypes = (torch.float32,) if add_rows else _DECODED
     if not _rows_fit(kernels, out, 1 if add_rows else rows, columns, dtypes):
         return False
-    if nonfinite is not None and (add_rows or not _flag_fits(kernels, nonfinite, out)):
-        return False
     if columns == 0:
         return True
     codes, scales = _split(packets, length, bits)
@@ -146,9 +142,9 @@ def dequantize_rows(
     with _on(out):
         kernels.decode_kernel[grid](
             codes, scales, packets.stride(0), scales.stride(0), target, out.stride(0),
-            out if nonfinite is None else nonfinite, rows, columns, math.ceil(columns / block),
+            rows, columns, math.ceil(columns / block),
             BLOCK=block, WIDTH=width, GROUP=group, BITS=bits, SUM=add_rows, BFLOAT16=bfloat16,
-            FLAG=nonfinite is not None, num_warps=_WARPS, enable_fp_fusion=False,
+            num_warps=_WARPS, enable_fp_fusion=False,
         )  # fmt: skip
     return True
 
@@ -305,16 +301,6 @@ def _addends_fit(kernels: ModuleType, x: torch.Tensor, *addends: torch.Tensor) -
             and t.data_ptr() % 4 == 0
             for t in addends
         )
-    )
-
-
-def _flag_fits(kernels: ModuleType, flag: torch.Tensor, out: torch.Tensor) -> bool:
-    """One int32 element on ``out``'s device."""
-    return (
-        _on_kernels_device(kernels, flag)
-        and flag.get_device() == out.get_device()
-        and flag.dtype == torch.int32
-        and flag.numel() == 1
     )
 
 

@@ -28,9 +28,7 @@ __all__ = [
 Hook = Callable[[Any, GradBucket], "torch.futures.Future[torch.Tensor]"]
 
 
-def allreduce_hook(
-    process_group: Any, bucket: GradBucket
-) -> torch.futures.Future[torch.Tensor]:
+def allreduce_hook(process_group: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket across the group: the same result, bit for bit, as DDP without a hook.
 
     Sparse gradients (``nn.Embedding(..., sparse=True)``, in buckets of their own) included.

@@ -174,9 +174,7 @@ def _finish_one(step: BucketStep, done: "Future[torch.Tensor]") -> torch.Tensor:
     known_shapes = [b.shapes()[0] for b in step.batches]
     known = torch.where(finite, step.known, step.starts)
     factors = step.state.factors
-    for b, sent_b, known_b in zip(
-        step.batches, _views(kept, shapes), _views(known, known_shapes)
-    ):
+    for b, sent_b, known_b in zip(step.batches, _views(kept, shapes), _views(known, known_shapes)):
         for m, k, s in zip(b.matrices, known_b.unbind(0), sent_b.unbind(0)):
             p, q = (k, s) if b.refines_q else (s, k)
             factors.keep(m.key, p, q, m.step)
@@ -353,4 +351,3 @@ def _old_sent(step: BucketStep) -> torch.Tensor:
             if stored is not None:
                 view[i].copy_(stored)
     return old
-
