@@ -58,3 +58,17 @@ def test_float_bits_are_refused_by_every_route():
     good = commhooks.HookConfig.from_dict({"hook": "streaming_diloco", "sync_every": 4, "bits": 4})
     assert "bits: 4\n" in good.to_yaml()
 
+
+@pytest.mark.parametrize("text", ["- hook: fp16\n- wrapper: no\n", "fp16\n", "", "# nothing\n"])
+def test_yaml_that_is_not_a_mapping_is_a_value_error_naming_the_fix(text):
+    pytest.importorskip("yaml")
+    with pytest.raises(ValueError, match=r"cfg\.yml: a hook configuration in YAML is one mapping"):
+        commhooks.HookConfig.from_yaml(text, name="cfg.yml")
+
+
+def test_json_that_is_not_an_object_is_a_value_error_naming_the_fix():
+    for text in ('["fp16"]', '"fp16"', "null"):
+        with pytest.raises(ValueError, match=r'one mapping of names to values, e\.g\. \{"hook"'):
+            commhooks.HookConfig.from_json(text)
+    with pytest.raises(TypeError, match="expects a mapping"):  # a Python object: its type
+        commhooks.HookConfig.from_dict(["fp16"])
