@@ -185,36 +185,44 @@ def split_by_module(named: Named, fragments: Fragments) -> list[list[str]]:
     """The parameter names of each fragment.
 
     A number cuts the modules (a parameter's name without its last part), in order, into that
-    many runs of about equal size; a module is never split. Given fragments match each
-    parameter to the one listing its name or a module containing it.
+    many runs of about equal size; a module is never split, and a module of no elements joins
+    the fragment of the module before it (the first fragment if none), so that no fragment is
+    made of nothing. Given fragments match each parameter to the one listing its name or a
+    module containing it.
 
     Raises:
-        ValueError: a parameter in no fragment or in two, an empty fragment, or more fragments
-            than modules.
+        ValueError: a parameter in no fragment or in two, a fragment without a parameter or
+            without an element, or more fragments than modules holding elements.
     """
     if not isinstance(fragments, int):
         return _match(named, fragments)
     modules: dict[str, list[tuple[str, int]]] = {}
     for name, p in named:
         modules.setdefault(name.rpartition(".")[0], []).append((name, p.numel()))
-    if len(modules) < fragments:
+    runs = [
+        ([n for n, _ in members], sum(size for _, size in members)) for members in modules.values()
+    ]
+    left = sum(1 for _, size in runs if size)  # the modules holding elements, from here on
+    if left < fragments:
         raise ValueError(
-            f"{OWNER}: fragments={fragments} but the parameters belong to {len(modules)} "
-            f"modules; pass fragments <= {len(modules)} or list the fragments by name."
+            f"{OWNER}: fragments={fragments} but the parameters' elements lie in {left} "
+            f"modules (of {len(runs)}); pass fragments <= {max(left, 1)} or list the "
+            "fragments by name."
         )
-    runs = list(modules.values())
-    total = sum(size for members in runs for _, size in members)
+    total = sum(size for _, size in runs)
     out: list[list[str]] = [[] for _ in range(fragments)]
     done, last = 0, -1
-    for i, members in enumerate(runs):
-        size = sum(n for _, n in members)
+    for names, size in runs:
+        if not size:
+            out[max(last, 0)] += names
+            continue
         # The fragment whose share of the elements holds this module's middle, kept in order,
         # without a gap, and early enough that each later fragment still gets a module.
-        wanted = int((done + size / 2) * fragments / max(total, 1))
-        index = min(max(wanted, last, fragments - (len(runs) - i)), last + 1)
-        out[index] += [name for name, _ in members]
-        done, last = done + size, index
-    return _no_empty(out)
+        wanted = int((done + size / 2) * fragments / total)
+        index = min(max(wanted, last, fragments - left), last + 1)
+        out[index] += names
+        done, last, left = done + size, index, left - 1
+    return _no_empty(out, {name: p.numel() for name, p in named})
 
 
 def _match(named: Named, fragments: tuple[tuple[str, ...], ...]) -> list[list[str]]:
@@ -232,15 +240,21 @@ def _match(named: Named, fragments: tuple[tuple[str, ...], ...]) -> list[list[st
                 "must be in exactly one fragment (list it, or a module containing it, once)."
             )
         out[owners[0]].append(name)
-    return _no_empty(out)
+    return _no_empty(out, {name: p.numel() for name, p in named})
 
 
-def _no_empty(out: list[list[str]]) -> list[list[str]]:
+def _no_empty(out: list[list[str]], sizes: Mapping[str, int]) -> list[list[str]]:
     empty = [i for i, names in enumerate(out) if not names]
     if empty:
         raise ValueError(
             f"{OWNER}: fragment(s) {empty} hold no parameter with a gradient; give fewer "
             "fragments or list parameters that train."
+        )
+    hollow = [i for i, names in enumerate(out) if not any(sizes[n] for n in names)]
+    if hollow:
+        raise ValueError(
+            f"{OWNER}: fragment(s) {hollow} hold only parameters of no elements, so they would "
+            "sync nothing; list a parameter that holds elements in each, or give fewer fragments."
         )
     return out
 
