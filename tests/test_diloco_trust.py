@@ -1,6 +1,8 @@
 """Streaming DiLoCo against careless or hostile input: models with empty modules, state dicts
 that do not fit the model or hold absurd settings, and workers whose models differ."""
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -28,8 +30,6 @@ class _EmptyLast(nn.Module):
 
 
 def _empty_model() -> nn.Module:
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "Initializing zero-element tensors"
         return _EmptyLast()
@@ -73,3 +73,101 @@ def test_a_model_whose_last_module_has_no_elements_trains(bits):
     for name, value in first.items():  # both fragments synced: the same global parameters
         assert torch.equal(value, second[name]), name
         assert value.numel() == 0 or not torch.equal(value, start[name]), name
+
+
+# -- 1 and 2: a loaded state must fit the model, and its settings must be sane ------------------
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))  # '0.weight': 16 x 8
+
+
+def _averager(**options) -> "commhooks.StreamingDiLoCo":
+    return commhooks.StreamingDiLoCo(sync_every=4, fragments=2, fragment_sync_delay=1, **options)
+
+
+def _attached(**options):
+    model = _model()
+    diloco = _averager(**options)
+    diloco.attach(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+    return diloco
+
+
+def _saved(rank, world_size):
+    """A state saved after 7 steps: both fragments synced (momentum), fragment 1 in flight."""
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    diloco = _averager()
+    diloco.attach(inner, model.named_parameters())
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(7):
+        inner.zero_grad()
+        model(torch.randn(4, 8, generator=gen)).square().mean().backward()
+        inner.step()
+    return diloco.state_dict()
+
+
+@pytest.fixture(scope="module")
+def saved():
+    state = run_on_ranks(_saved, 2)[0]
+    assert state["in_flight"]["fragment"] == 1 and state["plan"][0][0] == "0.weight"
+    assert state["outer_optimizers"][0]["state"][0]["momentum_buffer"].shape == (16, 8)
+    return state
+
+
+def _with(state, snapshot=None, momentum=None, group=None, flight=None):
+    """``state`` with '0.weight' of the global parameters, its outer momentum, the first outer
+    optimizer's param group or the fragment in flight changed."""
+    outer = state["outer_optimizers"][0]
+    entry = {**outer["state"][0]}
+    if momentum is not None:
+        entry["momentum_buffer"] = momentum
+    groups = [{**outer["param_groups"][0], **(group or {})}]
+    first = {**outer, "state": {**outer["state"], 0: entry}, "param_groups": groups}
+    return {
+        **state,
+        "snapshot": {
+            **state["snapshot"],
+            **({"0.weight": snapshot} if snapshot is not None else {}),
+        },
+        "outer_optimizers": [first, *state["outer_optimizers"][1:]],
+        "in_flight": {**state["in_flight"], **(flight or {})},
+    }
+
+
+def _unchanged_by(diloco, state, match):
+    before = diloco.state_dict()
+    with pytest.raises(commhooks.StateDictError, match=match):
+        diloco.load_state_dict(state)
+    after = diloco.state_dict()
+    assert after["step"] == before["step"] and after["plan"] == before["plan"]
+    for name, tensor in before["snapshot"].items():
+        assert torch.equal(after["snapshot"][name], tensor)
+
+
+@pytest.mark.parametrize(
+    ("snapshot", "says"),
+    [
+        (torch.zeros(1, 8), r"is \(1, 8\) torch\.float32, the model's parameter \(16, 8\)"),
+        (torch.zeros(8, 16), r"is \(8, 16\) torch\.float32, the model's parameter \(16, 8\)"),
+        (torch.zeros(16, 8, dtype=torch.float64), r"is \(16, 8\) torch\.float64, the model's"),
+    ],
+    ids=["a-row", "transposed", "float64"],
+)
+def test_global_parameters_of_another_shape_or_dtype_are_refused_at_load(saved, snapshot, says):
+    momentum = torch.zeros(snapshot.shape)  # consistent with it: only the model tells
+    bad = _with(saved, snapshot=snapshot, momentum=momentum)
+    _unchanged_by(_attached(), bad, r"'snapshot'\['0\.weight'\] " + says)
+    late = _averager()  # loaded before attach: attach refuses it, naming the entry
+    late.load_state_dict(bad)
+    model = _model()
+    with pytest.raises(commhooks.StateDictError, match=r"attach: .*'snapshot'\['0\.weight'\]"):
+        late.attach(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+    good = _attached()
+    good.load_state_dict(saved)
+    assert good.plan == saved["plan"]
+
+
+def test_a_global_parameter_the_model_lacks_is_refused(saved):
+    foreign = {**saved, "snapshot": {**saved["snapshot"], "9.weight": torch.zeros(2)}}
+    foreign["plan"] = [saved["plan"][0] + ["9.weight"], saved["plan"][1]]
+    _unchanged_by(_attached(), foreign, r"'snapshot'\['9\.weight'\] is no parameter of the model")

@@ -65,6 +65,8 @@ HOOK = "diloco_hook"
 Fragments = int | tuple[tuple[str, ...], ...]
 _KEEP: Any = object()
 _OUTER_BLOCK = 512  # values per scale of packed 4-bit outer gradients (see _quantizer)
+Shape = tuple[int, ...]
+Layout = dict[str, tuple[Shape, torch.dtype]]  # a model's parameters: name -> shape, dtype
 
 
 def _check_fragments(owner: str, name: str, value: Any) -> Fragments:
@@ -350,6 +352,8 @@ class StreamingDiLoCo(ModelAverager):
         "_in_flight_future",
         "_last_seen",
         "_issuers",
+        "_layout",
+        "_fitted",
     )
 
     def __init__(
@@ -378,6 +382,11 @@ class StreamingDiLoCo(ModelAverager):
         self.in_flight: _InFlight | None = None
         self._in_flight_future: torch.futures.Future[torch.Tensor] | None = None
         self._last_seen: dict[str, torch.Tensor] = {}  # the parameters of the last step
+        # The model's parameters, as attach() or the first step met them, so that a loaded
+        # state is checked against them; and whether the parameters of a step were checked
+        # against the global ones since the last load.
+        self._layout: Layout | None = None
+        self._fitted = False
         # One follow-up issuer per group for every quantized average this averager starts,
         # one after another on the training thread: one follow-up group, not one a fragment.
         self._issuers = comm.IssuerPool()
@@ -388,6 +397,7 @@ class StreamingDiLoCo(ModelAverager):
         self._in_flight_future = None
         self._last_seen = {}
         self._issuers = comm.IssuerPool()
+        self._layout, self._fitted = None, False
 
     def __getstate__(self) -> dict[str, Any]:
         self._settle()  # a pickle holds the fragment in flight as its average
@@ -451,12 +461,22 @@ class StreamingDiLoCo(ModelAverager):
         """Run after every ``optimizer.step()`` (see :meth:`ModelAverager.attach` for names).
 
         Attached before the first step of a run without warm-up, it takes the optimizer's
-        parameters as they are now as the global parameters (:meth:`start`).
+        parameters as they are now as the global parameters (:meth:`start`). Their names,
+        shapes and dtypes are kept, so that a state dict loaded later is checked against them.
+
+        Raises:
+            StateDictError: a state dict loaded before holds global parameters that are not
+                this model's (a name it lacks, another shape or dtype); nothing is attached.
         """
         named = None if named_parameters is None else list(named_parameters)
+        names = None if named is None else {id(p): n for n, p in named}
+        every = named_in_groups(optimizer.param_groups, names, with_grad_only=False)
+        layout = _layout_of(every)
+        if self.snapshot is not None:
+            _check_fits(f"{OWNER}.attach: the loaded state's", self.snapshot, layout)
+        self._layout = layout
         if self.snapshot is None and self.step == 0 and self.warmup_steps == 0:
-            names = None if named is None else {id(p): n for n, p in named}
-            self.start(named_in_groups(optimizer.param_groups, names, with_grad_only=False))
+            self.start(every)
         return super().attach(optimizer, named)
 
     def start(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -467,6 +487,8 @@ class StreamingDiLoCo(ModelAverager):
         """
         self.snapshot = {n: p.detach().clone() for n, p in named}
         self.plan, self.outer_optimizers, self.quantizers = None, [], []
+        if self._layout is None:
+            self._layout = _layout_of(self.snapshot.items())
 
     def finish(self) -> None:
         """Apply the fragment in flight now: call it on every rank after the last step.
@@ -618,11 +640,14 @@ class StreamingDiLoCo(ModelAverager):
                 self.outer_optimizer_factory([self.snapshot[n] for n in names]) for names in plan
             ]
             self.quantizers = self._new_quantizers(group, len(plan))
-        elif set(lookup) != set(self.snapshot):
-            self._check_snapshot(lookup, self.snapshot)
+        elif not self._fitted or set(lookup) != set(self.snapshot):
+            self._check_snapshot(lookup, self.snapshot)  # loaded since the last step, or changed
         first = next(iter(lookup.values()))
         if next(iter(self.snapshot.values())).device != first.device:
             self._move_to(first.device)
+        if self._layout is None:
+            self._layout = _layout_of(named)
+        self._fitted = True
         return lookup
 
     def _new_quantizers(
@@ -649,16 +674,15 @@ class StreamingDiLoCo(ModelAverager):
     def _check_snapshot(
         self, lookup: Mapping[str, torch.Tensor], snapshot: Mapping[str, torch.Tensor]
     ) -> None:
+        layout = _layout_of(lookup.items())
         wrong = [
-            n
-            for n, p in lookup.items()
-            if n not in snapshot or snapshot[n].shape != p.shape or snapshot[n].dtype != p.dtype
+            f"{n!r} {w}" for n, want in layout.items() if (w := _differs(snapshot.get(n), want))
         ]
         if wrong or (self.plan is not None and len(lookup) != len(snapshot)):
             raise ValueError(
                 f"{OWNER}: the parameters with gradients ({len(lookup)}) do not match the global "
-                f"parameters ({len(snapshot)}; first differing: {wrong[:3]}); the set of "
-                "trained parameters changed, or a state dict of another model was loaded. "
+                f"parameters ({len(snapshot)}; first differing: {'; '.join(wrong[:3])}); the "
+                "set of trained parameters changed, or a state dict of another model was loaded. "
                 "Nothing was changed; load the matching checkpoint."
             )
 
@@ -708,6 +732,8 @@ class StreamingDiLoCo(ModelAverager):
             if started
             else None
         )
+        if snapshot is not None and self._layout is not None:
+            _check_fits(where, snapshot, self._layout)  # else checked by attach() or a step
         plan = _parse_plan(where, state_dict.get("plan"), snapshot)
         outer = self._parse_outer(where, state_dict.get("outer_optimizers"), plan, snapshot)
         quantizers = self._parse_quantizers(where, state_dict.get("quantizers"), plan)
@@ -784,6 +810,7 @@ class StreamingDiLoCo(ModelAverager):
 
     def _apply(self, values: dict[str, Any]) -> None:
         super()._apply(values)
+        self._fitted = False  # the next step checks its parameters against the loaded ones
         self.snapshot, self.plan = values["snapshot"], values["plan"]
         self.outer_optimizers, self.quantizers = values["outer"], values["quantizers"]
         self.warmup_quantizer = values["warmup_quantizer"]
@@ -805,6 +832,42 @@ def _local_change(
         return None
     issued = _split(flight.local, snaps)
     return [p.float() - s.float() + g for p, s, g in zip(params, snaps, issued)]
+
+
+def _layout_of(named: Iterable[tuple[str, torch.Tensor]]) -> Layout:
+    return {n: (tuple(p.shape), p.dtype) for n, p in named}
+
+
+def _differs(saved: torch.Tensor | None, wanted: tuple[Shape, torch.dtype]) -> str:
+    """How a global parameter differs from the model's, ``wanted`` ('' if it fits)."""
+    shape, dtype = wanted
+    if saved is None:
+        return "has no global parameter"
+    if tuple(saved.shape) == shape and saved.dtype == dtype:
+        return ""
+    return f"is {tuple(saved.shape)} {saved.dtype}, the model's parameter {shape} {dtype}"
+
+
+def _check_fits(where: str, snapshot: Mapping[str, torch.Tensor], layout: Layout) -> None:
+    """Refuse global parameters that are not the model's: unknown names, shapes, dtypes.
+
+    Raises:
+        StateDictError: naming the first entry that does not fit.
+    """
+    for name, saved in snapshot.items():
+        if name not in layout:
+            known = ", ".join(repr(n) for n in list(layout)[:4])
+            raise StateDictError(
+                f"{where} 'snapshot'[{name!r}] is no parameter of the model (which has "
+                f"{len(layout)}: {known}...); it was saved for another model. Nothing was "
+                "changed; load the checkpoint saved with this model."
+            )
+        differs = _differs(saved, layout[name])
+        if differs:
+            raise StateDictError(
+                f"{where} 'snapshot'[{name!r}] {differs}; it was saved for another model. "
+                "Nothing was changed; load the checkpoint saved with this model."
+            )
 
 
 def _split(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
