@@ -171,3 +171,76 @@ def test_a_global_parameter_the_model_lacks_is_refused(saved):
     foreign = {**saved, "snapshot": {**saved["snapshot"], "9.weight": torch.zeros(2)}}
     foreign["plan"] = [saved["plan"][0] + ["9.weight"], saved["plan"][1]]
     _unchanged_by(_attached(), foreign, r"'snapshot'\['9\.weight'\] is no parameter of the model")
+
+
+def test_a_scalar_outer_momentum_is_refused(saved):
+    scalar = _with(saved, momentum=torch.tensor(0.5))
+    _unchanged_by(_attached(), scalar, r"fragment 0 'state'\[0\]\['momentum_buffer'\] must have")
+
+
+@pytest.mark.parametrize(
+    ("group", "says"),
+    [
+        ({"lr": float("nan")}, r"'param_groups'\[0\]\['lr'\] must be a finite number"),
+        ({"lr": "0.7"}, r"'param_groups'\[0\]\['lr'\] must be a finite number"),
+        ({"momentum": "abc"}, r"'param_groups'\[0\]\['momentum'\] must be a finite number"),
+        ({"nesterov": 1}, r"'param_groups'\[0\]\['nesterov'\] must be True or False"),
+    ],
+    ids=["lr-nan", "lr-string", "momentum-string", "nesterov-int"],
+)
+def test_outer_settings_that_are_not_numbers_are_refused_naming_the_entry(saved, group, says):
+    _unchanged_by(_attached(), _with(saved, group=group), says)
+
+
+def test_absurd_outer_gradients_and_momenta_are_refused_at_load(saved):
+    size = saved["in_flight"]["average"].numel()
+    huge = _with(saved, flight={"average": torch.full((size,), 1e30)})
+    _unchanged_by(_attached(), huge, r"'in_flight' 'average' reaches 1e\+30, beyond any training")
+    momentum = _with(saved, momentum=torch.full((16, 8), 1e30))
+    _unchanged_by(_attached(), momentum, r"\['momentum_buffer'\] reaches 1e\+30")
+    tenfold = saved["in_flight"]["average"] * 10  # large, but a training step: loads
+    _attached().load_state_dict(_with(saved, flight={"average": tenfold}))
+
+
+def test_the_options_built_with_win_over_saved_settings_and_the_handshake_agrees(saved):
+    resumed = _attached(outer_lr=0.1)
+    with pytest.warns(commhooks.CommHooksWarning, match=r"outer_lr: saved 0\.7, kept 0\.1"):
+        resumed.load_state_dict(saved)
+    assert all(o.param_groups[0]["lr"] == 0.1 for o in resumed.outer_optimizers)
+    assert resumed.handshake_fields()["outer_lr"] == 0.1
+    absurd = _attached()
+    with pytest.warns(commhooks.CommHooksWarning, match=r"outer_lr: saved 1e\+30, kept 0\.7"):
+        absurd.load_state_dict(_with(saved, group={"lr": 1e30}))
+    assert [o.param_groups[0]["lr"] for o in absurd.outer_optimizers] == [0.7, 0.7]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _attached().load_state_dict(saved)  # the same settings: not a word
+
+
+def _outer_averager_state(lr: float) -> dict:
+    """A synced OuterOptimizerAverager's state dict, its outer SGD at ``lr`` with momentum."""
+    weight = torch.ones(2, 3)
+    outer = torch.optim.SGD([weight], lr=lr, momentum=0.9, nesterov=True)
+    weight.grad = torch.full((2, 3), 0.1)
+    outer.step()
+    return {
+        "kind": "outer_optimizer_averager",
+        "version": 2,
+        "step": 4,
+        "warmup_steps": 0,
+        "period": 2,
+        "snapshot": {"w": weight.detach().clone()},
+        "outer_optimizer": outer.state_dict(),
+        "synced": True,
+    }
+
+
+def test_the_outer_optimizer_averager_follows_the_same_rules():
+    averager = commhooks.OuterOptimizerAverager(2, outer_lr=0.1)
+    with pytest.warns(commhooks.CommHooksWarning, match=r"outer_lr: saved 0\.7, kept 0\.1"):
+        averager.load_state_dict(_outer_averager_state(0.7))
+    assert averager.outer_optimizer.param_groups[0]["lr"] == 0.1
+    damaged = _outer_averager_state(0.7)
+    damaged["outer_optimizer"]["param_groups"][0]["lr"] = float("nan")
+    with pytest.raises(commhooks.StateDictError, match=r"\['lr'\] must be a finite number"):
+        commhooks.OuterOptimizerAverager(2).load_state_dict(damaged)

@@ -30,7 +30,12 @@ its few steps of full-precision allreduce are a large share of a run whose syncs
 
 Checkpoints: :meth:`state_dict` holds the step, the global parameters, every outer optimizer,
 the quantized averages' error memories (the warm-up's while it lasts) and a fragment in flight
-(its average, waited for), so a run resumed from it continues bit for bit.
+(its average, waited for), so a run resumed from it continues bit for bit. Loading checks each
+entry against the model and the averager: a global parameter of another shape or dtype, an
+outer setting that is not a number, an outer gradient or momentum past any training step
+(:data:`commhooks.averagers.PLAUSIBLE_CHANGE`) is refused by name; the outer optimizers keep
+the settings the averager was built with (``outer_lr``...), which the ranks' handshake agreed
+on, and a saved one that differs is named in a warning.
 """
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -42,12 +47,20 @@ import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
 from commhooks import comm
-from commhooks.averagers import ModelAverager, OuterOptions, default_outer_optimizer
+from commhooks.averagers import (
+    ModelAverager,
+    OuterOptions,
+    check_plausible,
+    default_outer_optimizer,
+    largest_magnitude,
+    load_outer,
+    warn_replaced,
+)
 from commhooks.hooks._bucket import GradBucket, gradient_buffer
 from commhooks.hooks.quantized import QuantizationState, quantized_hook
 from commhooks.options import count, flag, option, real
 from commhooks.parameters import Named, averaged_views, named_in_groups
-from commhooks.state import StateDictError, check_count, check_optimizer_state, check_tensor
+from commhooks.state import StateDictError, check_count, check_tensor
 
 __all__ = [
     "DiLoCoOptions",
@@ -735,7 +748,9 @@ class StreamingDiLoCo(ModelAverager):
         if snapshot is not None and self._layout is not None:
             _check_fits(where, snapshot, self._layout)  # else checked by attach() or a step
         plan = _parse_plan(where, state_dict.get("plan"), snapshot)
-        outer = self._parse_outer(where, state_dict.get("outer_optimizers"), plan, snapshot)
+        outer, replaced = self._parse_outer(
+            where, state_dict.get("outer_optimizers"), plan, snapshot
+        )
         quantizers = self._parse_quantizers(where, state_dict.get("quantizers"), plan)
         warmup = self._parse_warmup_quantizer(where, state_dict.get("warmup_quantizer"), values)
         flight = _parse_flight(where, state_dict.get("in_flight"), plan, snapshot)
@@ -746,6 +761,7 @@ class StreamingDiLoCo(ModelAverager):
             "snapshot": snapshot,
             "plan": plan,
             "outer": outer,
+            "replaced": replaced,
             "quantizers": quantizers,
             "warmup_quantizer": warmup,
             "in_flight": flight,
@@ -757,21 +773,21 @@ class StreamingDiLoCo(ModelAverager):
         raw: Any,
         plan: list[list[str]] | None,
         snapshot: dict[str, torch.Tensor] | None,
-    ) -> list[torch.optim.Optimizer]:
+    ) -> tuple[list[torch.optim.Optimizer], list[tuple[str, Any, Any]]]:
+        """Each fragment's outer optimizer, and the saved settings that gave way to this
+        averager's own (see :func:`commhooks.averagers.load_outer`)."""
         if not isinstance(raw, list) or len(raw) != len(plan or []):
             raise StateDictError(f"{where} 'outer_optimizers' must hold one state per fragment.")
-        made = []
+        made, replaced = [], []
         for i, (names, saved) in enumerate(zip(plan or [], raw)):
             assert snapshot is not None
             tensors = [snapshot[n] for n in names]
             entry = f"{where} the outer optimizer of fragment {i}"
-            outer = self.outer_optimizer_factory(tensors)
-            try:
-                outer.load_state_dict(check_optimizer_state(entry, saved, tensors))
-            except (KeyError, ValueError, TypeError, IndexError) as exc:
-                raise StateDictError(f"{entry} does not fit {type(outer).__name__}: {exc}") from exc
-            made.append(outer)
-        return made
+            scale = largest_magnitude(tensors)
+            loaded = load_outer(entry, self.outer_optimizer_factory, saved, tensors, scale)
+            made.append(loaded.optimizer)
+            replaced += [r for r in loaded.replaced if r not in replaced]
+        return made, replaced
 
     def _parse_quantizers(
         self, where: str, raw: Any, plan: list[list[str]] | None
@@ -809,6 +825,7 @@ class StreamingDiLoCo(ModelAverager):
         return made
 
     def _apply(self, values: dict[str, Any]) -> None:
+        warn_replaced(OWNER, values["replaced"], self.options.outer_optimizer is None)
         super()._apply(values)
         self._fitted = False  # the next step checks its parameters against the loaded ones
         self.snapshot, self.plan = values["snapshot"], values["plan"]
@@ -934,22 +951,28 @@ def _parse_flight(
     if fragment >= len(plan):
         raise StateDictError(f"{where} 'in_flight' names fragment {fragment} of {len(plan)}.")
     size = sum(snapshot[n].numel() for n in plan[fragment])
-    average = _fragment_tensor(where, raw, "average", size, fragment)
+    scale = largest_magnitude(snapshot[n] for n in plan[fragment])
+    average = _fragment_tensor(where, raw, "average", size, fragment, scale)
     # Saved only with keep_inflight_steps; without it, the fragment merges as that option's off.
-    local = None if "local" not in raw else _fragment_tensor(where, raw, "local", size, fragment)
+    local = None
+    if "local" in raw:
+        local = _fragment_tensor(where, raw, "local", size, fragment, scale)
     return _InFlight(fragment, apply_at, average, local)
 
 
 def _fragment_tensor(
-    where: str, raw: Mapping[str, Any], key: str, size: int, fragment: int
+    where: str, raw: Mapping[str, Any], key: str, size: int, fragment: int, scale: float
 ) -> torch.Tensor:
-    """A copy of the saved float32 vector ``raw[key]`` of fragment ``fragment``'s ``size``."""
-    flat = check_tensor(f"{where} 'in_flight' {key!r}", raw.get(key), dtype=torch.float32)
+    """A copy of the saved float32 vector ``raw[key]`` of fragment ``fragment``'s ``size``,
+    an outer gradient within the plausible reach of global parameters up to ``scale``."""
+    entry = f"{where} 'in_flight' {key!r}"
+    flat = check_tensor(entry, raw.get(key), dtype=torch.float32)
     if flat.dim() != 1 or flat.numel() != size:
         raise StateDictError(
-            f"{where} 'in_flight' {key!r} must hold the {size} elements of fragment "
-            f"{fragment}, got shape {tuple(flat.shape)}."
+            f"{entry} must hold the {size} elements of fragment {fragment}, got shape "
+            f"{tuple(flat.shape)}."
         )
+    check_plausible(entry, flat, scale)
     return flat.clone()
 
 
