@@ -244,3 +244,32 @@ def test_the_outer_optimizer_averager_follows_the_same_rules():
     damaged["outer_optimizer"]["param_groups"][0]["lr"] = float("nan")
     with pytest.raises(commhooks.StateDictError, match=r"\['lr'\] must be a finite number"):
         commhooks.OuterOptimizerAverager(2).load_state_dict(damaged)
+
+
+# -- 9: workers with models of different sizes ---------------------------------------------------
+def _different_models(rank, world_size, bits, attach):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16 + 8 * rank), nn.ReLU(), nn.Linear(16 + 8 * rank, 4))
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    diloco = commhooks.StreamingDiLoCo(sync_every=2, fragments=2, bits=bits)
+    if attach:
+        diloco.attach(inner, model.named_parameters())
+    try:
+        for _ in range(2):
+            inner.zero_grad()
+            model(torch.randn(4, 8)).square().mean().backward()
+            inner.step()
+            if not attach:
+                diloco.average_parameters(model.parameters())
+    except ValueError as exc:
+        return str(exc), diloco.step, diloco.plan
+    return None, diloco.step, diloco.plan
+
+
+@pytest.mark.parametrize(("bits", "attach"), [(None, True), (4, True), (4, False)])
+def test_workers_with_models_of_different_sizes_are_named_at_the_first_sync(bits, attach):
+    for message, step, plan in run_on_ranks(_different_models, 2, bits, attach):
+        assert message is not None and "do not train the same model" in message
+        assert "rank 0: 4 tensors, 212 elements" in message
+        assert "rank 1: 4 tensors, 316 elements" in message
+        assert step == 0 and plan is None  # refused before anything was sent or changed

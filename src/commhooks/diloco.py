@@ -38,6 +38,8 @@ the settings the averager was built with (``outer_lr``...), which the ranks' han
 on, and a saved one that differs is named in a warning.
 """
 
+import hashlib
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -367,6 +369,7 @@ class StreamingDiLoCo(ModelAverager):
         "_issuers",
         "_layout",
         "_fitted",
+        "_model_agreed",
     )
 
     def __init__(
@@ -400,6 +403,7 @@ class StreamingDiLoCo(ModelAverager):
         # against the global ones since the last load.
         self._layout: Layout | None = None
         self._fitted = False
+        self._model_agreed = False  # every rank of the group was found to train the same model
         # One follow-up issuer per group for every quantized average this averager starts,
         # one after another on the training thread: one follow-up group, not one a fragment.
         self._issuers = comm.IssuerPool()
@@ -410,7 +414,7 @@ class StreamingDiLoCo(ModelAverager):
         self._in_flight_future = None
         self._last_seen = {}
         self._issuers = comm.IssuerPool()
-        self._layout, self._fitted = None, False
+        self._layout, self._fitted, self._model_agreed = None, False, False
 
     def __getstate__(self) -> dict[str, Any]:
         self._settle()  # a pickle holds the fragment in flight as its average
@@ -554,6 +558,9 @@ class StreamingDiLoCo(ModelAverager):
         if not named:
             return
         inner = self.step - self.warmup_steps + 1
+        if not self._model_agreed:  # before any collective whose size is the model's
+            _agree_on_model(named, group)
+            self._model_agreed = True
         if self.snapshot is None:  # neither attached before the first step nor started
             for p, avg in zip([p for _, p in named], averaged_views([p for _, p in named], group)):
                 with torch.no_grad():
@@ -853,6 +860,32 @@ def _local_change(
 
 def _layout_of(named: Iterable[tuple[str, torch.Tensor]]) -> Layout:
     return {n: (tuple(p.shape), p.dtype) for n, p in named}
+
+
+def _agree_on_model(named: Named, group: dist.ProcessGroup) -> None:
+    """Raise on every rank of ``group`` unless all average the same parameters.
+
+    The fragments' averages are collectives whose sizes are the model's: between models of
+    different sizes gloo aborts the process, and the quantized average pads both to whole
+    blocks and returns wrong averages without a word. So, as the ranks' handshake does for
+    the options, one gather of a short description of the parameters (count, elements, and
+    a digest of their names, shapes and dtypes, in order) at the first sync.
+
+    Raises:
+        ValueError: naming each rank's description, on every rank alike.
+    """
+    layout = _layout_of(named)
+    digest = hashlib.sha256(repr(list(layout.items())).encode()).hexdigest()[:12]
+    elements = sum(math.prod(shape) for shape, _ in layout.values())
+    mine = f"{len(layout)} tensors, {elements} elements, layout {digest}"
+    described = comm.all_gather_objects(mine, group)
+    if any(other != mine for other in described):
+        ranks = "; ".join(f"rank {r}: {d}" for r, d in enumerate(described))
+        raise ValueError(
+            f"{OWNER}: the workers do not train the same model ({ranks}), so their fragments' "
+            "averages would not match. Build the same model on every worker: the same "
+            "parameters with gradients, in the same order, shapes and dtypes."
+        )
 
 
 def _differs(saved: torch.Tensor | None, wanted: tuple[Shape, torch.dtype]) -> str:
