@@ -478,7 +478,9 @@ def _backend(a: argparse.Namespace, launched: LauncherWorld | None) -> str:
 
 
 def _check_model(a: argparse.Namespace) -> None:
-    """``--model`` names a factory that imports; it replaces ``--task`` and ``--params``."""
+    """``--model`` is of the form ``package.module:factory``; it replaces ``--task`` and
+    ``--params``. Whether the factory imports and trains is checked once the run starts
+    (:func:`commhooks.bench.usermodel.check_factory`), where every error is one line."""
     if a.model is None:
         return
     for flag, value in (("--task", a.task), ("--params", a.params)):
@@ -487,9 +489,9 @@ def _check_model(a: argparse.Namespace) -> None:
                 f"give --model or {flag}, not both: with --model the factory decides what is "
                 "trained."
             )
-    from commhooks.bench.usermodel import load_factory
+    from commhooks.bench.usermodel import split_name
 
-    load_factory(a.model)  # raises BenchModelError (a ValueError) with the fix
+    split_name(a.model)  # raises BenchModelError (a ValueError) with the fix
 
 
 def _launched_memory(a: argparse.Namespace, notes: list[str]) -> MemoryMeasure:
