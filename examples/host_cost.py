@@ -18,9 +18,9 @@ cpu`` times steps by this process's CPU time instead of the wall's.
 ``--backend gloo`` (the default) runs every hook as on a CPU cluster: gloo runs a future's
 callbacks on a worker thread of its own, and PyTorch's hooks pay for the interpreter changing
 hands at each. ``--backend inline`` measures what a GPU's host pays instead: a backend whose
-collectives complete as they are issued, as NCCL's futures do (:mod:`commhooks.testing.inline_group`),
-with our hooks inside :func:`commhooks.comm.completing_inline`, so that they take the GPU's
-branches (follow-ups held until the last bucket, checks kept on the device). There the
+collectives complete as they are issued, as NCCL's futures do
+(:mod:`commhooks.testing.inline_group`), with our hooks inside
+:func:`commhooks.comm.completing_inline`, so that they take the GPU's control flow. There the
 PowerSGD rows are measured with one bucket and with many; on gloo PyTorch's PowerSGD with
 several buckets hangs, so they use one. ``--backend nccl`` measures on a GPU itself (one NCCL
 rank, the model on ``cuda:0``): a block's time runs from an idle device to the end of its last

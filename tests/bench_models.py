@@ -1,9 +1,10 @@
 """Models for ``commhooks bench --model`` in the tests: each factory shows one form of the
 protocol (``commhooks.bench.usermodel``), or one way a user's model can go wrong.
 
-Under torchrun a factory is called once per hook on every rank (each hook's model is built
-afresh), in the order of ``--hooks``: the faulty factory counts its calls to fail on given
-hooks only, and reads ``RANK`` to fail on one rank only.
+Under torchrun a factory is called once on every rank to check it before anything runs, then
+once per hook (each hook's model is built afresh), in the order of ``--hooks``: the faulty
+factory counts its calls to fail on given hooks only, and reads ``RANK`` to fail on one rank
+only.
 """
 
 import os
@@ -65,8 +66,9 @@ def not_a_model() -> str:
 
 
 def _hook_on_rank_1(number: int) -> bool:
-    """Whether this call builds the ``number``-th hook's model (from 1) on rank 1."""
-    return _calls["n"] == number and os.environ.get("RANK") == "1"
+    """Whether this call builds the ``number``-th hook's model (from 1) on rank 1 (the first
+    call is the bench's check of the factory)."""
+    return _calls["n"] == number + 1 and os.environ.get("RANK") == "1"
 
 
 def _stalls(make_batch_at_2: Any) -> BenchModel:

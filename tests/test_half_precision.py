@@ -66,7 +66,7 @@ def test_fp16_overflow_gives_inf_as_pytorch_and_the_finite_average_with_repair(v
 @pytest.mark.parametrize("bad", [float("nan"), INF], ids=["nan", "inf"])
 def test_a_non_finite_gradient_stays_non_finite_either_way(bad):
     values = [[bad, 1.0, 2.0], [1.0, 1.0, 0.0]]
-    for plain, repaired, _, theirs in run_on_ranks(_both_ways, 2, values):
+    for plain, repaired, _, _ in run_on_ranks(_both_ways, 2, values):
         for out in (plain, repaired):
             assert not out[0].isfinite() and out[0].isnan() == torch.tensor(bad).isnan()
             assert out[1] == 1.0 and out[2] == 1.0

@@ -1,5 +1,6 @@
-"""The inline backend (commhooks.testing.inline_group): one rank whose collectives complete as they are
-issued, as NCCL's futures do, for PyTorch's hooks and ours; each check in a process of its own."""
+"""The inline backend (commhooks.testing.inline_group): one rank whose collectives complete as
+they are issued, as NCCL's futures do, for PyTorch's hooks and ours; each check in a process of
+its own."""
 
 import json
 import os

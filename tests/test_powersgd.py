@@ -402,7 +402,7 @@ BAD_IN_THE_SECOND = 16 * 12 + 12 + 5
 
 def test_a_non_finite_step_leaves_memory_and_factors_exactly_as_they_were(fake_bucket_results):
     for per_rank in fake_bucket_results:
-        for out, kept, plain, warned in per_rank["non-finite"] + per_rank["non-finite-several"]:
+        for out, kept, _, _ in per_rank["non-finite"] + per_rank["non-finite-several"]:
             assert kept and not torch.isfinite(out).all()
 
 

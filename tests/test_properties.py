@@ -1,8 +1,9 @@
 """Property-based tests (hypothesis) of the compression math and of the hooks' cast path.
 
-The pure math of :mod:`commhooks.compress.lowrank` is tested in this process. Properties that need a hook
-(which needs torch.distributed) run inside one rank started by ``run_on_ranks``: each check there
-is a hypothesis test whose outcome ("ok" or the falsifying example's traceback) comes back here.
+The pure math of :mod:`commhooks.compress.lowrank` is tested in this process. Properties that
+need a hook (which needs torch.distributed) run inside one rank started by ``run_on_ranks``: each
+check there is a hypothesis test whose outcome ("ok" or the falsifying example's traceback) comes
+back here.
 
 Values include zeros, all-zero columns, tiny (1e-30) and huge (1e30) magnitudes; shapes include
 1 x N, N x 1, tall and wide; ranks go from 1 to min(n, m) + 1 (capped as the hooks cap them).

@@ -438,8 +438,13 @@ class HookConfig:
 
     @classmethod
     def from_json(cls, text: str) -> "HookConfig":
-        """Build from a JSON object (the mapping form)."""
-        return cls.from_dict(json.loads(text))
+        """Build from a JSON object (the mapping form).
+
+        Raises:
+            ValueError: text that is not JSON, a JSON value that is not an object, or an
+                invalid configuration.
+        """
+        return cls.from_dict(_mapping_from_text(json.loads(text), "JSON", "<json text>"))
 
     def to_json(self, **dumps_kwargs: Any) -> str:
         """The mapping form as JSON; options must be JSON values."""
@@ -459,16 +464,41 @@ class HookConfig:
             name: the file's name for messages, when ``text`` is its contents.
 
         Raises:
-            ValueError: a duplicate key, too deep nesting, or an invalid configuration.
+            ValueError: a duplicate key, too deep nesting, a document that is not a mapping
+                (a list, a bare value, nothing), or an invalid configuration.
             yaml.YAMLError: text that is not YAML.
         """
         from commhooks._yaml import load_strictly
 
-        return cls.from_dict(load_strictly(_yaml(), text, name))
+        source = name or str(getattr(text, "name", "<yaml text>"))
+        loaded = load_strictly(_yaml(), text, name)
+        return cls.from_dict(_mapping_from_text(loaded, "YAML", source))
 
     def to_yaml(self) -> str:
         """The mapping form as YAML. Needs PyYAML."""
         return str(_yaml().safe_dump(self.to_dict(), sort_keys=False))
+
+
+def _mapping_from_text(loaded: Any, form: str, source: str) -> Mapping[str, Any]:
+    """What a JSON or YAML text held, if it is the mapping form of a configuration.
+
+    ``from_dict`` takes a Python object and calls a non-mapping a ``TypeError``; in a text,
+    the same mistake is a wrong value (a list of options, an empty file), so ``ValueError``.
+    """
+    if isinstance(loaded, Mapping):
+        return loaded
+    got = "nothing" if loaded is None else f"a {type(loaded).__name__}"
+    example = _EXAMPLES[form]
+    raise ValueError(
+        f"{source}: a hook configuration in {form} is one mapping of names to values, e.g. "
+        f"{example}; got {got}. Write each option as a name and its value, not as a list."
+    )
+
+
+_EXAMPLES = {
+    "JSON": '{"hook": "power_sgd", "matrix_approximation_rank": 2}',
+    "YAML": "'hook: power_sgd' and 'matrix_approximation_rank: 2' on lines of their own",
+}
 
 
 def _yaml() -> Any:

@@ -19,6 +19,8 @@ import dataclasses
 import difflib
 import math
 import numbers
+import types
+import typing
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Generic, Protocol, TypeVar, cast, overload
 
@@ -65,11 +67,14 @@ class Options:
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
+            given = getattr(self, f.name)
             check = f.metadata.get(_CHECK)
             if check is not None:
-                object.__setattr__(self, f.name, check(self.owner, f.name, getattr(self, f.name)))
-            if f.type in (int, "int"):
-                _refuse_non_integer(self.owner, f.name, getattr(self, f.name))
+                object.__setattr__(self, f.name, check(self.owner, f.name, given))
+            # The value as given, not as checked: a checker may have turned 8.0 into 8.
+            kind = _integer_kind(f.type)
+            if kind == "int" or (kind == "optional" and given is not None):
+                _refuse_non_integer(self.owner, f.name, given)
         self.check_together()
 
     def check_together(self) -> None:
@@ -185,11 +190,13 @@ def _refuse(owner: str, name: str, value: Any, rule: str, hint: str) -> ValueErr
 
 
 def _refuse_non_integer(owner: str, name: str, value: Any) -> None:
-    """Every option declared ``int`` holds an ``int`` once checked, whatever its checker.
+    """Every option declared ``int`` (or ``int | None``, when given) is given as an ``int``,
+    whatever its checker.
 
     A checker that compares with ``==`` (``one_of(8, 4)``) would take ``8.0`` or ``True``; the
     value would then pass the ranks' handshake against ``8`` and fail inside the first backward
-    pass, on one rank only.
+    pass, on one rank only. One that returns ``int(value)`` would keep the option an integer,
+    but the configuration that gave ``8.0`` (a YAML file, a mapping) would still hold it.
     """
     if not _is_integer(value):
         shown = f" ({int(value)} without the point)" if _whole_float(value) else ""
@@ -197,6 +204,19 @@ def _refuse_non_integer(owner: str, name: str, value: Any) -> None:
             f"{owner}: {name} must be an integer{shown}, not {type(value).__name__}; "
             f"got {name}={value!r}."
         )
+
+
+def _integer_kind(declared: Any) -> str | None:
+    """``"int"`` for a field declared ``int``, ``"optional"`` for ``int | None`` (or
+    ``Optional[int]``), ``None`` for any other type (a union with a tuple, a float...)."""
+    if declared in (int, "int"):
+        return "int"
+    if isinstance(declared, str):
+        spelled = declared.replace(" ", "")
+        return "optional" if spelled in ("int|None", "None|int", "Optional[int]") else None
+    if typing.get_origin(declared) in (typing.Union, types.UnionType):
+        return "optional" if set(typing.get_args(declared)) == {int, type(None)} else None
+    return None
 
 
 def _whole_float(value: Any) -> bool:

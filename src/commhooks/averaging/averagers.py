@@ -22,6 +22,7 @@ over the parameters that have a gradient
 import collections
 import functools
 import logging
+import math
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -55,15 +56,21 @@ __all__ = [
     "AveragerOptions",
     "HierarchicalAveragerOptions",
     "HierarchicalModelAverager",
+    "LoadedOuter",
     "ModelAverager",
     "OuterOptimizerAverager",
     "OuterOptimizerOptions",
     "OuterOptions",
+    "PLAUSIBLE_CHANGE",
     "PeriodicAveragerOptions",
     "PeriodicModelAverager",
     "average_parameters",
+    "check_plausible",
     "get_params_to_average",
+    "largest_magnitude",
+    "load_outer",
     "params_with_grads",
+    "warn_replaced",
 ]
 
 logger = logging.getLogger(__name__)
@@ -199,6 +206,171 @@ def default_outer_optimizer(
     return OuterOptimizerOptions(
         period=1, outer_lr=lr, outer_momentum=momentum, nesterov=nesterov
     ).factory()
+
+
+# ----------------------------------------------------------------------------------------------
+# A loaded outer optimizer: checked, and run with the settings the averager was built with
+# ----------------------------------------------------------------------------------------------
+PLAUSIBLE_CHANGE = 1e3
+"""How far a loaded outer gradient or momentum may reach: ``PLAUSIBLE_CHANGE * (s + 1)``, with
+``s`` the largest magnitude among the global parameters it moves. An outer gradient is the
+change of those parameters over one sync's inner steps (momentum, a sum of such changes that
+shrink geometrically); a thousand times the parameters themselves (or 1000 where they are near
+zero, freshly initialised biases) is no training step but a damaged or foreign file."""
+
+# The default outer SGD's hyper-parameters, by the option that sets each.
+_OPTION_OF = {"lr": "outer_lr", "momentum": "outer_momentum", "nesterov": "nesterov"}
+
+
+@dataclass(frozen=True)
+class LoadedOuter:
+    """An outer optimizer built fresh and loaded with a saved state.
+
+    Attributes:
+        optimizer: the optimizer, its hyper-parameters those it was built with.
+        replaced: ``(name, saved, kept)`` for each saved hyper-parameter that differed from the
+            one the averager was built with, which was kept (:func:`warn_replaced` says so).
+    """
+
+    optimizer: torch.optim.Optimizer
+    replaced: tuple[tuple[str, Any, Any], ...]
+
+
+def load_outer(
+    where: str,
+    factory: OptimizerFactory,
+    saved: Any,
+    params: list[torch.Tensor],
+    scale: float,
+) -> LoadedOuter:
+    """A fresh outer optimizer over ``params`` holding the ``saved`` state, every entry checked.
+
+    The options an averager is built with win over the saved hyper-parameters: they are what
+    the user asked for now, and what every rank's handshake compares. A saved hyper-parameter
+    that is not a finite number (or a flag where a flag belongs) is refused as damage; a valid
+    one that differs is replaced, and reported in :attr:`LoadedOuter.replaced`. Each saved
+    ``momentum_buffer`` must have its parameter's shape and stay within the plausible reach
+    of :data:`PLAUSIBLE_CHANGE` given ``scale``, the largest magnitude among ``params``.
+
+    Raises:
+        StateDictError: naming the entry; nothing is changed.
+    """
+    optimizer = factory(params)
+    built = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    state = check_optimizer_state(where, saved, params)
+    _check_groups(where, state["param_groups"], built)
+    for key, entry in state["state"].items():
+        buffer = entry.get("momentum_buffer")
+        if isinstance(buffer, torch.Tensor):
+            named = f"{where} 'state'[{key}]['momentum_buffer']"
+            check_tensor(named, buffer, shape=tuple(params[key].shape))
+            check_plausible(named, buffer, scale)
+    try:
+        optimizer.load_state_dict(state)
+    except (KeyError, ValueError, TypeError, IndexError) as exc:
+        raise StateDictError(f"{where} does not fit {type(optimizer).__name__}: {exc}") from exc
+    replaced: dict[str, tuple[str, Any, Any]] = {}
+    for group, own in zip(optimizer.param_groups, built):
+        for name, value in own.items():
+            if _differs(group.get(name), value):
+                replaced.setdefault(name, (name, group.get(name), value))
+            group[name] = value
+    return LoadedOuter(optimizer, tuple(replaced.values()))
+
+
+def _differs(saved: Any, own: Any) -> bool:
+    # A tuple (Adam's betas) may come back from a checkpointing tool as a list.
+    if isinstance(saved, (list, tuple)) and isinstance(own, (list, tuple)):
+        return tuple(saved) != tuple(own)
+    return bool(saved != own)
+
+
+def _check_groups(where: str, saved: Any, built: list[dict[str, Any]]) -> None:
+    """Each saved hyper-parameter that the fresh optimizer has is of its kind, and finite."""
+    if not isinstance(saved, list) or len(saved) != len(built):
+        raise StateDictError(
+            f"{where} 'param_groups' must hold {len(built)} group(s), as the outer optimizer "
+            f"has; got {saved!r:.80}."
+        )
+    for i, (group, own) in enumerate(zip(saved, built)):
+        if not isinstance(group, Mapping):
+            raise StateDictError(f"{where} 'param_groups'[{i}] must be a dict.")
+        for name, value in own.items():
+            if name in group and not _same_kind(group[name], value):
+                raise StateDictError(
+                    f"{where} 'param_groups'[{i}][{name!r}] must be "
+                    f"{_kind_of(value)}, as this optimizer's {value!r} is; got "
+                    f"{group[name]!r:.80}. Load the unchanged output of state_dict()."
+                )
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _same_kind(saved: Any, own: Any) -> bool:
+    """Whether ``saved`` may stand where the optimizer holds ``own``: a flag for a flag, a
+    finite number for a number, as many finite numbers for a tuple of them."""
+    if isinstance(own, bool):
+        return isinstance(saved, bool)
+    if _is_real(own):
+        return _is_real(saved) and math.isfinite(saved)
+    if isinstance(own, tuple) and all(_is_real(v) for v in own):
+        return (
+            isinstance(saved, (tuple, list))
+            and len(saved) == len(own)
+            and all(_is_real(v) and math.isfinite(v) for v in saved)
+        )
+    return True  # None, a string, a device: nothing a step computes with
+
+
+def _kind_of(own: Any) -> str:
+    if isinstance(own, bool):
+        return "True or False"
+    if _is_real(own):
+        return "a finite number"
+    return "a list of finite numbers" if isinstance(own, tuple) else "of the same kind"
+
+
+def check_plausible(where: str, value: torch.Tensor, scale: float) -> None:
+    """Refuse a loaded change (outer gradient, momentum) beyond :data:`PLAUSIBLE_CHANGE`.
+
+    Raises:
+        StateDictError: naming ``where``, its largest magnitude and the bound.
+    """
+    bound = PLAUSIBLE_CHANGE * (scale + 1.0)
+    largest = float(value.detach().abs().max()) if value.numel() else 0.0
+    if largest > bound:
+        raise StateDictError(
+            f"{where} reaches {largest:.3g}, beyond any training step of global parameters of "
+            f"magnitude up to {scale:.3g} (the bound is {PLAUSIBLE_CHANGE:g} x (that + 1) = "
+            f"{bound:.3g}); the file is damaged or was saved for another model. Load an "
+            "earlier checkpoint."
+        )
+
+
+def largest_magnitude(tensors: Iterable[torch.Tensor]) -> float:
+    """The largest magnitude of any element of ``tensors`` (0 for none): a host read."""
+    return max((float(t.detach().abs().max()) for t in tensors if t.numel()), default=0.0)
+
+
+def warn_replaced(owner: str, replaced: Iterable[tuple[str, Any, Any]], default_sgd: bool) -> None:
+    """Say which saved hyper-parameters of an outer optimizer gave way to the built ones."""
+    pairs = [
+        f"{_OPTION_OF.get(name, name) if default_sgd else name}: saved {saved!r}, kept {kept!r}"
+        for name, saved, kept in replaced
+    ]
+    if not pairs:
+        return
+    how = "with those options" if default_sgd else "with a factory of those settings"
+    warnings.warn(
+        f"{owner}.load_state_dict: the outer optimizer was saved with other settings than this "
+        f"averager was built with ({'; '.join(pairs)}); the settings it was built with are "
+        "kept, as every rank's handshake agreed on them. To resume with the saved ones, build "
+        f"the averager {how}.",
+        CommHooksWarning,
+        stacklevel=5,
+    )
 
 
 def _step_count(where: str, value: Any) -> int:
@@ -630,7 +802,9 @@ class OuterOptimizerAverager(PeriodicModelAverager):
             not a lambda) if you pickle the averager.
 
     The outer optimizer runs on the averager's own copy of the parameters (the snapshot), so
-    its state and the snapshot are in :meth:`state_dict`.
+    its state and the snapshot are in :meth:`state_dict`. Loaded, it keeps the settings this
+    averager was built with (:func:`load_outer`): a saved learning rate that differs is named
+    in a warning, one that is not a finite number refused.
     """
 
     kind: ClassVar[str] = "outer_optimizer_averager"
@@ -753,22 +927,20 @@ class OuterOptimizerAverager(PeriodicModelAverager):
         if not synced:
             return {**values, "snapshot": None, "outer_optimizer": None}
         snapshot = _parse_snapshot(where, raw)
-        outer = self.outer_optimizer_factory(list(snapshot.values()))
-        saved = check_optimizer_state(
+        tensors = list(snapshot.values())
+        outer = load_outer(
             f"{where} the outer optimizer state ('outer_optimizer')",
+            self.outer_optimizer_factory,
             state_dict.get("outer_optimizer"),
-            list(snapshot.values()),
+            tensors,
+            largest_magnitude(tensors),
         )
-        try:
-            outer.load_state_dict(saved)
-        except (KeyError, ValueError, TypeError, IndexError) as exc:
-            raise StateDictError(
-                f"{where} the outer optimizer state does not fit this averager's outer "
-                f"optimizer ({type(outer).__name__}): {exc}"
-            ) from exc
-        return {**values, "snapshot": snapshot, "outer_optimizer": outer}
+        chosen = {"outer_optimizer": outer.optimizer, "replaced": outer.replaced}
+        return {**values, "snapshot": snapshot, **chosen}
 
     def _apply(self, values: dict[str, Any]) -> None:
+        default_sgd = self.options.outer_optimizer is None
+        warn_replaced(type(self).__name__, values.get("replaced", ()), default_sgd)
         super()._apply(values)
         self.snapshot = values["snapshot"]
         self.outer_optimizer = values["outer_optimizer"]

@@ -30,9 +30,16 @@ its few steps of full-precision allreduce are a large share of a run whose syncs
 
 Checkpoints: :meth:`state_dict` holds the step, the global parameters, every outer optimizer,
 the quantized averages' error memories (the warm-up's while it lasts) and a fragment in flight
-(its average, waited for), so a run resumed from it continues bit for bit.
+(its average, waited for), so a run resumed from it continues bit for bit. Loading checks each
+entry against the model and the averager: a global parameter of another shape or dtype, an
+outer setting that is not a number, an outer gradient or momentum past any training step
+(:data:`commhooks.averaging.averagers.PLAUSIBLE_CHANGE`) is refused by name; the outer optimizers
+keep the settings the averager was built with (``outer_lr``...), which the ranks' handshake agreed
+on, and a saved one that differs is named in a warning.
 """
 
+import hashlib
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -42,12 +49,20 @@ import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
 from commhooks import comm
-from commhooks.averaging.averagers import ModelAverager, OuterOptions, default_outer_optimizer
+from commhooks.averaging.averagers import (
+    ModelAverager,
+    OuterOptions,
+    check_plausible,
+    default_outer_optimizer,
+    largest_magnitude,
+    load_outer,
+    warn_replaced,
+)
 from commhooks.averaging.parameters import Named, averaged_views, named_in_groups
 from commhooks.hooks._bucket import GradBucket, gradient_buffer
 from commhooks.hooks.quantized import QuantizationState, quantized_hook
 from commhooks.options import count, flag, option, real
-from commhooks.state import StateDictError, check_count, check_optimizer_state, check_tensor
+from commhooks.state import StateDictError, check_count, check_tensor
 
 __all__ = [
     "DiLoCoOptions",
@@ -65,6 +80,8 @@ HOOK = "diloco_hook"
 Fragments = int | tuple[tuple[str, ...], ...]
 _KEEP: Any = object()
 _OUTER_BLOCK = 512  # values per scale of packed 4-bit outer gradients (see _quantizer)
+Shape = tuple[int, ...]
+Layout = dict[str, tuple[Shape, torch.dtype]]  # a model's parameters: name -> shape, dtype
 
 
 def _check_fragments(owner: str, name: str, value: Any) -> Fragments:
@@ -185,36 +202,44 @@ def split_by_module(named: Named, fragments: Fragments) -> list[list[str]]:
     """The parameter names of each fragment.
 
     A number cuts the modules (a parameter's name without its last part), in order, into that
-    many runs of about equal size; a module is never split. Given fragments match each
-    parameter to the one listing its name or a module containing it.
+    many runs of about equal size; a module is never split, and a module of no elements joins
+    the fragment of the module before it (the first fragment if none), so that no fragment is
+    made of nothing. Given fragments match each parameter to the one listing its name or a
+    module containing it.
 
     Raises:
-        ValueError: a parameter in no fragment or in two, an empty fragment, or more fragments
-            than modules.
+        ValueError: a parameter in no fragment or in two, a fragment without a parameter or
+            without an element, or more fragments than modules holding elements.
     """
     if not isinstance(fragments, int):
         return _match(named, fragments)
     modules: dict[str, list[tuple[str, int]]] = {}
     for name, p in named:
         modules.setdefault(name.rpartition(".")[0], []).append((name, p.numel()))
-    if len(modules) < fragments:
+    runs = [
+        ([n for n, _ in members], sum(size for _, size in members)) for members in modules.values()
+    ]
+    left = sum(1 for _, size in runs if size)  # the modules holding elements, from here on
+    if left < fragments:
         raise ValueError(
-            f"{OWNER}: fragments={fragments} but the parameters belong to {len(modules)} "
-            f"modules; pass fragments <= {len(modules)} or list the fragments by name."
+            f"{OWNER}: fragments={fragments} but the parameters' elements lie in {left} "
+            f"modules (of {len(runs)}); pass fragments <= {max(left, 1)} or list the "
+            "fragments by name."
         )
-    runs = list(modules.values())
-    total = sum(size for members in runs for _, size in members)
+    total = sum(size for _, size in runs)
     out: list[list[str]] = [[] for _ in range(fragments)]
     done, last = 0, -1
-    for i, members in enumerate(runs):
-        size = sum(n for _, n in members)
+    for names, size in runs:
+        if not size:
+            out[max(last, 0)] += names
+            continue
         # The fragment whose share of the elements holds this module's middle, kept in order,
         # without a gap, and early enough that each later fragment still gets a module.
-        wanted = int((done + size / 2) * fragments / max(total, 1))
-        index = min(max(wanted, last, fragments - (len(runs) - i)), last + 1)
-        out[index] += [name for name, _ in members]
-        done, last = done + size, index
-    return _no_empty(out)
+        wanted = int((done + size / 2) * fragments / total)
+        index = min(max(wanted, last, fragments - left), last + 1)
+        out[index] += names
+        done, last, left = done + size, index, left - 1
+    return _no_empty(out, {name: p.numel() for name, p in named})
 
 
 def _match(named: Named, fragments: tuple[tuple[str, ...], ...]) -> list[list[str]]:
@@ -232,15 +257,21 @@ def _match(named: Named, fragments: tuple[tuple[str, ...], ...]) -> list[list[st
                 "must be in exactly one fragment (list it, or a module containing it, once)."
             )
         out[owners[0]].append(name)
-    return _no_empty(out)
+    return _no_empty(out, {name: p.numel() for name, p in named})
 
 
-def _no_empty(out: list[list[str]]) -> list[list[str]]:
+def _no_empty(out: list[list[str]], sizes: Mapping[str, int]) -> list[list[str]]:
     empty = [i for i, names in enumerate(out) if not names]
     if empty:
         raise ValueError(
             f"{OWNER}: fragment(s) {empty} hold no parameter with a gradient; give fewer "
             "fragments or list parameters that train."
+        )
+    hollow = [i for i, names in enumerate(out) if not any(sizes[n] for n in names)]
+    if hollow:
+        raise ValueError(
+            f"{OWNER}: fragment(s) {hollow} hold only parameters of no elements, so they would "
+            "sync nothing; list a parameter that holds elements in each, or give fewer fragments."
         )
     return out
 
@@ -336,6 +367,9 @@ class StreamingDiLoCo(ModelAverager):
         "_in_flight_future",
         "_last_seen",
         "_issuers",
+        "_layout",
+        "_fitted",
+        "_model_agreed",
     )
 
     def __init__(
@@ -364,6 +398,12 @@ class StreamingDiLoCo(ModelAverager):
         self.in_flight: _InFlight | None = None
         self._in_flight_future: torch.futures.Future[torch.Tensor] | None = None
         self._last_seen: dict[str, torch.Tensor] = {}  # the parameters of the last step
+        # The model's parameters, as attach() or the first step met them, so that a loaded
+        # state is checked against them; and whether the parameters of a step were checked
+        # against the global ones since the last load.
+        self._layout: Layout | None = None
+        self._fitted = False
+        self._model_agreed = False  # every rank of the group was found to train the same model
         # One follow-up issuer per group for every quantized average this averager starts,
         # one after another on the training thread: one follow-up group, not one a fragment.
         self._issuers = comm.IssuerPool()
@@ -374,6 +414,7 @@ class StreamingDiLoCo(ModelAverager):
         self._in_flight_future = None
         self._last_seen = {}
         self._issuers = comm.IssuerPool()
+        self._layout, self._fitted, self._model_agreed = None, False, False
 
     def __getstate__(self) -> dict[str, Any]:
         self._settle()  # a pickle holds the fragment in flight as its average
@@ -437,12 +478,22 @@ class StreamingDiLoCo(ModelAverager):
         """Run after every ``optimizer.step()`` (see :meth:`ModelAverager.attach` for names).
 
         Attached before the first step of a run without warm-up, it takes the optimizer's
-        parameters as they are now as the global parameters (:meth:`start`).
+        parameters as they are now as the global parameters (:meth:`start`). Their names,
+        shapes and dtypes are kept, so that a state dict loaded later is checked against them.
+
+        Raises:
+            StateDictError: a state dict loaded before holds global parameters that are not
+                this model's (a name it lacks, another shape or dtype); nothing is attached.
         """
         named = None if named_parameters is None else list(named_parameters)
+        names = None if named is None else {id(p): n for n, p in named}
+        every = named_in_groups(optimizer.param_groups, names, with_grad_only=False)
+        layout = _layout_of(every)
+        if self.snapshot is not None:
+            _check_fits(f"{OWNER}.attach: the loaded state's", self.snapshot, layout)
+        self._layout = layout
         if self.snapshot is None and self.step == 0 and self.warmup_steps == 0:
-            names = None if named is None else {id(p): n for n, p in named}
-            self.start(named_in_groups(optimizer.param_groups, names, with_grad_only=False))
+            self.start(every)
         return super().attach(optimizer, named)
 
     def start(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -453,6 +504,8 @@ class StreamingDiLoCo(ModelAverager):
         """
         self.snapshot = {n: p.detach().clone() for n, p in named}
         self.plan, self.outer_optimizers, self.quantizers = None, [], []
+        if self._layout is None:
+            self._layout = _layout_of(self.snapshot.items())
 
     def finish(self) -> None:
         """Apply the fragment in flight now: call it on every rank after the last step.
@@ -505,6 +558,9 @@ class StreamingDiLoCo(ModelAverager):
         if not named:
             return
         inner = self.step - self.warmup_steps + 1
+        if not self._model_agreed:  # before any collective whose size is the model's
+            _agree_on_model(named, group)
+            self._model_agreed = True
         if self.snapshot is None:  # neither attached before the first step nor started
             for p, avg in zip([p for _, p in named], averaged_views([p for _, p in named], group)):
                 with torch.no_grad():
@@ -602,11 +658,14 @@ class StreamingDiLoCo(ModelAverager):
                 self.outer_optimizer_factory([self.snapshot[n] for n in names]) for names in plan
             ]
             self.quantizers = self._new_quantizers(group, len(plan))
-        elif set(lookup) != set(self.snapshot):
-            self._check_snapshot(lookup, self.snapshot)
+        elif not self._fitted or set(lookup) != set(self.snapshot):
+            self._check_snapshot(lookup, self.snapshot)  # loaded since the last step, or changed
         first = next(iter(lookup.values()))
         if next(iter(self.snapshot.values())).device != first.device:
             self._move_to(first.device)
+        if self._layout is None:
+            self._layout = _layout_of(named)
+        self._fitted = True
         return lookup
 
     def _new_quantizers(
@@ -633,16 +692,15 @@ class StreamingDiLoCo(ModelAverager):
     def _check_snapshot(
         self, lookup: Mapping[str, torch.Tensor], snapshot: Mapping[str, torch.Tensor]
     ) -> None:
+        layout = _layout_of(lookup.items())
         wrong = [
-            n
-            for n, p in lookup.items()
-            if n not in snapshot or snapshot[n].shape != p.shape or snapshot[n].dtype != p.dtype
+            f"{n!r} {w}" for n, want in layout.items() if (w := _differs(snapshot.get(n), want))
         ]
         if wrong or (self.plan is not None and len(lookup) != len(snapshot)):
             raise ValueError(
                 f"{OWNER}: the parameters with gradients ({len(lookup)}) do not match the global "
-                f"parameters ({len(snapshot)}; first differing: {wrong[:3]}); the set of "
-                "trained parameters changed, or a state dict of another model was loaded. "
+                f"parameters ({len(snapshot)}; first differing: {'; '.join(wrong[:3])}); the "
+                "set of trained parameters changed, or a state dict of another model was loaded. "
                 "Nothing was changed; load the matching checkpoint."
             )
 
@@ -692,8 +750,12 @@ class StreamingDiLoCo(ModelAverager):
             if started
             else None
         )
+        if snapshot is not None and self._layout is not None:
+            _check_fits(where, snapshot, self._layout)  # else checked by attach() or a step
         plan = _parse_plan(where, state_dict.get("plan"), snapshot)
-        outer = self._parse_outer(where, state_dict.get("outer_optimizers"), plan, snapshot)
+        outer, replaced = self._parse_outer(
+            where, state_dict.get("outer_optimizers"), plan, snapshot
+        )
         quantizers = self._parse_quantizers(where, state_dict.get("quantizers"), plan)
         warmup = self._parse_warmup_quantizer(where, state_dict.get("warmup_quantizer"), values)
         flight = _parse_flight(where, state_dict.get("in_flight"), plan, snapshot)
@@ -704,6 +766,7 @@ class StreamingDiLoCo(ModelAverager):
             "snapshot": snapshot,
             "plan": plan,
             "outer": outer,
+            "replaced": replaced,
             "quantizers": quantizers,
             "warmup_quantizer": warmup,
             "in_flight": flight,
@@ -715,21 +778,21 @@ class StreamingDiLoCo(ModelAverager):
         raw: Any,
         plan: list[list[str]] | None,
         snapshot: dict[str, torch.Tensor] | None,
-    ) -> list[torch.optim.Optimizer]:
+    ) -> tuple[list[torch.optim.Optimizer], list[tuple[str, Any, Any]]]:
+        """Each fragment's outer optimizer, and the saved settings that gave way to this
+        averager's own (see :func:`commhooks.averaging.averagers.load_outer`)."""
         if not isinstance(raw, list) or len(raw) != len(plan or []):
             raise StateDictError(f"{where} 'outer_optimizers' must hold one state per fragment.")
-        made = []
+        made, replaced = [], []
         for i, (names, saved) in enumerate(zip(plan or [], raw)):
             assert snapshot is not None
             tensors = [snapshot[n] for n in names]
             entry = f"{where} the outer optimizer of fragment {i}"
-            outer = self.outer_optimizer_factory(tensors)
-            try:
-                outer.load_state_dict(check_optimizer_state(entry, saved, tensors))
-            except (KeyError, ValueError, TypeError, IndexError) as exc:
-                raise StateDictError(f"{entry} does not fit {type(outer).__name__}: {exc}") from exc
-            made.append(outer)
-        return made
+            scale = largest_magnitude(tensors)
+            loaded = load_outer(entry, self.outer_optimizer_factory, saved, tensors, scale)
+            made.append(loaded.optimizer)
+            replaced += [r for r in loaded.replaced if r not in replaced]
+        return made, replaced
 
     def _parse_quantizers(
         self, where: str, raw: Any, plan: list[list[str]] | None
@@ -767,7 +830,9 @@ class StreamingDiLoCo(ModelAverager):
         return made
 
     def _apply(self, values: dict[str, Any]) -> None:
+        warn_replaced(OWNER, values["replaced"], self.options.outer_optimizer is None)
         super()._apply(values)
+        self._fitted = False  # the next step checks its parameters against the loaded ones
         self.snapshot, self.plan = values["snapshot"], values["plan"]
         self.outer_optimizers, self.quantizers = values["outer"], values["quantizers"]
         self.warmup_quantizer = values["warmup_quantizer"]
@@ -789,6 +854,68 @@ def _local_change(
         return None
     issued = _split(flight.local, snaps)
     return [p.float() - s.float() + g for p, s, g in zip(params, snaps, issued)]
+
+
+def _layout_of(named: Iterable[tuple[str, torch.Tensor]]) -> Layout:
+    return {n: (tuple(p.shape), p.dtype) for n, p in named}
+
+
+def _agree_on_model(named: Named, group: dist.ProcessGroup) -> None:
+    """Raise on every rank of ``group`` unless all average the same parameters.
+
+    The fragments' averages are collectives whose sizes are the model's: between models of
+    different sizes gloo aborts the process, and the quantized average pads both to whole
+    blocks and returns wrong averages without a word. So, as the ranks' handshake does for
+    the options, one gather of a short description of the parameters (count, elements, and
+    a digest of their names, shapes and dtypes, in order) at the first sync.
+
+    Raises:
+        ValueError: naming each rank's description, on every rank alike.
+    """
+    layout = _layout_of(named)
+    digest = hashlib.sha256(repr(list(layout.items())).encode()).hexdigest()[:12]
+    elements = sum(math.prod(shape) for shape, _ in layout.values())
+    mine = f"{len(layout)} tensors, {elements} elements, layout {digest}"
+    described = comm.all_gather_objects(mine, group)
+    if any(other != mine for other in described):
+        ranks = "; ".join(f"rank {r}: {d}" for r, d in enumerate(described))
+        raise ValueError(
+            f"{OWNER}: the workers do not train the same model ({ranks}), so their fragments' "
+            "averages would not match. Build the same model on every worker: the same "
+            "parameters with gradients, in the same order, shapes and dtypes."
+        )
+
+
+def _differs(saved: torch.Tensor | None, wanted: tuple[Shape, torch.dtype]) -> str:
+    """How a global parameter differs from the model's, ``wanted`` ('' if it fits)."""
+    shape, dtype = wanted
+    if saved is None:
+        return "has no global parameter"
+    if tuple(saved.shape) == shape and saved.dtype == dtype:
+        return ""
+    return f"is {tuple(saved.shape)} {saved.dtype}, the model's parameter {shape} {dtype}"
+
+
+def _check_fits(where: str, snapshot: Mapping[str, torch.Tensor], layout: Layout) -> None:
+    """Refuse global parameters that are not the model's: unknown names, shapes, dtypes.
+
+    Raises:
+        StateDictError: naming the first entry that does not fit.
+    """
+    for name, saved in snapshot.items():
+        if name not in layout:
+            known = ", ".join(repr(n) for n in list(layout)[:4])
+            raise StateDictError(
+                f"{where} 'snapshot'[{name!r}] is no parameter of the model (which has "
+                f"{len(layout)}: {known}...); it was saved for another model. Nothing was "
+                "changed; load the checkpoint saved with this model."
+            )
+        differs = _differs(saved, layout[name])
+        if differs:
+            raise StateDictError(
+                f"{where} 'snapshot'[{name!r}] {differs}; it was saved for another model. "
+                "Nothing was changed; load the checkpoint saved with this model."
+            )
 
 
 def _split(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -855,22 +982,28 @@ def _parse_flight(
     if fragment >= len(plan):
         raise StateDictError(f"{where} 'in_flight' names fragment {fragment} of {len(plan)}.")
     size = sum(snapshot[n].numel() for n in plan[fragment])
-    average = _fragment_tensor(where, raw, "average", size, fragment)
+    scale = largest_magnitude(snapshot[n] for n in plan[fragment])
+    average = _fragment_tensor(where, raw, "average", size, fragment, scale)
     # Saved only with keep_inflight_steps; without it, the fragment merges as that option's off.
-    local = None if "local" not in raw else _fragment_tensor(where, raw, "local", size, fragment)
+    local = None
+    if "local" in raw:
+        local = _fragment_tensor(where, raw, "local", size, fragment, scale)
     return _InFlight(fragment, apply_at, average, local)
 
 
 def _fragment_tensor(
-    where: str, raw: Mapping[str, Any], key: str, size: int, fragment: int
+    where: str, raw: Mapping[str, Any], key: str, size: int, fragment: int, scale: float
 ) -> torch.Tensor:
-    """A copy of the saved float32 vector ``raw[key]`` of fragment ``fragment``'s ``size``."""
-    flat = check_tensor(f"{where} 'in_flight' {key!r}", raw.get(key), dtype=torch.float32)
+    """A copy of the saved float32 vector ``raw[key]`` of fragment ``fragment``'s ``size``,
+    an outer gradient within the plausible reach of global parameters up to ``scale``."""
+    entry = f"{where} 'in_flight' {key!r}"
+    flat = check_tensor(entry, raw.get(key), dtype=torch.float32)
     if flat.dim() != 1 or flat.numel() != size:
         raise StateDictError(
-            f"{where} 'in_flight' {key!r} must hold the {size} elements of fragment "
-            f"{fragment}, got shape {tuple(flat.shape)}."
+            f"{entry} must hold the {size} elements of fragment {fragment}, got shape "
+            f"{tuple(flat.shape)}."
         )
+    check_plausible(entry, flat, scale)
     return flat.clone()
 
 

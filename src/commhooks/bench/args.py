@@ -3,6 +3,7 @@
 import argparse
 import importlib.util
 import os
+import tempfile
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -477,7 +478,9 @@ def _backend(a: argparse.Namespace, launched: LauncherWorld | None) -> str:
 
 
 def _check_model(a: argparse.Namespace) -> None:
-    """``--model`` names a factory that imports; it replaces ``--task`` and ``--params``."""
+    """``--model`` is of the form ``package.module:factory``; it replaces ``--task`` and
+    ``--params``. Whether the factory imports and trains is checked once the run starts
+    (:func:`commhooks.bench.usermodel.check_factory`), where every error is one line."""
     if a.model is None:
         return
     for flag, value in (("--task", a.task), ("--params", a.params)):
@@ -486,9 +489,9 @@ def _check_model(a: argparse.Namespace) -> None:
                 f"give --model or {flag}, not both: with --model the factory decides what is "
                 "trained."
             )
-    from commhooks.bench.usermodel import load_factory
+    from commhooks.bench.usermodel import split_name
 
-    load_factory(a.model)  # raises BenchModelError (a ValueError) with the fix
+    split_name(a.model)  # raises BenchModelError (a ValueError) with the fix
 
 
 def _launched_memory(a: argparse.Namespace, notes: list[str]) -> MemoryMeasure:
@@ -560,14 +563,44 @@ def _lr(a: argparse.Namespace) -> float:
 
 def _check_outputs(a: argparse.Namespace) -> None:
     for flag, path in (("--json", a.json_path), ("--plot", a.plot_path)):
-        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            raise ValueError(f"{flag} {path!r}: its directory does not exist.")
+        if path:
+            _check_writable(flag, path)
     if a.plot_path and not a.plot_path.lower().endswith(".png"):
         raise ValueError(f"--plot {a.plot_path!r}: give a .png path.")
     if a.plot_path and importlib.util.find_spec("matplotlib") is None:
         raise ValueError(
             f"--plot draws with matplotlib, and matplotlib is not installed: {PLOT_INSTALL}."
         )
+
+
+def _check_writable(flag: str, path: str) -> None:
+    """Refuse an output file that could not be written, now rather than after the whole run.
+
+    A file is made beside it and removed again (the JSON is written beside its target and
+    renamed into place; the plot straight there), and a file that exists already is opened to
+    append nothing: what a directory's permissions, a read-only or virtual file system
+    (``/proc``) or a full disk refuses is refused here, and nothing is left behind.
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"{flag} {path!r}: its directory does not exist.")
+    if os.path.isdir(path):
+        raise ValueError(
+            f"{flag} {path!r} is a directory: give a file in it, e.g. "
+            f"{os.path.join(path, 'bench.json' if flag == '--json' else 'bench.png')!r}."
+        )
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".commhooks-bench-", dir=folder)
+        os.close(handle)
+        os.remove(probe)
+        if os.path.exists(path):
+            with open(path, "a"):
+                pass
+    except OSError as exc:
+        raise ValueError(
+            f"{flag} {path!r}: it cannot be written ({exc.strerror or exc}); give a path in "
+            "a directory you can write to."
+        ) from None
 
 
 def _add_references(hooks: list[str], sweep: bool, predict: bool, other_world: bool) -> list[str]:

@@ -11,6 +11,8 @@ import time
 from contextlib import ExitStack
 from typing import Any
 
+import torch
+
 from commhooks.bench.args import Plan, parse
 from commhooks.bench.conclusion import conclude, print_notes
 from commhooks.bench.launcher import run_hook, start_fork_server
@@ -19,6 +21,7 @@ from commhooks.bench.records import RunOutcome, RunSpec
 from commhooks.bench.rows import Row, make_row, pool_memory_runs, pool_runs
 from commhooks.bench.specs import memory_spec, row_context, run_spec
 from commhooks.bench.units import format_rate
+from commhooks.bench.usermodel import BenchModelError, check_factory
 
 __all__ = ["conclude", "main", "print_notes", "row_context", "run", "run_spec"]  # old homes
 
@@ -26,17 +29,23 @@ Runs = dict[tuple[str, int | None], list[RunOutcome]]
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the bench; return the exit status (0 when it ran, whatever the hooks did)."""
+    """Run the bench; return the exit status (0 when it ran, whatever the hooks did; 2 for a
+    ``--model`` it cannot train or a network it cannot build, said in one line)."""
     plan = parse(argv)
     given = argv if argv is not None else sys.argv[1:]
     if plan.world is not None:
         from commhooks.bench import launched  # joins the launcher's process group
 
-        launched.run(plan, given)
+        try:
+            launched.run(plan, given)
+        except launched.ModelRefused:  # the launcher's rank 0 has said why
+            return 2
         return 0
     try:
+        if plan.model is not None:  # once, here, before every hook's ranks would fail alike
+            check_factory(plan.model, plan.seed, torch.device("cpu"))
         run(plan, given)
-    except NetworkError as exc:
+    except (NetworkError, BenchModelError) as exc:
         print(f"commhooks bench: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

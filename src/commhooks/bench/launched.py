@@ -24,6 +24,7 @@ import datetime
 import gc
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -39,10 +40,11 @@ from commhooks.bench.clock import clock_for
 from commhooks.bench.linkprobe import measure_link
 from commhooks.bench.records import RankResult, RunOutcome
 from commhooks.bench.rows import Row, make_row, pool_runs
+from commhooks.bench.usermodel import BenchModelError, check_factory
 from commhooks.bench.worker import train_rank
 from commhooks.testing import describe
 
-__all__ = ["HookTimeout", "deadline", "run"]
+__all__ = ["HookTimeout", "ModelRefused", "deadline", "run"]
 
 # A rank that fails waits at the agreement for the others: at most one hook's deadline plus
 # one collective's timeout (both --timeout, NCCL's plus the margin) later: twice --timeout and
@@ -54,6 +56,10 @@ _LOG_CHARS = 3000
 
 class HookTimeout(RuntimeError):
     """A hook's run on this rank went past ``--timeout``."""
+
+
+class ModelRefused(RuntimeError):
+    """``--model`` cannot be trained on some rank; rank 0 has printed why, in one line."""
 
 
 @contextlib.contextmanager
@@ -117,6 +123,7 @@ def run(plan: Plan, argv: list[str]) -> dict[str, Any] | None:
     import torch._dynamo  # noqa: F401
 
     try:
+        _check_model(plan, device, agreement)
         if lead:
             conclusion.print_notes(plan)
             print(f"measuring the network: allreduce sweep on {plan.ranks} ranks", flush=True)
@@ -127,6 +134,38 @@ def run(plan: Plan, argv: list[str]) -> dict[str, Any] | None:
     finally:
         dist.destroy_process_group()
     return document
+
+
+def _check_model(plan: Plan, device: torch.device, agreement: Any) -> None:
+    """Check ``--model`` on every rank's device, before anything is measured, and agree.
+
+    A factory that fails on one rank fails that rank's every hook; found here, every rank
+    learns it from one gather and rank 0 alone prints it, in one line, before any rank
+    leaves (the launcher stops the other ranks as soon as one exits with an error).
+
+    Raises:
+        ModelRefused: on every rank, when any rank's check failed.
+    """
+    assert plan.world is not None
+    if plan.model is None:
+        return
+    mine: str | None = None
+    try:
+        check_factory(plan.model, plan.seed, device, rank=plan.world.rank)
+    except BenchModelError as exc:
+        mine = str(exc)
+    gathered: list[Any] = [None] * plan.world.world_size
+    dist.all_gather_object(gathered, mine, group=agreement)
+    failed = [(rank, said) for rank, said in enumerate(gathered) if said is not None]
+    if not failed:
+        return
+    said = failed[0][1]
+    if len(failed) < len(gathered):
+        said += f" (on rank {', '.join(str(r) for r, _ in failed)} of {len(gathered)})"
+    if plan.world.rank == 0:
+        print(f"commhooks bench: {said}", file=sys.stderr, flush=True)
+    dist.barrier(group=agreement)  # printed before any rank exits and the launcher stops it
+    raise ModelRefused(said)
 
 
 def _measure(plan: Plan, device: torch.device, agreement: Any) -> list[Row]:

@@ -23,17 +23,29 @@ Example (``mypkg/bench_model.py``, run as ``commhooks bench --model mypkg.bench_
         return BenchModel(model, make_batch, loss=lambda m, b: F.cross_entropy(m(b[0]), b[1]))
 """
 
+import contextlib
 import importlib
-from collections.abc import Callable, Mapping, Sequence
+import os
+import traceback
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from commhooks.bench.tasks import Task
+from commhooks.bench.tasks import Task, to_device
+from commhooks.testing import describe
 
-__all__ = ["BenchModel", "BenchModelError", "call_model", "load_factory", "task_from_factory"]
+__all__ = [
+    "BenchModel",
+    "BenchModelError",
+    "call_model",
+    "check_factory",
+    "load_factory",
+    "split_name",
+    "task_from_factory",
+]
 
 FORM = "package.module:factory"
 
@@ -61,7 +73,12 @@ class BenchModel:
     heldout: Sequence[Any] = ()
 
 
-def _split(text: str) -> tuple[str, str]:
+def split_name(text: str) -> tuple[str, str]:
+    """``package.module:factory`` as its module and its name.
+
+    Raises:
+        BenchModelError: ``text`` is not of that form.
+    """
     module, sep, name = text.partition(":")
     if not sep or not module or not name.isidentifier():
         raise BenchModelError(
@@ -74,16 +91,21 @@ def load_factory(text: str) -> Callable[[], Any]:
     """Import the factory ``package.module:factory``.
 
     Raises:
-        BenchModelError: a malformed name, a module that does not import, or a name that is
-            missing or not callable.
+        BenchModelError: a malformed name, a module that is not found or raises while it is
+            imported (a syntax error too), or a name that is missing or not callable.
     """
-    module_name, name = _split(text)
+    module_name, name = split_name(text)
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise BenchModelError(
             f"--model {text!r}: cannot import {module_name!r} ({exc}); run from the directory "
             "that holds it or add that directory to PYTHONPATH (on every node)."
+        ) from None
+    except Exception as exc:  # the user's code, whatever it raises: one line, not a traceback
+        raise BenchModelError(
+            f"--model {text!r}: importing {module_name!r} raised {_at(exc)}; fix the module "
+            f"until `python -c 'import {module_name}'` runs."
         ) from None
     factory = getattr(module, name, None)
     if factory is None:
@@ -146,6 +168,86 @@ def _output_loss(text: str) -> Callable[[nn.Module, Any], torch.Tensor]:
         )
 
     return loss
+
+
+def check_factory(text: str, seed: int, device: torch.device, rank: int = 0) -> None:
+    """Build ``--model text`` once and run one forward and backward pass on ``device``.
+
+    The bench runs every hook in fresh ranks; a model that cannot train there would fail every
+    row alike, after minutes, and end in a report with nothing in it. Checked once before any
+    hook runs, it fails in one line that says what to change instead. The model, its batch
+    (``make_batch(rank, 0)``) and the loss are those the runs will use; nothing is kept.
+
+    Raises:
+        BenchModelError: the step that failed, how, and what to change.
+    """
+    factory = load_factory(text)
+    torch.manual_seed(seed)
+    with _running(text, "calling the factory", _FIXES["factory"]):
+        made = factory()
+    bench = _bench_model(text, made)
+    with _running(text, f"make_batch({rank}, 0)", _FIXES["make_batch"]):
+        batch = bench.make_batch(rank, 0)
+    loss_of = bench.loss or _output_loss(text)
+    with _running(text, f"the loss on {device}", _FIXES["loss"]):
+        loss = loss_of(bench.model.to(device), to_device(batch, device))
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shown = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise BenchModelError(
+            f"--model {text!r}: the loss is {shown}, not one number; give BenchModel a loss "
+            "that returns a tensor of one element."
+        )
+    with _running(text, "the backward pass", _FIXES["backward"]):
+        torch.autograd.backward(loss)
+
+
+# What to change when each step of the check raises.
+_FIXES = {
+    "factory": "it must build the model when called with no arguments",
+    "make_batch": "it must return a batch for any rank and step",
+    "loss": "the model must take its batch as the bench passes it (a tensor: model(batch); "
+    "a tuple or list: model(*batch); a dict: model(**batch)), or give BenchModel a loss",
+    "backward": "the loss must be computed from the model's trainable parameters",
+}
+
+
+@contextlib.contextmanager
+def _running(text: str, what: str, fix: str) -> Iterator[None]:
+    """Turn whatever the user's code raises inside into one :class:`BenchModelError` line."""
+    try:
+        yield
+    except BenchModelError:
+        raise
+    except Exception as exc:
+        raise BenchModelError(
+            f"--model {text!r}: {what} raised {_at(exc)}; {_fix(exc, fix)}."
+        ) from None
+
+
+def _fix(exc: BaseException, fix: str) -> str:
+    """What to change: the step's own advice, unless the cause is a missing GPU."""
+    if "cuda" in str(exc).lower() and not torch.cuda.is_available():
+        return (
+            "this machine has no CUDA: build the model and its batches on the CPU (the bench "
+            "moves them to each rank's device)"
+        )
+    return fix
+
+
+def _at(exc: BaseException) -> str:
+    """The exception in one line, and the line of the user's code that raised it."""
+    said = describe(exc)
+    if isinstance(exc, SyntaxError):  # its message names the file and line already
+        return said
+    ours = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+    frames = [
+        f
+        for f in traceback.extract_tb(exc.__traceback__)
+        if not f.filename.startswith(ours) and not f.filename.startswith("<frozen")
+    ]
+    if not frames:
+        return said
+    return f"{said} ({os.path.basename(frames[-1].filename)}, line {frames[-1].lineno})"
 
 
 def task_from_factory(text: str, seed: int, heldout_step: int) -> Task:
