@@ -109,8 +109,8 @@ ROWS = [
     Row("allreduce", "torch_allreduce", MANY_BUCKETS_MB, 1.0),
     Row("fp16", "torch_fp16", MANY_BUCKETS_MB, 1.0),
     Row("bf16", "torch_fp16", MANY_BUCKETS_MB, 1.0),
-    Row("int8", "torch_fp16", MANY_BUCKETS_MB, 1.5),
-    Row("int4", "torch_fp16", MANY_BUCKETS_MB, 1.5),
+    Row("int8", "torch_fp16", MANY_BUCKETS_MB, 1.3),
+    Row("int4", "torch_fp16", MANY_BUCKETS_MB, 1.3),
     Row("power_sgd", "torch_power_sgd", ONE_BUCKET_MB, 1.0),
     Row("power_sgd_single_round", "torch_power_sgd", ONE_BUCKET_MB, 1.0),
 ]
@@ -119,8 +119,8 @@ ROWS = [
 # register() allows bf16 on gloo and NCCL only (the fp16 row takes the same path in another
 # dtype).
 MANY_POWERSGD = [
-    Row("power_sgd", "torch_power_sgd", MANY_BUCKETS_MB, 1.0),
-    Row("power_sgd_single_round", "torch_power_sgd", MANY_BUCKETS_MB, 1.0),
+    Row("power_sgd", "torch_power_sgd", MANY_BUCKETS_MB, 1.5),
+    Row("power_sgd_single_round", "torch_power_sgd", MANY_BUCKETS_MB, 1.5),
 ]
 ROWS_OF = {
     "gloo": ROWS,

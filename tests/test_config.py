@@ -267,7 +267,7 @@ def test_register_every_hook_and_wrapper_trains_and_returns_the_state():
     for (hook, wrapper), r0 in results[0].items():
         r1 = results[1][hook, wrapper]
         assert r0["finite"] and r0["moved"], (hook, wrapper)
-        if config.hook_spec(hook).make_state is None:
+        if not config.HookConfig(hook, options=fast_options(hook)).stateful:
             assert r0["state_type"] == "StatelessState"
             assert r0["state_dict"] == {"kind": "stateless", "version": 1}
         else:
@@ -369,7 +369,7 @@ def test_checkpoint_saves_whatever_register_returned(tmp_path):
     for out in run_on_ranks(_checkpoint_what_register_returns, 2, str(tmp_path)):
         assert "'stateless' state" in out.pop("mismatch")
         for hook, (state_type, kind, version, keys) in out.items():
-            if config.hook_spec(hook).make_state is None:
+            if not config.HookConfig(hook, options=fast_options(hook)).stateful:
                 # an empty, versioned entry; 'no' registers nothing and saves the same
                 assert (state_type, kind, version, keys) == ("StatelessState", "stateless", 1, 2)
             else:

@@ -21,7 +21,7 @@ import torch
 from ddp_utils import free_port
 
 import commhooks
-from commhooks.config import hook_names, hook_spec, wrapper_names
+from commhooks.config import HookConfig, hook_names, hook_spec, wrapper_names
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -48,8 +48,9 @@ def stateful_choice() -> tuple[str, dict]:
     """A registered stateful hook with options that start its real work early, if any."""
     for hook in hook_names():
         spec = hook_spec(hook)
-        if spec.make_state is not None:
-            return hook, {k: v for k, v in FAST_OPTIONS.items() if k in spec.options}
+        options = {k: v for k, v in FAST_OPTIONS.items() if k in spec.options}
+        if HookConfig(hook, options=options).stateful:
+            return hook, options
     return "allreduce", {}
 
 
@@ -121,7 +122,7 @@ def test_lightning_example_registers_on_cpu(tmp_path):
     assert "trained 6 steps" in out, out[-3000:]
     state_line = next(line for line in out.splitlines() if line.startswith("state "))
     checkpoint = torch.load(ckpt, weights_only=False)
-    if hook_spec(hook).make_state is None:
+    if not HookConfig(hook, options=options).stateful:
         assert state_line == "state NoneType" and "commhooks" not in checkpoint
     else:
         assert state_line != "state NoneType"
@@ -403,16 +404,15 @@ def test_host_cost_counts_operations_and_multi_tensor_time_where_asked(tmp_path)
             "--backend",
             "inline",
             "--only",
-            "fp16",
+            "power_sgd",
             "--json",
             str(out),
         ],
         ROOT,
     )
-    (row,) = json.loads(out.read_text())["rows"]
-    # fp16: a cast, a division and a sum a bucket at least; PyTorch's adds its copy back.
+    row = json.loads(out.read_text())["rows"][0]
     assert row["ours_ops"] > 0 and row["theirs_ops"] > 0
-    assert row["ours_multi_tensor_ms"] > 0  # the step's batched check and copy
+    assert row["ours_multi_tensor_ms"] > 0  # the batched compensation and copies
     if row["theirs_ms"] > 0:
         fused = (row["ours_ms"] - row["ours_multi_tensor_ms"]) / row["theirs_ms"]
         assert abs(row["ratio_fused"] - fused) < 1e-9

@@ -266,7 +266,10 @@ def test_a_nan_in_one_gradient_passes_through_like_plain_allreduce(name, bad_ele
     _check_bad_step(results, name)
     expected_bad = ~torch.isfinite(_results(bad_element, None)[0]["grads"])
     got_bad = ~torch.isfinite(results[0]["grads"])
-    assert torch.equal(got_bad, expected_bad), f"{name}: not where plain allreduce has it"
+    if "power_sgd" in name:  # as PyTorch's PowerSGD: the NaN spreads over its matrix
+        assert got_bad[expected_bad].all(), f"{name}: lost where plain allreduce has it"
+    else:
+        assert torch.equal(got_bad, expected_bad), f"{name}: not where plain allreduce has it"
     for rank, r in enumerate(results):
         if "bad_ordinal" in r:  # the bad parameter's memory did not take that step
             key = r["bad_ordinal"]

@@ -58,12 +58,6 @@ def fp16_first_bucket(rank, world_size, fault):
     _train(make_ddp(make_mlp(), hook), rank)
 
 
-def fp16_group_creation(rank, world_size, fault):
-    """The victim goes while the fp16 hook creates its follow-up group."""
-    fault.strike_on_call(rank, dist, "new_group", lambda *a, **k: True)
-    _train(make_ddp(make_mlp(), commhooks.fp16_compress_hook), rank)
-
-
 def powersgd_first_compressed_step(rank, world_size, fault):
     """The victim goes as PowerSGD's first compressed step begins."""
     state = commhooks.PowerSGDState(None, start_powerSGD_iter=1)
@@ -78,18 +72,17 @@ def powersgd_first_compressed_step(rank, world_size, fault):
 
 def powersgd_second_round(rank, world_size, fault):
     """The victim goes as it issues PowerSGD's second round (on the follow-up group)."""
-    # Two gloo ranks sum small tensors by exchanging them (see comm.allreduce): watch sends too.
-    for name in ("all_reduce", "all_gather_into_tensor", "all_gather_single", "isend"):
-        if hasattr(dist, name):
-            fault.strike_on_call(rank, dist, name, _on_follow_up_group)
+    fault.strike_on_call(rank, dist, "all_reduce", _on_follow_up_group)
     state = commhooks.PowerSGDState(None, start_powerSGD_iter=1)
     _train(make_ddp(make_mlp(), commhooks.powerSGD_hook, state), rank)
 
 
 def int8_all_gather(rank, world_size, fault):
-    """The victim goes as it sends its averaged row to the others (int8's second phase, a
-    point-to-point exchange on the follow-up group)."""
-    fault.strike_on_call(rank, dist, "isend", _on_follow_up_group)
+    """The victim goes as it sends its averaged row to the others (int8's second phase, an
+    all-gather on the follow-up group)."""
+    for name in ("all_gather_into_tensor", "all_gather_single"):
+        if hasattr(dist, name):
+            fault.strike_on_call(rank, dist, name, _on_follow_up_group)
     state = commhooks.QuantizationState(None, bits=8, warmup_steps=1)
     _train(make_ddp(make_mlp(), commhooks.quantized_hook, state), rank)
 
@@ -157,7 +150,6 @@ def streaming_diloco_int4_in_flight(rank, world_size, fault):
 POINTS = [
     (startup, 2),
     (fp16_first_bucket, 2),
-    (fp16_group_creation, 2),
     (powersgd_first_compressed_step, 2),
     (powersgd_second_round, 2),
     (int8_all_gather, 2),

@@ -16,7 +16,7 @@ from ddp_utils import batches, flat_params, make_ddp, make_mlp, train
 
 import commhooks
 from commhooks import allreduce_hook, config, register
-from commhooks.config import CommHookType, hook_names, hook_spec
+from commhooks.config import CommHookType, HookConfig, hook_names, hook_spec
 from commhooks.integrations.checkpoint import DistributedCheckpointState, PerRankState
 from commhooks.state import HookState, StateDictError, StatelessState
 from commhooks.testing import RankError, run_on_ranks
@@ -53,7 +53,7 @@ class Tally(HookState):
 
 
 def stateful_hooks() -> list[str]:
-    return [h for h in hook_names() if hook_spec(h).make_state is not None]
+    return [h for h in hook_names() if HookConfig(h, options=fast_options(h)).stateful]
 
 
 def fast_options(hook: str) -> dict:

@@ -401,7 +401,8 @@ class HookConfig:
     @property
     def stateful(self) -> bool:
         """Whether the hook keeps a state object worth checkpointing."""
-        return _specs()[CommHookType(self.hook)].make_state is not None
+        spec = _specs()[CommHookType(self.hook)]
+        return spec.make_state is not None and spec.settings is not StatelessOptions
 
     @classmethod
     def from_dict(cls, mapping: Mapping[str, Any]) -> "HookConfig":

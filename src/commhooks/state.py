@@ -361,6 +361,9 @@ class StatelessState(HookState):
         super().__init__(process_group)
         self.settings = StatelessOptions(on_nonfinite=on_nonfinite)
 
+    def __repr__(self) -> str:
+        return f"StatelessState({self.process_group!r}, on_nonfinite={self.on_nonfinite!r})"
+
     def _save(self) -> dict[str, Any]:
         return {}
 

@@ -86,7 +86,9 @@ def register(
         **options: the hook's options, as for :func:`commhooks.register`.
 
     Returns:
-        the hook's state (keep it to checkpoint it), or the replicate group for stateless hooks.
+        the hook's state (keep it to checkpoint it): a
+        :class:`~commhooks.state.StatelessState` holding the replicate group for the hooks that
+        keep none.
 
     Raises:
         ValueError: an unknown or unsuitable hook or option; no FSDP module under ``module``;

@@ -13,7 +13,7 @@ hook's overhead any design would pay on the machine and network at hand:
 ``floor_memory``
     The same, plus the memory passes of error feedback: the gradient is added into a memory
     of its size before the collective, and written over once after it with a rank-``r`` product
-    ``P Qᵀ`` (the routine the PowerSGD hooks use). No factor is computed from the gradient and
+    ``P Qᵀ``. No factor is computed from the gradient and
     nothing is orthogonalised.
 
 They are measuring instruments, not training hooks: the first two leave each rank with its own
@@ -109,7 +109,7 @@ def floor_memory(state: FloorState, bucket: dist.GradBucket) -> torch.futures.Fu
         grads = bucket.gradients()
         for i, n, m, r in compressed:
             p, qt = _factors(state, i, n, m, r, buffer)
-            lowrank.product_into(lowrank.as_matrix(grads[i]), p, qt)
+            torch.mm(p, qt, out=lowrank.as_matrix(grads[i]))
         return buffer
 
     return comm.average(payload, dist.group.WORLD).then(write)
