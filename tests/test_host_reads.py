@@ -44,8 +44,11 @@ HOOKS: dict[str, tuple[str, str | None, dict[str, Any]]] = {
     "int4": ("int4", None, {}),
     "packed_int4": ("int4", None, {"packed": True}),
     "post_local_sgd": ("post_local_sgd", None, {"start_localSGD_iter": 2}),
+    # DiLoCo's hooks, in their warm-up (the averager is not attached: every step is one).
+    "diloco_int8_warmup": ("diloco", None, {"sync_every": 2, "warmup_steps": 99, "warmup_bits": 8}),
+    "streaming_diloco": ("streaming_diloco", None, {"sync_every": 2, "warmup_steps": 99}),
 }
-REPAIRABLE = [name for name in HOOKS if name != "post_local_sgd"]
+REPAIRABLE = [name for name in HOOKS if "diloco" not in name and name != "post_local_sgd"]
 
 
 class _Reads(TorchDispatchMode):
@@ -152,3 +155,33 @@ def test_after_one_injected_inf_every_later_step_is_finite_for_every_hook():
     for out in run_on_ranks(_scaler_loop, 2, list(HOOKS), timeout=140):
         for name, finite in out.items():
             assert finite == [True] * 3 + [False] + [True] * 4, (name, finite)
+
+
+def _threads_after_training(rank: int, world_size: int, names: list[str]) -> dict[str, list[str]]:
+    """The Python threads alive after a few steps of each hook, and of PyTorch's fp16 hook."""
+    import threading
+
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_default
+
+    def alive() -> list[str]:
+        return sorted(t.name for t in threading.enumerate())
+
+    out = {}
+    ddp = make_ddp(make_mlp(widths=_MANY_BUCKETS), bucket_cap_mb=0.00001)
+    ddp.register_comm_hook(None, torch_default.fp16_compress_hook)
+    for batch in batches(rank, 4):
+        _step(ddp, batch, None)
+    out["pytorch_fp16"] = alive()
+    for name in names:
+        ddp, _ = _model(name, None)
+        for batch in batches(rank, 4):
+            _step(ddp, batch, None)
+        out[name] = alive()
+    return out
+
+
+@pytest.mark.timeout(150)
+def test_no_hook_starts_a_python_thread_of_its_own():
+    for out in run_on_ranks(_threads_after_training, 2, list(HOOKS), timeout=140):
+        for name, threads in out.items():
+            assert threads == out["pytorch_fp16"], (name, threads)

@@ -10,6 +10,7 @@ in). The same choice loads from a mapping (JSON, YAML) through :class:`HookConfi
 
 import contextlib
 import json
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -578,9 +579,22 @@ def register_from_config(
         from commhooks.hooks import bf16_compress_wrapper, fp16_compress_wrapper
 
         fn = (fp16_compress_wrapper if wrap is CommHookType.FP16 else bf16_compress_wrapper)(fn)
-    ddp_model.register_comm_hook(state, fn)
-    ddp_model._commhooks_state = state
+    try:
+        ddp_model.register_comm_hook(state, fn)
+    except RuntimeError as exc:  # DDP's own refusal: a hook registered without us
+        if "only be called once" not in str(exc):
+            raise
+        raise ValueError(_TWICE) from exc
+    _hooked.add(ddp_model)
     return state
+
+
+_TWICE = (
+    "this DDP model already has a communication hook, and DDP accepts only one per model. "
+    "Register a single hook (combine a hook with a cast through wrapper='fp16' or 'bf16'), or "
+    "build a new DistributedDataParallel model."
+)
+_hooked: "weakref.WeakSet[Any]" = weakref.WeakSet()  # DDP models given a hook by register()
 
 
 def _check_target(
@@ -594,13 +608,8 @@ def _check_target(
             f"commhooks.register expects the DistributedDataParallel model, got "
             f"{type(ddp_model).__name__}. Wrap the model first: DistributedDataParallel(model)."
         )
-    previous = getattr(ddp_model, "_comm_hooks", None) or hasattr(ddp_model, "_commhooks_state")
-    if previous:
-        raise ValueError(
-            "this DDP model already has a communication hook, and DDP accepts only one per "
-            "model. Register a single hook (combine a hook with a cast through wrapper='fp16' or "
-            "'bf16'), or build a new DistributedDataParallel model."
-        )
+    if ddp_model in _hooked:
+        raise ValueError(_TWICE)
     chosen: dist.ProcessGroup | None = process_group
     if chosen is None and not comm.is_default_group(ddp_model.process_group):
         # The hook must average over the ranks DDP synchronises, not the whole world.

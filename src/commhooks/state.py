@@ -39,8 +39,6 @@ class StateDictError(ValueError):
     """A state dict that cannot be loaded into this object; the object is left unchanged."""
 
 
-# A loaded tensor may claim far more elements than its file holds (an expanded, stride-0
-# tensor); copied or saved again, it would allocate all of them.
 def check_tensor(
     where: str,
     value: Any,
@@ -49,13 +47,13 @@ def check_tensor(
     shape: tuple[int, ...] | None = None,
     floating: bool = False,
     finite: bool = True,
-    any_order: bool = False,
 ) -> torch.Tensor:
     """Return ``value`` if it is a tensor a state dict may hold, else raise ``StateDictError``.
 
-    A tensor from a file must be dense and contiguous (so it holds every element it claims),
-    of the expected dtype and shape when they are known, and finite unless told otherwise:
-    a NaN in a memory that is added to every step would poison training for good.
+    A tensor from a file must be dense and contiguous (so it holds every element it claims: an
+    expanded, stride-0 tensor, copied or saved again, would allocate all of them), of the
+    expected dtype and shape when they are known, and finite unless told otherwise: a NaN in a
+    memory that is added to every step would poison training for good.
 
     Args:
         where: names the entry in the message, e.g. ``"PowerSGDState 'error'['3']"``.
@@ -63,16 +61,26 @@ def check_tensor(
         dtype, shape: what the entry must be, when known.
         floating: the tensor must be of a floating-point dtype.
         finite: every element must be finite.
-        any_order: also take a dense tensor whose dimensions are stored in another order (a
-            transposed one), as earlier releases saved some.
     """
     if not isinstance(value, torch.Tensor):
         kind = "a floating-point tensor" if floating else "a tensor"
         raise StateDictError(f"{where} must be {kind}, got {type(value).__name__}.")
-    dense = value.layout == torch.strided and (
-        value.is_contiguous() or (any_order and _dense_in_some_order(value))
-    )
-    if not dense:
+    _check_storage(where, value)
+    _check_kind(where, value, dtype, shape, floating)
+    if finite and value.is_floating_point():
+        if value.dtype not in _FLOATING:
+            raise StateDictError(f"{where} is of dtype {value.dtype}, which cannot be checked.")
+        if not bool(torch.isfinite(value).all()):
+            raise StateDictError(
+                f"{where} holds inf or NaN; loading it would make every later step non-finite. "
+                "Load an earlier checkpoint, or start this state afresh."
+            )
+    return value
+
+
+def _check_storage(where: str, value: torch.Tensor) -> None:
+    """A dense, contiguous tensor that holds values (not on the 'meta' device)."""
+    if value.layout != torch.strided or not value.is_contiguous():
         raise StateDictError(
             f"{where} must be a dense, contiguous tensor (as state_dict() saves it); got "
             f"layout {value.layout}, shape {tuple(value.shape)}, strides "
@@ -83,6 +91,16 @@ def check_tensor(
             f"{where} is on the 'meta' device, which holds no values (a state dict made under "
             "torch.device('meta') or with empty weights); load the file that was saved."
         )
+
+
+def _check_kind(
+    where: str,
+    value: torch.Tensor,
+    dtype: torch.dtype | None,
+    shape: tuple[int, ...] | None,
+    floating: bool,
+) -> None:
+    """The dtype and shape asked for, where they are known."""
     if floating and value.dtype not in _FLOATING:
         raise StateDictError(
             f"{where} must be a floating-point tensor (float16, bfloat16, float32 or float64), "
@@ -92,32 +110,11 @@ def check_tensor(
         raise StateDictError(f"{where} must be of dtype {dtype}, got {value.dtype}.")
     if shape is not None and tuple(value.shape) != tuple(shape):
         raise StateDictError(f"{where} must have shape {tuple(shape)}, got {tuple(value.shape)}.")
-    if finite and value.is_floating_point() and value.dtype not in _FLOATING:
-        raise StateDictError(f"{where} is of dtype {value.dtype}, which cannot be checked.")
-    if finite and value.is_floating_point() and not bool(torch.isfinite(value).all()):
-        raise StateDictError(
-            f"{where} holds inf or NaN; loading it would make every later step non-finite. "
-            "Load an earlier checkpoint, or start this state afresh."
-        )
-    return value
 
 
 # What a memory, factor or snapshot may be kept in; float8's are refused, as they cannot even
 # be checked for inf (and would hold a residual to no useful precision).
 _FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def _dense_in_some_order(t: torch.Tensor) -> bool:
-    """Whether ``t`` stores each of its elements once, in a storage that holds them all."""
-    expected = 1
-    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda pair: pair[1]):
-        if size == 1:
-            continue
-        if stride != expected:
-            return False
-        expected *= size
-    needed = (t.storage_offset() + t.numel()) * t.element_size()
-    return t.untyped_storage().nbytes() >= needed
 
 
 def check_count(where: str, value: Any, minimum: int = 0) -> int:

@@ -157,7 +157,7 @@ def _factors(value: object, key_of: Callable[[str], Key], where: str) -> dict[Ke
     out: dict[Key, torch.Tensor] = {}
     for key, entry in _entries(value, key_of, where).items():
         # Earlier releases saved Q as the transpose of a contiguous Qᵀ.
-        factor = check_tensor(f"{where}[{str(key)!r}]", entry, floating=True, any_order=True)
+        factor = check_tensor(f"{where}[{str(key)!r}]", entry, floating=True)
         if factor.dim() != 2:
             raise StateDictError(
                 f"{where}[{str(key)!r}] must be a 2-D factor, got shape {tuple(factor.shape)}."

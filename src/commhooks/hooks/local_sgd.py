@@ -188,24 +188,22 @@ class PostLocalSGDState(HookState):
             "subgroup": "explicit" if self._subgroup_explicit else "per machine",
         }
 
-    def _first_use(self, group: dist.ProcessGroup) -> None:
+    def begin(self, bucket: GradBucket) -> tuple[dist.ProcessGroup, bool]:
+        """What the hook asks first, on DDP's thread: the group (checked with the other ranks
+        at the first call, collectively) and whether this step is still in the warm-up; counts
+        the step at its last bucket."""
+        group = comm.resolve_group(self.process_group, owner=OWNER)
         if not self._checked:
             handshake.agree(group, OWNER, self)
             self._checked = True
-
-    def _advance(self, bucket: GradBucket) -> None:
-        if not bucket.is_last():
-            return
-        self.iter += 1
-        if self.iter == self.start_localSGD_iter:
-            logger.info("post-local SGD: local phase starts after %d steps", self.iter)
+        warming_up = self.iter < self.start_localSGD_iter
+        if bucket.is_last():
+            self.iter += 1
+            if self.iter == self.start_localSGD_iter:
+                logger.info("post-local SGD: local phase starts after %d steps", self.iter)
+        return group, warming_up
 
     def _restore_transient(self) -> None:
-        if "options" not in self.__dict__:  # pickled by a release without the options object
-            self.options = PostLocalSGDOptions(
-                start_localSGD_iter=self.__dict__.pop("start_localSGD_iter"),
-                post_local_gradient_allreduce=self.__dict__.pop("post_local_gradient_allreduce"),
-            )
         self._subgroup = None
         self._checked = False
         if not self._subgroup_explicit:
@@ -260,11 +258,8 @@ def post_localSGD_hook(
             "ddp.register_comm_hook(PostLocalSGDState(None, None, start_localSGD_iter=...), "
             "post_localSGD_hook)."
         )
-    group = comm.resolve_group(state.process_group, owner=OWNER)
     buffer = gradient_buffer(bucket, OWNER)
-    state._first_use(group)
-    warming_up = state.iter < state.start_localSGD_iter
-    state._advance(bucket)
+    group, warming_up = state.begin(bucket)
     if warming_up:
         return comm.average(buffer, group)
     if not state.post_local_gradient_allreduce:

@@ -294,11 +294,14 @@ def _take_vectors(step: BucketStep, finite: torch.Tensor) -> None:
     """The tensors sent as they are take their average; ``local - average`` is remembered."""
     if not step.vectors:
         return
-    averages = lowrank.views_like(step.send, step.vectors)
+    unc = step.vector_numel()
+    average = step.send[:unc]
     if step.state.settings.use_error_feedback:
-        errors = torch._foreach_sub(step.vectors, averages)
-        step.state.memory.record_where(finite, step.vector_keys, errors)
-    torch._foreach_copy_(step.vectors, averages)
+        errors = lowrank.pack_into(step.vectors, step.buffer.new_empty(unc)).sub_(average)
+        step.state.memory.record_where(
+            finite, step.vector_keys, lowrank.views_like(errors, step.vectors)
+        )
+    lowrank.unpack_from(average, step.vectors)
 
 
 def _approximate(step: BucketStep, finite: torch.Tensor) -> None:

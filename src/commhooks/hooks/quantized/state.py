@@ -820,8 +820,8 @@ def _gather(found: list[torch.Tensor | None], places: tuple[torch.Tensor, ...]) 
     there already, as the last step's errors are: batched, one launch each on a GPU."""
     zeros = [spot for residual, spot in zip(found, places) if residual is None]
     moved = [(spot, r) for r, spot in zip(found, places) if r is not None and r is not spot]
-    if zeros:
-        torch._foreach_zero_(zeros)
+    for spot in zeros:  # the first step, or the first after a load
+        spot.zero_()
     if moved:
         torch._foreach_copy_([spot for spot, _ in moved], [r for _, r in moved])
 
