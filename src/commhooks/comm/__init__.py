@@ -22,6 +22,7 @@ from commhooks.comm.collectives import (
     future_devices,
     new_future,
     observe_collectives,
+    size,
     then,
     used_on_current_stream,
 )
@@ -38,7 +39,6 @@ from commhooks.comm.groups import (
     is_default_group,
     new_groups,
     resolve_group,
-    size,
     world_size,
 )
 from commhooks.comm.issuer import IssuerPool, OrderedIssuer, issuer_for

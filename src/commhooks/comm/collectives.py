@@ -8,6 +8,7 @@ are returned, as NCCL's do, so that a CPU test runs a GPU's control flow.
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -23,6 +24,7 @@ __all__ = [
     "average",
     "forward",
     "completed",
+    "size",
     "completes_inline",
     "completing_inline",
     "fail",
@@ -35,6 +37,7 @@ __all__ = [
 
 T = TypeVar("T")
 S = TypeVar("S")
+Opts = TypeVar("Opts")
 Future = torch.futures.Future
 
 
@@ -172,7 +175,6 @@ _TORCH_COLLECTIVES: dict[str, tuple[int, str]] = {
 _counters: list[CollectiveCounter] = []
 _originals: dict[str, Callable[..., Any]] = {}
 _lock = threading.Lock()
-_local = threading.local()  # ``issuing``: this thread is inside one of this module's calls
 
 
 @contextlib.contextmanager
@@ -218,9 +220,8 @@ def _counting(
     name: str, position: int, keyword: str, original: Callable[..., Any]
 ) -> Callable[..., Any]:
     def counted(*args: Any, **kwargs: Any) -> Any:
-        if not getattr(_local, "issuing", False):
-            given = args[position] if len(args) > position else kwargs.get(keyword)
-            _observed(name, given, direct=True)
+        given = args[position] if len(args) > position else kwargs.get(keyword)
+        _observed(name, given, direct=True)
         return original(*args, **kwargs)
 
     counted.__wrapped__ = original  # type: ignore[attr-defined]
@@ -230,33 +231,50 @@ def _counting(
 def _observed(kind: str, handed: Any, direct: bool = False) -> None:
     """Report a collective of ``kind`` handing over ``handed`` to the open observers;
     ``direct``: called straight on torch.distributed, for the observers that asked for those."""
-    if not _counters:
-        return
     nbytes = handed.numel() * handed.element_size() if isinstance(handed, torch.Tensor) else 0
     for counter in list(_counters):
         if counter.torch_calls or not direct:
             counter.record(kind, nbytes)
 
 
-@contextlib.contextmanager
-def _issuing(kind: str, handed: torch.Tensor) -> Iterator[None]:
-    """Report a collective of ``kind``, then issue it inside the block uncounted again."""
-    _observed(kind, handed)
-    before = getattr(_local, "issuing", False)
-    _local.issuing = True
-    try:
-        yield
-    finally:
-        _local.issuing = before
+def _torch(name: str) -> Callable[..., Any]:
+    """torch.distributed's function ``name`` as torch defines it, never an observer's wrapper:
+    what this module issues is counted once, by itself."""
+    return _originals.get(name) or getattr(dist, name)
+
+
+def _options(kind: Callable[[], Opts]) -> Opts:
+    """Options for a collective issued on a group without waiting: ``asyncOp`` where this
+    torch has the field (2.7 on, where it is the default too)."""
+    options = kind()
+    if hasattr(options, "asyncOp"):
+        options.asyncOp = True
+    return options
+
+
+_SUM = _options(dist.AllreduceOptions)
+_SUM.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
+_EXCHANGE = _options(dist.AllToAllOptions)
 
 
 # -- the collectives -----------------------------------------------------------------------------
+# Issued on the group itself (its public ``allreduce`` and ``alltoall_base``): the backend's
+# own collective, as ``dist.all_reduce`` issues it, without that function's checks of a group
+# resolved already, which cost the host a few microseconds a bucket.
+def _allreduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[list[torch.Tensor]]":
+    if _counters:
+        _observed("all_reduce", tensor)
+    if tensor.layout != torch.strided or tensor.is_complex():  # dist's conversions needed
+        work = _torch("all_reduce")(tensor, group=group, async_op=True)
+    else:
+        work = group.allreduce([tensor], _SUM)
+    return _issued(work)
+
+
 def allreduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.Tensor]":
     """Sum ``tensor`` in place across ``group``; the future resolves to the sum (``tensor``
     itself, or for a sparse tensor the sum gloo returns)."""
-    with _issuing("all_reduce", tensor):
-        work = dist.all_reduce(tensor, group=group, async_op=True)
-    return _issued(work).then(_first)
+    return _allreduce(tensor, group).then(_first)
 
 
 def allreduce_then(
@@ -264,9 +282,7 @@ def allreduce_then(
 ) -> "Future[T]":
     """:func:`allreduce`, then ``fn`` on the sum in the collective's one callback (a second
     callback would cost the host once a bucket); the future holds what ``fn`` returns."""
-    with _issuing("all_reduce", tensor):
-        work = dist.all_reduce(tensor, group=group, async_op=True)
-    return _issued(work).then(lambda fut: fn(fut.value()[0]))
+    return _allreduce(tensor, group).then(lambda fut: fn(fut.value()[0]))
 
 
 def average(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.Tensor]":
@@ -275,7 +291,7 @@ def average(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.Ten
     A dense tensor is multiplied by ``1 / world_size`` and a sparse one divided, DDP's own
     arithmetic, so that the result is bitwise what DDP gives without a hook.
     """
-    world = group.size()
+    world = size(group)
     if tensor.layout == torch.strided:
         tensor.mul_(1.0 / world)
     else:
@@ -291,10 +307,11 @@ def all_to_all(
     Both are ``world_size x ...`` and contiguous; the future resolves to ``out``. On a group of
     one rank nothing travels: ``out`` becomes ``tensor``, at once.
     """
-    if group.size() == 1:
+    if size(group) == 1:
         return _kept_here(out, tensor)
-    with _issuing("all_to_all_single", tensor):
-        work = dist.all_to_all_single(out, tensor, group=group, async_op=True)
+    if _counters:
+        _observed("all_to_all_single", tensor)
+    work = group.alltoall_base(out, tensor, [], [], _EXCHANGE)
     return _issued(work).then(lambda fut: _checked(fut, out))
 
 
@@ -303,11 +320,25 @@ def all_gather_into(
 ) -> "Future[torch.Tensor]":
     """Row ``j`` of ``out`` (``world_size x tensor.numel()``) becomes rank ``j``'s ``tensor``;
     the future resolves to ``out``. On a group of one rank: ``out`` becomes ``tensor``."""
-    if group.size() == 1:
+    if size(group) == 1:
         return _kept_here(out, tensor)
-    with _issuing("all_gather_into_tensor", tensor):
-        work = _all_gather_single()(out.view(-1), tensor.view(-1), group=group, async_op=True)
+    if _counters:
+        _observed("all_gather_into_tensor", tensor)
+    gather = _originals.get("all_gather_into_tensor") or _all_gather_single()
+    work = gather(out.view(-1), tensor.view(-1), group=group, async_op=True)
     return _issued(work).then(lambda fut: _checked(fut, out))
+
+
+_sizes: "weakref.WeakKeyDictionary[dist.ProcessGroup, int]" = weakref.WeakKeyDictionary()
+
+
+def size(group: dist.ProcessGroup) -> int:
+    """``group.size()``, remembered: a group's size never changes, and asking the backend for
+    it costs the host about a microsecond, which a hook would pay once a bucket."""
+    known = _sizes.get(group)
+    if known is None:
+        known = _sizes[group] = group.size()
+    return known
 
 
 def _first(fut: "Future[list[torch.Tensor]]") -> torch.Tensor:

@@ -2,13 +2,12 @@
 (per machine, follow-ups), and the rare blocking gathers of small Python objects."""
 
 import datetime
-import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import torch.distributed as dist
 
-from commhooks.comm.collectives import completes_inline
+from commhooks.comm.collectives import completes_inline, size
 
 __all__ = [
     "all_gather_objects",
@@ -103,18 +102,6 @@ def backend_for_device(group: dist.ProcessGroup | None, device_type: str) -> str
 def world_size(group: dist.ProcessGroup | None) -> int:
     """Number of ranks in ``group`` (``None``: the default group)."""
     return dist.get_world_size(group)
-
-
-_sizes: "weakref.WeakKeyDictionary[dist.ProcessGroup, int]" = weakref.WeakKeyDictionary()
-
-
-def size(group: dist.ProcessGroup) -> int:
-    """``group.size()``, remembered: a group's size never changes, and asking the backend for
-    it costs the host about a microsecond, which a hook would pay once a bucket."""
-    known = _sizes.get(group)
-    if known is None:
-        known = _sizes[group] = group.size()
-    return known
 
 
 def group_rank(group: dist.ProcessGroup | None) -> int:

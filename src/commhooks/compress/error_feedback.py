@@ -29,7 +29,7 @@ from commhooks.state import StateDictError, check_tensor
 # only while loaded residuals are still to meet their first gradient.
 _UNCHECKED_LOCK = threading.Lock()
 
-__all__ = ["ErrorFeedback", "Key", "Plausible"]
+__all__ = ["ErrorFeedback", "Key", "Plausible", "all_finite"]
 
 Key = int | str
 """What a residual is kept under: a parameter's number or name, or ``"bucket<i>"``."""
@@ -275,3 +275,23 @@ class ErrorFeedback:
             loaded[key] = check_tensor(f"{where}[{name!r}]", value, floating=True)
         self._residuals, self._unchecked = loaded, frozenset()
         self.check_before_use()
+
+
+def all_finite(*tensors: torch.Tensor) -> torch.Tensor:
+    """Whether every element of ``tensors`` is finite, as a boolean tensor on their device:
+    what a step's memories are kept by (:meth:`ErrorFeedback.record_where`), read back never.
+
+    Decided from their total, one reduction each (half precision summed in float32): inf or
+    NaN anywhere makes it inf or NaN, and so does a total of finite values past float32's
+    range, which then counts as not finite (such a step keeps the memories as they were).
+    """
+    total = _total(tensors[0])
+    for tensor in tensors[1:]:
+        total = total + _total(tensor)
+    gap = total - total  # NaN exactly where the total is inf or NaN, 0 elsewhere
+    return gap == gap  # two operations between tensors: no scalar to convert, no read
+
+
+def _total(tensor: torch.Tensor) -> torch.Tensor:
+    wide = torch.float32 if tensor.dtype in (torch.float16, torch.bfloat16) else None
+    return tensor.sum(dtype=wide)

@@ -91,10 +91,13 @@ def average_in(
 ) -> torch.futures.Future[torch.Tensor]:
     """Average ``buffer`` across ``group`` in ``dtype``: cast, divide, sum, and cast the sum
     back into ``buffer`` in the collective's one callback; the future holds ``buffer``."""
-    world = group.size()
-    low = torch.empty(buffer.shape, dtype=dtype, device=buffer.device)
-    if dtype != torch.bfloat16 or not cpu_kernels.bfloat16_scaled(buffer, low, world):
-        low.copy_(buffer).div_(world)
+    world = comm.size(group)
+    if dtype == torch.bfloat16 and buffer.is_cpu:  # one fused pass, PyTorch's bits
+        low = torch.empty_like(buffer, dtype=dtype)
+        if not cpu_kernels.bfloat16_scaled(buffer, low, world):
+            low.copy_(buffer).div_(world)
+    else:
+        low = buffer.to(dtype).div_(world)
     return comm.allreduce_then(low, group, buffer.copy_)
 
 

@@ -44,8 +44,9 @@ from commhooks.hooks._bucket import float_buffer
 from commhooks.hooks.repair import repaired
 
 from .codec import BATCHED, LAYERWISE
+from .plan import Plan
 from .state import PowerSGDState
-from .step import BucketStep, Matrix, one_round, two_rounds
+from .step import BucketStep, Layout, Matrix, lay_out, one_round, two_rounds
 
 __all__ = ["batched_powerSGD_hook", "powerSGD_hook", "state_maker"]
 
@@ -78,19 +79,17 @@ def powerSGD_hook(
     if not state.compressing():  # plain allreduce, before compression starts
         state.maybe_increase_iter(bucket)
         return comm.average(buffer, group)
-    grads = bucket.gradients()
-    plan = state.plan(numbers, grads)
+    plan = state.plan(numbers, bucket.gradients)
     single = state.settings.single_round
-    matrices = [
-        Matrix(number, grads[i].view(n, m), r, state.factors.next_step(number) if single else BOTH)
-        for i, number, n, m, r in plan.compressed
-    ]
+    steps = tuple(state.factors.next_step(c[1]) for c in plan.compressed) if single else ()
+    signature = (buffer.data_ptr(), numbers, steps)
+    layout = state.layout(bucket.index(), signature)
+    if layout is None:
+        layout = state.keep_layout(bucket.index(), _layerwise(state, bucket, plan, signature))
     # A single-round step sends one factor: P (n x r) or Q (m x r), not both.
-    idle = sum(_idle_factor(m) for m in matrices) if single else 0
+    idle = sum(_idle_factor(m) for b in layout.batches for m in b.matrices) if single else 0
     state.count_elements(plan.numel_before, plan.numel_after - idle, bucket)
-    vectors = [grads[i] for i in plan.uncompressed]
-    keys: list[Key] = [numbers[i] for i in plan.uncompressed]
-    return _run(BucketStep(state, bucket, buffer, group, matrices, vectors, keys))
+    return _run(BucketStep(state, bucket, buffer, group, layout))
 
 
 def batched_powerSGD_hook(
@@ -123,14 +122,19 @@ def batched_powerSGD_hook(
     single = state.settings.single_round
     state.count_elements(length, (1 if single else 2) * side * rank, bucket)
     # The bucket stays as it was until the result is written back: the error is added to the
-    # padded copy, so a fallback to plain allreduce sends the untouched gradient.
-    square = buffer.new_zeros(side * side)
+    # padded copy, which the layout keeps from step to step.
+    step_of = state.factors.next_step(key) if single else BOTH
+    signature = (buffer.data_ptr(), numbers, step_of)
+    layout = state.layout(bucket.index(), signature)
+    if layout is None:
+        square = buffer.new_zeros(side, side)
+        matrix = Matrix(key, square, rank, step_of)
+        layout = state.keep_layout(bucket.index(), lay_out(signature, [matrix], [], [], False))
+    square = layout.batches[0].matrices[0].view.view(-1)
+    if length < square.numel():  # the padding of the last step's approximation
+        square[length:].zero_()
     writeback = _gather(bucket, buffer, square[:length], order)
-    matrix = Matrix(
-        key, square.view(side, side), rank, state.factors.next_step(key) if single else BOTH
-    )
-    step = BucketStep(state, bucket, buffer, group, [matrix], [], [], writeback)
-    step.made.append(square)
+    step = BucketStep(state, bucket, buffer, group, layout, writeback)
     return _run(step)
 
 
@@ -173,6 +177,21 @@ def _run(step: BucketStep) -> "Future[torch.Tensor]":
     )  # fmt: skip
     step.state.maybe_increase_iter(step.bucket)
     return done
+
+
+def _layerwise(state: PowerSGDState, bucket: Any, plan: Plan, signature: tuple[Any, ...]) -> Layout:
+    """The layout of a bucket for :func:`powerSGD_hook`: its matrices and vectors as views of
+    its gradients, batched as the options say."""
+    grads, numbers = bucket.gradients(), signature[1]
+    steps = signature[2] or (BOTH,) * len(plan.compressed)
+    matrices = [
+        Matrix(number, grads[i].view(n, m), r, step)
+        for (i, number, n, m, r), step in zip(plan.compressed, steps)
+    ]
+    vectors = [grads[i] for i in plan.uncompressed]
+    keys: list[Key] = [numbers[i] for i in plan.uncompressed]
+    together = state.settings.batch_tensors_with_same_shape
+    return lay_out(signature, matrices, vectors, keys, together)
 
 
 def _idle_factor(m: Matrix) -> int:

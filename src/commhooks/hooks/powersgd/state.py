@@ -66,7 +66,7 @@ class PowerSGDState(HookState):
 
     kind = "powersgd"
     version = 1
-    _transient = ("_plans", "_checked_group", "_reloaded", "_issuer", "_announced")
+    _transient = ("_plans", "_layouts", "_checked_group", "_reloaded", "_issuer", "_announced")
 
     matrix_approximation_rank = SettingView[int]()
     start_powerSGD_iter = SettingView[int]()
@@ -115,6 +115,7 @@ class PowerSGDState(HookState):
 
     def _restore_transient(self) -> None:
         self._plans: dict[tuple[int, ...], Plan] = {}
+        self._layouts: dict[int, Any] = {}  # by bucket index: what its steps work on
         self._checked_group: dist.ProcessGroup | None = None
         self._reloaded: str | None = None  # how a load mid-run changed the handshake's fields
         self._issuer: tuple[dist.ProcessGroup, comm.OrderedIssuer] | None = None
@@ -233,13 +234,31 @@ class PowerSGDState(HookState):
             )
         return True
 
-    def plan(self, numbers: tuple[int, ...], grads: Sequence[torch.Tensor]) -> Plan:
-        """Which gradients of a bucket holding parameters ``numbers`` are compressed (cached)."""
+    def plan(
+        self, numbers: tuple[int, ...], gradients: Callable[[], Sequence[torch.Tensor]]
+    ) -> Plan:
+        """Which gradients of a bucket holding parameters ``numbers`` are compressed (made once,
+        from ``gradients()``)."""
         plan = self._plans.get(numbers)
         if plan is None:
             rank, rate = self.settings.matrix_approximation_rank, self.settings.min_compression_rate
-            plan = self._plans[numbers] = Plan.build(numbers, grads, rank, rate)
+            plan = self._plans[numbers] = Plan.build(numbers, gradients(), rank, rate)
         return plan
+
+    def layout(self, index: int, signature: tuple[object, ...]) -> Any:
+        """The layout bucket ``index``'s last step of this ``signature`` (its buffer, its
+        parameters, the factor each matrix refines) worked on, or ``None``: a single-round
+        bucket alternates between two."""
+        for layout in self._layouts.get(index, ()):
+            if layout.signature == signature:
+                return layout
+        return None
+
+    def keep_layout(self, index: int, layout: Any) -> Any:
+        """Keep ``layout`` for bucket ``index``'s later steps (the two last of each bucket)."""
+        kept = self._layouts.setdefault(index, [])
+        kept[:] = [layout, *kept[:1]]
+        return layout
 
     def bucket_order(self, key: str, signature: tuple[int, ...]) -> list[int] | None:
         """For the batched hook: the order in which the bucket's gradients meet its state.

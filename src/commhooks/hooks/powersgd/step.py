@@ -1,18 +1,23 @@
-"""One bucket's PowerSGD step: the matrices in batches, their factors, the two pipelines.
+"""One bucket's PowerSGD step: its layout, kept across steps, and the two pipelines.
 
-A hook turns a bucket into a :class:`BucketStep` (which gradients are matrices to compress,
-which are sent as they are) and runs :func:`two_rounds` (the paper's step) or
-:func:`one_round`. Each reads as the algorithm: add the remembered error, form the factor to
-send, sum it, orthogonalise, form the other factor, sum it, approximate, remember the error.
+A hook turns a bucket into a :class:`Layout` (which gradients are matrices to compress, in
+which batches, which are sent as they are; where every factor lives) and runs
+:func:`two_rounds` (the paper's step) or :func:`one_round` on it. Each reads as the algorithm:
+add the remembered error, form the factor to send, sum it, orthogonalise, form the other
+factor, sum it, approximate, remember the error.
 
 Factors of all the bucket's matrices live in flat buffers, one batch after another, so that one
 collective carries them all; a batch's factor is a ``(batch, rows, rank)`` view of such a
-buffer, and consecutive batches of one factor shape are orthogonalised with one call.
+buffer, and consecutive batches of one factor shape are orthogonalised with one call. A layout
+is made at a bucket's first step and kept while the bucket's buffer, parameters and steps stay
+the same: a step then makes no buffer and no view, which a GPU's host would pay once a bucket.
+The two-round step keeps each matrix's ``Q`` where it is formed, in the layout's buffer, which
+the next step starts from as it is.
 
 Non-finite sums: nothing is read back. The result is whatever the collectives give (inf or NaN
-where plain allreduce has them), and the memories and factors are updated with
-``torch.where`` on one flag reduced from the sums on the device, so that a step that is not
-finite leaves them as they were.
+where plain allreduce has them, spread over a matrix as PyTorch's PowerSGD spreads them), and
+the memories and factors are updated with ``torch.where`` on one flag reduced from the sums on
+the device, so that a step that is not finite leaves them as they were.
 
 Hook modules must not use ``from __future__ import annotations``: DDP rejects string annotations.
 """
@@ -27,14 +32,15 @@ import torch.distributed as dist
 
 from commhooks import comm
 from commhooks.compress import lowrank
-from commhooks.compress.error_feedback import Key
+from commhooks.compress.error_feedback import Key, all_finite
 from commhooks.compress.factors import P_STEP, Q_STEP
 
 from .state import PowerSGDState
 
-__all__ = ["Batch", "BucketStep", "Matrix", "one_round", "two_rounds"]
+__all__ = ["Batch", "BucketStep", "Layout", "Matrix", "lay_out", "one_round", "two_rounds"]
 
 Future = torch.futures.Future
+Shape = tuple[int, int, int]
 
 
 @dataclass
@@ -52,20 +58,26 @@ class Batch:
     """Matrices of one shape, rank and step, compressed with batched products (or one alone)."""
 
     matrices: list[Matrix]
-    stack: torch.Tensor  # (B, n, m): the one matrix's view, or a stacked copy of M
+    stack: torch.Tensor  # (B, n, m): the one matrix's view, or a copy of M, stacked
     known: torch.Tensor = field(init=False)  # (B, ., r): the factor the step starts from
     sent: torch.Tensor = field(init=False)  # (B, ., r): the factor it forms and sends first
+    known_each: list[torch.Tensor] = field(init=False)  # each matrix's view of ``known``
+
+    @property
+    def stacked(self) -> bool:
+        return len(self.matrices) > 1
 
     @property
     def refines_q(self) -> bool:
         """A single-round step that forms ``Q = Mᵀ P`` from the last ``P``."""
         return self.matrices[0].step == Q_STEP
 
-    def shapes(self) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-        """``(known, sent)`` factor shapes: ``Q`` (B, m, r) then ``P`` (B, n, r), or the
-        other way round on a Q step."""
+    def shapes(self) -> tuple[Shape, Shape]:
+        """``(known, sent)``: ``Q`` (B, m, r) then ``P`` (B, n, r), the other way round on a
+        Q step."""
         count, n, m = self.stack.shape
-        p, q = (count, n, self.matrices[0].rank), (count, m, self.matrices[0].rank)
+        rank = self.matrices[0].rank
+        p, q = (count, n, rank), (count, m, rank)
         return (p, q) if self.refines_q else (q, p)
 
     def factors(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,33 +86,107 @@ class Batch:
 
 
 @dataclass
+class Layout:
+    """Where a bucket's step works, made once (:func:`lay_out`) and kept across steps.
+
+    ``send`` holds the tensors sent as they are (``unc`` elements: vectors and small matrices),
+    then every batch's sent factor; ``known`` every batch's starting factor; ``starts`` a copy
+    of ``known`` as the step began, which a step that is not finite keeps.
+    """
+
+    signature: tuple[object, ...]
+    batches: list[Batch]
+    vectors: list[torch.Tensor]
+    vector_keys: list[Key]
+    send: torch.Tensor
+    known: torch.Tensor
+    starts: torch.Tensor
+    unc: int = field(init=False)  # elements sent as they are, at the front of ``send``
+    averages: list[torch.Tensor] = field(init=False)  # ``send``'s views shaped as the vectors
+    known_runs: list[torch.Tensor] = field(init=False)  # stacks orthogonalised at once
+    start_runs: list[torch.Tensor] = field(init=False)  # ``starts``, laid out alike
+    sent_runs: list[torch.Tensor] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.unc = unc = sum(v.numel() for v in self.vectors)
+        known_shapes = [b.shapes()[0] for b in self.batches]
+        sent_shapes = [b.shapes()[1] for b in self.batches]
+        for b, known, sent in zip(
+            self.batches, _views(self.known, known_shapes), _views(self.send[unc:], sent_shapes)
+        ):
+            b.known, b.sent, b.known_each = known, sent, list(known.unbind(0))
+        self.averages = lowrank.views_like(self.send, self.vectors)
+        self.known_runs = _views(self.known, _runs(known_shapes))
+        self.start_runs = _views(self.starts, _runs(known_shapes))
+        self.sent_runs = _views(self.send[unc:], _runs(sent_shapes))
+
+
+def lay_out(
+    signature: tuple[object, ...],
+    matrices: list[Matrix],
+    vectors: list[torch.Tensor],
+    vector_keys: list[Key],
+    together: bool,
+) -> Layout:
+    """The layout of a bucket: batches of one kind (shape, rank and step) if ``together``,
+    else one a matrix, and the flat buffers of their factors."""
+    kinds: dict[tuple[object, ...], list[Matrix]] = {}
+    for m in matrices:
+        kind = (tuple(m.view.shape), m.rank, m.step) if together else (id(m),)
+        kinds.setdefault(kind, []).append(m)
+    batches = []
+    for group in kinds.values():
+        views = [m.view for m in group]
+        stack = views[0].unsqueeze(0) if len(views) == 1 else torch.stack(views)
+        batches.append(Batch(group, stack))
+    like = matrices[0].view if matrices else vectors[0]
+    known_numel = sum(math.prod(b.shapes()[0]) for b in batches)
+    sent_numel = sum(math.prod(b.shapes()[1]) for b in batches)
+    unc = sum(v.numel() for v in vectors)
+    send, known = like.new_empty(unc + sent_numel), like.new_zeros(known_numel)
+    return Layout(signature, batches, vectors, vector_keys, send, known, torch.empty_like(known))
+
+
+def _views(flat: torch.Tensor, shapes: list[Shape]) -> list[torch.Tensor]:
+    """Consecutive views of ``flat`` of the given shapes."""
+    out, at = [], 0
+    for shape in shapes:
+        size = math.prod(shape)
+        out.append(flat[at : at + size].view(shape))
+        at += size
+    return out
+
+
+def _runs(shapes: list[Shape]) -> list[Shape]:
+    """``shapes``, consecutive ones that differ only in their batch size joined: one stack, one
+    orthogonalisation for many matrices."""
+    runs: list[Shape] = []
+    for count, rows, rank in shapes:
+        if runs and runs[-1][1:] == (rows, rank):
+            runs[-1] = (runs[-1][0] + count, rows, rank)
+        else:
+            runs.append((count, rows, rank))
+    return runs
+
+
+@dataclass
 class BucketStep:
-    """Everything one hook call needs, from its first collective to its result."""
+    """One hook call: its bucket, group and layout, and what writes the result back."""
 
     state: PowerSGDState
     bucket: Any
     buffer: torch.Tensor  # what the hook's future resolves to
     group: dist.ProcessGroup
-    matrices: list[Matrix]
-    vectors: list[torch.Tensor]  # sent as they are (vectors, small matrices)
-    vector_keys: list[Key]
+    layout: Layout
     writeback: Callable[[], object] | None = None  # copies the matrices' results into buffer
-    batches: list[Batch] = field(default_factory=list)
-    send: torch.Tensor = field(init=False)  # the vectors, then every batch's sent factor
-    known: torch.Tensor = field(init=False)  # every batch's known factor
-    starts: torch.Tensor | None = None  # a copy of ``known`` as it started, to keep from
-    made: list[torch.Tensor] = field(default_factory=list)  # tensors made on DDP's stream
-
-    def vector_numel(self) -> int:
-        return sum(t.numel() for t in self.vectors)
 
     def write_back(self) -> torch.Tensor:
-        """Finish: the bucket holds the result. Tensors made on DDP's stream and last used
-        here, in a callback's stream on a GPU, are marked so that their memory is not reused
-        before that stream's kernels ran."""
+        """Finish: the bucket holds the result. The layout's buffers were last used here, in
+        a callback's stream on a GPU: marked so, their memory is not reused too early."""
         if self.writeback is not None:
             self.writeback()
-        comm.used_on_current_stream(self.made)
+        layout = self.layout
+        comm.used_on_current_stream([layout.send, layout.known, layout.starts])
         return self.buffer
 
 
@@ -113,35 +199,34 @@ def two_rounds(step: BucketStep) -> "Future[torch.Tensor]":
     (in slot order, whatever thread completes the sum), ``P`` is orthogonalised, ``Q = Mᵀ P``
     formed and averaged; ``M ≈ P Qᵀ`` and ``M - P Qᵀ`` is remembered.
     """
-    _prepare(step, single=False)
-    unc = step.vector_numel()
-    for b in step.batches:  # P = M Q
+    layout = _prepare(step, single=False)
+    for b in layout.batches:  # P = M Q
         torch.bmm(b.stack, b.known, out=b.sent)
-    first = comm.allreduce(step.send, step.group)
+    first = comm.allreduce(layout.send, step.group)
     issuer = step.state.issuer
-    devices = comm.future_devices(step.buffer)
-    q_sum = issuer.then(first, lambda summed: _second_round(step, unc), devices)
-    return comm.then(q_sum, lambda done: _finish_two(step, done, unc))
+    q_sum = issuer.then(first, lambda _: _second_round(step), comm.future_devices(step.buffer))
+    return comm.then(q_sum, lambda done: _finish_two(step, done))
 
 
-def _second_round(step: BucketStep, unc: int) -> "Future[torch.Tensor]":
+def _second_round(step: BucketStep) -> "Future[torch.Tensor]":
     """In the issuer's turn, with ``P`` summed: orthogonalise it, form ``Q = Mᵀ P`` over the
     starting ``Q``, and sum ``Q`` on the issuer's group."""
-    eps = step.state.settings.orthogonalization_epsilon
-    for stack in _runs(step.send[unc:], [b.shapes()[1] for b in step.batches]):
+    layout, eps = step.layout, step.state.settings.orthogonalization_epsilon
+    for stack in layout.sent_runs:
         lowrank.orthogonalize_(stack, eps)
-    for b in step.batches:
+    for b in layout.batches:
         torch.bmm(b.stack.transpose(1, 2), b.sent, out=b.known)
-    return comm.allreduce(step.known, step.state.issuer.group)
+    return comm.allreduce(layout.known, step.state.issuer.group)
 
 
-def _finish_two(step: BucketStep, done: "Future[torch.Tensor]", unc: int) -> torch.Tensor:
+def _finish_two(step: BucketStep, done: "Future[torch.Tensor]") -> torch.Tensor:
     """With ``Q`` summed: average it, approximate, remember the errors and keep ``Q``."""
-    q = done.wait()
-    world = step.group.size()
+    q, layout = done.wait(), step.layout
+    world = comm.size(step.group)
     q.div_(world)
-    step.send[:unc].div_(world)
-    finite = torch.isfinite(step.send[:unc]).all() & torch.isfinite(q).all()
+    vectors = layout.send[: layout.unc]
+    vectors.div_(world)
+    finite = all_finite(vectors, q)
     _take_vectors(step, finite)
     _approximate(step, finite)
     if step.state.settings.warm_start:
@@ -153,123 +238,78 @@ def one_round(step: BucketStep) -> "Future[torch.Tensor]":
     """One factor per matrix and step, alternately ``P = M Q`` and ``Q = Mᵀ P`` from the other
     factor of the last step (orthogonalised), averaged with the vectors in one collective;
     then ``M ≈ P Qᵀ`` and both factors are kept."""
-    _prepare(step, single=True)
-    for b in step.batches:
+    layout = _prepare(step, single=True)
+    for b in layout.batches:
         m = b.stack.transpose(1, 2) if b.refines_q else b.stack
         torch.bmm(m, b.known, out=b.sent)
-    world = step.group.size()
-    averaged = comm.allreduce_then(step.send, step.group, lambda s: s.div_(world))
+    world = comm.size(step.group)
+    averaged = comm.allreduce_then(layout.send, step.group, lambda s: s.div_(world))
     return comm.then(averaged, lambda done: _finish_one(step, done))
 
 
 def _finish_one(step: BucketStep, done: "Future[torch.Tensor]") -> torch.Tensor:
-    sent = done.wait()
-    finite = torch.isfinite(sent).all()
-    old = _old_sent(step)
+    sent, layout = done.wait(), step.layout
+    finite = all_finite(sent)
     _take_vectors(step, finite)
     _approximate(step, finite)
-    shapes = [b.shapes()[1] for b in step.batches]
-    kept = _kept(finite, sent[step.vector_numel() :], old, shapes)
-    assert step.starts is not None, "the single round needs warm start"
-    known_shapes = [b.shapes()[0] for b in step.batches]
-    known = torch.where(finite, step.known, step.starts)
+    kept_sent = _kept(finite, sent[layout.unc :], _old_sent(step), layout.batches, known=False)
+    kept_known = torch.where(finite, layout.known, layout.starts)
     factors = step.state.factors
-    for b, sent_b, known_b in zip(step.batches, _views(kept, shapes), _views(known, known_shapes)):
-        for m, k, s in zip(b.matrices, known_b.unbind(0), sent_b.unbind(0)):
+    shapes = [b.shapes() for b in layout.batches]
+    for b, known, fresh in zip(
+        layout.batches,
+        _views(kept_known, [s[0] for s in shapes]),
+        _views(kept_sent, [s[1] for s in shapes]),
+    ):
+        for m, k, s in zip(b.matrices, known.unbind(0), fresh.unbind(0)):
             p, q = (k, s) if b.refines_q else (s, k)
             factors.keep(m.key, p, q, m.step)
     return step.write_back()
 
 
 # -- the stages ----------------------------------------------------------------------------------
-def _prepare(step: BucketStep, single: bool) -> None:
-    """Add the remembered errors, batch the matrices, lay out the factors and fill the ones
-    each batch starts from, orthogonalised; the vectors are packed at the front of ``send``."""
-    settings = step.state.settings
+def _prepare(step: BucketStep, single: bool) -> Layout:
+    """Add the remembered errors, pack the vectors at the front of ``send``, fill the stacked
+    copies and the factors each batch starts from (kept as ``starts``), orthogonalised."""
+    layout, settings = step.layout, step.state.settings
     if settings.use_error_feedback:
-        keys = [*step.vector_keys, *(m.key for m in step.matrices)]
-        step.state.memory.compensate_all_(keys, [*step.vectors, *(m.view for m in step.matrices)])
-    _form_batches(step)
-    _lay_out(step)
-    lowrank.pack_into(step.vectors, step.send)
+        matrices = [m for b in layout.batches for m in b.matrices]
+        keys = [*layout.vector_keys, *(m.key for m in matrices)]
+        step.state.memory.compensate_all_(keys, [*layout.vectors, *(m.view for m in matrices)])
+    if layout.vectors:
+        torch._foreach_copy_(layout.averages, layout.vectors)
+    for b in layout.batches:
+        if b.stacked:  # a copy of M, now formed
+            torch.stack([m.view for m in b.matrices], out=b.stack)
     _fill_starts(step)
-    if settings.warm_start:  # what a step that is not finite keeps
-        step.starts = step.known.clone()
+    if settings.warm_start or single:  # what a step that is not finite keeps
+        layout.starts.copy_(layout.known)
     method = "qr" if single else "auto"  # the single round's own numerics: the faster QR
-    eps = settings.orthogonalization_epsilon
-    for stack in _runs(step.known, [b.shapes()[0] for b in step.batches]):
-        lowrank.orthogonalize_(stack, eps, method)
-
-
-def _form_batches(step: BucketStep) -> None:
-    """One batch per kind (shape, rank, step) with ``batch_tensors_with_same_shape``, else one
-    per matrix; a batch of several holds a stacked copy of its matrices, written back later."""
-    together = step.state.settings.batch_tensors_with_same_shape
-    kinds: dict[tuple[object, ...], list[Matrix]] = {}
-    for m in step.matrices:
-        kind = (tuple(m.view.shape), m.rank, m.step) if together else (id(m),)
-        kinds.setdefault(kind, []).append(m)
-    for matrices in kinds.values():
-        views = [m.view for m in matrices]
-        stack = views[0].unsqueeze(0) if len(views) == 1 else torch.stack(views)
-        if len(views) > 1:
-            step.made.append(stack)
-        step.batches.append(Batch(matrices, stack))
-
-
-def _lay_out(step: BucketStep) -> None:
-    """Flat buffers for the factors: ``known`` (what each batch starts from) and ``send`` (the
-    vectors, then what each batch forms first), with each batch's views of them."""
-    unc = step.vector_numel()
-    known_shapes = [b.shapes()[0] for b in step.batches]
-    sent_shapes = [b.shapes()[1] for b in step.batches]
-    new = step.buffer.new_empty
-    step.known = new(sum(math.prod(s) for s in known_shapes))
-    step.send = new(unc + sum(math.prod(s) for s in sent_shapes))
-    step.made += [step.known, step.send]
-    for b, known, sent in zip(
-        step.batches, _views(step.known, known_shapes), _views(step.send[unc:], sent_shapes)
-    ):
-        b.known, b.sent = known, sent
-
-
-def _views(flat: torch.Tensor, shapes: list[tuple[int, int, int]]) -> list[torch.Tensor]:
-    """Consecutive views of ``flat`` of the given shapes."""
-    out, at = [], 0
-    for shape in shapes:
-        size = math.prod(shape)
-        out.append(flat[at : at + size].view(shape))
-        at += size
-    return out
-
-
-def _runs(flat: torch.Tensor, shapes: list[tuple[int, int, int]]) -> list[torch.Tensor]:
-    """Consecutive views of ``flat`` as :func:`_views`, where consecutive shapes that differ
-    only in their batch size are joined into one stack (one orthogonalisation for many)."""
-    runs: list[tuple[int, int, int]] = []
-    for count, rows, rank in shapes:
-        if runs and runs[-1][1:] == (rows, rank):
-            runs[-1] = (runs[-1][0] + count, rows, rank)
-        else:
-            runs.append((count, rows, rank))
-    return _views(flat, runs)
+    for stack in layout.known_runs:
+        lowrank.orthogonalize_(stack, settings.orthogonalization_epsilon, method)
+    return layout
 
 
 def _fill_starts(step: BucketStep) -> None:
     """Fill each batch's starting factor: the stored one (warm start) or a random projection.
 
-    A call that needs any random projection draws one seed from the state's numpy generator
-    and samples, batch by batch, on a private CPU generator: the same values on every rank,
-    PyTorch's sequence, the global RNG untouched. The seed is drawn wherever PyTorch's hook
-    draws one (every step without warm start, and at the first step that compresses), even
-    with nothing to sample, so that later buckets draw the seeds they would draw there.
+    A two-round step's ``Q`` is stored where it is formed, in the layout's buffer: then there is
+    nothing to copy. A call that needs any random projection draws one seed from the state's
+    numpy generator and samples, batch by batch, on a private CPU generator: the same values on
+    every rank, PyTorch's sequence, the global RNG untouched. The seed is drawn wherever
+    PyTorch's hook draws one (every step without warm start, and at the first step that
+    compresses), even with nothing to sample, so that later buckets draw the seeds they would.
     """
     state, settings = step.state, step.state.settings
     warm = settings.warm_start or settings.single_round
     first = state.iter == settings.start_powerSGD_iter
     gen = _seeded(state) if not warm or first else None
-    for b in step.batches:
+    for b in step.layout.batches:
         which = P_STEP if b.refines_q else Q_STEP
+        store = state.factors.p if b.refines_q else state.factors.q
+        stored = [store.get(m.key) if warm else None for m in b.matrices]
+        if all(s is view for s, view in zip(stored, b.known_each)):
+            continue  # where the last step left them
         shape = b.shapes()[0]
         stored = [
             state.factors.start(which, m.key, shape[1:], b.known) if warm else None
@@ -279,11 +319,11 @@ def _fill_starts(step: BucketStep) -> None:
             gen = gen or _seeded(state)
             b.known.copy_(torch.randn(shape, generator=gen, dtype=b.known.dtype))
             continue
-        for i, s in enumerate(stored):
+        for view, s in zip(b.known_each, stored):
             if s is None:
                 gen = gen or _seeded(state)
                 s = torch.randn(shape[1:], generator=gen, dtype=b.known.dtype)
-            b.known[i].copy_(s)
+            view.copy_(s)
 
 
 def _seeded(state: PowerSGDState) -> torch.Generator:
@@ -292,51 +332,52 @@ def _seeded(state: PowerSGDState) -> torch.Generator:
 
 def _take_vectors(step: BucketStep, finite: torch.Tensor) -> None:
     """The tensors sent as they are take their average; ``local - average`` is remembered."""
-    if not step.vectors:
+    layout = step.layout
+    if not layout.vectors:
         return
-    unc = step.vector_numel()
-    average = step.send[:unc]
     if step.state.settings.use_error_feedback:
-        errors = lowrank.pack_into(step.vectors, step.buffer.new_empty(unc)).sub_(average)
-        step.state.memory.record_where(
-            finite, step.vector_keys, lowrank.views_like(errors, step.vectors)
-        )
-    lowrank.unpack_from(average, step.vectors)
+        errors = torch._foreach_sub(layout.vectors, layout.averages)
+        step.state.memory.record_where(finite, layout.vector_keys, errors)
+    torch._foreach_copy_(layout.vectors, layout.averages)
 
 
 def _approximate(step: BucketStep, finite: torch.Tensor) -> None:
     """``P Qᵀ`` into each matrix; ``M - P Qᵀ`` remembered as its error where the step was
     finite (the memory as it was otherwise)."""
     memory = step.state.memory if step.state.settings.use_error_feedback else None
-    for b in step.batches:
+    for b in step.layout.batches:
         p, q = b.factors()
         approx = torch.bmm(p, q.transpose(1, 2))
         if memory is not None:
-            errors = b.stack - approx
-            memory.record_where(finite, [m.key for m in b.matrices], list(errors.unbind(0)))
-        torch._foreach_copy_([m.view for m in b.matrices], list(approx.unbind(0)))
+            errors = (b.stack - approx).unbind(0)
+            memory.record_where(finite, [m.key for m in b.matrices], errors)
+        if b.stacked:
+            torch._foreach_copy_([m.view for m in b.matrices], list(approx.unbind(0)))
+        else:
+            b.stack.copy_(approx)
 
 
 def _keep_known(step: BucketStep, finite: torch.Tensor) -> None:
-    """Keep each averaged ``Q`` for the next step's warm start (see :func:`_kept`): where the
-    step was not finite, the ``Q`` it started from."""
-    assert step.starts is not None, "two rounds with warm start keep a copy of the start"
-    shapes = [b.shapes()[0] for b in step.batches]
-    kept = _kept(finite, step.known, step.starts, shapes)
+    """Keep each averaged ``Q``, where it was formed, for the next step's warm start: where the
+    step was finite, any column that came out zero taken from the step's start (a zero column
+    would stay zero for good: ``M·0 = 0``); the ``Q`` it started from where it was not."""
+    layout = step.layout
+    for fresh, before in zip(layout.known_runs, layout.start_runs):
+        torch.where(finite, lowrank.keep_nonzero_columns(fresh, before), before, out=fresh)
     factors = step.state.factors
-    for b, q in zip(step.batches, _views(kept, shapes)):
-        for m, factor in zip(b.matrices, q.unbind(0)):
+    for b in layout.batches:
+        for m, factor in zip(b.matrices, b.known_each):
             factors.keep(m.key, None, factor)
 
 
 def _kept(
-    finite: torch.Tensor, new: torch.Tensor, old: torch.Tensor, shapes: list[tuple[int, int, int]]
+    finite: torch.Tensor, new: torch.Tensor, old: torch.Tensor, batches: list[Batch], known: bool
 ) -> torch.Tensor:
     """The factors to keep, laid out as ``new`` and ``old``: ``new`` where the step was finite,
-    each all-zero column of it taken from ``old`` (a zero column would stay zero for good:
-    ``M·0 = 0``); ``old`` where the step was not finite."""
+    each all-zero column of it taken from ``old``; ``old`` where the step was not finite."""
     out = torch.empty_like(new)
-    for fresh, before, into in zip(_runs(new, shapes), _runs(old, shapes), _runs(out, shapes)):
+    shapes = _runs([b.shapes()[0 if known else 1] for b in batches])
+    for fresh, before, into in zip(_views(new, shapes), _views(old, shapes), _views(out, shapes)):
         torch.where(finite, lowrank.keep_nonzero_columns(fresh, before), before, out=into)
     return out
 
@@ -344,10 +385,10 @@ def _kept(
 def _old_sent(step: BucketStep) -> torch.Tensor:
     """The single round's sent factors as stored before the step (zeros where none), laid out
     as ``send`` after the vectors: what a step that is not finite keeps."""
-    unc = step.vector_numel()
-    old = torch.zeros_like(step.send[unc:])
+    layout = step.layout
+    old = torch.zeros_like(layout.send[layout.unc :])
     factors = step.state.factors
-    for b, view in zip(step.batches, _views(old, [b.shapes()[1] for b in step.batches])):
+    for b, view in zip(layout.batches, _views(old, [b.shapes()[1] for b in layout.batches])):
         which = Q_STEP if b.refines_q else P_STEP
         for i, m in enumerate(b.matrices):
             stored = factors.start(which, m.key, view.shape[1:], view)

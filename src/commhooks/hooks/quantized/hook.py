@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from commhooks import comm
 from commhooks.compress import blocks, packing
+from commhooks.compress.error_feedback import all_finite
 from commhooks.hooks._bucket import GradBucket, float_buffer
 from commhooks.hooks.quantized.state import HOOK, QuantizationOptions, QuantizationState, Workspace
 from commhooks.hooks.repair import repaired
@@ -167,7 +168,7 @@ def _finish(
         gathered.wait()  # raises if the all-gather failed; on a GPU, orders the streams
     if work.wire is not None:
         packing.from_wire_(work.wire.gathered, work.fmt, work.layout.length, work.gathered)
-    finite = torch.isfinite(work.scales).all()
+    finite = all_finite(work.scales)
     layout = work.layout
     if layout.in_order:
         kernels = work.decode_kernels(buffer)

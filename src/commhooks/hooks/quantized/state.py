@@ -214,11 +214,12 @@ class _Side:
     elements in the rows and of each piece's in the row, made once (slicing on every step
     costs host time per bucket)."""
 
-    def __init__(self, rows: torch.Tensor, mine: torch.Tensor, layout: BucketLayout) -> None:
-        self.rows, self.mine = rows, mine
-        flat = rows.view(-1)
+    def __init__(self, both: torch.Tensor, layout: BucketLayout) -> None:
+        self.both = both  # the rows, then this rank's row: one tensor, kept or not at once
+        self.rows, self.mine = both[:-1], both[-1:]
+        flat = self.rows.view(-1)
         self.params = tuple(flat[o : o + n] for o, n in zip(layout.offsets, layout.sizes))
-        self.pieces = tuple(mine[0, start:stop] for _, start, stop in layout.pieces)
+        self.pieces = tuple(self.mine[0, start:stop] for _, start, stop in layout.pieces)
         self.bucket = flat[: layout.numel]  # the rows' elements of the bucket, in order
         # On a CPU, the kernels' calls bound to this side's buffers (see bind_kernels).
         self.quantize: cpu_kernels.BoundQuantize | None = None
@@ -292,8 +293,8 @@ class Workspace:
             return torch.empty(rows, packet, dtype=torch.uint8, device=device)
 
         self.levels = floats(world)
-        self.now = _Side(floats(world), floats(1), layout)
-        self.kept = _Side(floats(world), floats(1), layout) if error_feedback else self.now
+        self.now = _Side(floats(world + 1), layout)
+        self.kept = _Side(floats(world + 1), layout) if error_feedback else self.now
         self.send, self.own_packet = packets(world), packets(1)
         self.received = self.send if world == 1 else packets(world)
         self.gathered = self.own_packet if world == 1 else packets(world)
@@ -648,9 +649,8 @@ class QuantizationState(HookState):
         work.unfinished = False
         if not self.settings.error_feedback:
             return
-        now, kept = work.now, work.kept
-        torch.where(finite, now.rows, kept.rows, out=now.rows)
-        torch.where(finite, now.mine, kept.mine, out=now.mine)
+        now = work.now
+        torch.where(finite, now.both, work.kept.both, out=now.both)
         layout = work.layout
         with self._committing:
             self.error.record_all(layout.numbers, now.params)
