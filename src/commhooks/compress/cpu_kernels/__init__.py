@@ -46,6 +46,7 @@ __all__ = [
     "BoundQuantize",
     "available",
     "bound_dequantize",
+    "bound_keep_if_not_finite",
     "bound_quantize",
     "bfloat16_scaled",
     "dequantize_rows",
@@ -197,6 +198,35 @@ def bound_dequantize(
         if _LOADER.off:
             return False
         dequantize(at)
+        return True
+
+    return call
+
+
+def bound_keep_if_not_finite(
+    packets: torch.Tensor, bits: int, block: int, length: int, now: torch.Tensor, kept: torch.Tensor
+) -> BoundDequantize | None:
+    """A call that copies ``kept`` over ``now`` (float32, as long) if a scale of ``packets``
+    (rows of ``length`` elements) is inf or NaN, and does nothing otherwise: a quantized step's
+    memories kept as they were where its result is not finite, decided in one pass over the
+    scales (on a CPU, where reading them costs no wait), checked now (see
+    :func:`bound_quantize`). ``None`` where the kernels cannot take these tensors."""
+    rows = packets.shape[0]
+    found = _packets_fit(packets, rows, length, bits, block)
+    n = now.numel()
+    fits = all(_flat(t, torch.float32, n) for t in (now, kept))
+    library = None if found is None or not fits else _library()
+    if found is None or library is None:
+        return None
+    at, stride = found
+    scales, blocks = length * bits // 8, length // block
+    keep = library.commhooks_keep_if_not_finite
+    pointers = (now.data_ptr(), kept.data_ptr())
+
+    def call() -> bool:
+        if _LOADER.off:
+            return False
+        keep(at, stride, rows, scales, blocks, *pointers, n)
         return True
 
     return call
@@ -399,6 +429,8 @@ def _load() -> ctypes.CDLL | None:
     library.commhooks_quantize.restype = library.commhooks_dequantize.restype = None
     for packed in (library.commhooks_quantize_packed, library.commhooks_dequantize_packed):
         packed.argtypes, packed.restype = [_P], None  # the arguments' array (see bound_*)
+    library.commhooks_keep_if_not_finite.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _P, _I64]
+    library.commhooks_keep_if_not_finite.restype = None
     library.commhooks_bf16_scale_down.argtypes = [_P, _P, _I64, _F32, _INT, _INT]
     library.commhooks_bf16_scale_down.restype = None
     for packing in (library.commhooks_pack13, library.commhooks_unpack13):

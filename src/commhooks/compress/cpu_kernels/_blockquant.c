@@ -251,3 +251,24 @@ void commhooks_dequantize_packed(const int64_t *a)
     commhooks_dequantize((uint8_t *)(intptr_t)a[0], a[1], a[2], a[3], a[4], a[5], (int)a[6],
                          (float *)(intptr_t)a[7], a[8], (int)a[9], (int)a[10]);
 }
+
+/* A step's memories kept as they were where the step was not finite: if any of the `rows`
+ * packets' `blocks` scales (at `scales` bytes into each packet) is inf or NaN, `n` floats of
+ * `kept` are copied over `now`; otherwise nothing happens. The scales are compared as bits,
+ * so that no floating-point exception or flush changes the verdict. */
+void commhooks_keep_if_not_finite(const uint8_t *packets, int64_t stride, int64_t rows,
+                                  int64_t scales, int64_t blocks, float *now, const float *kept,
+                                  int64_t n)
+{
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *at = packets + r * stride + scales;
+        for (int64_t b = 0; b < blocks; b++) {
+            uint32_t bits;
+            memcpy(&bits, at + 4 * b, sizeof bits);
+            if ((bits & 0x7f800000u) == 0x7f800000u) {
+                memcpy(now, kept, (size_t)n * sizeof *now);
+                return;
+            }
+        }
+    }
+}

@@ -41,7 +41,7 @@ from commhooks.compress import lowrank
 from commhooks.compress.error_feedback import Key
 from commhooks.compress.factors import BOTH, P_STEP
 from commhooks.hooks._bucket import float_buffer
-from commhooks.hooks.repair import repaired
+from commhooks.hooks.repair import REPAIR, repaired
 
 from .codec import BATCHED, LAYERWISE
 from .plan import Plan
@@ -171,10 +171,11 @@ def _begin(
 def _run(step: BucketStep) -> "Future[torch.Tensor]":
     """Issue the bucket's pipeline; the step counts once the last bucket's is under way."""
     pipeline = one_round if step.state.settings.single_round else two_rounds
-    done = repaired(
-        step.state.on_nonfinite, step.bucket, step.group, step.state.hook_name or "PowerSGD",
-        lambda: pipeline(step),
-    )  # fmt: skip
+    if step.state.settings.on_nonfinite == REPAIR:
+        name = step.state.hook_name or "PowerSGD"
+        done = repaired(REPAIR, step.bucket, step.group, name, lambda: pipeline(step))
+    else:
+        done = pipeline(step)
     step.state.maybe_increase_iter(step.bucket)
     return done
 

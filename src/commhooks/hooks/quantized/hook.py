@@ -33,10 +33,9 @@ import torch.distributed as dist
 
 from commhooks import comm
 from commhooks.compress import blocks, packing
-from commhooks.compress.error_feedback import all_finite
 from commhooks.hooks._bucket import GradBucket, float_buffer
 from commhooks.hooks.quantized.state import HOOK, QuantizationOptions, QuantizationState, Workspace
-from commhooks.hooks.repair import repaired
+from commhooks.hooks.repair import REPAIR, repaired
 
 __all__ = ["QuantizationOptions", "QuantizationState", "quantized_hook"]
 
@@ -76,9 +75,9 @@ def quantized_hook(
         state = _check_state(state)
     buffer = float_buffer(bucket, HOOK)
     group = state.prepare()
-    return repaired(
-        state.on_nonfinite, bucket, group, HOOK, lambda: _average(state, bucket, buffer, group)
-    )
+    if state.settings.on_nonfinite == REPAIR:
+        return repaired(REPAIR, bucket, group, HOOK, lambda: _average(state, bucket, buffer, group))
+    return _average(state, bucket, buffer, group)
 
 
 def _check_state(state: Any) -> QuantizationState:
@@ -163,17 +162,17 @@ def _finish(
     gathered: torch.futures.Future[Any] | None = None,
 ) -> torch.Tensor:
     """Phase 3: decode every gathered row into the bucket and keep the step's errors as the
-    memories, where the gathered scales are all finite (decided on the device)."""
+    memories, where the gathered scales are all finite (decided on the device, see
+    :meth:`QuantizationState.commit`)."""
     if gathered is not None:
         gathered.wait()  # raises if the all-gather failed; on a GPU, orders the streams
     if work.wire is not None:
         packing.from_wire_(work.wire.gathered, work.fmt, work.layout.length, work.gathered)
-    finite = all_finite(work.scales)
     layout = work.layout
     if layout.in_order:
         kernels = work.decode_kernels(buffer)
         blocks.decode_into_(work.gathered, work.fmt, buffer, work.levels, kernels=kernels)
     else:
         blocks.decode_into_(work.gathered, work.fmt, buffer, work.levels, layout.places())
-    state.commit(work, finite)
+    state.commit(work)
     return buffer

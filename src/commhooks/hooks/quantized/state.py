@@ -19,7 +19,7 @@ import torch.distributed as dist
 from commhooks import comm, handshake, place
 from commhooks._warnings import warn_once
 from commhooks.compress import blocks, cpu_kernels
-from commhooks.compress.error_feedback import ErrorFeedback, Key
+from commhooks.compress.error_feedback import ErrorFeedback, Key, all_finite
 from commhooks.hooks._bucket import GradBucket
 from commhooks.numbering import ParameterNumbering
 from commhooks.options import Options, flag, integer, nonfinite_option, one_of, option
@@ -235,6 +235,22 @@ class _Side:
         summed = cpu_kernels.bound_dequantize(work.received, bits, block, self.mine, add_rows=True)
         owned = cpu_kernels.bound_quantize(self.mine, work.own_packet, bits, block, keep, qmax)
         self.owner = (summed, owned) if summed is not None and owned is not None else None
+        self.keep_other: cpu_kernels.BoundDequantize | None = None  # see bind_keeping
+
+    def bind_keeping(self, work: "Workspace", other: "_Side", fmt: blocks.BlockFormat) -> None:
+        """Bind the CPU kernel that copies ``other`` (the memories before a step) over this
+        side where the gathered scales show the step was not finite."""
+        length = work.layout.length
+        self.keep_other = cpu_kernels.bound_keep_if_not_finite(
+            work.gathered, fmt.bits, fmt.block, length, self.both, other.both
+        )
+
+    def keep_unless_finite(self, other: "_Side", scales: torch.Tensor) -> None:
+        """Where the step's gathered ``scales`` are not all finite, this side takes ``other``'s
+        values (the memories before the step): on the device, with nothing read back (on a
+        CPU one kernel pass over the scales)."""
+        if self.keep_other is None or not self.keep_other():
+            torch.where(all_finite(scales), self.both, other.both, out=self.both)
 
 
 class Wire:
@@ -314,6 +330,9 @@ class Workspace:
         if device.type == "cpu":  # the kernels' calls bound once (a GPU's are Triton's)
             for side in (self.now, self.kept) if error_feedback else (self.now,):
                 side.bind_kernels(self, fmt, error_feedback)
+            if error_feedback:
+                self.now.bind_keeping(self, self.kept, fmt)
+                self.kept.bind_keeping(self, self.now, fmt)
 
     @property
     def rows(self) -> torch.Tensor:
@@ -638,19 +657,19 @@ class QuantizationState(HookState):
         return work.kept.mine  # zeros past the pieces, as the rows' padding leaves them
 
     # -- used by the hook, once the step's result is known --------------------------------------
-    def commit(self, work: Workspace, finite: torch.Tensor) -> None:
+    def commit(self, work: Workspace) -> None:
         """Keep the errors this step left in ``work`` as the memories; swap the buffers.
 
-        ``finite`` (a boolean tensor on the device) says whether the step's result was finite:
-        where it was not, the errors are replaced by the memories as they were before the step,
-        on the device, so that inf or NaN never enter a memory and no value is read back.
-        Callbacks of several buckets may commit at once (gloo's threads): one at a time here.
+        Where the step's result was not finite (a gathered scale is inf or NaN), the errors are
+        replaced by the memories as they were before the step, on the device, so that inf or
+        NaN never enter a memory and no value is read back. Callbacks of several buckets may
+        commit at once (gloo's threads): one at a time here.
         """
         work.unfinished = False
         if not self.settings.error_feedback:
             return
         now = work.now
-        torch.where(finite, now.both, work.kept.both, out=now.both)
+        now.keep_unless_finite(work.kept, work.scales)
         layout = work.layout
         with self._committing:
             self.error.record_all(layout.numbers, now.params)
