@@ -40,6 +40,10 @@ def _on_follow_up_group(*args, **kwargs):
     return group is not None and group is not dist.group.WORLD
 
 
+def _sum_on_follow_up_group(tensor, group):
+    return group is not dist.group.WORLD
+
+
 def startup(rank, world_size, fault):
     """The victim goes before its first forward: survivors wait in the first hook call."""
     ddp = make_ddp(make_mlp())
@@ -72,7 +76,9 @@ def powersgd_first_compressed_step(rank, world_size, fault):
 
 def powersgd_second_round(rank, world_size, fault):
     """The victim goes as it issues PowerSGD's second round (on the follow-up group)."""
-    fault.strike_on_call(rank, dist, "all_reduce", _on_follow_up_group)
+    from commhooks.comm import collectives
+
+    fault.strike_on_call(rank, collectives, "_allreduce", _sum_on_follow_up_group)
     state = commhooks.PowerSGDState(None, start_powerSGD_iter=1)
     _train(make_ddp(make_mlp(), commhooks.powerSGD_hook, state), rank)
 
