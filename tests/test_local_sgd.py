@@ -9,7 +9,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as to
 
 import commhooks
 from commhooks import comm
-from commhooks.comm.machines import MACHINE_ID_VAR, LaunchInfo, machine_rank_lists
+from commhooks.comm.topology import MACHINE_ID_VAR, LaunchInfo, machine_rank_lists
 from commhooks.testing import run_on_ranks
 
 STEPS = 6

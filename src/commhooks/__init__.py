@@ -22,6 +22,7 @@ from commhooks.averaging.averagers import (
 )
 from commhooks.averaging.diloco import DiLoCoOptions, DiLoCoSyncError, StreamingDiLoCo, diloco_hook
 from commhooks.averaging.optim import PostLocalSGDOptimizer
+from commhooks.comm.topology import Topology
 from commhooks.config import CommHookType, HookConfig, register, register_from_config
 from commhooks.hooks import (
     allreduce_hook,
@@ -53,6 +54,7 @@ __all__ = [
     "HookState",
     "StateDictError",
     "StatelessState",
+    "Topology",
     "checkpoint",
     "HierarchicalAveragerOptions",
     "fsdp",

@@ -22,6 +22,7 @@ from commhooks.comm.collectives import (
     future_devices,
     new_future,
     observe_collectives,
+    reduce_scatter,
     size,
     then,
     used_on_current_stream,
@@ -42,11 +43,15 @@ from commhooks.comm.groups import (
     world_size,
 )
 from commhooks.comm.issuer import IssuerPool, OrderedIssuer, issuer_for
+from commhooks.comm.topology import Topology, TwoHops, two_hops
+from commhooks.comm.topology import find as topology_of
 
 __all__ = [
     "CollectiveCounter",
     "IssuerPool",
     "OrderedIssuer",
+    "Topology",
+    "TwoHops",
     "all_gather_into",
     "all_gather_objects",
     "all_to_all",
@@ -73,9 +78,12 @@ __all__ = [
     "new_future",
     "new_groups",
     "observe_collectives",
+    "reduce_scatter",
     "resolve_group",
     "size",
     "then",
+    "topology_of",
+    "two_hops",
     "used_on_current_stream",
     "world_size",
 ]

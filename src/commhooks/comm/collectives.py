@@ -31,6 +31,7 @@ __all__ = [
     "future_devices",
     "new_future",
     "observe_collectives",
+    "reduce_scatter",
     "then",
     "used_on_current_stream",
 ]
@@ -327,6 +328,42 @@ def all_gather_into(
     gather = _originals.get("all_gather_into_tensor") or _all_gather_single()
     work = gather(out.view(-1), tensor.view(-1), group=group, async_op=True)
     return _issued(work).then(lambda fut: _checked(fut, out))
+
+
+def reduce_scatter(
+    out: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup
+) -> "Future[torch.Tensor]":
+    """``out`` becomes the sum over ``group`` of part ``i`` of ``tensor`` (``world_size``
+    times ``out``'s elements) on rank ``i``; the future resolves to ``out``.
+
+    gloo's reduce-scatter gives no future to wait on without blocking: there it is an
+    all-to-all of the parts (the same bytes) and their sum, in the exchange's callback.
+    """
+    world = size(group)
+    if world == 1:
+        return _kept_here(out, tensor)
+    if _counters:
+        _observed("reduce_scatter_tensor", tensor)
+    if _backend(group, tensor) != "gloo":
+        work = _torch("reduce_scatter_tensor")(out, tensor, group=group, async_op=True)
+        return _issued(work).then(lambda fut: _checked(fut, out))
+    parts = torch.empty_like(tensor).view(world, -1)
+    work = group.alltoall_base(parts, tensor.view(world, -1), [], [], _EXCHANGE)
+    return _issued(work).then(lambda fut: _summed(fut, parts, out))
+
+
+def _summed(fut: "Future[Any]", parts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    fut.value()  # raises here if the exchange failed
+    return torch.sum(parts, dim=0, out=out.view(-1))
+
+
+def _backend(group: dist.ProcessGroup, tensor: torch.Tensor) -> str:
+    """The backend ``group`` runs collectives on ``tensor``'s device with."""
+    name = str(dist.get_backend(group)).lower()
+    if ":" in name:
+        pairs = dict(part.split(":", 1) for part in name.split(",") if ":" in part)
+        name = pairs.get(tensor.device.type, name)
+    return name
 
 
 _sizes: "weakref.WeakKeyDictionary[dist.ProcessGroup, int]" = weakref.WeakKeyDictionary()

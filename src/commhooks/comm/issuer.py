@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from commhooks.comm.collectives import chain, fail, new_future
 from commhooks.comm.groups import follow_up_group
+from commhooks.comm.topology import Topology, TwoHops, two_hops
 
 __all__ = ["IssuerPool", "OrderedIssuer", "issuer_for"]
 
@@ -138,7 +139,25 @@ class IssuerPool:
         self._issuers: weakref.WeakKeyDictionary[dist.ProcessGroup, OrderedIssuer] = (
             weakref.WeakKeyDictionary()
         )
+        self._hops: weakref.WeakKeyDictionary[dist.ProcessGroup, TwoHops] = (
+            weakref.WeakKeyDictionary()
+        )
         self._lock = threading.Lock()
+
+    def two_hops(
+        self, group: dist.ProcessGroup, topology: Topology
+    ) -> tuple[TwoHops, OrderedIssuer]:
+        """The groups of a two-hop average over ``group`` (made at the first call, collective:
+        at the same point on every rank) and the issuer of their follow-ups, both shared by
+        the pool's sharers, whose follow-ups on the peers' group then keep one order."""
+        hops = self._hops.get(group)
+        if hops is None:
+            hops = self._hops[group] = two_hops(group, topology)
+        with self._lock:
+            issuer = self._issuers.get(hops.peers)
+            if issuer is None:
+                issuer = self._issuers[hops.peers] = OrderedIssuer(hops.peers)
+        return hops, issuer
 
     def issuer(self, group: dist.ProcessGroup) -> OrderedIssuer:
         """The issuer of ``group``'s follow-ups. The first call for a group creates its

@@ -7,7 +7,7 @@ the world every few steps. Slow inter-machine links are used once per period ins
 per step.
 
 Unlike PyTorch's hook, the default per-machine subgroup works without CUDA: machine membership
-comes from the launch environment (see :mod:`commhooks.comm.machines`), and
+comes from the launch environment (see :mod:`commhooks.comm.topology`), and
 ``state.subgroup_source`` says how it was derived.
 
 Note for maintainers: hook modules must not use ``from __future__ import annotations``. DDP
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import GradBucket
 
 from commhooks import comm, handshake
-from commhooks.comm.machines import MACHINE_ID_VAR, local_launch_info, machine_rank_lists
+from commhooks.comm.topology import MACHINE_ID_VAR, local_launch_info, machine_rank_lists
 from commhooks.hooks._bucket import gradient_buffer
 from commhooks.options import Options, count, flag, option
 from commhooks.state import HookState, check_count

@@ -32,9 +32,10 @@ import torch
 import torch.distributed as dist
 
 from commhooks import comm
-from commhooks.compress import blocks, packing
 from commhooks.hooks._bucket import GradBucket, float_buffer
-from commhooks.hooks.quantized.state import HOOK, QuantizationOptions, QuantizationState, Workspace
+from commhooks.hooks.quantized import phases
+from commhooks.hooks.quantized.state import HOOK, QuantizationOptions, QuantizationState
+from commhooks.hooks.quantized.two_hops import average_two_hops
 from commhooks.hooks.repair import REPAIR, repaired
 
 __all__ = ["QuantizationOptions", "QuantizationState", "quantized_hook"]
@@ -93,86 +94,19 @@ def _check_state(state: Any) -> QuantizationState:
 def _average(
     state: QuantizationState, bucket: GradBucket, buffer: torch.Tensor, group: dist.ProcessGroup
 ) -> torch.futures.Future[torch.Tensor]:
-    """The hook's step: quantize, exchange, the owner's pass and the all-gather, decode."""
+    """The hook's step: quantize, exchange, the owner's pass and the all-gather, decode; on the
+    two-hop path (:mod:`.two_hops`) within the machine first and last."""
+    if state.hops is not None:
+        return average_two_hops(state, bucket, buffer, group)
     work = state.begin(bucket, buffer, bucket.is_last())
     if work is None:  # the warm-up, or an empty bucket
         return comm.average(buffer, group) if buffer.numel() else comm.completed(buffer)
-    _quantize_rows(state, work)
+    phases.quantize_rows(state, work)
     if work.alone:  # nothing travels: the packets are what the exchanges would hand back
-        _reduce(state, work)
-        return comm.completed(_finish(state, work, buffer))
+        phases.reduce(state, work)
+        return comm.completed(phases.decode_and_commit(state, work, buffer))
     issuer = state.issuer
     assert issuer is not None, "prepare() made the issuer"
-    exchanged = _exchange_rows(work, group)
-    gathered = issuer.then(exchanged, lambda _: _reduce_and_gather(state, work, issuer.group))
-    return comm.then(gathered, lambda fut: _finish(state, work, buffer, fut))
-
-
-def _quantize_rows(state: QuantizationState, work: Workspace) -> None:
-    """Phase 1's quantization of this rank's compensated gradient, bound call first."""
-    settings = state.settings
-    bound = work.now.quantize  # a CPU's call bound to these buffers (none on a GPU)
-    if bound is None or settings.rounding != blocks.NEAREST or not bound(work.addition):
-        blocks.quantize_(
-            work.rows, work.send, work.fmt, work.levels, rounding=settings.rounding,
-            generator=work.first, keep_error=settings.error_feedback, add=work.addition,
-        )  # fmt: skip
-
-
-def _exchange_rows(work: Workspace, group: dist.ProcessGroup) -> torch.futures.Future[Any]:
-    """Phase 1's exchange, the all-to-all (the packets packed first, for a packed format)."""
-    wire = work.wire
-    if wire is None:  # the packets travel as they are
-        return comm.all_to_all(work.received, work.send, group)
-    packing.to_wire_(work.send, work.fmt, work.layout.length, wire.send)
-    return comm.all_to_all(wire.received, wire.send, group)
-
-
-def _reduce(state: QuantizationState, work: Workspace) -> None:
-    """The owner's pass: average this rank's row, add its remembered error and quantize it
-    again, in one pass where a kernel takes it."""
-    settings, memory = state.settings, state.owner_memory(work)
-    blocks.requantize_sum_(
-        work.received, work.fmt, work.now.mine, work.own_packet, work.levels, work.world,
-        memory=memory, rounding=settings.rounding, generator=work.second,
-        keep_error=settings.error_feedback, kernels=work.now.owner,
-    )  # fmt: skip
-
-
-def _reduce_and_gather(
-    state: QuantizationState, work: Workspace, group: dist.ProcessGroup
-) -> torch.futures.Future[Any]:
-    """Phase 2, in the issuer's turn: the owner's pass (:func:`_reduce`), then the all-gather
-    on the issuer's group (the received rows unpacked first and this rank's packet packed
-    after, for a packed format)."""
-    wire, fmt, length = work.wire, work.fmt, work.layout.length
-    if wire is None:  # the packets travel as they are
-        _reduce(state, work)
-        return comm.all_gather_into(work.gathered, work.own_packet, group)
-    packing.from_wire_(wire.received, fmt, length, work.received)
-    _reduce(state, work)
-    packing.to_wire_(work.own_packet, fmt, length, wire.own)
-    return comm.all_gather_into(wire.gathered, wire.own, group)
-
-
-def _finish(
-    state: QuantizationState,
-    work: Workspace,
-    buffer: torch.Tensor,
-    gathered: torch.futures.Future[Any] | None = None,
-) -> torch.Tensor:
-    """Phase 3: decode every gathered row into the bucket and keep the step's errors as the
-    memories, where the gathered scales are all finite (decided on the device, see
-    :meth:`QuantizationState.commit`)."""
-    if gathered is not None:
-        gathered.wait()  # raises if the all-gather failed; on a GPU, orders the streams
-    if work.wire is not None:
-        packing.from_wire_(work.wire.gathered, work.fmt, work.layout.length, work.gathered)
-    layout = work.layout
-    if layout.in_order:
-        kernels = work.decode_kernels(buffer)
-        blocks.decode_into_(work.gathered, work.fmt, buffer, work.levels, kernels=kernels)
-    else:
-        blocks.decode_into_(work.gathered, work.fmt, buffer, work.levels, layout.places())
-    state.commit(work)
-    return buffer
+    exchanged = phases.exchange_rows(work, group)
+    gathered = issuer.then(exchanged, lambda _: phases.reduce_and_gather(state, work, issuer.group))
+    return comm.then(gathered, lambda fut: phases.decode_and_commit(state, work, buffer, fut))

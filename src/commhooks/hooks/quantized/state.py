@@ -33,6 +33,23 @@ _referent = weakref.ref.__call__  # a weak reference's object, as a C function f
 _PHASES = (0, 1)  # the two quantizations: a rank's own gradient, the average of its row
 
 
+AUTO, FLAT = "auto", "flat"
+
+
+def _check_topology(owner: str, name: str, value: Any) -> "str | comm.Topology":
+    if isinstance(value, str) and value in (AUTO, FLAT):
+        return value
+    if isinstance(value, comm.Topology):
+        return value
+    if getattr(getattr(value, "mesh", None), "dim", None) is not None:  # a DeviceMesh
+        return comm.Topology.from_mesh(value)
+    raise ValueError(
+        f"{owner}: {name} must be 'auto' (two hops where the group spans machines of several "
+        "ranks each), 'flat' (one exchange over every rank), a commhooks.Topology or a 2-D "
+        f"DeviceMesh of shape (machines, ranks within a machine); got {name}={value!r}."
+    )
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class QuantizationOptions(Options):
     """The options of :class:`QuantizationState`, each checked when the state is built."""
@@ -79,6 +96,14 @@ class QuantizationOptions(Options):
         check=integer(0, 2**62),
     )
     on_nonfinite: str = nonfinite_option()
+    topology: "str | comm.Topology" = option(
+        AUTO,
+        "'auto' sums within each machine first and sends only the machine's share across "
+        "machines where the group spans two or more machines of two or more ranks each; "
+        "'flat' exchanges over every rank; or the machines, as a commhooks.Topology or a 2-D "
+        "DeviceMesh (machines, ranks within a machine)",
+        check=_check_topology,
+    )
 
     def check_together(self) -> None:
         if self.packed and (self.bits != 4 or self.block_size % 32):
@@ -86,6 +111,12 @@ class QuantizationOptions(Options):
                 f"{self.owner}: packed=True packs 4-bit codes 32 at a time: use bits=4 and a "
                 f"block_size that is a multiple of 32 (e.g. 256), or packed=False; got "
                 f"bits={self.bits}, block_size={self.block_size}."
+            )
+        if isinstance(self.topology, comm.Topology) and not self.topology.even:
+            raise ValueError(
+                f"{self.owner}: topology {self.topology.describe()} holds unequal numbers of "
+                "ranks a machine, which a two-hop average cannot split evenly; give machines of "
+                "equal size, or topology='flat'."
             )
         if self.block_size % 8:
             raise ValueError(
@@ -428,6 +459,9 @@ class QuantizationState(HookState):
         "_world",
         "_rank",
         "_committing",
+        "hops",
+        "shares",
+        "_shape",
     )
 
     def __init__(
@@ -451,6 +485,9 @@ class QuantizationState(HookState):
         self._reloaded: str | None = None  # how a load mid-run changed the handshake's fields
         self._generators: list[torch.Generator] = []
         self._world, self._rank = 1, 0  # the checked group's, set by prepare()
+        self.hops: comm.TwoHops | None = None  # the groups of a two-hop average, if any
+        self.shares: dict[int, Any] = {}  # by bucket index: this rank's share of a two-hop
+        self._shape = FLAT  # words for the path taken (saved with the place)
         self._committing = threading.Lock()
         self.error.check_before_use()  # unpickled memories are checked as loaded ones are
         self.owner_error.check_before_use()
@@ -491,17 +528,60 @@ class QuantizationState(HookState):
         if self._checked is not group:
             handshake.agree(group, HOOK, self, self._reloaded)
             self._reloaded = None
+            self._on(group)
+        if self._saved_place is not None:  # the first step after a load
+            self._forget_if_moved(self._place_here(group))
+        return group
+
+    def _on(self, group: dist.ProcessGroup) -> None:
+        """Set up on ``group``: the path (two hops where the topology allows), its issuer,
+        and fresh workspaces."""
+        topology = self._two_hop_topology(group)
+        self.hops = None
+        if topology is not None:  # the peers' group carries follow-ups alone
+            pool = self._pool if self._pool is not None else comm.IssuerPool()
+            self.hops, self.issuer = pool.two_hops(group, topology)
+            self._world, self._rank = self.hops.nnodes, self.hops.machine
+        else:
             if self._pool is not None:
                 self.issuer = self._pool.issuer(group)
             else:
                 self.issuer = comm.OrderedIssuer(comm.follow_up_group(group))
-            self._layouts.clear()
-            self._workspaces.clear()
-            self._checked = group
             self._world, self._rank = comm.world_size(group), comm.group_rank(group)
-        if self._saved_place is not None:  # the first step after a load
-            self._forget_if_moved(_place_here(group, self.mesh_place))
-        return group
+        self._layouts.clear()
+        self._workspaces.clear()
+        self.shares.clear()
+        self._checked = group
+
+    def _two_hop_topology(self, group: dist.ProcessGroup) -> comm.Topology | None:
+        """The topology of a two-hop average over ``group``, or ``None`` for the flat path."""
+        chosen = self.settings.topology
+        self._shape = FLAT
+        if chosen == FLAT or comm.world_size(group) < 3:  # two ranks: never uneven, one hop
+            return None
+        if isinstance(chosen, comm.Topology):
+            chosen.check_covers(comm.global_ranks(group), OWNER)
+            topology = chosen
+        else:
+            topology = comm.topology_of(group)
+        if not topology.two_hops():
+            if not topology.even:
+                warn_once(
+                    f"quantization-uneven-{topology.machines}",
+                    f"{OWNER}: the group's machines hold unequal numbers of ranks "
+                    f"({topology.describe()}), which a two-hop average cannot split evenly; "
+                    "the flat path is taken. Give machines of equal size (or say "
+                    "topology='flat' to keep this path without this warning).",
+                )
+            return None
+        self._shape = f"{topology.describe()}, two hops"
+        return topology
+
+    def _place_here(self, group: dist.ProcessGroup) -> dict[str, Any]:
+        """This rank's place: its rank and world size in ``group``, the mesh's coordinates,
+        and the path's shape (a memory of the two-hop path is a share of a machine's)."""
+        here = {"world_size": comm.world_size(group), "rank": comm.group_rank(group)}
+        return {**here, **self.mesh_place, "topology": self._shape}
 
     def share_issuers(self, pool: comm.IssuerPool | None) -> None:
         """Take the follow-ups' issuer from ``pool`` (``None``: an issuer of its own) when the
@@ -526,18 +606,26 @@ class QuantizationState(HookState):
         return compressing
 
     def begin(self, bucket: GradBucket, buffer: torch.Tensor, last: bool) -> Workspace | None:
-        """What the hook needs of the state for ``bucket``'s step, in one call, once
-        :meth:`prepare` has given it the group: the bucket's :class:`Workspace` with its rows
-        compensated (or the addition the quantizing pass makes, :attr:`Workspace.addition`)
-        and the step's generators; ``None`` for a step averaged plainly (the warm-up)
-        or an empty bucket.
-
-        Counts the step on the last bucket. At the first step after a load, compares the loaded
-        memories with the gradient (:meth:`_check_loaded`). Raises ``ValueError`` if the
-        bucket's gradients do not tile its buffer.
-        """
+        """:meth:`workspace` of a bucket past the warm-up; ``None`` for a step averaged plainly
+        (the warm-up) or an empty bucket. Counts the step on the last bucket."""
         if not self.compressing(last) or buffer.numel() == 0:
             return None
+        return self.workspace(bucket, buffer)
+
+    def number(self, params: list[torch.Tensor]) -> tuple[int, ...]:
+        """The parameters' stable numbers (the memories' keys), numbering new ones."""
+        return self._numbering.numbers(params)
+
+    def workspace(self, bucket: "GradBucket | Any", buffer: torch.Tensor) -> Workspace:
+        """What the hook needs of the state for ``bucket``'s step, once :meth:`prepare` has
+        given it the group: the bucket's :class:`Workspace` with its rows compensated (or the
+        addition the quantizing pass makes, :attr:`Workspace.addition`) and the step's
+        generators.
+
+        At the first step after a load, compares the loaded memories with the gradient
+        (:meth:`_check_loaded`). Raises ``ValueError`` if the bucket's gradients do not tile
+        its buffer.
+        """
         work = self._workspaces.get(bucket.index())
         if work is None or not work.serves(bucket.parameters(), buffer):
             work = self._workspace(bucket, buffer)
@@ -551,7 +639,7 @@ class QuantizationState(HookState):
         work.addition = self._compensate(work, buffer)
         return work
 
-    def _workspace(self, bucket: GradBucket, buffer: torch.Tensor) -> Workspace:
+    def _workspace(self, bucket: "GradBucket | Any", buffer: torch.Tensor) -> Workspace:
         """The buffers of ``bucket`` where last step's do not serve it (:meth:`Workspace.serves`):
         last step's still, laid out again, when it holds the same parameters in another order;
         made again when its layout or device changes."""
@@ -684,7 +772,7 @@ class QuantizationState(HookState):
     def _check_loaded(
         self,
         numbers: tuple[int, ...],
-        bucket: GradBucket,
+        bucket: "GradBucket | Any",
         buffer: torch.Tensor,
         layout: BucketLayout,
     ) -> None:
@@ -713,10 +801,14 @@ class QuantizationState(HookState):
         count = len(self.error) + len(self.owner_error)
         self.error.clear()
         self.owner_error.clear()
-        mesh = {k: v for k, v in saved.items() if k not in ("world_size", "rank")}
-        mesh_here = {k: v for k, v in here.items() if k not in ("world_size", "rank")}
+        plain = ("world_size", "rank", "topology")
+        mesh = {k: v for k, v in saved.items() if k not in plain}
+        mesh_here = {k: v for k, v in here.items() if k not in plain}
         where = f"rank {saved['rank']} of {saved['world_size']}"
         where_here = f"rank {here['rank']} of {here['world_size']}"
+        if saved.get("topology", FLAT) != here["topology"]:
+            where += f" on the path {saved.get('topology', FLAT)!r}"
+            where_here += f" on the path {here['topology']!r}"
         if mesh != mesh_here:
             where += f", {place.describe(mesh)}"
             where_here += f", {place.describe(mesh_here)}"
@@ -725,7 +817,7 @@ class QuantizationState(HookState):
             f"{OWNER}: the error memories ({count} tensors) were saved by {where} and are used "
             f"by {where_here}: each rank's memory describes its own elements, so they were "
             "reset. Save every rank's state (commhooks.integrations.PerRankState) and load each "
-            "rank's own file, with the same world size and mesh, to keep them.",
+            "rank's own file, with the same world size, mesh and machines, to keep them.",
         )
 
     # -- checkpointing --------------------------------------------------------------------------
@@ -738,7 +830,7 @@ class QuantizationState(HookState):
             "iter": self.iter,
             "world_size": world,
             "rank": rank,
-            "place": self.mesh_place,
+            "place": {**self.mesh_place, "topology": self._shape},
             "error": self.error.state_dict(),
             "owner_error": self.owner_error.state_dict(),
             "generators": torch.empty(0, dtype=torch.uint8) if generators is None else generators,
@@ -773,7 +865,7 @@ class QuantizationState(HookState):
         known = world > 0 and rank >= 0
         self._saved_place = {"world_size": world, "rank": rank} if known else None
         if self._saved_place is not None:
-            self._saved_place.update(saved_mesh)
+            self._saved_place.update({"topology": FLAT, **saved_mesh})
         self._layouts.clear()  # pieces of the loaded second memory are sorted out anew
         if self.handshake_fields() != agreed:
             # Another step count: the ranks must agree on it again (a reload of the same step
@@ -815,11 +907,6 @@ def _checked_generators(where: str, value: Any) -> torch.Tensor | None:
                     "contents (generators=torch.empty(0, dtype=torch.uint8)) to reseed."
                 ) from exc
     return states.clone()
-
-
-def _place_here(group: dist.ProcessGroup, mesh: dict[str, int | str]) -> dict[str, Any]:
-    """This rank's place: its rank and world size in ``group``, and ``mesh``'s coordinates."""
-    return {"world_size": comm.world_size(group), "rank": comm.group_rank(group), **mesh}
 
 
 def _place(group: dist.ProcessGroup | None) -> tuple[int, int]:

@@ -1,0 +1,238 @@
+"""Which ranks share a machine: :class:`Topology`, found from the launch environment or given.
+
+Clusters are machines of a few GPUs joined by a slow network; what crosses machines is what
+costs. A :class:`Topology` says which ranks of a group share a machine, so that a hook can sum
+inside a machine first and send only the machine's share across (:class:`TwoHops`, the groups
+that takes).
+
+PyTorch's ``new_subgroups()`` sizes its groups by the number of CUDA devices, so it refuses to
+run on CPU-only machines. We ask the launcher instead: each rank contributes one
+:class:`LaunchInfo` (its machine name and torchrun's ``LOCAL_WORLD_SIZE``), the infos are
+gathered once (:func:`find`), and :func:`machine_rank_lists` turns them into machines.
+
+How a rank's machine is named, first match wins:
+
+1. ``COMMHOOKS_MACHINE_ID``: an explicit label; ranks with equal labels share a machine, and
+   ``LOCAL_WORLD_SIZE`` is then ignored. Use it when host names are not unique (containers
+   with identical host names) or to simulate several machines on one host.
+2. the host name (``socket.gethostname()``), split further by ``LOCAL_WORLD_SIZE`` when a host
+   runs several launcher groups (torchrun gives each node a contiguous block of ranks, so a
+   host's ranks are cut into consecutive blocks of that size).
+"""
+
+import os
+import socket
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from commhooks.comm.groups import all_gather_objects, follow_up_group, global_ranks, group_timeout
+
+__all__ = [
+    "MACHINE_ID_VAR",
+    "LaunchInfo",
+    "Topology",
+    "TwoHops",
+    "find",
+    "local_launch_info",
+    "machine_rank_lists",
+    "two_hops",
+]
+
+MACHINE_ID_VAR = "COMMHOOKS_MACHINE_ID"
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    """What one rank knows about where it runs.
+
+    Attributes:
+        host: the host name.
+        label: ``COMMHOOKS_MACHINE_ID``, or ``None`` when not set.
+        local_world_size: torchrun's ``LOCAL_WORLD_SIZE``, or ``None`` when not set or invalid.
+    """
+
+    host: str
+    label: str | None
+    local_world_size: int | None
+
+
+def local_launch_info() -> LaunchInfo:
+    """This process's :class:`LaunchInfo`, read from its environment."""
+    label = os.environ.get(MACHINE_ID_VAR, "").strip() or None
+    raw = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    size = int(raw) if raw.isdigit() and int(raw) > 0 else None
+    return LaunchInfo(socket.gethostname(), label, size)
+
+
+def machine_rank_lists(infos: list[LaunchInfo]) -> tuple[list[list[int]], str]:
+    """Group ranks (indices into ``infos``) by machine.
+
+    Returns:
+        the rank lists, ordered by their lowest rank (the same on every rank, which matters
+        because groups must be created in the same order everywhere), and a sentence saying
+        how they were derived.
+    """
+    labels = [info.label for info in infos]
+    if infos and all(labels):
+        lists = list(_by_key(labels).values())
+        source = f"{MACHINE_ID_VAR} labels"
+    else:
+        hosts = _by_key([info.host for info in infos])
+        lists = [block for ranks in hosts.values() for block in _split_host(infos, ranks)]
+        source = "host names split by LOCAL_WORLD_SIZE" if len(lists) > len(hosts) else "host names"
+        if any(labels):
+            # Half-labelled runs would group ranks by two rules at once; the host is the safe one.
+            source += f" ({MACHINE_ID_VAR} is set on some ranks only, so it was ignored)"
+    lists.sort(key=lambda ranks: ranks[0])
+    return lists, f"{source}: {len(lists)} machine(s) of sizes {[len(r) for r in lists]}"
+
+
+def _by_key(keys: list[str | None]) -> dict[str | None, list[int]]:
+    out: dict[str | None, list[int]] = {}
+    for rank, key in enumerate(keys):
+        out.setdefault(key, []).append(rank)
+    return out
+
+
+def _split_host(infos: list[LaunchInfo], ranks: list[int]) -> list[list[int]]:
+    sizes = {infos[r].local_world_size for r in ranks}
+    size = sizes.pop() if len(sizes) == 1 else None
+    # Split only when every rank on the host agrees and the blocks tile the host exactly;
+    # anything else (mp.spawn without the variable, mixed launchers) is one machine.
+    if size is None or size >= len(ranks) or len(ranks) % size:
+        return [ranks]
+    return [ranks[i : i + size] for i in range(0, len(ranks), size)]
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Which ranks share a machine: ``machines``, each the global ranks of one machine.
+
+    Build it from the rank lists (``Topology([[0, 1], [2, 3]])``), from a 2-D ``DeviceMesh``
+    whose first dimension runs across machines and second within one
+    (:meth:`from_mesh`), or let a hook find it from the launcher (:func:`find`).
+    """
+
+    machines: tuple[tuple[int, ...], ...]
+
+    def __init__(self, machines: Sequence[Sequence[int]]) -> None:
+        lists = tuple(tuple(int(r) for r in ranks) for ranks in machines)
+        ranks = [r for m in lists for r in m]
+        if not lists or not all(lists) or len(set(ranks)) != len(ranks) or min(ranks) < 0:
+            raise ValueError(
+                "Topology takes one list of global ranks per machine, each rank once, e.g. "
+                f"Topology([[0, 1], [2, 3]]); got {machines!r}."
+            )
+        object.__setattr__(self, "machines", lists)
+
+    @classmethod
+    def from_mesh(cls, mesh: Any) -> "Topology":
+        """The topology of a 2-D ``DeviceMesh`` of shape ``(machines, ranks within one)``."""
+        grid = getattr(mesh, "mesh", None)
+        if grid is None or grid.dim() != 2:
+            raise ValueError(
+                "Topology.from_mesh takes a 2-D DeviceMesh of shape (machines, ranks within a "
+                f"machine), e.g. init_device_mesh('cuda', (2, 8)); got {mesh!r}."
+            )
+        return cls(grid.tolist())
+
+    @property
+    def nnodes(self) -> int:
+        return len(self.machines)
+
+    @property
+    def even(self) -> bool:
+        """Whether every machine holds as many ranks."""
+        return len({len(m) for m in self.machines}) == 1
+
+    @property
+    def nproc_per_node(self) -> int:
+        """Ranks a machine (the first machine's, where they differ)."""
+        return len(self.machines[0])
+
+    def describe(self) -> str:
+        """Words for the shape: ``"2 machines x 8 ranks"``, or each machine's count."""
+        if self.even:
+            n, g = self.nnodes, self.nproc_per_node
+            return f"{n} machine{'s' * (n != 1)} x {g} rank{'s' * (g != 1)}"
+        return f"{self.nnodes} machines of {[len(m) for m in self.machines]} ranks"
+
+    def two_hops(self) -> bool:
+        """Whether summing within machines first sends less across them: two or more
+        machines of two or more ranks each, as many on each."""
+        return self.even and self.nnodes > 1 and self.nproc_per_node > 1
+
+    def check_covers(self, ranks: Sequence[int], owner: str) -> None:
+        """Raise ``ValueError`` unless this topology holds exactly ``ranks``."""
+        if sorted(r for m in self.machines for r in m) != sorted(ranks):
+            raise ValueError(
+                f"{owner}: the topology {self.describe()} holds ranks "
+                f"{sorted(r for m in self.machines for r in m)}, but the hook's group holds "
+                f"{sorted(ranks)}; give a Topology of the group's ranks."
+            )
+
+
+_found: "weakref.WeakKeyDictionary[dist.ProcessGroup, Topology]" = weakref.WeakKeyDictionary()
+
+
+def find(group: dist.ProcessGroup) -> Topology:
+    """The machines of ``group``'s ranks, from each rank's launch environment: one blocking
+    gather of small records at its first call for a group (collective: call it at the same
+    point on every rank), remembered after."""
+    known = _found.get(group)
+    if known is None:
+        infos = all_gather_objects(local_launch_info(), group)
+        lists, _ = machine_rank_lists(infos)
+        ranks = global_ranks(group)
+        known = _found[group] = Topology([[ranks[i] for i in m] for m in lists])
+    return known
+
+
+@dataclass(frozen=True)
+class TwoHops:
+    """The groups of a two-hop average, from one rank's view: ``intra`` (its machine's ranks),
+    ``intra_follow`` (theirs again, for the follow-ups; NCCL's is ``intra`` itself), ``peers``
+    (the ranks holding the same share on every machine), this rank's ``machine`` and its
+    ``local`` index, and the topology's shape."""
+
+    intra: dist.ProcessGroup
+    intra_follow: dist.ProcessGroup
+    peers: dist.ProcessGroup
+    machine: int
+    local: int
+    nnodes: int
+    nproc_per_node: int
+
+
+def two_hops(group: dist.ProcessGroup, topology: Topology) -> TwoHops:
+    """The groups of a two-hop average over ``group`` on ``topology`` (even, two machines or
+    more), made now: this rank's machine, then the ranks of its share on every machine, then
+    its machine's again for follow-ups. Each rank makes only groups it belongs to, in that
+    order, as every other rank does; each waits for its members only (and at most
+    ``group``'s timeout)."""
+    me = dist.get_rank()
+    machine = next(i for i, m in enumerate(topology.machines) if me in m)
+    local = topology.machines[machine].index(me)
+    intra = _group_of(list(topology.machines[machine]), group)
+    peers = _group_of([m[local] for m in topology.machines], group)
+    return TwoHops(
+        intra, follow_up_group(intra), peers, machine, local, topology.nnodes,
+        topology.nproc_per_node,
+    )  # fmt: skip
+
+
+def _group_of(ranks: list[int], parent: dist.ProcessGroup) -> dist.ProcessGroup:
+    made = dist.new_group(
+        ranks=ranks,
+        backend=dist.get_backend(parent),
+        timeout=group_timeout(parent),
+        use_local_synchronization=True,
+    )
+    if made is None:  # only for a rank outside the ranks, which calls this never
+        raise RuntimeError("two_hops: this rank is not in the group it made.")
+    group: dist.ProcessGroup = made
+    return group

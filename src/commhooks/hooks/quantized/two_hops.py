@@ -1,0 +1,177 @@
+"""Two hops: sum within each machine at full precision, average each machine's share across
+machines in 8 or 4 bits, gather within the machine (the scheme of ZeRO++'s qgZ).
+
+What crosses machines is what costs. The flat two-phase average sends every rank's quantized
+bucket across, G times a machine for machines of G ranks. Here the G ranks of a machine first
+reduce-scatter the bucket at full precision inside the machine (rank ``l`` holds the machine's
+sum of share ``l``, a G-th of the bucket), divide it into the machine's mean, and the ranks
+holding share ``l`` on every machine average it with the quantized hook's two phases and its
+error feedback, over a group of one rank a machine; an all-gather inside the machine then hands
+every rank the whole bucket. Each machine sends ``2 (N - 1) / N`` of the bucket's codes across,
+G times fewer than the flat path, and every rank holds the same bits.
+
+The share is a bucket of its own (:class:`ShareBucket`): its gradients are the parts of the
+bucket's parameters it holds, so the memories are kept per parameter as on the flat path (of
+the part a rank holds, which the state's place saves with the topology). The exchanges after
+the first are follow-ups, run in the state's issuer, in the same order on every rank.
+
+Hook modules must not use ``from __future__ import annotations``: DDP rejects string annotations.
+"""
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from commhooks import comm
+from commhooks.hooks._bucket import GradBucket
+from commhooks.hooks.quantized import phases
+from commhooks.hooks.quantized.state import QuantizationState, Workspace
+
+__all__ = ["Share", "ShareBucket", "average_two_hops"]
+
+Future = torch.futures.Future
+
+
+class ShareBucket:
+    """This rank's share of a bucket, seen through a bucket's methods."""
+
+    def __init__(
+        self, index: int, buffer: torch.Tensor, gradients: list[torch.Tensor], params: list[Any]
+    ) -> None:
+        self._index, self._buffer = index, buffer
+        self._gradients, self._params = gradients, params
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        """The share's elements of the bucket: the machine's mean, then its average."""
+        return self._buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        """The parts of the parameters' gradients the share holds, in the bucket's order."""
+        return self._gradients
+
+    def parameters(self) -> list[Any]:
+        return self._params
+
+    def is_last(self) -> bool:
+        return False  # the step is counted on the bucket itself
+
+    def set_buffer(self, buffer: torch.Tensor) -> None:
+        raise NotImplementedError("a share's buffer is its own")
+
+
+class Share:
+    """One rank's share of a bucket: the buffers of its two hops, made at the bucket's first
+    step and kept while its buffer and parameters stay the same.
+
+    ``whole`` is what the machine reduce-scatters and gathers into: the bucket's buffer, or a
+    padded copy where the bucket does not split into shares of one size; ``chunk`` is this
+    rank's share of it, of which the bucket holds ``valid`` elements (the last shares may hold
+    padding only)."""
+
+    def __init__(self, bucket: GradBucket, buffer: torch.Tensor, hops: comm.TwoHops) -> None:
+        numel, ranks = buffer.numel(), hops.nproc_per_node
+        size = -(-numel // ranks)
+        self.signature = _signature(bucket, buffer)
+        self.whole = buffer if size * ranks == numel else buffer.new_zeros(size * ranks)
+        self.chunk = buffer.new_zeros(size)
+        start = hops.local * size
+        self.valid = max(0, min(numel, start + size) - start)
+        gradients, params = _parts(bucket, buffer, self.chunk, start, self.valid)
+        self.bucket = ShareBucket(bucket.index(), self.chunk[: self.valid], gradients, params)
+        self.work: Workspace | None = None  # the cross-machine step's, set in its turn
+
+    @staticmethod
+    def of(state: QuantizationState, bucket: GradBucket, buffer: torch.Tensor) -> "Share":
+        """The share of ``bucket`` its last step used, or a new one."""
+        assert state.hops is not None, "a two-hop state"
+        found = state.shares.get(bucket.index())
+        if not isinstance(found, Share) or found.signature != _signature(bucket, buffer):
+            found = state.shares[bucket.index()] = Share(bucket, buffer, state.hops)
+        return found
+
+    def finish(self, buffer: torch.Tensor) -> torch.Tensor:
+        """The bucket, holding the average (copied from the padded copy where there is one)."""
+        if self.whole is not buffer:
+            buffer.copy_(self.whole[: buffer.numel()])
+        return buffer
+
+
+def _signature(bucket: GradBucket, buffer: torch.Tensor) -> tuple[int, int, tuple[int, ...]]:
+    return buffer.data_ptr(), buffer.numel(), tuple(map(id, bucket.parameters()))
+
+
+def _parts(
+    bucket: GradBucket, buffer: torch.Tensor, chunk: torch.Tensor, start: int, valid: int
+) -> tuple[list[torch.Tensor], list[Any]]:
+    """The views of ``chunk`` standing for the parts of the bucket's gradients in elements
+    ``[start, start + valid)`` of its buffer, and their parameters."""
+    gradients, params = [], []
+    base = buffer.storage_offset()
+    for grad, param in zip(bucket.gradients(), bucket.parameters()):
+        first = grad.storage_offset() - base
+        low, high = max(first, start), min(first + grad.numel(), start + valid)
+        if low < high:
+            gradients.append(chunk[low - start : high - start])
+            params.append(param)
+    return gradients, params
+
+
+def average_two_hops(
+    state: QuantizationState, bucket: GradBucket, buffer: torch.Tensor, group: dist.ProcessGroup
+) -> "Future[torch.Tensor]":
+    """The hook's step on the two-hop path: the reduce-scatter within the machine issued here,
+    on DDP's thread; the two quantized phases across machines and the all-gather within the
+    machine in the state's issuer."""
+    hops, issuer = state.hops, state.issuer
+    assert hops is not None and issuer is not None, "prepare() made them"
+    if not state.compressing(bucket.is_last()) or buffer.numel() == 0:
+        return comm.average(buffer, group)
+    state.number(bucket.parameters())  # on DDP's thread, as on the flat path
+    share = Share.of(state, bucket, buffer)
+    if share.whole is not buffer:
+        share.whole[: buffer.numel()].copy_(buffer)
+    summed = comm.reduce_scatter(share.chunk, share.whole, hops.intra)
+    devices = comm.future_devices(buffer)
+    if share.valid:
+        exchanged = issuer.then(summed, lambda _: _across(state, share, hops), devices)
+        gathered = issuer.then(exchanged, lambda _: _second_phase(state, share, hops), devices)
+        averaged = issuer.then(gathered, lambda _: _within(state, share, hops), devices)
+    else:  # shares of padding only, on every machine alike: nothing crosses
+        averaged = issuer.then(summed, lambda _: _gather(share, hops), devices)
+    return comm.then(averaged, lambda fut: _finished(fut, share, buffer))
+
+
+def _across(state: QuantizationState, share: Share, hops: comm.TwoHops) -> "Future[Any]":
+    """Across machines, phase 1: the machine's mean of the share compensated and quantized,
+    one row a machine, and the all-to-all over the peers."""
+    share.chunk.div_(hops.nproc_per_node)  # the machine's sum, made its mean
+    work = share.work = state.workspace(share.bucket, share.bucket.buffer())
+    phases.quantize_rows(state, work)
+    return phases.exchange_rows(work, hops.peers)
+
+
+def _second_phase(state: QuantizationState, share: Share, hops: comm.TwoHops) -> "Future[Any]":
+    assert share.work is not None, "the first phase set it"
+    return phases.reduce_and_gather(state, share.work, hops.peers)
+
+
+def _within(state: QuantizationState, share: Share, hops: comm.TwoHops) -> "Future[torch.Tensor]":
+    """In its turn, the all-gather across machines complete: the share's average decoded and
+    the memories kept; then the all-gather within."""
+    assert share.work is not None, "the first phase set it"
+    phases.decode_and_commit(state, share.work, share.bucket.buffer())
+    return _gather(share, hops)
+
+
+def _gather(share: Share, hops: comm.TwoHops) -> "Future[torch.Tensor]":
+    whole = share.whole.view(hops.nproc_per_node, -1)
+    return comm.all_gather_into(whole, share.chunk, hops.intra_follow)
+
+
+def _finished(fut: "Future[torch.Tensor]", share: Share, buffer: torch.Tensor) -> torch.Tensor:
+    fut.wait()  # raises if an exchange failed
+    return share.finish(buffer)

@@ -1,0 +1,160 @@
+"""The quantized hooks across machines of several ranks: two hops (sum within the machine, the
+machine's share quantized across, gather within) against the flat path, on 4 gloo ranks made
+2 machines of 2 by ``COMMHOOKS_MACHINE_ID``; uneven machines; checkpoints across shapes."""
+
+import functools
+import os
+import warnings
+
+import pytest
+import torch
+from ddp_utils import batches, flat_grads, flat_params, make_ddp, make_mlp, train
+
+import commhooks
+from commhooks import QuantizationState, comm
+from commhooks.testing import run_on_ranks
+
+pytestmark = pytest.mark.timeout(150)
+
+
+def _machines(per_machine: list[int], rank: int) -> None:
+    """Label rank ``rank``'s machine: the first ``per_machine[0]`` ranks share machine 0..."""
+    bound = 0
+    for machine, count in enumerate(per_machine):
+        bound += count
+        if rank < bound:
+            os.environ[comm.topology.MACHINE_ID_VAR] = f"machine{machine}"
+            return
+
+
+def _two_by_two(rank: int) -> None:
+    _machines([2, 2], rank)
+
+
+def _steps(rank, world_size, bits, topology):
+    """Train six steps; the per-kind bytes each step hands over, the first step's gradient,
+    and the parameters after."""
+    ddp = make_ddp(make_mlp(), bucket_cap_mb=0.004)
+    state = commhooks.register(ddp, f"int{bits}", topology=topology)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    grads, sent = None, []
+    for step, (x, y) in enumerate(batches(rank, 6)):
+        opt.zero_grad(set_to_none=True)
+        with comm.observe_collectives() as seen:
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+        sent.append(dict(seen.bytes))
+        if step == 1:  # after DDP's bucket rebuild
+            grads = flat_grads(ddp.module)
+        opt.step()
+    return {"two_hops": state.hops is not None, "sent": sent, "grads": grads,
+            "params": flat_params(ddp.module)}  # fmt: skip
+
+
+def _both_paths(rank, world_size, bits):
+    return {topology: _steps(rank, world_size, bits, topology) for topology in ("auto", "flat")}
+
+
+def _exact_second_step_gradient(rank, world_size):
+    """The second step's averaged gradient with plain allreduce (the same data and model)."""
+    ddp = make_ddp(make_mlp(), bucket_cap_mb=0.004)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    for step, (x, y) in enumerate(batches(rank, 2)):
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        if step == 1:
+            return flat_grads(ddp.module)
+        opt.step()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_two_hops_send_half_the_flat_codes_across_and_agree_everywhere(bits):
+    ranks = run_on_ranks(_both_paths, 4, bits, prepare=_two_by_two, timeout=140)
+    for out in ranks:
+        assert out["auto"]["two_hops"] and not out["flat"]["two_hops"]
+        # Every rank holds the same bits, on either path.
+        assert torch.equal(out["auto"]["params"], ranks[0]["auto"]["params"])
+        assert torch.equal(out["flat"]["params"], ranks[0]["flat"]["params"])
+        # Codes exchanged across machines: a machine's share, not every rank's bucket.
+        for two, flat in zip(out["auto"]["sent"][1:], out["flat"]["sent"][1:]):
+            assert two["all_to_all_single"] <= 0.55 * flat["all_to_all_single"], (two, flat)
+            assert "reduce_scatter_tensor" in two and "reduce_scatter_tensor" not in flat
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_two_hops_average_within_the_quantization_bound(bits):
+    ranks = run_on_ranks(_both_paths, 4, bits, prepare=_two_by_two, timeout=140)
+    exact = run_on_ranks(_exact_second_step_gradient, 4, prepare=_two_by_two)[0]
+    qmax = 127 if bits == 8 else 7
+    for out in ranks:
+        for path in ("auto", "flat"):
+            error = (out[path]["grads"] - exact).abs().max()
+            # Two roundings of at most half a step each, of blocks no larger than the largest
+            # gradient, plus what error feedback carried from the first step.
+            assert error <= 3 * exact.abs().max() / qmax, (path, float(error))
+
+
+def _uneven(rank, world_size):
+    ddp = make_ddp(make_mlp(), bucket_cap_mb=0.004)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = commhooks.register(ddp, "int8")
+        train(ddp, batches(rank, 2))
+    return state.hops is None, [str(w.message) for w in caught], flat_params(ddp.module)
+
+
+def test_machines_of_unequal_size_take_the_flat_path_with_a_warning():
+    ranks = run_on_ranks(_uneven, 3, prepare=functools.partial(_machines, [2, 1]))
+    for flat, messages, params in ranks:
+        assert flat and torch.equal(params, ranks[0][2])
+        assert any("unequal numbers of ranks" in m and "flat path" in m for m in messages)
+
+
+def test_a_topology_is_given_as_ranks_or_a_mesh_and_checked_when_built():
+    topology = commhooks.Topology([[0, 1], [2, 3]])
+    assert topology.describe() == "2 machines x 2 ranks" and topology.two_hops()
+    assert QuantizationState(None, topology=topology).settings.topology == topology
+    with pytest.raises(ValueError, match="unequal numbers of ranks"):
+        QuantizationState(None, topology=commhooks.Topology([[0, 1], [2]]))
+    with pytest.raises(ValueError, match="each rank once"):
+        commhooks.Topology([[0, 1], [1, 2]])
+    with pytest.raises(ValueError, match="must be 'auto'"):
+        QuantizationState(None, topology="ring")
+
+    class Mesh:  # a 2-D DeviceMesh's shape of ranks
+        mesh = torch.tensor([[0, 1], [2, 3]])
+
+    assert QuantizationState(None, topology=Mesh()).settings.topology == topology
+    assert commhooks.HookConfig("int8", options={"topology": "flat"}).options == {"topology": "flat"}
+
+
+def _saved_then_loaded(rank, world_size, folder):
+    """Save a two-hop state after training, then load it into the flat path of the same
+    ranks: the memories, a machine's share, are reset with a warning naming both shapes."""
+    ddp = make_ddp(make_mlp(), bucket_cap_mb=0.004)
+    state = commhooks.register(ddp, "int8")
+    train(ddp, batches(rank, 3))
+    path = os.path.join(folder, f"state{rank}.pt")
+    state.save(path)
+    again = make_ddp(make_mlp(), bucket_cap_mb=0.004)
+    flat = commhooks.register(again, "int8", topology="flat")
+    flat.load(path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(again, batches(rank, 1))
+    same = make_ddp(make_mlp(), bucket_cap_mb=0.004)  # and into the same shape: kept
+    resumed = commhooks.register(same, "int8")
+    resumed.load(path)
+    with warnings.catch_warnings(record=True) as quiet:
+        warnings.simplefilter("always")
+        train(same, batches(rank, 1))
+    return [str(w.message) for w in caught], [str(w.message) for w in quiet], len(state.error)
+
+
+def test_a_checkpoint_of_another_shape_resets_the_memories_naming_both(tmp_path):
+    for caught, quiet, memories in run_on_ranks(
+        _saved_then_loaded, 4, str(tmp_path), prepare=_two_by_two, timeout=140
+    ):
+        assert memories > 0
+        reset = [m for m in caught if "were reset" in m]
+        assert reset and "2 machines x 2 ranks, two hops" in reset[0] and "'flat'" in reset[0]
+        assert not any("were reset" in m for m in quiet)
