@@ -124,7 +124,9 @@ def test_a_topology_is_given_as_ranks_or_a_mesh_and_checked_when_built():
         mesh = torch.tensor([[0, 1], [2, 3]])
 
     assert QuantizationState(None, topology=Mesh()).settings.topology == topology
-    assert commhooks.HookConfig("int8", options={"topology": "flat"}).options == {"topology": "flat"}
+    assert commhooks.HookConfig("int8", options={"topology": "flat"}).options == {
+        "topology": "flat"
+    }
 
 
 def _saved_then_loaded(rank, world_size, folder):
@@ -158,3 +160,50 @@ def test_a_checkpoint_of_another_shape_resets_the_memories_naming_both(tmp_path)
         reset = [m for m in caught if "were reset" in m]
         assert reset and "2 machines x 2 ranks, two hops" in reset[0] and "'flat'" in reset[0]
         assert not any("were reset" in m for m in quiet)
+
+
+# -- streaming DiLoCo with workers of two ranks: each rank syncs half of each fragment ----------
+def _diloco_shares(rank, world_size, bits):
+    """Workers [0, 1] and [2, 3]: the bytes this rank hands to collectives across workers per
+    sync, every rank's parameters after each step, and the model's element count."""
+    import torch.distributed as dist
+
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    ddp = make_ddp(make_mlp(), process_group=pairs[rank // 2])
+    diloco = commhooks.register(
+        ddp, "streaming_diloco", sync_every=4, fragments=2, fragment_sync_delay=1, bits=bits
+    )
+    inner = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    diloco.attach(inner, ddp.module.named_parameters())
+    history, across = [], 0
+    with comm.observe_collectives() as seen:
+        for x, y in batches(rank, 8):
+            inner.zero_grad()
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            during = dict(seen.bytes)
+            inner.step()  # the syncs: issued and applied in the optimizer's step hook
+            crossing = ("all_reduce", "all_to_all_single")
+            across += sum(seen.bytes.get(k, 0) - during.get(k, 0) for k in crossing)
+            history.append(flat_params(ddp.module))
+    return across, history, sum(p.numel() for p in ddp.parameters())
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_diloco_workers_of_two_ranks_each_sync_half_of_each_fragment(bits):
+    ranks = run_on_ranks(_diloco_shares, 4, bits, timeout=140)
+    numel = ranks[0][2]
+    for across, _, _ in ranks:
+        # Eight inner steps: each fragment synced twice, the model twice in all. A rank hands
+        # over half of it (float32; or 4-bit codes and a float32 scale per 256), not all of it;
+        # 4-bit rows of whole blocks pad this small model's shares by up to a third.
+        per_element = 4 if bits is None else 0.5 + 4 / 256
+        whole = 2 * numel * per_element
+        assert 0.45 * whole <= across <= (0.55 if bits is None else 0.7) * whole, (across, whole)
+    history = [h for _, h, _ in ranks]
+    for step in range(8):  # one worker, the same bits, whichever share a rank carried
+        assert torch.equal(history[0][step], history[1][step]), step
+        assert torch.equal(history[2][step], history[3][step]), step
+    first = 2112 + 4160  # fragment 0: modules 0 and 2, applied after inner steps 2 and 6
+    for step in (1, 5):
+        assert torch.equal(history[0][step][:first], history[2][step][:first]), step
+        assert not torch.equal(history[0][step][first:], history[2][step][first:]), step

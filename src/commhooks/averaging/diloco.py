@@ -286,17 +286,28 @@ class _InFlight:
     # With ``keep_inflight_steps`` and a delay: the fragment's own outer gradient at the issue
     # (its snapshot minus its local parameters then), from which its local change since follows.
     local: torch.Tensor | None = None
+    # A worker of several ranks: the share this rank averages across workers, gathered within
+    # the worker before the fragment is applied.
+    share: "_Share | None" = None
 
 
 class _FragmentBucket:
     """A fragment's outer gradient with a gradient bucket's methods, for the quantized hook.
 
     The hook keys its error memories by the parameters it is handed, so each fragment keeps
-    its memories from one sync to the next, as a bucket does from step to step.
+    its memories from one sync to the next, as a bucket does from step to step. ``parts``: a
+    worker's share holds parts of its parameters, views of ``flat`` (else each parameter).
     """
 
-    def __init__(self, index: int, flat: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self,
+        index: int,
+        flat: torch.Tensor,
+        params: Sequence[torch.Tensor],
+        parts: list[torch.Tensor] | None = None,
+    ) -> None:
         self._index, self._buffer, self._params = index, flat, list(params)
+        self._parts = parts
 
     def index(self) -> int:
         return self._index
@@ -305,6 +316,8 @@ class _FragmentBucket:
         return self._buffer
 
     def gradients(self) -> list[torch.Tensor]:
+        if self._parts is not None:
+            return self._parts
         views, offset = [], 0
         for p in self._params:
             views.append(self._buffer[offset : offset + p.numel()].view_as(p))
@@ -319,6 +332,38 @@ class _FragmentBucket:
 
     def set_buffer(self, buffer: torch.Tensor) -> None:
         self._buffer = buffer
+
+
+@dataclass
+class _Share:
+    """A worker's rank's share of a fragment: ``whole`` (the fragment, padded to ``ranks``
+    shares of one size where it does not split evenly), ``part`` (this rank's share of it,
+    averaged across workers), and the parameters the part holds pieces of, with those pieces."""
+
+    whole: torch.Tensor
+    part: torch.Tensor
+    params: list[torch.Tensor]
+    pieces: list[torch.Tensor]
+    ranks: int
+
+
+def _share_of(flat: torch.Tensor, params: list[torch.Tensor], rank: int, ranks: int) -> _Share:
+    """Rank ``rank``'s share of ``flat`` (the outer gradient of ``params``, in order) among a
+    worker's ``ranks``."""
+    size = -(-flat.numel() // ranks)
+    whole = flat if size * ranks == flat.numel() else flat.new_zeros(size * ranks)
+    if whole is not flat:
+        whole[: flat.numel()].copy_(flat)
+    start = rank * size
+    part = whole[start : start + size]
+    held, pieces, offset = [], [], 0
+    for p in params:
+        low, high = max(offset, start), min(offset + p.numel(), start + size)
+        if low < high:
+            held.append(p)
+            pieces.append(part[low - start : high - start])
+        offset += p.numel()
+    return _Share(whole, part, held, pieces, ranks)
 
 
 class StreamingDiLoCo(ModelAverager):
@@ -589,18 +634,36 @@ class StreamingDiLoCo(ModelAverager):
             )
         # The average is taken in place: this rank's own outer gradient is copied first.
         local = flat.clone() if self.options.keeps_inflight_change else None
+        worker, share = self._worker_group, None
+        if worker is not None and comm.world_size(worker) > 1:  # this rank's share crosses
+            share = _share_of(flat, params, comm.group_rank(worker), comm.world_size(worker))
         try:  # a peer already gone can fail the issue itself, not only the wait
-            if self.options.bits is None:
-                future = comm.average(flat, group)
-            else:
-                # The quantized hook, on this fragment as on a bucket.
-                hook: Callable[[Any, Any], torch.futures.Future[torch.Tensor]] = quantized_hook
-                bucket = _FragmentBucket(fragment, flat, params)
-                future = hook(self.quantizers[fragment], bucket)
+            future = self._start_average(fragment, flat, params, share, group)
         except RuntimeError as exc:
             raise _sync_error(fragment, exc) from exc
-        self.in_flight = _InFlight(fragment, inner + self.options.fragment_sync_delay, flat, local)
+        apply_at = inner + self.options.fragment_sync_delay
+        self.in_flight = _InFlight(fragment, apply_at, flat, local, share)
         self._in_flight_future = future
+
+    def _start_average(
+        self,
+        fragment: int,
+        flat: torch.Tensor,
+        params: list[torch.Tensor],
+        share: "_Share | None",
+        group: dist.ProcessGroup,
+    ) -> torch.futures.Future[torch.Tensor]:
+        """Start averaging ``flat`` (or this rank's ``share`` of it) across workers, in float32
+        or by the quantized hook itself, on the fragment as on a bucket."""
+        target = flat if share is None else share.part
+        if self.options.bits is None:
+            return comm.average(target, group)
+        hook: Callable[[Any, Any], torch.futures.Future[torch.Tensor]] = quantized_hook
+        if share is None:
+            bucket = _FragmentBucket(fragment, flat, params)
+        else:
+            bucket = _FragmentBucket(fragment, share.part, share.params, share.pieces)
+        return hook(self.quantizers[fragment], bucket)
 
     def _settle(self) -> None:
         """Wait for the fragment in flight; its average is then in ``in_flight.flat``.
@@ -612,13 +675,24 @@ class StreamingDiLoCo(ModelAverager):
         future, self._in_flight_future = self._in_flight_future, None
         if future is None or self.in_flight is None:
             return
+        flight = self.in_flight
         try:
             averaged = future.wait()
+            if flight.share is not None:  # each rank's share, gathered within the worker
+                averaged = self._gather_share(flight.share, averaged)
         except RuntimeError as exc:
-            fragment, self.in_flight = self.in_flight.fragment, None
+            fragment, self.in_flight = flight.fragment, None
             raise _sync_error(fragment, exc) from exc
-        if averaged.data_ptr() != self.in_flight.flat.data_ptr():
-            self.in_flight.flat.copy_(averaged)
+        if averaged.data_ptr() != flight.flat.data_ptr():
+            flight.flat.copy_(averaged[: flight.flat.numel()])
+
+    def _gather_share(self, share: "_Share", averaged: torch.Tensor) -> torch.Tensor:
+        """The whole fragment's average from each rank's share of it, within the worker: on
+        the training thread, where DDP issues its own collectives on that group."""
+        assert self._worker_group is not None
+        mine = averaged.clone()  # the gather's input apart from its output
+        whole = share.whole.view(share.ranks, -1)
+        return comm.all_gather_into(whole, mine, self._worker_group).wait().view(-1)
 
     def _finish(self, lookup: dict[str, torch.Tensor]) -> None:
         """The outer step of the fragment in flight, then local = blend of global and local."""
