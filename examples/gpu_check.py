@@ -9,9 +9,10 @@ time is recorded as failed, with its error, and the next one runs):
 2. ``init_forms``: every hook, a few steps each, after ``init_process_group("nccl")`` (lazy) and
    ``init_process_group("nccl", device_id=...)`` (eager);
 3. ``many_buckets``: every hook on 330 buckets, each hook with a timeout of its own;
-4. ``sync_audit``: a finite step's backward pass and optimizer step under
-   ``torch.cuda.set_sync_debug_mode("error")``, after a warm-up, with the waits on CUDA events
-   that this mode does not see counted through PyTorch's GPU trace;
+4. ``sync_audit``: the host's waits for the GPU in a step (its backward pass and optimizer step,
+   after a warm-up) of every hook, counted through PyTorch's GPU trace: none with the defaults,
+   finite or not (under ``torch.cuda.set_sync_debug_mode("error")``), and exactly one, the
+   batched check, with ``on_nonfinite="repair"``;
 5. ``step_time``: step time and peak memory against PyTorch's hooks on the 4 x 4096 MLP, with
    one bucket and with 25 MB buckets (``examples/gpu_step_time.py``'s measurement);
 6. ``bandwidth``: the quantize passes' speed (``examples/quantize_passes.py``);
@@ -191,14 +192,15 @@ def many_buckets(settings: Settings, budget: Budget) -> dict[str, Result]:
 
 
 def sync_audit(settings: Settings, budget: Budget) -> dict[str, Result]:
-    """Whether a finite step of each hook makes the host wait for the device."""
+    """How often a step of each hook makes the host wait for the device (finite or not, and
+    with the repair)."""
     if not settings.cuda:
-        return {name: {"verdict": SKIPPED} for name in parts.SYNC_FREE}
+        return {name: {"verdict": SKIPPED} for name in parts.AUDITED}
 
     def run(name: str) -> Any:
         return on_ranks(parts.sync_audit_rank, 1, "nccl", budget, name, at_most=30)
 
-    return each_hook(parts.SYNC_FREE, settings, run)
+    return each_hook(list(parts.AUDITED), settings, run)
 
 
 def step_time(settings: Settings, budget: Budget) -> dict[str, Result]:

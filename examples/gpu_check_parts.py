@@ -36,7 +36,16 @@ SMALL_BUCKETS = 0.004  # bucket_cap_mb: several buckets for the small MLP
 ONE_BUCKET = 100.0
 TINY_CAP = 0.0001  # below one parameter of Linear(8, 8): a bucket per parameter
 FAST = {"start_powerSGD_iter": 2, "start_localSGD_iter": 2, "sync_every": 2}  # real work soon
-SYNC_FREE = ["allreduce", "fp16", "bf16", "power_sgd", "int8", "int4"]
+# The sync audit: every hook's step with its defaults, and with on_nonfinite="repair" where it
+# has the option; DiLoCo's hooks in their warm-up (no averager attached: each step is one).
+AUDITED = {
+    "allreduce": {}, "fp16": {}, "bf16": {}, "power_sgd": {}, "power_sgd_single_round": {},
+    "batched_power_sgd": {}, "int8": {}, "int4": {}, "post_local_sgd": {},
+    "diloco": {"sync_every": 2, "warmup_steps": 99, "warmup_bits": 8},
+    "streaming_diloco": {"sync_every": 2, "warmup_steps": 99},
+}  # fmt: skip
+# Host waits a step: none with the defaults, finite or not; one with the repair (its check).
+EXPECTED_WAITS = {"finite": 0, "non-finite": 0, "repair": 1, "repair, non-finite": 1}
 CAPS = {"one bucket": 4096.0, "25 MB buckets": 25.0}
 # Ours against PyTorch's counterpart, in gpu_step_time.py's names.
 COUNTERPARTS = {
@@ -339,13 +348,11 @@ def first_sync(exc: BaseException) -> str:
     return found[-1] if found else (str(exc).strip().splitlines() or ["?"])[0]
 
 
-class EventSyncs:
-    """Counts the host's waits that sync debug mode does not see: ``cudaEventSynchronize``.
-
-    ``set_sync_debug_mode`` flags stream and device synchronisations and blocking copies, but
-    not a wait on an event (``Event.synchronize()``, a non-blocking copy waited for). PyTorch's
-    GPU trace (what its CUDA sanitizer uses) reports those: each is kept as the line that asked.
-    The trace stays on for the rest of the process, which is the audit's own.
+class HostWaits:
+    """Counts the host's waits for the GPU through PyTorch's GPU trace (what its CUDA sanitizer
+    uses): a stream synchronised (``.item()``, a blocking copy), an event waited for, the device
+    synchronised. Sync debug mode "error" stops at the first; this counts them all, each kept as
+    the line that asked. The trace stays on for the rest of the process, which is the audit's own.
     """
 
     def __init__(self) -> None:
@@ -355,6 +362,8 @@ class EventSyncs:
 
         torch._C._activate_gpu_trace()
         _gpu_trace.register_callback_for_event_synchronization(self._seen)
+        _gpu_trace.register_callback_for_stream_synchronization(self._seen)
+        _gpu_trace.register_callback_for_device_synchronization(self._seen)
 
     def _seen(self, *_: Any) -> None:
         if self.active:
@@ -369,54 +378,100 @@ class EventSyncs:
 
     @contextlib.contextmanager
     def counting(self) -> Iterator[list[str]]:
-        self.active = True
+        self.lines, self.active = [], True
         try:
             yield self.lines
         finally:
             self.active = False
 
 
-def audited_step(opt: torch.optim.Optimizer, loss: torch.Tensor) -> Result:
-    """The backward pass and the step under sync debug mode "error", event waits counted."""
+def audited_step(
+    opt: torch.optim.Optimizer, loss: torch.Tensor, waits: HostWaits | None, expected: int
+) -> Result:
+    """The backward pass and the step, the host's waits counted; ``expected`` of them pass.
+
+    Where none is expected, sync debug mode "error" also stops any synchronising call the trace
+    does not report, at the line that made it.
+    """
+    cuda = loss.device.type == "cuda"  # on the CPU: the audit's own logic, nothing counted
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if expected == 0 else "default")
     try:
-        events: EventSyncs | None = EventSyncs()
-    except (AttributeError, ImportError):  # a PyTorch without the GPU trace
-        events = None
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with events.counting() if events else contextlib.nullcontext([]) as waits:
+        with waits.counting() if waits else contextlib.nullcontext([]) as seen:
             loss.backward()
             opt.step()
     except RuntimeError as exc:
         return {"verdict": "fail", "syncs": ">= 1", "first_sync": first_sync(exc),
                 "error": describe(exc)}  # fmt: skip
     finally:
-        torch.cuda.set_sync_debug_mode("default")
-    if waits:
-        return {"verdict": "fail", "syncs": len(waits), "first_sync": waits[0],
-                "error": "the host waited for an event"}  # fmt: skip
-    counted = "counted" if events else "not counted: this PyTorch has no GPU trace"
-    return {"verdict": "pass", "syncs": 0, "event_waits": counted}
+        if cuda:
+            torch.cuda.set_sync_debug_mode("default")
+    found: Result = {"syncs": len(seen), "lines": list(seen)}
+    if waits is None:
+        found["syncs"] = "not counted: " + ("no GPU trace" if cuda else "on the CPU")
+    if len(seen) != expected and waits is not None:
+        return {**found, "verdict": "fail", "error": f"{len(seen)} host waits, {expected} expected"}
+    return {**found, "verdict": "pass"}
 
 
-def sync_audit_rank(rank: int, world_size: int, name: str) -> Result:
-    """After a warm-up, whether a finite step of hook ``name`` makes the host wait for the GPU."""
-    device = device_of(True)
-    ddp = wrap(mlp((1024, 1024, 1024, 1024, 1024)), device, 1.0)  # a bucket per layer
-    ours(name, **fast_options(name))(ddp)
+def _poisoning(param: torch.Tensor) -> dict[str, bool]:
+    """While ``flag["now"]``, the gradient of ``param`` gets an ``inf`` (set on the device)."""
+    flag = {"now": False}
+
+    def inject(grad: torch.Tensor) -> torch.Tensor:
+        if not flag["now"]:
+            return grad
+        grad = grad.clone()
+        grad.view(-1)[:1].fill_(float("inf"))
+        return grad
+
+    param.register_hook(inject)
+    return flag
+
+
+def _audit_cases(
+    name: str, policy: str | None, waits: HostWaits | None, cuda: bool
+) -> dict[str, Result]:
+    """A finite and then a non-finite step of hook ``name`` after a warm-up, each audited."""
+    device = device_of(cuda)
+    width = 1024 if cuda else 64
+    ddp = wrap(mlp((width,) * 5), device, 4 * width * width / 2**20)  # a bucket per layer
+    extra = {} if policy is None else {"on_nonfinite": policy}
+    ours(name, **{**fast_options(name), **AUDITED[name], **extra})(ddp)
+    poison = _poisoning(next(ddp.module.parameters()))
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
-    x, y = torch.randn(64, 1024, device=device), torch.randn(64, 1024, device=device)
+    x, y = torch.randn(64, width, device=device), torch.randn(64, width, device=device)
     for _ in range(5):  # past DDP's bucket rebuild and PowerSGD's start
         opt.zero_grad(set_to_none=True)
         nn.functional.mse_loss(ddp(x), y).backward()
         opt.step()
-    opt.zero_grad(set_to_none=True)
-    result = audited_step(opt, nn.functional.mse_loss(ddp(x), y))
-    finite = all(bool(torch.isfinite(p.grad).all()) for p in ddp.parameters())
-    if not finite:
-        result.update(verdict="fail", error="the audited step was not finite")
-    return {**result, "finite": finite}
+    out: dict[str, Result] = {}
+    for poisoned in (False, True):
+        case = ("repair" if policy else "finite") if not poisoned else (
+            "repair, non-finite" if policy else "non-finite")  # fmt: skip
+        poison["now"] = poisoned
+        opt.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(ddp(x), y)
+        out[case] = audited_step(opt, loss, waits, EXPECTED_WAITS[case])
+        finite = all(bool(torch.isfinite(p.grad).all()) for p in ddp.parameters())
+        if finite == poisoned:
+            out[case].update(verdict="fail", error=f"the step's finiteness was {finite}")
+    return out
+
+
+def sync_audit_rank(rank: int, world_size: int, name: str, cuda: bool = True) -> Result:
+    """After a warm-up, how often a finite and a non-finite step of hook ``name`` make the host
+    wait for the GPU: with its defaults, and with ``on_nonfinite="repair"`` where it has it.
+    Without ``cuda`` the same steps run on the CPU, nothing counted (the audit's own test)."""
+    waits: HostWaits | None = None
+    with contextlib.suppress(AttributeError, ImportError):  # a PyTorch without the GPU trace
+        waits = HostWaits() if cuda else None
+    cases = _audit_cases(name, None, waits, cuda)
+    if "repair" in audit_cases(name):
+        cases.update(_audit_cases(name, "repair", waits, cuda))
+    failed = any(c["verdict"] != "pass" for c in cases.values())
+    return {"verdict": "fail" if failed else "pass", "cases": cases}
 
 
 def step_time_rank(rank: int, world_size: int, argv: list[str]) -> dict[str, Result]:
@@ -489,16 +544,28 @@ def step_goals(label: str, part: Result) -> list[Result]:
     return goals
 
 
+def audit_cases(name: str) -> list[str]:
+    """The steps audited for hook ``name``: the repair's too where it has the option."""
+    repairs = "on_nonfinite" in config.hook_spec(name).options
+    return [case for case in EXPECTED_WAITS if repairs or not case.startswith("repair")]
+
+
 def sync_goals(section: Result) -> list[Result]:
+    """One goal a hook and case: its host waits in a step against those expected."""
     found = section.get("parts", {})
     goals = []
-    for name in SYNC_FREE:
+    for name in AUDITED:
         part = found.get(name, {"verdict": f"fail: {section.get('error', 'not run')}"})
-        verdict = part["verdict"]
-        met = "met" if verdict == "pass" else "missed" if verdict.startswith("fail") else verdict
-        where = f" (first: {part['first_sync']})" if "first_sync" in part else ""
-        goals.append({"goal": f"no host-device sync in a finite step: {name}{where}",
-                      "measured": part.get("syncs"), "limit": 0.0, "verdict": met})  # fmt: skip
+        for case in audit_cases(name):
+            result = part.get("cases", {}).get(case, part)
+            verdict = result["verdict"]
+            met = (
+                "met" if verdict == "pass" else "missed" if verdict.startswith("fail") else verdict
+            )
+            where = f" (first: {result['first_sync']})" if "first_sync" in result else ""
+            goals.append({"goal": f"host waits in a step: {name}, {case}{where}",
+                          "measured": result.get("syncs"),
+                          "limit": float(EXPECTED_WAITS[case]), "verdict": met})  # fmt: skip
     return goals
 
 

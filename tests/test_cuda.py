@@ -453,6 +453,46 @@ def test_quantized_hooks_on_cuda_tensors(backend):
             assert torch.equal(params, results[0][name][1]), name  # replicas identical
 
 
+def _machine_of_two(rank: int) -> None:
+    """Ranks 0 and 1 share machine 0, ranks 2 and 3 machine 1 (``COMMHOOKS_MACHINE_ID``)."""
+    os.environ[comm.topology.MACHINE_ID_VAR] = f"machine{rank // 2}"
+
+
+def _int8_both_paths_on_cuda(rank: int, world_size: int) -> dict:
+    """int8 on CUDA tensors, the path ``topology`` picks and the flat one: whether it took two
+    hops, and the parameters after eight steps (on the CPU)."""
+    device = _device(rank)
+    out = {}
+    for topology in ("auto", "flat"):
+        ddp, _ = _ddp(device)
+        state = commhooks.register(ddp, "int8", topology=topology)
+        _params_each_step(ddp, torch.optim.SGD(ddp.parameters(), lr=0.05), _data(rank, device))
+        params = torch.cat([p.detach().reshape(-1) for p in ddp.parameters()]).cpu()
+        out[topology] = (state.hops is not None, params)
+    return out
+
+
+def test_two_gloo_ranks_sharing_a_gpu_are_one_machine_and_take_the_flat_path():
+    # One machine: nothing crosses a slow link, so the flat path, bitwise as topology='flat'.
+    results = run_on_ranks(
+        _int8_both_paths_on_cuda, 2, backend="gloo", env={"LOCAL_WORLD_SIZE": "2"}
+    )
+    for r in results:
+        (two_hops, params), (_, flat) = r["auto"], r["flat"]
+        assert not two_hops and torch.equal(params, flat)
+        assert torch.equal(params, results[0]["auto"][1])
+
+
+def test_two_machines_of_two_gloo_ranks_on_a_gpu_take_two_hops_and_agree():
+    results = run_on_ranks(_int8_both_paths_on_cuda, 4, backend="gloo", prepare=_machine_of_two)
+    for r in results:
+        (two_hops, params), (flat_hops, flat) = r["auto"], r["flat"]
+        assert two_hops and not flat_hops
+        assert torch.equal(params, results[0]["auto"][1])  # replicas identical on either path
+        assert torch.equal(flat, results[0]["flat"][1])
+        assert (params - flat).abs().max() < 0.05  # both track the same average
+
+
 def _streaming_diloco_on_cuda(rank: int, world_size: int) -> tuple:
     device = _device(rank)
     ddp, _ = _ddp(device)

@@ -51,8 +51,8 @@ def test_every_section_runs_on_the_cpu_and_reports_a_verdict(tmp_path):
     verdicts = {g["goal"]: g["verdict"] for g in found["goals"]}
     assert verdicts["one bucket: step time int8 / fp16"] in ("met", "missed")
     assert verdicts["25 MB buckets: peak memory fp16 / torch_fp16"].startswith("n/a")
-    assert verdicts["no host-device sync in a finite step: power_sgd"] == "skipped: no CUDA"
-    assert "no host-device sync in a finite step: int4" in proc.stdout
+    assert verdicts["host waits in a step: power_sgd, repair, non-finite"] == "skipped: no CUDA"
+    assert "host waits in a step: int4, non-finite" in proc.stdout
     hosts = sections["host_cost"]["parts"]["table"]["rows"]
     assert [r["hook"] for r in hosts] == ["allreduce", "fp16", "int8"], hosts
     assert all(r["buckets"] == 8 and r["ours_ms"] > 0 and r["theirs_ms"] > 0 for r in hosts)
@@ -128,13 +128,52 @@ def test_the_first_sync_is_found_in_the_hooks_traceback(parts):
     assert found == "/x/src/commhooks/hooks/half.py:42 in finish"
 
 
-def test_event_waits_are_counted_only_within_the_audited_step(parts):
-    # The registry PyTorch's GPU trace fires when the host waits for a CUDA event.
+def test_host_waits_are_counted_only_within_the_audited_step(parts):
+    # The registries PyTorch's GPU trace fires when the host waits for a CUDA event, a stream
+    # (what .item() does) or the device.
     from torch.cuda import _gpu_trace
 
-    events = parts.EventSyncs()
+    waits = parts.HostWaits()
     _gpu_trace.EventSynchronizationCallbacks.fire_callbacks(1)
-    with events.counting() as waits:
+    with waits.counting() as seen:
         _gpu_trace.EventSynchronizationCallbacks.fire_callbacks(2)
-    _gpu_trace.EventSynchronizationCallbacks.fire_callbacks(3)
-    assert len(waits) == 1 and "test_gpu_check.py" in waits[0]
+        _gpu_trace.StreamSynchronizationCallbacks.fire_callbacks(3)
+        _gpu_trace.DeviceSynchronizationCallbacks.fire_callbacks()
+    _gpu_trace.StreamSynchronizationCallbacks.fire_callbacks(4)
+    assert len(seen) == 3 and all("test_gpu_check.py" in line for line in seen)
+    with waits.counting() as again:
+        pass
+    assert again == []  # each audited step counts its own
+
+
+def test_the_audit_expects_no_wait_by_default_and_one_with_the_repair(parts):
+    skipped = {"verdict": "skipped: no CUDA"}
+    goals = parts.sync_goals({"parts": {name: skipped for name in parts.AUDITED}})
+    limits = {g["goal"].removeprefix("host waits in a step: "): g["limit"] for g in goals}
+    assert limits["fp16, finite"] == limits["fp16, non-finite"] == 0
+    assert limits["int4, repair"] == limits["int4, repair, non-finite"] == 1
+    assert "streaming_diloco, non-finite" in limits and "streaming_diloco, repair" not in limits
+    cases = {"finite": {"verdict": "pass", "syncs": 0},
+             "non-finite": {"verdict": "fail", "syncs": ">= 1", "first_sync": "x.py:3 in f"},
+             "repair": {"verdict": "pass", "syncs": 1},
+             "repair, non-finite": {"verdict": "fail", "syncs": 2}}  # fmt: skip
+    found = {
+        g["goal"]: g["verdict"] for g in parts.sync_goals({"parts": {"fp16": {"cases": cases}}})
+    }
+    assert found["host waits in a step: fp16, finite"] == "met"
+    assert found["host waits in a step: fp16, non-finite (first: x.py:3 in f)"] == "missed"
+    assert found["host waits in a step: fp16, repair"] == "met"
+    assert found["host waits in a step: fp16, repair, non-finite"] == "missed"
+
+
+@pytest.mark.parametrize("name", ["fp16", "int4", "streaming_diloco"])
+def test_the_audits_steps_are_finite_then_not_and_repaired_where_the_hook_can_be(parts, name):
+    from commhooks.testing import run_on_ranks
+
+    sys.path.insert(0, str(EXAMPLES))  # where the rank finds the function
+    try:
+        (found,) = run_on_ranks(parts.sync_audit_rank, 1, name, False, timeout=60)
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    assert list(found["cases"]) == parts.audit_cases(name)
+    assert found["verdict"] == "pass", found  # each step as finite as it was meant to be
