@@ -72,6 +72,31 @@ def test_a_non_finite_gradient_stays_non_finite_either_way(bad):
             assert out[1] == 1.0 and out[2] == 1.0
 
 
+def _abandoned(rank, world_size):
+    """With the repair, bucket 0 of a step whose last bucket never came, then the next step's
+    buckets 0 and 1 (its last): what each future gives."""
+    repair = StatelessState(None, on_nonfinite="repair")
+    first = commhooks.fp16_compress_hook(repair, FakeBucket([torch.ones(3)], 0, last=False))
+    again = commhooks.fp16_compress_hook(repair, FakeBucket([torch.ones(3) * 2], 0, last=False))
+    last = commhooks.fp16_compress_hook(repair, FakeBucket([torch.ones(2) * 3], 1, last=True))
+    try:
+        first.wait()
+        lost = ""
+    except RuntimeError as exc:
+        lost = str(exc)
+    return lost, again.wait(), last.wait()
+
+
+def test_with_the_repair_a_step_stopped_before_its_last_bucket_fails_its_buckets():
+    # A backward pass that raised after bucket 0: the next step's bucket 0 finds it held, fails
+    # its future (nothing of it lands anywhere) and the new step is decided at its last bucket.
+    for lost, again, last in run_on_ranks(_abandoned, 2):
+        assert "abandoned" in lost
+        assert torch.equal(again, torch.full((3,), 2.0)) and torch.equal(
+            last, torch.full((2,), 3.0)
+        )
+
+
 def _bitwise(rank, world_size):
     torch.manual_seed(rank)
     local = torch.randn(4000) * 10.0 ** torch.randint(-8, 5, (4000,))
