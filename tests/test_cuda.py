@@ -178,9 +178,10 @@ def _half_buckets(rank: int) -> list[list[float]]:
     ]
 
 
-def _half_hooks_without_a_sync_per_bucket(rank: int, world_size: int) -> dict:
-    """Every bucket but the last under CUDA's sync debug mode "error": nothing may make the
-    host wait for the device there. The results must equal the same hooks' on CPU tensors."""
+def _half_hooks_without_a_sync(rank: int, world_size: int) -> dict:
+    """Every bucket under CUDA's sync debug mode "error": nothing may make the host wait for
+    the device, the step's last bucket included. The results must equal the same hooks' on
+    CPU tensors."""
     device = _device(rank)
     cpu_group = dist.new_group(backend="gloo")
     hooks = {
@@ -199,10 +200,9 @@ def _half_hooks_without_a_sync_per_bucket(rank: int, world_size: int) -> dict:
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            futures = [hook(None, b) for b in buckets[:-1]]
+            futures = [hook(None, b) for b in buckets]
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        futures.append(hook(None, buckets[-1]))
         on_gpu = [f.wait().cpu() for f in futures]
         on_cpu = [
             hook(cpu_group, FakeBucket([torch.tensor(v)], i)).wait() for i, v in enumerate(values)
@@ -211,9 +211,9 @@ def _half_hooks_without_a_sync_per_bucket(rank: int, world_size: int) -> dict:
     return out
 
 
-def test_half_precision_hooks_wait_for_the_device_once_a_step_and_keep_their_promises():
+def test_half_precision_hooks_never_wait_for_the_device_and_give_the_cpus_results():
     world = _nccl_world()
-    for result in run_on_ranks(_half_hooks_without_a_sync_per_bucket, world, backend="nccl"):
+    for result in run_on_ranks(_half_hooks_without_a_sync, world, backend="nccl"):
         for name, (on_gpu, on_cpu) in result.items():
             for gpu, cpu in zip(on_gpu, on_cpu):
                 assert torch.equal(gpu.isnan(), cpu.isnan()), (name, gpu, cpu)
