@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils._python_dispatch import TorchDispatchMode
 
 IN, OUT = 32, 8
 
@@ -131,6 +132,21 @@ def count_gathers(
     finally:
         dist.all_gather_object = original
     return per_step
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the reads of tensor values to the host (``.item()``, ``bool(t)``, ``float(t)``:
+    each is one ``aten._local_scalar_dense``) in the thread it is entered in, on any device:
+    what a GPU's host would wait for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
 
 
 def flat_params(model: nn.Module) -> torch.Tensor:

@@ -1,14 +1,21 @@
 """Streaming DiLoCo against careless or hostile input: models with empty modules, state dicts
-that do not fit the model or hold absurd settings, and workers whose models differ."""
+that do not fit the model or hold absurd settings, workers whose models differ, warm-up options
+that differ between ranks, a worker's NaN, a step a loss scaler skips on one worker, and a
+resume inside a quantized warm-up of several DDP buckets."""
 
+import copy
+import functools
+import pickle
+import time
 import warnings
 
 import pytest
 import torch
+from ddp_utils import HostReads, batches, flat_params, make_ddp, make_mlp
 from torch import nn
 
 import commhooks
-from commhooks.averaging.diloco import split_by_module
+from commhooks.averaging.diloco import diloco_hook, split_by_module
 from commhooks.testing import run_on_ranks
 
 pytestmark = pytest.mark.timeout(60)
@@ -273,3 +280,264 @@ def test_workers_with_models_of_different_sizes_are_named_at_the_first_sync(bits
         assert "rank 0: 4 tensors, 212 elements" in message
         assert "rank 1: 4 tensors, 316 elements" in message
         assert step == 0 and plan is None  # refused before anything was sent or changed
+
+
+# -- 5: warm-up options that differ between ranks, named before the warm-up sends anything -----
+def _warmup_differs(rank, world_size, option, values):
+    ddp = make_ddp(make_mlp())
+    options = {"warmup_steps": 2, option: values[rank]}
+    diloco = commhooks.register(ddp, "streaming_diloco", sync_every=4, **options)
+    inner = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    diloco.attach(inner, ddp.module.named_parameters())
+    start = time.monotonic()
+    try:
+        for x, y in batches(rank, 2):
+            inner.zero_grad()
+            nn.functional.mse_loss(ddp(x), y).backward()
+            inner.step()
+    except ValueError as exc:
+        return str(exc), time.monotonic() - start
+    return None, time.monotonic() - start
+
+
+@pytest.mark.parametrize(
+    ("option", "values", "says"),
+    [
+        ("warmup_steps", (0, 2), "warmup_steps: rank 0=0, rank 1=2"),
+        ("warmup_bits", (None, 8), "warmup_bits: rank 0=None, rank 1=8"),
+    ],
+)
+def test_warmup_options_that_differ_between_ranks_are_named_on_every_rank(option, values, says):
+    # A group timeout of 10 s: waiting for it (the warm-up's collectives against nothing) would
+    # take longer than the error that names the option.
+    results = run_on_ranks(_warmup_differs, 2, option, values, pg_timeout=10, timeout=40)
+    for message, seconds in results:
+        assert message is not None and says in message, message
+        assert "StreamingDiLoCo was configured differently" in message
+        assert "same options" in message
+        assert seconds < 5
+
+
+# -- 6: an outer gradient that is not finite leaves the outer state as it was -------------------
+def _momenta(diloco):
+    """The outer momentum buffers, by fragment and parameter."""
+    return {
+        (f, i): o.state[p]["momentum_buffer"].clone()
+        for f, o in enumerate(diloco.outer_optimizers)
+        for i, p in enumerate(o.param_groups[0]["params"])
+        if "momentum_buffer" in o.state.get(p, {})
+    }
+
+
+def _nan_on_one_worker(rank, world_size, bits, fragments):
+    """Rank 0's gradient is NaN at step 2; the global parameters and outer momenta after each
+    step, the host reads of each step's optimizer step (where the syncs run), the parameters."""
+    ddp = make_ddp(make_mlp())
+    diloco = commhooks.register(
+        ddp, "streaming_diloco", sync_every=4, fragments=fragments, bits=bits
+    )
+    inner = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    diloco.attach(inner, ddp.module.named_parameters())
+    history, reads, at_global = [], [], []
+    for step, (x, y) in enumerate(batches(rank, 12)):
+        inner.zero_grad()
+        nn.functional.mse_loss(ddp(x), y).backward()
+        if step == 2 and rank == 0:
+            ddp.module[0].weight.grad.view(-1)[0] = float("nan")
+        with HostReads() as counted:
+            inner.step()
+        reads.append(counted.count)
+        history.append(({n: t.clone() for n, t in diloco.snapshot.items()}, _momenta(diloco)))
+        named = ddp.module.named_parameters()
+        at_global.append(all(torch.equal(p, diloco.snapshot[n]) for n, p in named))
+    return history, reads, at_global, flat_params(ddp.module)
+
+
+def _finite(tensors):
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+@pytest.mark.parametrize(("bits", "fragments"), [(None, 1), (None, 2), (4, 2)])
+def test_a_non_finite_outer_gradient_leaves_the_outer_state_and_training_goes_on(bits, fragments):
+    (history, reads, at_global, params), (other, _, _, other_params) = run_on_ranks(
+        _nan_on_one_worker, 2, bits, fragments
+    )
+    assert at_global[3]  # the NaN worker's parameters, every fragment's, went back to global
+    # The NaN step is step 2; the sync after step 3 averages it (fragment 1 of 2, or the one).
+    before, after = history[2], history[3]
+    for name, tensor in before[0].items():
+        assert torch.equal(after[0][name], tensor), name  # the global parameters as they were
+    for key, momentum in after[1].items():  # the outer momentum as it was: none is zeros
+        was = before[1].get(key, torch.zeros_like(momentum))
+        assert torch.equal(momentum, was), key
+    for (snapshot, momenta), (their_snapshot, their_momenta) in zip(history, other):
+        assert _finite(snapshot.values()) and _finite(momenta.values())
+        assert all(torch.equal(t, their_snapshot[n]) for n, t in snapshot.items())
+        assert all(torch.equal(t, their_momenta[k]) for k, t in momenta.items())
+    moved = [n for n, t in history[-1][0].items() if not torch.equal(t, after[0][n])]
+    assert moved  # later syncs were finite and moved the global parameters
+    assert _finite([params, other_params])
+    # The reads are one-off gathers (4 each: the model's description at the first sync, each
+    # int4 fragment's handshake at its first average); no sync reads a value back, the one
+    # undone included.
+    first_uses = [4, 0, 0, 0] if bits is None else [4, 4, 0, 4]
+    assert reads == first_uses + [0] * 8
+
+
+def _outer_averager_nan(rank, world_size):
+    """Syncs after steps 1, 3, 5, 7; rank 0's gradient is NaN at step 2."""
+    model = make_mlp()
+    inner = torch.optim.SGD(model.parameters(), lr=0.05)
+    averager = commhooks.OuterOptimizerAverager(period=2, warmup_steps=1)
+    averager.attach(inner, model.named_parameters())
+    kept = []
+    for step, (x, y) in enumerate(batches(rank, 8)):
+        inner.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        if step == 2 and rank == 0:
+            model[0].weight.grad.view(-1)[0] = float("nan")
+        inner.step()
+        state = averager.outer_optimizer.state
+        momenta = [s["momentum_buffer"].clone() for s in state.values()]
+        kept.append(([t.clone() for t in averager.snapshot.values()], momenta))
+    return kept, flat_params(model)
+
+
+def test_the_outer_optimizer_averager_leaves_its_outer_state_as_it_was_too():
+    (kept, params), (_, other) = run_on_ranks(_outer_averager_nan, 2)
+    for before, after in zip(kept[2], kept[3]):  # the sync after step 3 is undone
+        assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert all(_finite(snapshot) and _finite(momenta) for snapshot, momenta in kept)
+    assert not all(torch.equal(a, b) for a, b in zip(kept[3][0], kept[7][0]))  # then it moves
+    assert torch.equal(params, other) and _finite([params])
+
+
+# -- 7: a step a loss scaler skips on one worker alone ------------------------------------------
+def _scaled(rank, world_size, build, skip):
+    """Train 10 steps with a GradScaler, rank 0's step 2 skipped (an inf in its gradient) and
+    ``end_step()`` after each; or, with ``skip=False``, rank 0's step 2 taken with zero
+    gradients (plain SGD: a step that changes nothing). Each step's count, the parameters."""
+    model, averager = build()
+    inner = torch.optim.SGD(model.parameters(), lr=0.05)
+    averager.attach(inner, model.named_parameters())
+    scaler = torch.amp.GradScaler("cpu")
+    steps = []
+    for step, (x, y) in enumerate(batches(rank, 10)):
+        inner.zero_grad()
+        scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+        if step == 2 and rank == 0:
+            for p in model.parameters():
+                p.grad.fill_(float("inf")) if skip else p.grad.zero_()
+        scaler.step(inner)
+        scaler.update()
+        averager.end_step()
+        steps.append(averager.step)
+    if hasattr(averager, "finish"):
+        averager.finish()
+    return steps, flat_params(model)
+
+
+def _diloco_worker(delay):
+    ddp = make_ddp(make_mlp())
+    diloco = commhooks.register(
+        ddp, "streaming_diloco", sync_every=4, fragments=2, fragment_sync_delay=delay
+    )
+    return ddp.module, diloco
+
+
+def _periodic():
+    return make_mlp(), commhooks.PeriodicModelAverager(period=2, warmup_steps=1)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        functools.partial(_diloco_worker, 0),
+        functools.partial(_diloco_worker, 1),
+        _periodic,
+    ],
+    ids=["diloco-delay-0", "diloco-delay-1", "periodic"],
+)
+def test_a_step_a_loss_scaler_skips_on_one_worker_is_counted_and_the_schedules_stay_aligned(
+    build,
+):
+    skipped = run_on_ranks(_scaled, 2, build, True)
+    taken = run_on_ranks(_scaled, 2, build, False)
+    for (steps, params), (_, reference) in zip(skipped, taken):
+        assert steps == list(range(1, 11))
+        assert torch.equal(params, reference)  # as if the step was taken and changed nothing
+
+
+def test_end_step_without_an_attached_optimizer_names_the_fix():
+    averager = commhooks.PeriodicModelAverager(period=2)
+    with pytest.raises(ValueError, match=r"attached to none\. Attach it"):
+        averager.end_step()
+
+
+# -- 8: a resume inside a quantized warm-up of several DDP buckets -----------------------------
+def _build_warmup(unpickled=None):
+    """DDP of three buckets once DDP rebuilt them, in a quantized warm-up of 4 steps: the
+    averager registered, or ``unpickled`` registered by hand."""
+    ddp = make_ddp(make_mlp(), bucket_cap_mb=0.004)
+    if unpickled is None:
+        diloco = commhooks.register(
+            ddp, "streaming_diloco", sync_every=4, fragments=2, warmup_steps=4, warmup_bits=4
+        )
+    else:
+        diloco = unpickled
+        ddp.register_comm_hook(diloco, diloco_hook)
+    inner = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
+    diloco.attach(inner, ddp.module.named_parameters())
+    return ddp, inner, diloco
+
+
+def _train(ddp, inner, data):
+    for x, y in data:
+        inner.zero_grad()
+        nn.functional.mse_loss(ddp(x), y).backward()
+        inner.step()
+
+
+def _resume_in_warmup(rank, world_size, cut):
+    """Train 8 steps, saving after ``cut`` (inside the warm-up); resume the save in a fresh DDP
+    model, by load_state_dict and by unpickling, and train to the end again. The parameters
+    of the three runs, the saved state and the warnings of the save."""
+    data = batches(rank, 8)
+    ddp, inner, diloco = _build_warmup()
+    _train(ddp, inner, data[:cut])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = diloco.state_dict()
+    model, optimizer = copy.deepcopy(ddp.module.state_dict()), copy.deepcopy(inner.state_dict())
+    pickled = pickle.dumps(diloco)
+    _train(ddp, inner, data[cut:])
+    runs = [flat_params(ddp.module)]
+    for unpickled in (None, pickle.loads(pickled)):
+        again, inner_again, resumed = _build_warmup(unpickled)
+        again.module.load_state_dict(model)
+        inner_again.load_state_dict(copy.deepcopy(optimizer))  # it keeps the tensors it loads
+        if unpickled is None:
+            resumed.load_state_dict(state)
+        _train(again, inner_again, data[cut:])
+        runs.append(flat_params(again.module))
+    return runs, state, [str(w.message) for w in caught]
+
+
+def test_a_resume_inside_a_quantized_warmup_of_several_buckets_is_bitwise():
+    for runs, state, caught in run_on_ranks(_resume_in_warmup, 2, 2):
+        straight, loaded, unpickled = runs
+        assert torch.equal(loaded, straight) and torch.equal(unpickled, straight)
+        assert state["warmup_buckets"] == [[0, 1, 2, 3], [4, 5], [6, 7]]  # as DDP rebuilt them
+        assert caught == []
+    averager = commhooks.StreamingDiLoCo(sync_every=4, fragments=2, warmup_steps=4, warmup_bits=4)
+    for bad in ([[0, 1], [1, 2]], [[0, -1]], "0,1", [[]]):
+        with pytest.raises(commhooks.StateDictError, match="'warmup_buckets'"):
+            averager.load_state_dict({**state, "warmup_buckets": bad})
+
+
+def test_a_save_after_ddps_first_step_warns_that_the_resume_is_not_bitwise():
+    for runs, state, caught in run_on_ranks(_resume_in_warmup, 2, 1):
+        assert state["warmup_buckets"] == []  # DDP's first bucket: not the ones it keeps
+        assert not torch.equal(runs[1], runs[0])  # what the warning says
+        assert len(caught) == 1 and "saved after the first step of its DDP model" in caught[0]
+        assert "Save after a later step" in caught[0]

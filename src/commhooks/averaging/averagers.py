@@ -17,6 +17,9 @@ Each averager counts its steps in ``step``; averaging happens at the steps its s
 over the parameters that have a gradient
 (:func:`commhooks.averaging.parameters.get_params_to_average`).
 ``step`` and the schedule are in :meth:`state_dict`, so a resumed run averages at the same steps.
+With a loss scaler, which skips ``optimizer.step()`` (and the hook) where a rank's gradients are
+not finite, call ``averager.end_step()`` after every ``scaler.step(optimizer)``, so that every
+rank counts every step.
 """
 
 import collections
@@ -24,7 +27,8 @@ import functools
 import logging
 import math
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -43,6 +47,7 @@ from commhooks.averaging.parameters import (
     named_in_groups,
     positional,
 )
+from commhooks.compress.error_feedback import all_finite
 from commhooks.options import Options, count, flag, option, real
 from commhooks.state import (
     HookState,
@@ -70,6 +75,7 @@ __all__ = [
     "largest_magnitude",
     "load_outer",
     "params_with_grads",
+    "step_where_finite",
     "warn_replaced",
 ]
 
@@ -373,6 +379,42 @@ def warn_replaced(owner: str, replaced: Iterable[tuple[str, Any, Any]], default_
     )
 
 
+def step_where_finite(
+    optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], finite: torch.Tensor
+) -> None:
+    """``optimizer.step()`` on ``params``, undone on the device where ``finite`` is false.
+
+    An outer step whose average is not finite (a worker's NaN) would put NaN in the global
+    parameters and the outer momentum for good, on every rank. Whether it is finite is a
+    tensor on the device (:func:`commhooks.compress.error_feedback.all_finite`), the same on
+    every rank; reading it back would make the host wait for the device at every sync. So the
+    parameters and their optimizer state are copied before the step and taken back after it
+    with ``torch.where``: one copy of them a sync, nothing read. A state the step made (a
+    first momentum) is zeros where it is undone, as a fresh one is; a state tensor on another
+    device than ``finite`` (a step count kept on the CPU) is left as the step made it.
+    """
+    before = [p.detach().clone() for p in params]
+    held = [_state_on(optimizer, p, finite.device) for p in params]
+    kept = [{key: value.clone() for key, value in state.items()} for state in held]
+    optimizer.step()
+    with torch.no_grad():
+        for p, was in zip(params, before):
+            torch.where(finite, p, was, out=p)
+        for p, held_before in zip(params, kept):
+            for key, value in _state_on(optimizer, p, finite.device).items():
+                prior = held_before.get(key)
+                prior = torch.zeros_like(value) if prior is None else prior
+                torch.where(finite, value, prior, out=value)
+
+
+def _state_on(
+    optimizer: torch.optim.Optimizer, param: torch.Tensor, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """The tensors of ``param``'s optimizer state on ``device`` (without making an entry)."""
+    state = optimizer.state.get(param, {})
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.device == device}
+
+
 def _step_count(where: str, value: Any) -> int:
     try:
         return check_count(where, value)
@@ -396,7 +438,7 @@ class ModelAverager(HookState):
 
     kind: ClassVar[str] = "model_averager"
     options_class: ClassVar[type[AveragerOptions]] = AveragerOptions
-    _transient: ClassVar[tuple[str, ...]] = ("_checked",)
+    _transient: ClassVar[tuple[str, ...]] = ("_checked", "_attached")
 
     def __init__(
         self, warmup_steps: int = 0, process_group: dist.ProcessGroup | None = None
@@ -408,6 +450,7 @@ class ModelAverager(HookState):
         self.options = options
         self.step = 0
         self._checked = False
+        self._attached: _AfterStep | None = None  # the hook of the last attach()
 
     @property
     def warmup_steps(self) -> int:
@@ -433,9 +476,7 @@ class ModelAverager(HookState):
         every rank has the same schedule): call it on every rank at every step.
         """
         if not self._checked:
-            group = comm.resolve_group(self.process_group, owner=type(self).__name__)
-            handshake.check_fields(self.handshake_fields(), group, owner=type(self).__name__)
-            self._checked = True
+            self.agree_with_ranks()
         due = self._group_due()
         if due is not None:
             self._average(named, due)
@@ -460,7 +501,62 @@ class ModelAverager(HookState):
             the hook's handle: ``handle.remove()`` detaches the averager.
         """
         names = None if named_parameters is None else {id(p): n for n, p in named_parameters}
-        return optimizer.register_step_post_hook(_AfterStep(self, names))
+        self._attached = _AfterStep(self, names, optimizer)
+        return optimizer.register_step_post_hook(self._attached)
+
+    def end_step(self) -> None:
+        """Count a step the attached optimizer skipped: call it after every
+        ``scaler.step(optimizer)``.
+
+        A loss scaler (``torch.amp.GradScaler``) skips ``optimizer.step()`` where this rank's
+        gradients are not finite, and with it the step post-hook this averager runs in. Where
+        the ranks do not average gradients (after post-local SGD's warm-up, DiLoCo's workers)
+        a rank skips alone: uncounted, its steps would fall behind the others' and it would
+        average at other steps than they do. Called after a step the optimizer took, this does
+        nothing (the hook counted it); after one it skipped, it does what the hook would have
+        done, for parameters the skipped step left as they were. Once per step, on every rank.
+
+        Raises:
+            ValueError: the averager is not attached to an optimizer (call
+                :meth:`average_parameters` after every step, taken or skipped, instead).
+        """
+        attached = self._attached
+        optimizer = None if attached is None else attached.optimizer()
+        if attached is None or optimizer is None:
+            raise ValueError(
+                f"{type(self).__name__}.end_step() counts a step skipped by the optimizer this "
+                "averager is attached to, but it is attached to none. Attach it "
+                "(averager.attach(optimizer, model.named_parameters())), or call "
+                "average_parameters(model.parameters()) after every step, skipped or not."
+            )
+        if not attached.taken:
+            attached(optimizer, (), {})
+        attached.taken = False
+
+    @property
+    def ranks_agree(self) -> bool:
+        """Whether every rank was found to share :meth:`handshake_fields` (since the last
+        load): a plain attribute, asked where a collective may follow."""
+        return self._checked
+
+    def agree_with_ranks(self, group: dist.ProcessGroup | None = None) -> None:
+        """Check that every rank of ``group`` (``None``: the averager's) shares the schedule.
+
+        One gather, on every rank of ``group`` at the same point; after it (until a state dict
+        is loaded) nothing. Run at the first :meth:`average_named`, or earlier by whoever
+        communicates first (DiLoCo's DDP hook), so that options that differ are named before
+        any collective whose kind or size they decide.
+
+        Raises:
+            ValueError: on every rank alike, naming each differing field and its value on
+                every rank.
+        """
+        if self._checked:
+            return
+        owner = type(self).__name__
+        group = comm.resolve_group(self.process_group, owner=owner) if group is None else group
+        handshake.check_fields(self.handshake_fields(), group, owner=owner)
+        self._checked = True
 
     def handshake_fields(self) -> dict[str, Any]:
         """The schedule and step, which every rank must share (checked at the first call)."""
@@ -487,6 +583,7 @@ class ModelAverager(HookState):
                 values["period_group_size_dict"] = dict(self.__dict__.pop("levels"))
             self.options = self.options_class(**values)
         self._checked = False
+        self._attached = None  # optimizers do not pickle their hooks: attach again
 
     # -- state dicts: parse (validate everything) then apply, so a bad dict changes nothing ---
     # The schedule is saved with the step so that a counter is never resumed under another
@@ -554,12 +651,21 @@ class ModelAverager(HookState):
 
 
 class _AfterStep:
-    """The step post-hook :meth:`ModelAverager.attach` registers."""
+    """The step post-hook :meth:`ModelAverager.attach` registers; ``taken`` says that it ran
+    since the last :meth:`ModelAverager.end_step` (the optimizer took its step)."""
 
-    def __init__(self, averager: ModelAverager, names: dict[int, str] | None) -> None:
+    def __init__(
+        self,
+        averager: ModelAverager,
+        names: dict[int, str] | None,
+        optimizer: torch.optim.Optimizer,
+    ) -> None:
         self.averager, self.names = averager, names
+        self.optimizer = weakref.ref(optimizer)  # the averager must not keep it alive
+        self.taken = False
 
     def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.taken = True
         self.averager.average_named(named_in_groups(optimizer.param_groups, self.names))
 
 
@@ -629,7 +735,7 @@ class HierarchicalModelAverager(ModelAverager):
     kind: ClassVar[str] = "hierarchical_model_averager"
     options_class: ClassVar[type[AveragerOptions]] = HierarchicalAveragerOptions
     options: HierarchicalAveragerOptions
-    _transient: ClassVar[tuple[str, ...]] = ("_checked", "_groups")
+    _transient: ClassVar[tuple[str, ...]] = ("_checked", "_attached", "_groups")
 
     def __init__(
         self,
@@ -865,11 +971,12 @@ class OuterOptimizerAverager(PeriodicModelAverager):
             return
         snapshot = self._fit_snapshot(named)  # before the collective, so no rank waits alone
         avg = averaged_views(tensors, group)
+        finite = all_finite(*avg)  # the same on every rank: a NaN anywhere is everyone's
         with torch.no_grad():
             for snap, a in zip(snapshot, avg):
                 # In place in the flat buffer: it is not needed after this.
                 snap.grad = a.neg_().add_(snap).to(snap.dtype)
-        self.outer_optimizer.step()
+        step_where_finite(self.outer_optimizer, snapshot, finite)
         self.outer_optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
             for p, snap in zip(tensors, snapshot):

@@ -28,8 +28,15 @@ that layout and returns the averager to attach.
 The warm-up's gradient averages may travel quantized too (``warmup_bits``): on a slow link
 its few steps of full-precision allreduce are a large share of a run whose syncs are hidden.
 
+Workers do not average gradients, so a loss scaler skips a step on one worker alone: call
+:meth:`~commhooks.averaging.averagers.ModelAverager.end_step` after every ``scaler.step``, so
+that the skipped step is counted and every worker syncs at the same steps. A sync whose average
+is not finite (a worker's NaN) leaves the global parameters and the outer optimizers as they
+were, decided on the device, and every worker's parameters go back to the global ones.
+
 Checkpoints: :meth:`state_dict` holds the step, the global parameters, every outer optimizer,
-the quantized averages' error memories (the warm-up's while it lasts) and a fragment in flight
+the quantized averages' error memories (the warm-up's while it lasts, with the buckets of its
+last step: :class:`~commhooks.averaging.buckets.WarmupBuckets`) and a fragment in flight
 (its average, waited for), so a run resumed from it continues bit for bit. Loading checks each
 entry against the model and the averager: a global parameter of another shape or dtype, an
 outer setting that is not a number, an outer gradient or momentum past any training step
@@ -40,6 +47,7 @@ on, and a saved one that differs is named in a warning.
 
 import hashlib
 import math
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -49,6 +57,7 @@ import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
 from commhooks import comm
+from commhooks._warnings import CommHooksWarning
 from commhooks.averaging.averagers import (
     ModelAverager,
     OuterOptions,
@@ -56,9 +65,12 @@ from commhooks.averaging.averagers import (
     default_outer_optimizer,
     largest_magnitude,
     load_outer,
+    step_where_finite,
     warn_replaced,
 )
+from commhooks.averaging.buckets import FlatBucket, WarmupBuckets, parse_buckets
 from commhooks.averaging.parameters import Named, averaged_views, named_in_groups
+from commhooks.compress.error_feedback import all_finite
 from commhooks.hooks._bucket import GradBucket, gradient_buffer
 from commhooks.hooks.quantized import QuantizationState, quantized_hook
 from commhooks.options import count, flag, option, real
@@ -192,9 +204,10 @@ class DiLoCoSyncError(RuntimeError):
 
 def _sync_error(fragment: int, exc: BaseException) -> "DiLoCoSyncError":
     return DiLoCoSyncError(
-        f"{OWNER}: averaging fragment {fragment} failed ({exc}). A peer was lost or stopped; "
-        "the parameters are as this rank's inner steps left them. Restart every rank from "
-        "the last checkpoint."
+        f"{OWNER}: averaging fragment {fragment} failed ({exc}). A peer was lost or stopped, "
+        "or ended its run a sync early: a worker whose loss scaler skipped a step counts it "
+        "only through diloco.end_step() after scaler.step(); the parameters are as this "
+        "rank's inner steps left them. Restart every rank from the last checkpoint."
     )
 
 
@@ -291,49 +304,6 @@ class _InFlight:
     share: "_Share | None" = None
 
 
-class _FragmentBucket:
-    """A fragment's outer gradient with a gradient bucket's methods, for the quantized hook.
-
-    The hook keys its error memories by the parameters it is handed, so each fragment keeps
-    its memories from one sync to the next, as a bucket does from step to step. ``parts``: a
-    worker's share holds parts of its parameters, views of ``flat`` (else each parameter).
-    """
-
-    def __init__(
-        self,
-        index: int,
-        flat: torch.Tensor,
-        params: Sequence[torch.Tensor],
-        parts: list[torch.Tensor] | None = None,
-    ) -> None:
-        self._index, self._buffer, self._params = index, flat, list(params)
-        self._parts = parts
-
-    def index(self) -> int:
-        return self._index
-
-    def buffer(self) -> torch.Tensor:
-        return self._buffer
-
-    def gradients(self) -> list[torch.Tensor]:
-        if self._parts is not None:
-            return self._parts
-        views, offset = [], 0
-        for p in self._params:
-            views.append(self._buffer[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
-        return views
-
-    def parameters(self) -> list[torch.Tensor]:
-        return self._params
-
-    def is_last(self) -> bool:
-        return True
-
-    def set_buffer(self, buffer: torch.Tensor) -> None:
-        self._buffer = buffer
-
-
 @dataclass
 class _Share:
     """A worker's rank's share of a fragment: ``whole`` (the fragment, padded to ``ranks``
@@ -383,7 +353,8 @@ class StreamingDiLoCo(ModelAverager):
     when every rank holds the same (DDP makes them equal at construction, and the warm-up
     averages gradients over every worker). Otherwise the first inner step's parameters are
     averaged (one blocking allreduce) and start from there. After the last step, call
-    :meth:`finish` on every rank, so that no fragment is left in flight.
+    :meth:`finish` on every rank, so that no fragment is left in flight; with a loss scaler,
+    :meth:`end_step` after every ``scaler.step(optimizer)``.
 
     Args:
         sync_every: inner steps between two syncs of a fragment.
@@ -408,6 +379,7 @@ class StreamingDiLoCo(ModelAverager):
     options: DiLoCoOptions
     _transient: ClassVar[tuple[str, ...]] = (
         "_checked",
+        "_attached",
         "_worker_group",
         "_in_flight_future",
         "_last_seen",
@@ -440,6 +412,7 @@ class StreamingDiLoCo(ModelAverager):
         self.outer_optimizers: list[torch.optim.Optimizer] = []
         self.quantizers: list[QuantizationState] = []
         self.warmup_quantizer: QuantizationState | None = None  # made by the hook's first use
+        self.warmup_buckets = WarmupBuckets()  # the buckets it averaged (saved with it)
         self.in_flight: _InFlight | None = None
         self._in_flight_future: torch.futures.Future[torch.Tensor] | None = None
         self._last_seen: dict[str, torch.Tensor] = {}  # the parameters of the last step
@@ -590,6 +563,7 @@ class StreamingDiLoCo(ModelAverager):
         if self.step == self.warmup_steps - 1:  # the warm-up kept every rank's parameters equal
             self.start(named)
             self.warmup_quantizer = None  # what its last average left out is not sent
+            self.warmup_buckets = WarmupBuckets()
 
     def _issue_due(self, inner: int) -> int | None:
         """The fragment to issue after inner step ``inner`` (counted from 1), if any."""
@@ -660,9 +634,9 @@ class StreamingDiLoCo(ModelAverager):
             return comm.average(target, group)
         hook: Callable[[Any, Any], torch.futures.Future[torch.Tensor]] = quantized_hook
         if share is None:
-            bucket = _FragmentBucket(fragment, flat, params)
+            bucket = FlatBucket(fragment, flat, params)
         else:
-            bucket = _FragmentBucket(fragment, share.part, share.params, share.pieces)
+            bucket = FlatBucket(fragment, share.part, share.params, share.pieces)
         return hook(self.quantizers[fragment], bucket)
 
     def _settle(self) -> None:
@@ -695,7 +669,14 @@ class StreamingDiLoCo(ModelAverager):
         return comm.all_gather_into(whole, mine, self._worker_group).wait().view(-1)
 
     def _finish(self, lookup: dict[str, torch.Tensor]) -> None:
-        """The outer step of the fragment in flight, then local = blend of global and local."""
+        """The outer step of the fragment in flight, then local = blend of global and local.
+
+        An average that is not finite (a worker's NaN, which every rank receives alike) must
+        not reach the global parameters or the outer optimizer, which would carry it to every
+        later sync: whether it is finite is decided on the device, nothing read back, the outer
+        step undone where it is not (:func:`step_where_finite`) and every parameter of the
+        model taken back to the global ones (:meth:`_back_to_global`), so the run goes on.
+        """
         self._settle()
         flight, self.in_flight = self.in_flight, None
         assert flight is not None and self.plan is not None and self.snapshot is not None
@@ -703,15 +684,39 @@ class StreamingDiLoCo(ModelAverager):
         snaps = [self.snapshot[n] for n in names]
         params = [lookup[n] for n in names]
         outer = self.outer_optimizers[flight.fragment]
+        finite = all_finite(flight.flat)
         with torch.no_grad():
             kept = _local_change(flight, snaps, params)
             for snap, grad in zip(snaps, _split(flight.flat, snaps)):
                 snap.grad = grad.to(snap.dtype)
-            outer.step()
+            step_where_finite(outer, snaps, finite)
             outer.zero_grad(set_to_none=True)
             for i, (p, snap) in enumerate(zip(params, snaps)):
+                if kept is None and alpha == 0:  # the global parameters, finite or not
+                    p.copy_(snap)
+                    continue
                 target = snap if kept is None else snap + kept[i].to(snap.dtype)
-                p.copy_(target if alpha == 0 else torch.lerp(target, p, alpha))
+                blended = target if alpha == 0 else torch.lerp(target, p, alpha)
+                torch.where(finite, blended, snap, out=p)  # a NaN local change is dropped
+            self._back_to_global(finite, lookup, names)
+
+    def _back_to_global(
+        self, finite: torch.Tensor, lookup: Mapping[str, torch.Tensor], done: Sequence[str]
+    ) -> None:
+        """Where ``finite`` is false, the parameters of every fragment but ``done`` become the
+        global ones.
+
+        A worker whose parameters turned NaN holds NaN in every fragment after one more inner
+        step (its forward pass spreads it): reset one fragment at a sync, each would poison the
+        others again before its own sync came. One ``torch.where`` a parameter (none with one
+        fragment), nothing read back; the inner steps since each fragment's last sync are
+        dropped with it, on every worker alike.
+        """
+        assert self.snapshot is not None
+        synced = set(done)
+        for name, p in lookup.items():
+            if name not in synced:
+                torch.where(finite, p, self.snapshot[name], out=p)
 
     # -- the plan: fragments, global parameters, outer optimizers --------------------------------
     def _fit(self, named: Named, group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
@@ -803,8 +808,29 @@ class StreamingDiLoCo(ModelAverager):
             "outer_optimizers": [o.state_dict() for o in self.outer_optimizers],
             "quantizers": [q.state_dict() for q in self.quantizers],
             "warmup_quantizer": None if (q := self.warmup_quantizer) is None else q.state_dict(),
+            "warmup_buckets": self._warmup_buckets_saved(),
             "in_flight": {} if flight is None else _flight_saved(flight),
         }
+
+    def _warmup_buckets_saved(self) -> list[list[int]]:
+        """The buckets of the quantized warm-up's last step, which a resumed run's first step
+        is cut into (:class:`~commhooks.averaging.buckets.WarmupBuckets`); with a warning
+        where DDP had not settled on its buckets yet (saved after its first step)."""
+        if self.warmup_quantizer is None:
+            return []
+        buckets = self.warmup_buckets
+        if not buckets.settled and buckets.last:
+            warnings.warn(
+                f"{OWNER}.state_dict: saved after the first step of its DDP model, whose "
+                "buckets DDP rebuilds after that step; which parameters those buckets hold "
+                "is not known yet, so a run resumed from this state averages its next warm-up "
+                "step in a fresh DDP model's first buckets, not in the rebuilt ones, and is "
+                "not bit for bit where the model fills several buckets. Save after a later "
+                "step (or with warmup_bits=None) for a bitwise resume.",
+                CommHooksWarning,
+                stacklevel=4,
+            )
+        return [list(b) for b in buckets.saved()]
 
     def _parse(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
         values = super()._parse(state_dict)
@@ -832,6 +858,8 @@ class StreamingDiLoCo(ModelAverager):
         )
         quantizers = self._parse_quantizers(where, state_dict.get("quantizers"), plan)
         warmup = self._parse_warmup_quantizer(where, state_dict.get("warmup_quantizer"), values)
+        # Saved since the warm-up's buckets were: an earlier state cuts nothing.
+        buckets = parse_buckets(where, state_dict.get("warmup_buckets", []))
         flight = _parse_flight(where, state_dict.get("in_flight"), plan, snapshot)
         if flight is not None and not self.options.keeps_inflight_change:
             flight.local = None  # saved with keep_inflight_steps, loaded without: not kept
@@ -843,6 +871,7 @@ class StreamingDiLoCo(ModelAverager):
             "replaced": replaced,
             "quantizers": quantizers,
             "warmup_quantizer": warmup,
+            "warmup_buckets": WarmupBuckets(buckets if warmup is not None else ()),
             "in_flight": flight,
         }
 
@@ -910,6 +939,7 @@ class StreamingDiLoCo(ModelAverager):
         self.snapshot, self.plan = values["snapshot"], values["plan"]
         self.outer_optimizers, self.quantizers = values["outer"], values["quantizers"]
         self.warmup_quantizer = values["warmup_quantizer"]
+        self.warmup_buckets = values["warmup_buckets"]
         self.in_flight, self._in_flight_future = values["in_flight"], None
 
 
@@ -1089,6 +1119,14 @@ def diloco_hook(state: StreamingDiLoCo, bucket: GradBucket) -> torch.futures.Fut
     averaged over every worker, so that the workers start DiLoCo with the same parameters: in
     float32, or with the quantized hook in ``warmup_bits`` (whose result every rank shares
     bit for bit, so the parameters stay equal).
+
+    Its first call checks that every rank (of every worker) built the averager alike
+    (:meth:`StreamingDiLoCo.agree_with_ranks`, one gather): options that differ, as
+    ``warmup_steps`` or ``warmup_bits``, would make the ranks send different collectives.
+
+    Raises:
+        ValueError: at the first call, on every rank alike, naming each differing option and
+            its value on every rank.
     """
     if not isinstance(state, StreamingDiLoCo):
         raise TypeError(
@@ -1096,11 +1134,13 @@ def diloco_hook(state: StreamingDiLoCo, bucket: GradBucket) -> torch.futures.Fut
             f"register it with commhooks.register(ddp_model, 'streaming_diloco', sync_every=...)."
         )
     buffer = gradient_buffer(bucket, HOOK)
+    if not state.ranks_agree:  # the options first: they decide what the warm-up sends
+        state.agree_with_ranks(comm.resolve_group(state.warmup_group, owner=HOOK))
     worker = state.worker_group
     if state.step < state.warmup_steps:
         quantizer = state.quantizer_for_warmup()
         if quantizer is not None:
-            return quantized_hook(quantizer, bucket)
+            return state.warmup_buckets.average(quantizer, bucket)
         group = comm.resolve_group(state.warmup_group, owner=HOOK)
     elif worker is None:
         return comm.completed(buffer)

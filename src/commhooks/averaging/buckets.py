@@ -1,0 +1,209 @@
+"""Buckets that DiLoCo hands the quantized hook: a fragment's outer gradient, and the warm-up's
+gradients cut as a saved run's buckets were.
+
+The quantized average cuts a bucket into blocks and one row per rank by the parameters the
+bucket holds, so its bits depend on which parameters share a bucket. A fresh DDP model hands
+its hook the first step in buckets of its own (one holding every parameter, unless it looks
+for unused ones) and rebuilds them after that step. A run resumed inside a quantized warm-up
+would therefore average its first step in other blocks than the uninterrupted run did, and
+the owner's error memory, kept per piece of a row, would not find its pieces: not bit for bit.
+:class:`WarmupBuckets` remembers the parameters of each bucket of the warm-up's last step;
+saved with the warm-up's memories, they cut the first step after a load into the saved
+run's buckets, each averaged as a bucket of its own.
+
+Hook modules must not use ``from __future__ import annotations``: DDP rejects string annotations.
+"""
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from commhooks import comm
+from commhooks._warnings import warn_once
+from commhooks.hooks._bucket import GradBucket
+from commhooks.hooks.quantized import QuantizationState, quantized_hook
+from commhooks.state import StateDictError, check_count
+
+__all__ = ["FlatBucket", "WarmupBuckets", "parse_buckets"]
+
+Numbers = tuple[int, ...]
+"""The parameters of a bucket, by the quantizer's numbers, in the bucket's order."""
+
+
+class FlatBucket:
+    """A flat tensor with a gradient bucket's methods, for the quantized hook.
+
+    The hook keys its error memories by the parameters it is handed, so a fragment keeps its
+    memories from one sync to the next, as a bucket does from step to step. ``parts``: the
+    gradients where they are not each parameter's elements of ``flat`` in order (a worker's
+    share holds parts of its parameters). ``last``: whether it ends its step (the hook counts
+    steps on the last bucket).
+    """
+
+    def __init__(
+        self,
+        index: int,
+        flat: torch.Tensor,
+        params: Sequence[torch.Tensor],
+        parts: list[torch.Tensor] | None = None,
+        last: bool = True,
+    ) -> None:
+        self._index, self._buffer, self._params = index, flat, list(params)
+        self._parts, self._last = parts, last
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        if self._parts is not None:
+            return self._parts
+        views, offset = [], 0
+        for p in self._params:
+            views.append(self._buffer[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        return views
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self._params
+
+    def is_last(self) -> bool:
+        return self._last
+
+    def set_buffer(self, buffer: torch.Tensor) -> None:
+        self._buffer = buffer
+
+
+class WarmupBuckets:
+    """The buckets of the warm-up's quantized average: those of its last step, and, after a
+    load, the saved ones that the first step's buckets are cut into.
+
+    Only the layout DDP settled on is worth saving: a fresh DDP model's first step comes in
+    buckets it drops after that step (:attr:`settled` is false until a later step, or a step
+    cut as a saved run's). Pickled as its saved form, so that an unpickled averager cuts its
+    next step as a loaded one does.
+
+    Args:
+        saved: the buckets of a saved run (:meth:`saved`'s output), cut into at the next step.
+    """
+
+    def __init__(self, saved: Sequence[Numbers] = ()) -> None:
+        self._start(saved)
+
+    def _start(self, saved: Sequence[Numbers]) -> None:
+        self.last: list[Numbers] = list(saved)  # the last step's buckets, by index
+        self.settled = bool(saved)
+        self._replay: list[Numbers] | None = list(saved) or None
+        self._step: dict[int, Numbers] = {}  # this step's buckets so far
+        self._steps = 0  # steps seen since made or loaded
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"saved": self.saved()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._start(state["saved"])
+
+    def saved(self) -> list[Numbers]:
+        """The buckets to save: the last step's where DDP had settled on them, else none."""
+        return list(self.last) if self.settled else []
+
+    def average(
+        self, quantizer: QuantizationState, bucket: GradBucket
+    ) -> torch.futures.Future[torch.Tensor]:
+        """:func:`quantized_hook` on ``bucket``, or, at the first step after a load, on each of
+        the saved buckets it holds. Remembers which parameters each bucket held."""
+        numbers = quantizer.number(bucket.parameters())
+        parts = None if self._replay is None else self._cut(numbers)
+        if parts is None:
+            self._note(bucket.index(), numbers, bucket.is_last(), cut=False)
+            return quantized_hook(quantizer, bucket)
+        return self._average_parts(quantizer, bucket, numbers, parts)
+
+    def _cut(self, numbers: Numbers) -> list[tuple[int, Numbers]] | None:
+        """The saved buckets (with their indices) that ``numbers`` is made of, or ``None``
+        (with a warning) where it holds parts of them."""
+        assert self._replay is not None
+        held = set(numbers)
+        parts = [(i, saved) for i, saved in enumerate(self._replay) if set(saved) <= held]
+        if sorted(n for _, saved in parts for n in saved) == sorted(numbers):
+            return parts
+        warn_once(
+            f"diloco-warmup-buckets-{numbers}",
+            "StreamingDiLoCo: a DDP bucket of the first warm-up step after the load holds "
+            f"parameters {sorted(numbers)}, which are not whole buckets of the saved run "
+            f"({[list(b) for b in self._replay]}), so this step's quantized average is not the "
+            "saved run's, bit for bit. Resume with the saved run's model and bucket_cap_mb.",
+        )
+        return None
+
+    def _average_parts(
+        self,
+        quantizer: QuantizationState,
+        bucket: GradBucket,
+        numbers: Numbers,
+        parts: list[tuple[int, Numbers]],
+    ) -> torch.futures.Future[torch.Tensor]:
+        """Average each saved bucket of ``bucket`` as a bucket of its own (a copy of its
+        gradients, in the saved order), then put the averages back in ``bucket``'s buffer."""
+        grads = dict(zip(numbers, bucket.gradients()))
+        params = dict(zip(numbers, bucket.parameters()))
+        last = bucket.is_last()
+        futures: list[torch.futures.Future[torch.Tensor]] = []
+        hook: Callable[[Any, Any], torch.futures.Future[torch.Tensor]] = quantized_hook
+        for k, (index, saved) in enumerate(parts):
+            flat = torch.cat([grads[n].reshape(-1) for n in saved])
+            ends = last and k == len(parts) - 1
+            part = FlatBucket(index, flat, [params[n] for n in saved], last=ends)
+            futures.append(hook(quantizer, part))  # a bucket's methods, not its type
+            self._note(index, saved, ends, cut=True)
+        targets = [[grads[n] for n in saved] for _, saved in parts]
+        buffer = bucket.buffer()
+        return comm.then(
+            torch.futures.collect_all(futures), lambda done: _put_back(done, targets, buffer)
+        )
+
+    def _note(self, index: int, numbers: Numbers, last: bool, cut: bool) -> None:
+        """Remember a bucket of this step; at its last bucket, the step's buckets."""
+        self._step[index] = numbers
+        if not last:
+            return
+        self.last = [self._step[i] for i in sorted(self._step)]
+        self._steps += 1
+        self.settled = cut or self._steps > 1  # cut as saved, or past DDP's rebuild
+        self._step, self._replay = {}, None
+
+
+def _put_back(
+    done: torch.futures.Future[list[torch.futures.Future[torch.Tensor]]],
+    targets: list[list[torch.Tensor]],
+    buffer: torch.Tensor,
+) -> torch.Tensor:
+    """Each part's average into its gradients' places in ``buffer``."""
+    for future, grads in zip(done.value(), targets):
+        averaged, offset = future.wait(), 0  # raises if it failed; on a GPU, orders the streams
+        for grad in grads:
+            grad.copy_(averaged[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+    return buffer
+
+
+def parse_buckets(where: str, raw: Any) -> list[Numbers]:
+    """Saved warm-up buckets: lists of parameter numbers, no number in two.
+
+    Raises:
+        StateDictError: naming the entry and what it must be.
+    """
+    entry = f"{where} 'warmup_buckets'"
+    if not isinstance(raw, list) or not all(isinstance(b, (list, tuple)) and b for b in raw):
+        raise StateDictError(
+            f"{entry} must be a list of buckets, each a non-empty list of parameter numbers; "
+            f"got {raw!r:.80}. Pass the unchanged output of state_dict()."
+        )
+    out = [tuple(check_count(f"{entry}[{i}]", n) for n in b) for i, b in enumerate(raw)]
+    every = [n for b in out for n in b]
+    if len(every) != len(set(every)):
+        raise StateDictError(f"{entry} names a parameter in two buckets: {raw!r:.80}.")
+    return out
