@@ -102,15 +102,8 @@ class HookSpec:
     ) -> "HookSpec":
         """The spec of a hook whose options are the fields of ``settings``.
 
-        Args:
-            hook: the hook function.
-            settings: its options class: names, defaults and checks come from it.
-            make_state: builds the state from ``(process_group, options)``; it receives the
-                ``fixed`` options with the user's.
-            fixed: options this hook sets itself (refused from the user, who is told why in
-                ``notes``).
-            notes: options of ``settings`` that this hook refuses, each with why and what to
-                use instead.
+        ``make_state`` receives the ``fixed`` options with the user's; the options in
+        ``fixed`` and ``notes`` are refused from the user, who is told why by ``notes``.
         """
         fixed, notes = dict(fixed or {}), dict(notes or {})
 
@@ -127,11 +120,6 @@ class HookSpec:
             settings,
             fixed,
         )
-
-    def check_values(self, options: Mapping[str, Any]) -> None:
-        """Raise ``ValueError`` for an option value (or combination) the hook's options refuse."""
-        if self.settings is not None:
-            self.settings.from_mapping({**self.fixed, **options})
 
 
 def _specs() -> dict[CommHookType, HookSpec]:
@@ -397,7 +385,8 @@ class HookConfig:
                 f"allreduce. Use hook='allreduce', wrapper='{self.wrapper}' "
                 f"(or simply hook='{self.wrapper}')."
             )
-        spec.check_values(self.options)
+        if spec.settings is not None:  # the values, and how they go together
+            spec.settings.from_mapping({**spec.fixed, **self.options})
 
     @property
     def stateful(self) -> bool:
@@ -665,8 +654,3 @@ def _nccl_version() -> tuple[int, ...] | None:
     except Exception:  # no CUDA build: nothing to check against
         return None
     return tuple(version) if isinstance(version, tuple) else None
-
-
-def options_of(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The hook options in a flat config mapping (everything but ``hook``/``wrapper``)."""
-    return {k: v for k, v in config.items() if k not in ("hook", "wrapper", "process_group")}

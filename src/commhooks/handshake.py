@@ -204,7 +204,7 @@ def _gather_and_compare(group: dist.ProcessGroup, record: dict[str, Any]) -> Non
             "hook and wrapper on every rank (e.g. commhooks.register with the same arguments "
             "everywhere)."
         )
-    message = _differing_fields(records)
+    message = comm.differing(dict(enumerate(r.get("fields", {}) for r in records)))
     if message:
         raise ValueError(
             f"{record['state'] or record['hook']} was configured differently on different ranks "
@@ -226,14 +226,4 @@ def _by_rank(runs: list[str]) -> str:
     return "; ".join(
         ("rank " if len(r) == 1 else "ranks ") + ", ".join(map(str, r)) + f": {run}"
         for run, r in ranks.items()
-    )
-
-
-def _differing_fields(records: list[dict[str, Any]]) -> str:
-    fields = [r.get("fields", {}) for r in records]
-    names = sorted(set().union(*(f.keys() for f in fields)))
-    differing = [n for n in names if any(f.get(n) != fields[0].get(n) for f in fields)]
-    return "; ".join(
-        f"{n}: " + ", ".join(f"rank {r}={f.get(n)!r}" for r, f in enumerate(fields))
-        for n in differing
     )

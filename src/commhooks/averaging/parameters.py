@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from commhooks import comm
+from commhooks.compress.lowrank import views_like
 
 __all__ = [
     "Named",
@@ -84,12 +85,7 @@ def averaged_views(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) ->
     A collective: one blocking allreduce. The views have the widest dtype of ``tensors``.
     """
     flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-    flat = comm.average(flat, group).wait()
-    out, offset = [], 0
-    for t in tensors:
-        out.append(flat[offset : offset + t.numel()].view_as(t))
-        offset += t.numel()
-    return out
+    return views_like(comm.average(flat, group).wait(), tensors)
 
 
 def positional(tensors: Sequence[torch.Tensor]) -> Named:

@@ -22,9 +22,9 @@ __all__ = [
     "allreduce",
     "allreduce_then",
     "average",
-    "forward",
+    "backend_for_device",
+    "chain",
     "completed",
-    "size",
     "completes_inline",
     "completing_inline",
     "fail",
@@ -32,6 +32,7 @@ __all__ = [
     "new_future",
     "observe_collectives",
     "reduce_scatter",
+    "size",
     "then",
     "used_on_current_stream",
 ]
@@ -76,23 +77,22 @@ def then(fut: "Future[S]", fn: Callable[["Future[S]"], T]) -> "Future[T]":
 
 
 def fail(fut: "Future[Any]", exc: BaseException) -> None:
-    """Complete ``fut`` with the error ``exc``, which whoever waits on it receives."""
+    """Complete ``fut`` with the error ``exc`` (torch's stubs type the error as the value)."""
     fut.set_exception(exc)
-
-
-def forward(src: "Future[T]", dst: "Future[T]") -> None:
-    """Complete ``dst`` with ``src``'s value, or its error."""
-    try:
-        value = src.value()
-    except BaseException as exc:
-        fail(dst, exc)
-        return
-    dst.set_result(value)
 
 
 def chain(src: "Future[T]", dst: "Future[T]") -> None:
     """Complete ``dst`` with ``src``'s value, or its error, once ``src`` is done."""
-    src.add_done_callback(lambda done: forward(done, dst))
+
+    def forward(done: "Future[T]") -> None:
+        try:
+            value = done.value()
+        except BaseException as exc:
+            fail(dst, exc)
+            return
+        dst.set_result(value)
+
+    src.add_done_callback(forward)
 
 
 def used_on_current_stream(tensors: Sequence[torch.Tensor]) -> None:
@@ -275,7 +275,7 @@ def _allreduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[list[t
 def allreduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.Tensor]":
     """Sum ``tensor`` in place across ``group``; the future resolves to the sum (``tensor``
     itself, or for a sparse tensor the sum gloo returns)."""
-    return _allreduce(tensor, group).then(_first)
+    return _allreduce(tensor, group).then(lambda fut: fut.value()[0])
 
 
 def allreduce_then(
@@ -325,8 +325,11 @@ def all_gather_into(
         return _kept_here(out, tensor)
     if _counters:
         _observed("all_gather_into_tensor", tensor)
-    gather = _originals.get("all_gather_into_tensor") or _all_gather_single()
-    work = gather(out.view(-1), tensor.view(-1), group=group, async_op=True)
+    # all_gather_single: the name of recent PyTorch, where the old one warns at every call.
+    gather = _originals.get("all_gather_into_tensor") or getattr(dist, "all_gather_single", None)
+    work = (gather or dist.all_gather_into_tensor)(
+        out.view(-1), tensor.view(-1), group=group, async_op=True
+    )
     return _issued(work).then(lambda fut: _checked(fut, out))
 
 
@@ -344,26 +347,25 @@ def reduce_scatter(
         return _kept_here(out, tensor)
     if _counters:
         _observed("reduce_scatter_tensor", tensor)
-    if _backend(group, tensor) != "gloo":
+    if backend_for_device(group, tensor.device.type) != "gloo":
         work = _torch("reduce_scatter_tensor")(out, tensor, group=group, async_op=True)
         return _issued(work).then(lambda fut: _checked(fut, out))
     parts = torch.empty_like(tensor).view(world, -1)
     work = group.alltoall_base(parts, tensor.view(world, -1), [], [], _EXCHANGE)
-    return _issued(work).then(lambda fut: _summed(fut, parts, out))
+    return _issued(work).then(lambda fut: torch.sum(_checked(fut, parts), dim=0, out=out.view(-1)))
 
 
-def _summed(fut: "Future[Any]", parts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    fut.value()  # raises here if the exchange failed
-    return torch.sum(parts, dim=0, out=out.view(-1))
+def backend_for_device(group: dist.ProcessGroup | None, device_type: str) -> str:
+    """The backend ``group`` uses for tensors on ``device_type`` (``"gloo"``, ``"nccl"``...).
 
-
-def _backend(group: dist.ProcessGroup, tensor: torch.Tensor) -> str:
-    """The backend ``group`` runs collectives on ``tensor``'s device with."""
+    A group initialised as ``"cpu:gloo,cuda:nccl"`` (PyTorch's default with CUDA) reports
+    each device's backend; a plain ``"gloo"`` group serves every device.
+    """
     name = str(dist.get_backend(group)).lower()
-    if ":" in name:
-        pairs = dict(part.split(":", 1) for part in name.split(",") if ":" in part)
-        name = pairs.get(tensor.device.type, name)
-    return name
+    if ":" not in name:
+        return name
+    pairs = dict(part.split(":", 1) for part in name.split(",") if ":" in part)
+    return pairs.get(device_type, next(iter(pairs.values())))
 
 
 _sizes: "weakref.WeakKeyDictionary[dist.ProcessGroup, int]" = weakref.WeakKeyDictionary()
@@ -378,10 +380,6 @@ def size(group: dist.ProcessGroup) -> int:
     return known
 
 
-def _first(fut: "Future[list[torch.Tensor]]") -> torch.Tensor:
-    return fut.value()[0]
-
-
 def _checked(fut: "Future[Any]", out: torch.Tensor) -> torch.Tensor:
     fut.value()  # raises here if the collective failed
     return out
@@ -392,11 +390,3 @@ def _kept_here(out: torch.Tensor, tensor: torch.Tensor) -> "Future[torch.Tensor]
     if out.data_ptr() != tensor.data_ptr():
         out.view(-1).copy_(tensor.reshape(-1))
     return completed(out)
-
-
-def _all_gather_single() -> Callable[..., Any]:
-    # Renamed in recent PyTorch, where the old name warns on every call.
-    gather: Callable[..., Any] = getattr(dist, "all_gather_single", None) or (
-        dist.all_gather_into_tensor
-    )
-    return gather

@@ -7,12 +7,12 @@ from typing import Any, cast
 
 import torch.distributed as dist
 
-from commhooks.comm.collectives import completes_inline, size
+from commhooks.comm.collectives import completes_inline
 
 __all__ = [
     "all_gather_objects",
-    "backend_for_device",
     "check_same_on_grid",
+    "differing",
     "excludes_this_rank",
     "follow_up_group",
     "gather_objects",
@@ -22,7 +22,7 @@ __all__ = [
     "is_default_group",
     "new_groups",
     "resolve_group",
-    "size",
+    "subgroup",
     "world_size",
 ]
 
@@ -39,28 +39,23 @@ def resolve_group(group: Any, *, owner: str = "this hook") -> dist.ProcessGroup:
         ValueError: this rank is not a member of ``group``.
         TypeError: ``group`` is neither a process group nor ``None``.
     """
-    if group is None:  # the usual case, asked once a bucket
-        # (torch.distributed is available: this module's imports need it)
-        world = dist.group.WORLD  # None until torch.distributed is initialised
-        if world is not None:
-            return world
-    if not dist.is_available() or not dist.is_initialized():
+    if group is None:
+        group = dist.group.WORLD  # None until torch.distributed is initialised
+    # The usual case, asked once a bucket: the exact type first, as ``isinstance`` on torch's
+    # group class takes a Python-level check (about 0.2 us).
+    if type(group) is dist.ProcessGroup:
+        return group
+    if group is None or not dist.is_initialized():
         raise RuntimeError(
             f"{owner} needs torch.distributed: call torch.distributed.init_process_group(...) "
             "before the first backward pass."
         )
-    if type(group) is dist.ProcessGroup:  # the usual case, asked once a bucket: see below
-        return group
-    if group is None:
-        return _world()
     if group is dist.GroupMember.NON_GROUP_MEMBER:
         raise ValueError(
             f"{owner}: this rank (global rank {dist.get_rank()}) is not a member of the process "
             "group it was given. Pass a group that contains every DDP rank, or None for the "
             "default group."
         )
-    # ``isinstance`` on torch's group class takes a Python-level check (about 0.2 us), so the
-    # exact type is tried first, above.
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(
             f"{owner} expects a torch.distributed.ProcessGroup or None, got {type(group).__name__}."
@@ -84,19 +79,6 @@ def excludes_this_rank(group: Any) -> bool:
 def is_default_group(group: dist.ProcessGroup | None) -> bool:
     """Whether ``group`` is the default (world) group; ``None`` counts as the default."""
     return group is None or group is dist.group.WORLD
-
-
-def backend_for_device(group: dist.ProcessGroup | None, device_type: str) -> str:
-    """The backend ``group`` uses for tensors on ``device_type`` (``"gloo"``, ``"nccl"``...).
-
-    A group initialised as ``"cpu:gloo,cuda:nccl"`` (PyTorch's default with CUDA) reports
-    each device's backend; a plain ``"gloo"`` group serves every device.
-    """
-    name = str(dist.get_backend(group)).lower()
-    if ":" not in name:
-        return name
-    pairs = dict(part.split(":", 1) for part in name.split(",") if ":" in part)
-    return pairs.get(device_type, next(iter(pairs.values())))
 
 
 def world_size(group: dist.ProcessGroup | None) -> int:
@@ -214,25 +196,24 @@ def check_same_on_grid(
         for part in all_gather_objects(known, group):
             merged.update(part)
         known = merged
-    _raise_if_differing(dict(sorted(known.items())), owner)
-
-
-def _raise_if_differing(by_rank: Mapping[int, Mapping[str, Any]], owner: str) -> None:
-    everyone = list(by_rank.values())
-    differing = [
-        name
-        for name in sorted(set().union(*(o.keys() for o in everyone)))
-        if any(o.get(name) != everyone[0].get(name) for o in everyone)
-    ]
-    if differing:
-        details = "; ".join(
-            f"{name}: " + ", ".join(f"rank {r}={o.get(name)!r}" for r, o in by_rank.items())
-            for name in differing
-        )
+    details = differing(dict(sorted(known.items())))
+    if details:
         raise ValueError(
             f"{owner} was configured differently on different ranks ({details}). "
             "Every rank must build its state with the same options."
         )
+
+
+def differing(by_rank: Mapping[int, Mapping[str, Any]]) -> str:
+    """``"name: rank 0=a, rank 1=b; ..."`` for each name whose value differs between the ranks
+    (keys of ``by_rank``), or ``""``: what an error about ranks configured apart lists."""
+    everyone = list(by_rank.values())
+    names = sorted(set().union(*(o.keys() for o in everyone)))
+    return "; ".join(
+        f"{name}: " + ", ".join(f"rank {r}={o.get(name)!r}" for r, o in by_rank.items())
+        for name in names
+        if any(o.get(name) != everyone[0].get(name) for o in everyone)
+    )
 
 
 def follow_up_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
@@ -253,12 +234,18 @@ def follow_up_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
     """
     if completes_inline() or str(dist.get_backend(group)).lower() == "nccl":
         return group
+    return subgroup(dist.get_process_group_ranks(group), group)
+
+
+def subgroup(ranks: list[int], parent: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A new group of ``ranks`` (this rank among them) with ``parent``'s backend and timeout,
+    made by its members only: each waits for the others at most that timeout."""
     made = dist.new_group(
-        ranks=dist.get_process_group_ranks(group),
-        backend=dist.get_backend(group),
-        timeout=group_timeout(group),
+        ranks=ranks,
+        backend=dist.get_backend(parent),
+        timeout=group_timeout(parent),
         use_local_synchronization=True,
     )
     if made is None:  # only for a rank outside the ranks, which calls this never
-        raise RuntimeError("follow_up_group: this rank is not in the group it was given.")
+        raise RuntimeError(f"this rank is not in the group of ranks {ranks} it made.")
     return cast(dist.ProcessGroup, made)

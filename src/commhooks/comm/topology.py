@@ -29,7 +29,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from commhooks.comm.groups import all_gather_objects, follow_up_group, global_ranks, group_timeout
+from commhooks.comm.groups import all_gather_objects, follow_up_group, global_ranks, subgroup
 
 __all__ = [
     "MACHINE_ID_VAR",
@@ -217,22 +217,9 @@ def two_hops(group: dist.ProcessGroup, topology: Topology) -> TwoHops:
     me = dist.get_rank()
     machine = next(i for i, m in enumerate(topology.machines) if me in m)
     local = topology.machines[machine].index(me)
-    intra = _group_of(list(topology.machines[machine]), group)
-    peers = _group_of([m[local] for m in topology.machines], group)
+    intra = subgroup(list(topology.machines[machine]), group)
+    peers = subgroup([m[local] for m in topology.machines], group)
     return TwoHops(
         intra, follow_up_group(intra), peers, machine, local, topology.nnodes,
         topology.nproc_per_node,
     )  # fmt: skip
-
-
-def _group_of(ranks: list[int], parent: dist.ProcessGroup) -> dist.ProcessGroup:
-    made = dist.new_group(
-        ranks=ranks,
-        backend=dist.get_backend(parent),
-        timeout=group_timeout(parent),
-        use_local_synchronization=True,
-    )
-    if made is None:  # only for a rank outside the ranks, which calls this never
-        raise RuntimeError("two_hops: this rank is not in the group it made.")
-    group: dist.ProcessGroup = made
-    return group

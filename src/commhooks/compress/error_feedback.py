@@ -57,9 +57,7 @@ class ErrorFeedback:
         plausible: the compressor's bound on its residuals; ``None``: loaded ones are trusted.
     """
 
-    # Class-level defaults, so that a memory pickled before these existed still works.
-    _plausible: Plausible | None = None
-    _unchecked: frozenset[Key] = frozenset()
+    _unchecked: frozenset[Key] = frozenset()  # loaded keys still to meet their gradient
 
     def __init__(
         self,
@@ -171,18 +169,9 @@ class ErrorFeedback:
         if self._unchecked:  # overwritten whole: a new residual
             self._checked(key)
         residual = self._residuals.get(key)
-        if (
-            residual is None
-            or residual.shape != like.shape
-            or residual.dtype != like.dtype
-            or residual.device != like.device
-        ):
+        if residual is None or not _fits(residual, like):
             residual = self._residuals[key] = torch.empty_like(like)
         return residual
-
-    def slots(self, keys: Sequence[Key], likes: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """:meth:`slot` of each key: where a step writes the new residuals of all its tensors."""
-        return [self.slot(key, like) for key, like in zip(keys, likes)]
 
     def record_where(
         self, finite: torch.Tensor, keys: Sequence[Key], errors: Sequence[torch.Tensor]
@@ -194,21 +183,10 @@ class ErrorFeedback:
         for key, error in zip(keys, errors):
             if self._unchecked:  # a new residual, or the old one kept: checked either way
                 self._checked(key)
-            old = self._zeros_if_none(key, error)
+            old = self._residuals.get(key)
+            if old is None or not _fits(old, error):
+                old = self._residuals[key] = torch.zeros_like(error)
             torch.where(finite, error, old, out=old)
-
-    def _zeros_if_none(self, key: Key, like: torch.Tensor) -> torch.Tensor:
-        """The residual of ``key`` where it fits ``like``, else (made now) zeros."""
-        residual = self._residuals.get(key)
-        fits = residual is not None and (residual.shape, residual.dtype, residual.device) == (
-            like.shape,
-            like.dtype,
-            like.device,
-        )
-        if not fits:
-            residual = self._residuals[key] = torch.zeros_like(like)
-        assert residual is not None
-        return residual
 
     def record(self, key: Key, residual: torch.Tensor) -> None:
         """Keep ``residual`` (not a copy) as what compression left out of ``key``."""
@@ -275,6 +253,10 @@ class ErrorFeedback:
             loaded[key] = check_tensor(f"{where}[{name!r}]", value, floating=True)
         self._residuals, self._unchecked = loaded, frozenset()
         self.check_before_use()
+
+
+def _fits(kept: torch.Tensor, like: torch.Tensor) -> bool:
+    return (kept.shape, kept.dtype, kept.device) == (like.shape, like.dtype, like.device)
 
 
 def all_finite(*tensors: torch.Tensor) -> torch.Tensor:

@@ -103,7 +103,10 @@ def quantize_rows(
     library = _library()
     if library is None:
         return False
-    _quantize(library, head, add, x.numel())
+    first, second, n = (
+        (None, None, 0) if add is None else (*(t.data_ptr() for t in add), add[0].numel())
+    )
+    library.commhooks_quantize(*head, first, second, n, _threads(x.numel()))
     return True
 
 
@@ -250,15 +253,6 @@ def _quantize_head(
     return (*rows_at, rows, length, block, bits, qmax, *packets_at, int(keep))
 
 
-def _quantize(library: ctypes.CDLL, head: _Head, add: Addends, numel: int) -> None:
-    """Run the quantizing kernel, ``add`` checked already."""
-    if add is None:
-        library.commhooks_quantize(*head, None, None, 0, _threads(numel))
-    else:
-        first, second = add[0].data_ptr(), add[1].data_ptr()
-        library.commhooks_quantize(*head, first, second, add[0].numel(), _threads(numel))
-
-
 def _dequantize_args(
     packets: torch.Tensor,
     bits: int,
@@ -388,14 +382,7 @@ def _addends_fit(x: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> 
     return (
         x.is_contiguous()
         and n <= x.numel()
-        and all(
-            t.is_cpu
-            and t.dtype == torch.float32
-            and t.is_contiguous()
-            and not t.requires_grad
-            and t.numel() == n
-            for t in (first, second)
-        )
+        and all(_flat(t, torch.float32, n) for t in (first, second))
     )
 
 

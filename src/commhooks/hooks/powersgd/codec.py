@@ -24,7 +24,7 @@ from commhooks.state import StateDictError, check_count, check_tensor
 
 from .options import COSMETIC, PowerSGDOptions
 
-__all__ = ["HOOKS", "Snapshot", "decode", "encode", "key_of"]
+__all__ = ["COUNTS", "HOOKS", "Snapshot", "decode", "encode", "key_of"]
 
 OWNER = "PowerSGDState"
 LAYERWISE, BATCHED = "powerSGD_hook", "batched_powerSGD_hook"
@@ -32,16 +32,20 @@ HOOKS = (LAYERWISE, BATCHED)
 _WHERE = "PowerSGDState.load_state_dict"
 RngState = tuple[str, npt.NDArray[np.uint32], int, int, float]
 """What ``numpy.random.RandomState.get_state()`` returns and ``set_state`` takes."""
+COUNTS = (
+    "iter",
+    "total_numel_before_compression",
+    "total_numel_after_compression",
+    "next_stats_report",
+)
+"""The state's counters: its step, and its compression statistics."""
 
 
 @dataclass
 class Snapshot:
     """Everything a PowerSGD state saves, decoded and checked; ``None`` where not known."""
 
-    iter: int
-    total_numel_before_compression: int
-    total_numel_after_compression: int
-    next_stats_report: int
+    counts: dict[str, int]  # by the names of COUNTS
     rng: RngState
     world_size: int | None
     rank: int | None
@@ -67,10 +71,7 @@ def encode(snap: Snapshot, options: PowerSGDOptions) -> dict[str, Any]:
     name, keys, pos, has_gauss, cached = snap.rng
     return {
         "options": options.as_dict(),
-        "iter": snap.iter,
-        "total_numel_before_compression": snap.total_numel_before_compression,
-        "total_numel_after_compression": snap.total_numel_after_compression,
-        "next_stats_report": snap.next_stats_report,
+        **snap.counts,
         "rng": {
             "name": str(name),
             "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64).copy()),
@@ -133,14 +134,7 @@ def _parse(
     factors.load_state_dict(sd, key_of)
     _check_factor_shapes(dict(memory.items()), factors, options.matrix_approximation_rank)
     return Snapshot(
-        iter=check_count("iter", sd["iter"]),
-        total_numel_before_compression=check_count(
-            "total_numel_before_compression", sd["total_numel_before_compression"]
-        ),
-        total_numel_after_compression=check_count(
-            "total_numel_after_compression", sd["total_numel_after_compression"]
-        ),
-        next_stats_report=check_count("next_stats_report", sd["next_stats_report"]),
+        counts={name: check_count(name, sd[name]) for name in COUNTS},
         rng=_rng(sd["rng"]),
         world_size=_known(check_count("world_size", sd["world_size"], minimum=-1)),
         rank=_known(check_count("rank", sd["rank"], minimum=-1)),

@@ -312,12 +312,11 @@ class PowerSGDState(HookState):
             raise StateDictError(_other_hook(self.hook_name, hook))
 
     def _forget_memory_of_another_world(self, group: dist.ProcessGroup) -> None:
-        # A state pickled by an earlier release holds (size, rank) only.
-        size, rank, mesh = (*self._saved_world, None)[:3]
+        size, rank, mesh = self._saved_world
         self._saved_world = (None, None, None)
         if size is None or not len(self.memory):
             return
-        mesh = mesh or {}  # none saved (a release before FSDP2 places): no shard is shown
+        mesh = mesh or {}
         if size == group.size() and place.differs(mesh, self.mesh_place):
             why = (
                 f"it was saved at {place.describe(mesh)} and is used at "
@@ -358,10 +357,7 @@ class PowerSGDState(HookState):
         rng = self.rng.get_state()
         assert isinstance(rng, tuple)  # legacy=True, the default: the tuple form
         snapshot = codec.Snapshot(
-            iter=self.iter,
-            total_numel_before_compression=self.total_numel_before_compression,
-            total_numel_after_compression=self.total_numel_after_compression,
-            next_stats_report=self.next_stats_report,
+            counts={name: getattr(self, name) for name in codec.COUNTS},
             rng=rng,
             world_size=_current(comm.world_size, self.process_group),
             rank=_current(comm.group_rank, self.process_group),
@@ -378,10 +374,8 @@ class PowerSGDState(HookState):
         if self.hook_name is not None and snap.hook not in (None, self.hook_name):
             raise StateDictError(_other_hook(snap.hook, self.hook_name))
         agreed = self.handshake_fields()
-        self.iter = snap.iter
-        self.total_numel_before_compression = snap.total_numel_before_compression
-        self.total_numel_after_compression = snap.total_numel_after_compression
-        self.next_stats_report = snap.next_stats_report
+        for name, count in snap.counts.items():
+            setattr(self, name, count)
         self.rng.set_state(snap.rng)
         self.memory, self.factors, self.layouts = snap.memory, snap.factors, snap.layouts
         self.hook_name = self.hook_name or snap.hook
@@ -390,7 +384,7 @@ class PowerSGDState(HookState):
             # Another step count: the ranks must agree on it again (a reload of the same step
             # keeps the check, so that one rank may reload alone).
             if self._checked_group is not None:
-                self._reloaded = f"from step {agreed['iter']} to step {snap.iter}"
+                self._reloaded = f"from step {agreed['iter']} to step {self.iter}"
             self._checked_group = None
         self._warn_if_memory_lost()
 
