@@ -99,17 +99,11 @@ def global_ranks(group: dist.ProcessGroup | None) -> list[int]:
 def new_groups(
     rank_lists: list[list[int]], parent: dist.ProcessGroup | None = None
 ) -> list[dist.ProcessGroup | None]:
-    """Create one process group per list of global ranks, in the order given.
+    """One process group per list of global ranks (``None`` where this rank is not in it).
 
-    Creating a group is a collective over the default group: every rank must call this with the
-    same lists in the same order, including ranks that belong to none of them. A list that is
-    the whole world reuses the default group instead of opening new connections. Each group
-    takes the timeout of ``parent`` (``None``: the default group), the group it is carved
-    from, and so does its creation: a peer that died or stopped during it is reported within
-    that timeout, not torch's default of 30 minutes.
-
-    Returns:
-        one entry per list: the group where this rank is a member, ``None`` where it is not.
+    A collective over the default group: every rank calls it with the same lists in the same
+    order. The whole world reuses the default group. Each group, and its creation, takes
+    ``parent``'s timeout: a dead peer is reported within it, not torch's default 30 minutes.
     """
     world = dist.get_world_size()
     me = dist.get_rank()
@@ -125,14 +119,9 @@ def new_groups(
 
 
 def group_timeout(group: dist.ProcessGroup | None) -> datetime.timedelta:
-    """How long a collective on ``group`` (``None``: the default group) may wait for a peer.
-
-    It is the ``timeout`` given to ``init_process_group`` (or ``new_group``) for that group.
-    Torch keeps it in each backend's options; where a backend does not expose it, the default
-    group's is taken, and failing that torch's own default. Every group the package creates
-    inherits it from the group it derives from, so that a dead or stopped peer is reported
-    within the time the user chose.
-    """
+    """How long a collective on ``group`` (``None``: the default group) may wait for a peer:
+    the ``timeout`` it was made with, else the default group's, else torch's default. Every
+    group the package makes inherits it, so a dead peer is reported within the time chosen."""
     pg = group if group is not None else dist.group.WORLD
     found = _backend_timeouts(pg)
     if found:
@@ -180,15 +169,11 @@ def gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any
 def check_same_on_grid(
     options: dict[str, Any], groups: Sequence[dist.ProcessGroup], *, owner: str
 ) -> None:
-    """Raise on every rank of a grid of ranks if any option differs between any two of them.
+    """Raise on every rank of a grid if any option differs between any two of its ranks.
 
-    ``groups`` are this rank's groups along each dimension of the grid (for HSDP: the ranks of
-    its machine, then the ranks holding the same shard on other machines). What each rank knows
-    is gathered along one dimension after the other, so after the last every rank holds every
-    rank's options without a group spanning the grid; one small gather per dimension, once.
-
-    Raises:
-        ValueError: naming each differing option and its value on every rank (global ranks).
+    ``groups`` are this rank's groups along each dimension (for HSDP: its machine's ranks, then
+    those holding its shard elsewhere); gathering along one after the other gives every rank
+    every rank's options without a group spanning the grid.
     """
     known: dict[int, dict[str, Any]] = {dist.get_rank(): options}
     for group in groups:
@@ -219,18 +204,13 @@ def differing(by_rank: Mapping[int, Mapping[str, Any]]) -> str:
 def follow_up_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
     """The group an :class:`OrderedIssuer` issues ``group``'s follow-ups on.
 
-    On a group of NCCL alone, ``group`` itself: NCCL completes a collective's future as it is
-    queued, so every callback, and with it every follow-up, runs on the thread that issued the
-    collective before it, DDP's, in the same order on every rank, interleaved with DDP's own
-    collectives alike. No second communicator then, and no group made inside a hook: with NCCL
-    initialised eagerly (``init_process_group(device_id=...)``) torch makes each new group by
-    splitting the default group's communicator, which every rank of the world must join, and
-    the ranks outside a subgroup never run its hook.
+    With NCCL, ``group`` itself: NCCL completes a future as its collective is queued, so every
+    follow-up runs on DDP's thread, in order, on every rank. No group made inside a hook
+    either: with NCCL initialised eagerly a new group splits the default group's communicator,
+    which ranks outside the subgroup, which never run its hook, would have to join.
 
-    Otherwise (gloo, whose callbacks run on its worker threads) a new group with ``group``'s
-    ranks, backend and timeout. Creating a group is collective: call it at the same point on
-    every rank of ``group``. It waits for the other ranks at most ``group``'s timeout (see
-    :func:`group_timeout`), and so does every collective on the new group.
+    Otherwise (gloo, whose callbacks run on its threads) a new group of ``group``'s ranks
+    (:func:`subgroup`): call it at the same point on every rank of ``group``.
     """
     if completes_inline() or str(dist.get_backend(group)).lower() == "nccl":
         return group

@@ -31,13 +31,10 @@ __all__ = ["DistributedCheckpointState", "PerRankState"]
 class PerRankState(HookState):
     """Every rank's hook state in one checkpoint written by rank 0.
 
-    ``state_dict()`` is a collective: call it on every rank (Accelerate's ``save_state`` and
-    Lightning's ``save_checkpoint`` do). Rank 0 receives every rank's entry; the other ranks
-    return the header only, which they do not write. ``load_state_dict`` hands each rank its own
-    entry. The file holds only tensors, numbers, strings, lists and dicts, so it loads with
-    ``torch.load(path, weights_only=True)``. Files written by another rank than rank 0 (such
-    as Accelerate's ``save_on_each_node=True`` on the other nodes) hold the header only and
-    are refused on load.
+    ``state_dict()`` is a collective (Accelerate's ``save_state`` and Lightning's
+    ``save_checkpoint`` call it on every rank): rank 0 gets every rank's entry, the others the
+    header only, refused on load. ``load_state_dict`` hands each rank its own entry. The file
+    loads with ``torch.load(path, weights_only=True)``.
 
     Args:
         state: the hook state returned by ``commhooks.register``.
@@ -97,10 +94,9 @@ class PerRankState(HookState):
 class DistributedCheckpointState:
     """A ``torch.distributed.checkpoint`` ``Stateful`` for hook state, one entry per rank.
 
-    ``dcp`` writes one copy of each key that all ranks share and loads into a template of the
-    same shapes. Hook state breaks both assumptions: its content differs between ranks and a
-    fresh state has not allocated its buffers yet. Each rank's state dict is therefore stored,
-    serialised, under a key of its own.
+    ``dcp`` writes one copy of each key all ranks share and loads into a template of the same
+    shapes, but hook state differs between ranks and a fresh one has no buffers yet: each
+    rank's state dict is stored serialised, under a key of its own.
 
     Example::
 
