@@ -28,11 +28,8 @@ __all__ = [
 
 
 def resolve_group(group: Any, *, owner: str = "this hook") -> dist.ProcessGroup:
-    """Return the process group to communicate on, validating it first.
-
-    Args:
-        group: a ``ProcessGroup`` or ``None`` for the default (world) group.
-        owner: name used in error messages, so the user knows which object complained.
+    """The process group to communicate on (``None``: the default group), checked; ``owner``
+    names the object that complains.
 
     Raises:
         RuntimeError: torch.distributed is not initialised.

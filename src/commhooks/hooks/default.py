@@ -27,15 +27,9 @@ Hook = Callable[[Any, GradBucket], "torch.futures.Future[torch.Tensor]"]
 
 
 def allreduce_hook(process_group: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Average the bucket across the group: the same result, bit for bit, as DDP without a hook.
-
-    Sparse gradients (``nn.Embedding(..., sparse=True)``, in buckets of their own) included.
-
-    Args:
-        process_group: group to average over; ``None`` for the default group (or the
-            :class:`~commhooks.state.StatelessState` that ``commhooks.register`` makes).
-        bucket: the gradient bucket DDP hands to the hook.
-    """
+    """Average the bucket across ``process_group`` (``None``: the default group; or the
+    ``StatelessState`` ``commhooks.register`` makes): bit for bit DDP's result without a hook,
+    sparse gradients included."""
     group = group_state(process_group, "allreduce_hook")
     buffer = gradient_buffer(bucket, "allreduce_hook")
     policy = policy_of(process_group)

@@ -1,11 +1,9 @@
 """Checkpointing hook state whose content differs between ranks.
 
-Some hook state is the same on every rank (iteration counters, random generators, PowerSGD's
-warm-start factors) and some is each rank's own (PowerSGD's error feedback: the part of this
-rank's gradient that compression has not sent yet). Frameworks that write a single file from
-rank 0 (Accelerate's ``save_state``, Lightning, ``torch.save`` on rank 0) therefore keep rank
-0's copy only, and ``torch.distributed.checkpoint`` keeps one copy of every key that all ranks
-share. Either way the other ranks would resume with rank 0's error and drift.
+Some hook state is each rank's own (error feedback: what compression has not sent yet of this
+rank's gradient). Frameworks that write one file from rank 0 (Accelerate's ``save_state``,
+Lightning) keep rank 0's copy only, and ``torch.distributed.checkpoint`` one copy of each key:
+either way the other ranks would resume with rank 0's error and drift.
 
 * :class:`PerRankState` gathers every rank's ``state_dict()`` on rank 0 for single-file
   savers, and gives each rank its own entry back on load.
@@ -39,9 +37,8 @@ class PerRankState(HookState):
     Args:
         state: the hook state returned by ``commhooks.register``.
         process_group: the group the hook communicates on (``None``: the default group).
-        allow_resize: when the checkpoint was written by a different number of ranks, every
-            rank loads rank 0's entry and the state's own checks decide what still fits,
-            instead of raising.
+        allow_resize: where another number of ranks wrote the checkpoint, every rank loads
+            rank 0's entry (the state's checks decide what still fits) instead of raising.
 
     Example::
 

@@ -1,10 +1,5 @@
-"""PowerSGD state <-> its state dict.
-
-A state dict comes from a file, which may be damaged or hostile: :func:`decode` checks every
-entry before anything is used (a tensor must be dense, contiguous and finite, error and factors
-must fit each other and the options, counts must be integers), and raises
-:class:`~commhooks.state.StateDictError` naming the entry otherwise.
-"""
+"""PowerSGD state <-> its state dict: :func:`decode` checks every entry of a file, which may be
+damaged or hostile, before anything is used, and names the entry it refuses."""
 
 import math
 import numbers
@@ -92,12 +87,8 @@ def encode(snap: Snapshot, options: PowerSGDOptions) -> dict[str, Any]:
 def decode(
     sd: Mapping[str, Any], options: PowerSGDOptions, describe: Callable[[Key], str]
 ) -> Snapshot:
-    """Check and convert every entry of ``sd``, changing nothing (the caller applies it).
-
-    Raises:
-        StateDictError: options that differ from ``options`` (other than
-            :data:`~.options.COSMETIC` ones), or any malformed entry, named.
-    """
+    """Check and convert every entry of ``sd``; ``StateDictError`` for options that differ
+    from ``options`` (but :data:`~.options.COSMETIC` ones), or any malformed entry."""
     _check_options(sd.get("options"), options)
     try:
         return _parse(sd, options, describe)
@@ -151,8 +142,8 @@ def _known(count: int) -> int | None:
 
 
 def _check_factor_shapes(errors: dict[Key, torch.Tensor], factors: FactorMemory, rank: int) -> None:
-    """Error ``(n, m)``, ``P`` ``(n, r)`` and ``Q`` ``(m, r)`` of a key must agree, with
-    ``r = min(rank, n, m)``, and be of one dtype; a key that alternates needs both factors."""
+    """Error ``(n, m)``, ``P`` ``(n, r)`` and ``Q`` ``(m, r)`` of a key agree, with
+    ``r = min(rank, n, m)``, in one dtype; a key that alternates has both factors."""
     for key in factors.last_step:
         if key not in factors.p or key not in factors.q:
             raise ValueError(f"last_step[{str(key)!r}] has no factors p and q to go with it")

@@ -86,16 +86,9 @@ def batched_powerSGD_hook(
     """Average the bucket compressed as one zero-padded square matrix of rank-``r`` factors.
 
     Cheaper than :func:`powerSGD_hook` (one product per bucket) but far less accurate unless
-    the rank is 1, since a flat bucket has no low-rank structure across layers. State is kept
-    per bucket and reset (with a warning) when DDP rebuilds the bucket with other parameters.
-
-    Args:
-        state: the :class:`PowerSGDState` with the options and memory.
-        bucket: the gradient bucket DDP hands to the hook.
-
-    Raises:
-        TypeError: as :func:`powerSGD_hook`.
-        StateDictError: ``state`` belongs to :func:`powerSGD_hook`.
+    the rank is 1: a flat bucket has no low-rank structure across layers. State is kept per
+    bucket, reset (with a warning) when DDP rebuilds the bucket with other parameters. Raises
+    as :func:`powerSGD_hook` does.
     """
     state, buffer, group = _begin(state, bucket, BATCHED)
     numbers = state.numbering.numbers(bucket.parameters())
