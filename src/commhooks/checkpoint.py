@@ -244,7 +244,7 @@ def read_weights_only(path: PathLike, *, what: str) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        refused = _refusal(str(exc))
+        refused = next((r for r in _reasons(str(exc)) if any(m in r for m in _REFUSALS)), None)
         if refused is not None:
             raise CheckpointError(
                 f"{path} holds pickled Python objects, which a weights-only load refuses "
@@ -269,10 +269,6 @@ def _reasons(text: str) -> list[str]:
         and "weights_only" not in line
         and not line.startswith(("Weights only load failed", "Check the documentation"))
     ]
-
-
-def _refusal(text: str) -> str | None:
-    return next((r for r in _reasons(text) if any(m in r for m in _REFUSALS)), None)
 
 
 def _first_reason(text: str) -> str:

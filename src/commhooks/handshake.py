@@ -126,7 +126,8 @@ def check_fields(fields: Mapping[str, Any], group: dist.ProcessGroup, *, owner: 
     Raises:
         ValueError: naming each differing field and its value on every rank.
     """
-    _gather_and_compare(group, {"hook": owner, "wrapper": None, "state": owner, **_as(fields)})
+    record = {"hook": owner, "wrapper": None, "state": owner, "fields": dict(fields)}
+    _gather_and_compare(group, record)
 
 
 def hook_name(hook: Any) -> str:
@@ -140,13 +141,9 @@ def fields_of(state: Any) -> dict[str, Any]:
     return dict(method()) if callable(method) else {}
 
 
-def _as(fields: Mapping[str, Any]) -> dict[str, Any]:
-    return {"fields": dict(fields)}
-
-
 def _record(hook: str, wrapper: str | None, state: Any) -> dict[str, Any]:
     owner = type(state).__name__ if state is not None else None
-    return {"hook": hook, "wrapper": wrapper, "state": owner, **_as(fields_of(state))}
+    return {"hook": hook, "wrapper": wrapper, "state": owner, "fields": fields_of(state)}
 
 
 def _seen(group: dist.ProcessGroup, identity: tuple[str, str | None]) -> bool:

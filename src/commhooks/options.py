@@ -189,7 +189,8 @@ def _refuse_non_integer(owner: str, name: str, value: Any) -> None:
     whatever its checker: ``one_of(8, 4)`` would take ``8.0``, which would pass the ranks'
     handshake and fail inside a backward pass, and a configuration would still hold it."""
     if not _is_integer(value):
-        shown = f" ({int(value)} without the point)" if _whole_float(value) else ""
+        whole = isinstance(value, float) and value.is_integer()
+        shown = f" ({int(value)} without the point)" if whole else ""
         raise ValueError(
             f"{owner}: {name} must be an integer{shown}, not {type(value).__name__}; "
             f"got {name}={value!r}."
@@ -207,10 +208,6 @@ def _integer_kind(declared: Any) -> str | None:
     if typing.get_origin(declared) in (typing.Union, types.UnionType):
         return "optional" if set(typing.get_args(declared)) == {int, type(None)} else None
     return None
-
-
-def _whole_float(value: Any) -> bool:
-    return isinstance(value, float) and value.is_integer()
 
 
 def _is_numpy_bool(value: Any) -> bool:

@@ -160,13 +160,6 @@ def check_optimizer_state(where: str, value: Any, params: Sequence[torch.Tensor]
     return dict(value)
 
 
-def _default_group() -> dist.ProcessGroup | None:
-    """The default group where one exists: what PyTorch's reference states bind to on loading."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.group.WORLD
-    return None
-
-
 class HookState:
     """Process-group binding, pickling and the ``state_dict`` header shared by all states.
 
@@ -234,7 +227,8 @@ class HookState:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._process_group = _default_group()
+        # The default group where one exists, as PyTorch's reference states bind on loading.
+        self._process_group = dist.group.WORLD if dist.is_initialized() else None
         self._restore_transient()
 
     def _restore_transient(self) -> None:

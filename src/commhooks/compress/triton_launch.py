@@ -53,7 +53,7 @@ _DECODED = (torch.float32, torch.bfloat16, torch.float16)
 
 def available() -> bool:
     """Whether the kernels are loaded (loading them, and so Triton, on the first call)."""
-    return _module() is not None
+    return _LOADER.get() is not None
 
 
 def disabled() -> contextlib.AbstractContextManager[None]:
@@ -81,7 +81,7 @@ def quantize_rows(
             ``x``'s device.
     """
     rows, length = x.shape
-    kernels = _module()
+    kernels = _LOADER.get()
     if kernels is None or not _packets_fit(kernels, packets, rows, length, bits, block):
         return False
     if not _rows_fit(kernels, x, rows, length):
@@ -115,7 +115,7 @@ def dequantize_rows(
     the rows' sum in row order into its one float32 row; whether it was done."""
     rows, columns = packets.shape[0], out.shape[-1]
     length = columns if length is None else length
-    kernels = _module()
+    kernels = _LOADER.get()
     if kernels is None or out.dim() != 2 or not 0 <= columns <= length:
         return False
     if not _packets_fit(kernels, packets, rows, length, bits, block):
@@ -155,7 +155,7 @@ def requantize_rows(
     """The owner's pass of ``blocks.requantize_sum_``; whether it was done. ``qmax`` and
     ``reciprocal`` as for :func:`quantize_rows` (the division by ``world`` too)."""
     rows, length = packets.shape[0], out.shape[-1]
-    kernels = _module()
+    kernels = _LOADER.get()
     if kernels is None or world < 1 or out.dim() != 2:
         return False
     if not (
@@ -284,10 +284,6 @@ def _addends_fit(kernels: ModuleType, x: torch.Tensor, *addends: torch.Tensor) -
 def _on_kernels_device(kernels: ModuleType, t: torch.Tensor) -> bool:
     """CUDA tensors; CPU tensors instead where the kernels run in Triton's interpreter."""
     return t.is_cpu if kernels.INTERPRETED else t.is_cuda
-
-
-def _module() -> ModuleType | None:
-    return _LOADER.get()
 
 
 def _load() -> ModuleType | None:

@@ -71,7 +71,7 @@ _P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_f
 
 def available() -> bool:
     """Whether the fused kernels are built and loaded (building them on the first call)."""
-    return _library() is not None
+    return _LOADER.get() is not None
 
 
 def disabled() -> contextlib.AbstractContextManager[None]:
@@ -95,7 +95,7 @@ def quantize_rows(
     head = _quantize_head(x, packets, bits, block, keep, qmax)
     if head is None or (add is not None and not _addends_fit(x, *add)):
         return False
-    library = _library()
+    library = _LOADER.get()
     if library is None:
         return False
     first, second, n = (
@@ -119,7 +119,7 @@ def dequantize_rows(
     ``add_rows``; ``out`` may hold fewer columns than ``length``: the rows' first elements.
     ``False`` (nothing done) where the kernels cannot take these tensors."""
     args = _dequantize_args(packets, bits, block, out, length, add_rows)
-    library = None if args is None else _library()
+    library = None if args is None else _LOADER.get()
     if args is None or library is None:
         return False
     library.commhooks_dequantize(*args)
@@ -142,7 +142,7 @@ def bound_quantize(
     ``None`` where they cannot take the tensors. The arguments wait in one array the kernel
     reads through one pointer (ctypes converts each argument, 0.25 us apiece)."""
     head = _quantize_head(x, packets, bits, block, keep, qmax)
-    library = None if head is None else _library()
+    library = None if head is None else _LOADER.get()
     if head is None or library is None:
         return None
     args = (ctypes.c_int64 * 14)(*head, 0, 0, 0, _threads(x.numel()))
@@ -182,7 +182,7 @@ def bound_dequantize(
 ) -> BoundDequantize | None:
     """:func:`dequantize_rows` of these tensors, checked now (see :func:`bound_quantize`)."""
     found = _dequantize_args(packets, bits, block, out, length, add_rows)
-    library = None if found is None else _library()
+    library = None if found is None else _LOADER.get()
     if found is None or library is None:
         return None
     args = (ctypes.c_int64 * len(found))(*found)
@@ -207,7 +207,7 @@ def bound_keep_if_not_finite(
     found = _packets_fit(packets, rows, length, bits, block)
     n = now.numel()
     fits = all(_flat(t, torch.float32, n) for t in (now, kept))
-    library = None if found is None or not fits else _library()
+    library = None if found is None or not fits else _LOADER.get()
     if found is None or library is None:
         return None
     at, stride = found
@@ -270,7 +270,7 @@ def bfloat16_scaled(x: torch.Tensor, out: torch.Tensor, world: int) -> bool:
     n = x.numel()
     if world < 1 or not (_flat(x, torch.float32, n) and _flat(out, torch.bfloat16, n)):
         return False
-    library = _library()
+    library = _LOADER.get()
     if library is None:
         return False
     # Multiplying by 1 / world is the division's bits where that is exact: a power of two.
@@ -300,7 +300,7 @@ def _base13(name: str, source: torch.Tensor, target: torch.Tensor, size: int, ou
     target_at = _plain_rows(target, torch.uint8, rows, quads * out, aligned=False)
     if columns % size or source_at is None or target_at is None:
         return False
-    library = _library()
+    library = _LOADER.get()
     if library is None:
         return False
     getattr(library, name)(source_at[0], source_at[1], target_at[0], target_at[1], rows, quads)
@@ -368,10 +368,6 @@ def _threads(elements: int) -> int:
     if elements < 2 * _ELEMENTS_PER_THREAD:  # most calls: one thread, without asking torch
         return 1
     return max(1, min(torch.get_num_threads(), elements // _ELEMENTS_PER_THREAD))
-
-
-def _library() -> ctypes.CDLL | None:
-    return _LOADER.get()
 
 
 def _load() -> ctypes.CDLL | None:

@@ -16,8 +16,6 @@ bytes, at any world size; 0.121 with ``packed`` 4-bit codes (:mod:`commhooks.com
 Hook modules must not use ``from __future__ import annotations``: DDP rejects string annotations.
 """
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
@@ -59,23 +57,17 @@ def quantized_hook(
         state: the :class:`QuantizationState` with the options and memories.
         bucket: the gradient bucket DDP hands to the hook (or anything with its methods).
     """
-    if type(state) is not QuantizationState:  # (the exact type: no isinstance a bucket)
-        state = _check_state(state)
+    if type(state) is not QuantizationState and not isinstance(state, QuantizationState):
+        raise TypeError(  # (the exact type first: no isinstance a bucket)
+            f"{HOOK} needs a commhooks.QuantizationState as its state, got "
+            f"{type(state).__name__}. Register it as "
+            f"ddp_model.register_comm_hook(QuantizationState(None, bits=8), {HOOK})."
+        )
     buffer = float_buffer(bucket, HOOK)
     group = state.prepare()
     if state.settings.on_nonfinite == REPAIR:
         return repaired(REPAIR, bucket, group, HOOK, lambda: _average(state, bucket, buffer, group))
     return _average(state, bucket, buffer, group)
-
-
-def _check_state(state: Any) -> QuantizationState:
-    if not isinstance(state, QuantizationState):
-        raise TypeError(
-            f"{HOOK} needs a commhooks.QuantizationState as its state, got "
-            f"{type(state).__name__}. Register it as "
-            f"ddp_model.register_comm_hook(QuantizationState(None, bits=8), {HOOK})."
-        )
-    return state
 
 
 def _average(
