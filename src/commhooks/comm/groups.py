@@ -36,17 +36,19 @@ def resolve_group(group: Any, *, owner: str = "this hook") -> dist.ProcessGroup:
         ValueError: this rank is not a member of ``group``.
         TypeError: ``group`` is neither a process group nor ``None``.
     """
-    if group is None:
-        group = dist.group.WORLD  # None until torch.distributed is initialised
-    # The usual case, asked once a bucket: the exact type first, as ``isinstance`` on torch's
-    # group class takes a Python-level check (about 0.2 us).
-    if type(group) is dist.ProcessGroup:
-        return group
-    if group is None or not dist.is_initialized():
+    if group is None:  # the usual case, asked once a bucket
+        world = dist.group.WORLD  # None until torch.distributed is initialised
+        if world is not None:
+            return world
+    if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             f"{owner} needs torch.distributed: call torch.distributed.init_process_group(...) "
             "before the first backward pass."
         )
+    # The exact type first (asked once a bucket): ``isinstance`` on torch's group class takes
+    # a Python-level check, about 0.2 us.
+    if type(group) is dist.ProcessGroup:
+        return group
     if group is dist.GroupMember.NON_GROUP_MEMBER:
         raise ValueError(
             f"{owner}: this rank (global rank {dist.get_rank()}) is not a member of the process "
