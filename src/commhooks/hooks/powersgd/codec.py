@@ -44,7 +44,7 @@ class Snapshot:
     rng: RngState
     world_size: int | None
     rank: int | None
-    place: dict[str, int | str] | None  # mesh coordinates (commhooks.place); None: not saved
+    place: dict[str, int | str]  # mesh coordinates (commhooks.place)
     memory: ErrorFeedback
     factors: FactorMemory
     layouts: dict[str, tuple[int, ...]]
@@ -76,7 +76,7 @@ def encode(snap: Snapshot, options: PowerSGDOptions) -> dict[str, Any]:
         },
         "world_size": -1 if snap.world_size is None else snap.world_size,
         "rank": -1 if snap.rank is None else snap.rank,
-        "place": {} if snap.place is None else dict(snap.place),
+        "place": dict(snap.place),
         "error": snap.memory.state_dict(),
         **snap.factors.state_dict(),
         "layouts": {k: list(v) for k, v in snap.layouts.items()},
@@ -129,7 +129,7 @@ def _parse(
         rng=_rng(sd["rng"]),
         world_size=_known(check_count("world_size", sd["world_size"], minimum=-1)),
         rank=_known(check_count("rank", sd["rank"], minimum=-1)),
-        place=None if sd.get("place") is None else place.checked("place", sd["place"]),
+        place=place.checked("place", sd["place"]),
         memory=memory,
         factors=factors,
         layouts=_layouts(sd["layouts"]),

@@ -105,7 +105,6 @@ class PowerSGDState(HookState):
         self.memory = ErrorFeedback(codec.OWNER, self.describe, lowrank.plausible_residual)
         self.factors = FactorMemory(codec.OWNER, self.describe)
         self.layouts: dict[str, tuple[int, ...]] = {}
-        # (size, rank, mesh place) a loaded state was saved at; None where not known
         self._saved_world: SavedPlace = (None, None, None)
         self._restore_transient()
 
