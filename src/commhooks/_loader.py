@@ -1,11 +1,8 @@
 """A family of fused kernels, loaded on first use, that callers can turn off for a while.
 
-The CPU kernels (:mod:`commhooks.compress.cpu_kernels`) and the Triton kernels
-(:mod:`commhooks.compress.triton_launch`) are both optional: loading them may fail, or
-be refused by an environment variable, and the callers then run PyTorch's eager operations,
-with the same bits. Tests and benchmarks compare the two forms by turning the kernels off in
-the whole process (a hook's later phases run on the backend's threads), which
-:meth:`KernelLoader.disabled` does.
+The CPU and Triton kernels are optional: where they do not load, callers run PyTorch's eager
+operations, with the same bits. Tests compare the two forms by turning the kernels off in the
+whole process (a hook's later phases run on the backend's threads): :meth:`KernelLoader.disabled`.
 """
 
 import contextlib

@@ -15,17 +15,9 @@ MAX_DEPTH = 64
 
 
 def load_strictly(yaml: Any, text: "str | IO[str]", name: str | None = None) -> Any:
-    """Parse one YAML document from ``text`` (a string or a readable file) with ``yaml``.
-
-    Args:
-        yaml: the PyYAML module (imported by the caller, which explains how to install it).
-        text: the document, or a file opened for reading.
-        name: what to call the document in messages; a file's own ``name`` by default.
-
-    Raises:
-        ValueError: a key given twice in one mapping, or nesting deeper than :data:`MAX_DEPTH`,
-            naming the document and line.
-    """
+    """Parse one YAML document from ``text`` (a string or a readable file) with ``yaml``, the
+    PyYAML module; ``name`` (a file's own by default) names it in the ``ValueError`` for a key
+    given twice or nesting deeper than :data:`MAX_DEPTH`."""
     if name is None:
         name = str(getattr(text, "name", "<yaml text>"))
     loader = _strict_loader(yaml)(text)

@@ -1,10 +1,9 @@
 """Save and restore a trainer's model, optimizer and hook states together, all or nothing.
 
-``torch.load`` of a truncated or foreign file fails with an unpickling error that does not say
-which file or what to do, and a trainer that loads its model, then its optimizer, then a hook
-state that turns out to be wrong is left half restored. :func:`load` reads and checks the whole
-file first, then loads each object, and if any object refuses its entry, puts back the ones it
-already changed::
+``torch.load`` of a truncated or foreign file fails without saying which file or what to do,
+and a trainer whose hook state turns out wrong after its model loaded is left half restored.
+:func:`load` checks the whole file first, and if any object refuses its entry, puts back the
+ones it changed::
 
     commhooks.checkpoint.save("ckpt.pt", model=ddp.module, optimizer=opt, hook=state)
     ...
@@ -52,12 +51,8 @@ class CheckpointError(ValueError):
 
 
 def save(path: PathLike, **objects: Stateful) -> None:
-    """Write every object's ``state_dict()`` to ``path``, atomically and durably.
-
-    The file is written next to ``path``, flushed to disk and renamed into place, so a crash
-    at any moment leaves under the final name either the previous file or the new one, whole.
-    Temporary files that an earlier, killed save to the same target left behind are removed.
-    """
+    """Write every object's ``state_dict()`` to ``path``, atomically and durably: a crash at
+    any moment leaves the previous file or the new one, whole (see :func:`write_atomically`)."""
     if not objects:
         raise ValueError("checkpoint.save needs at least one object, e.g. save(path, hook=state).")
     payload = {
@@ -69,12 +64,9 @@ def save(path: PathLike, **objects: Stateful) -> None:
 
 
 def write_atomically(obj: Any, path: PathLike) -> None:
-    """``torch.save`` to a temporary file beside ``path``, then rename it into place.
-
-    The temporary file and the directory are ``fsync``-ed before the rename (the new content
-    is on disk before its name is) and the directory after it (the rename is). Leftovers of
-    earlier saves to ``path`` that were killed are removed first.
-    """
+    """``torch.save`` to a temporary file beside ``path``, ``fsync``-ed with its directory,
+    then renamed into place and the directory ``fsync``-ed again, so the content is on disk
+    before its name is. Leftovers of killed saves to ``path`` are removed first."""
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     remove_leftovers(path)
@@ -96,15 +88,9 @@ def write_atomically(obj: Any, path: PathLike) -> None:
 
 
 def remove_leftovers(path: PathLike) -> list[str]:
-    """Remove the temporary files that killed saves to ``path`` left beside it.
-
-    A file is a leftover when its writer is a process of this machine that no longer runs,
-    or (its writer unknown: another machine, an earlier release's name) when it has not
-    changed for ten minutes. Saves still under way are never touched.
-
-    Returns:
-        the paths removed.
-    """
+    """Remove (and return) the temporary files killed saves to ``path`` left beside it: those
+    of a process of this machine that no longer runs, or of an unknown writer, unchanged for
+    ten minutes. Saves under way are never touched."""
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     removed = []
@@ -198,11 +184,9 @@ def read(path: PathLike) -> dict[str, Any]:
 def load(path: PathLike, **objects: Stateful) -> list[str]:
     """Restore each object from the entry of the same name in ``path``, all or nothing.
 
-    Entries of the file that no object was given for are left alone, with a warning that
-    names them (a resumed trainer that forgot one would otherwise start it afresh silently).
-
     Returns:
-        the names of the file's entries that were not loaded, sorted.
+        the names of the file's entries no object was given for, sorted, also named in a
+        warning (a resumed trainer that forgot one would otherwise restart it silently).
 
     Raises:
         CheckpointError: the file is unreadable, foreign, lacks an entry, or an object rejects
@@ -252,18 +236,15 @@ _REFUSALS = (
 
 
 def read_weights_only(path: PathLike, *, what: str) -> Any:
-    """``torch.load(path, weights_only=True)`` with errors that say what is wrong with the file.
-
-    Never suggests loading with ``weights_only=False``: a file that safe loading refuses may
-    run code when loaded unsafely.
-    """
+    """``torch.load(path, weights_only=True)`` with errors that say what is wrong with the file
+    (never to load it with ``weights_only=False``, which could run its code)."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"no {what} file at {path}.")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        refused = _refusal(str(exc))
+        refused = next((r for r in _reasons(str(exc)) if any(m in r for m in _REFUSALS)), None)
         if refused is not None:
             raise CheckpointError(
                 f"{path} holds pickled Python objects, which a weights-only load refuses "
@@ -277,11 +258,8 @@ def read_weights_only(path: PathLike, *, what: str) -> Any:
 
 
 def _reasons(text: str) -> list[str]:
-    """The unpickler's own lines in a ``torch.load`` error, without torch's advice.
-
-    Torch wraps every weights-only failure in advice to retry with ``weights_only=False``,
-    the opposite of ours, and adds it even when the file is just not a torch file.
-    """
+    """The unpickler's own lines in a ``torch.load`` error, without torch's advice to retry
+    with ``weights_only=False``, the opposite of ours."""
     text = text.replace("WeightsUnpickler error:", "\n")
     lines = [line.strip() for line in text.splitlines()]
     return [
@@ -291,10 +269,6 @@ def _reasons(text: str) -> list[str]:
         and "weights_only" not in line
         and not line.startswith(("Weights only load failed", "Check the documentation"))
     ]
-
-
-def _refusal(text: str) -> str | None:
-    return next((r for r in _reasons(text) if any(m in r for m in _REFUSALS)), None)
 
 
 def _first_reason(text: str) -> str:

@@ -65,21 +65,16 @@ StateMaker = Callable[[dist.ProcessGroup | None, Mapping[str, Any]], Any]
 
 @dataclass(frozen=True)
 class HookSpec:
-    """How to build and register one kind of hook.
-
-    A hook with an options class is declared with :meth:`of`, which derives the option names,
-    the required ones and the validation from that class.
+    """How to build and register one kind of hook; one with an options class is declared with
+    :meth:`of`, which derives the rest from that class.
 
     Attributes:
-        hook: the hook function.
         make_state: builds the state from ``(process_group, options)``; ``None`` when the state
             is the process group itself.
         options: the option names the hook uses; its state may accept more (the PowerSGD
             hooks share one state class), but an option the hook would ignore is refused.
-        required: the options that have no default and must be given.
         notes: for options of related hooks that this one refuses, why, and what to use
             instead; the error message ends with it.
-        settings: the hook's options class, whose checks validate the values too.
         fixed: options the hook sets itself, which the user may not give.
     """
 
@@ -102,15 +97,8 @@ class HookSpec:
     ) -> "HookSpec":
         """The spec of a hook whose options are the fields of ``settings``.
 
-        Args:
-            hook: the hook function.
-            settings: its options class: names, defaults and checks come from it.
-            make_state: builds the state from ``(process_group, options)``; it receives the
-                ``fixed`` options with the user's.
-            fixed: options this hook sets itself (refused from the user, who is told why in
-                ``notes``).
-            notes: options of ``settings`` that this hook refuses, each with why and what to
-                use instead.
+        ``make_state`` receives the ``fixed`` options with the user's; the options in
+        ``fixed`` and ``notes`` are refused from the user, who is told why by ``notes``.
         """
         fixed, notes = dict(fixed or {}), dict(notes or {})
 
@@ -128,20 +116,10 @@ class HookSpec:
             fixed,
         )
 
-    def check_values(self, options: Mapping[str, Any]) -> None:
-        """Raise ``ValueError`` for an option value (or combination) the hook's options refuse."""
-        if self.settings is not None:
-            self.settings.from_mapping({**self.fixed, **options})
-
 
 def _specs() -> dict[CommHookType, HookSpec]:
     # Imported here so that ``import commhooks.config`` stays cheap and cycle-free.
-    from commhooks.hooks import (
-        allreduce_hook,
-        bf16_compress_hook,
-        fp16_compress_hook,
-        noop_hook,
-    )
+    from commhooks.hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook, noop_hook
     from commhooks.hooks.local_sgd import (
         PostLocalSGDOptions,
         post_localSGD_hook,
@@ -268,11 +246,8 @@ _UNWRAPPED = (CommHookType.INT8, CommHookType.INT4)
 def parse_name(
     value: Any, what: str, allowed: tuple[CommHookType, ...] | None = None
 ) -> CommHookType:
-    """Turn an enum member or its string (any case) into a ``CommHookType``, or explain.
-
-    Raises:
-        ValueError: listing the valid names, with the nearest one when there is a likely typo.
-    """
+    """An enum member or its string (any case) as a ``CommHookType``; else ``ValueError``
+    listing the valid names, with the nearest one where there is a likely typo."""
     valid = allowed or tuple(_specs())
     if isinstance(value, Enum) and not isinstance(value, CommHookType):
         value = value.value  # another library's names, e.g. Accelerate's DDPCommunicationHookType
@@ -347,11 +322,9 @@ class HookConfig:
 
     The mapping form is flat: ``{"hook": "power_sgd", "wrapper": "fp16",
     "matrix_approximation_rank": 2}``, so ``register(ddp_model, **config.to_dict())`` works.
-    ``from_dict`` also reads the options nested under ``"options"`` and Accelerate's key names
-    (``comm_hook``, ``comm_wrapper``, ``comm_state_option``).
-
-    Names, option names and (for hooks with an options class) option values are checked when
-    the config is built; the backend when it is registered.
+    ``from_dict`` also reads options nested under ``"options"`` and Accelerate's key names
+    (``comm_hook``, ``comm_wrapper``, ``comm_state_option``). Everything but the backend is
+    checked when the config is built; the backend when it is registered.
 
     Attributes:
         hook: the hook (a name is normalised to its ``CommHookType``).
@@ -397,7 +370,8 @@ class HookConfig:
                 f"allreduce. Use hook='allreduce', wrapper='{self.wrapper}' "
                 f"(or simply hook='{self.wrapper}')."
             )
-        spec.check_values(self.options)
+        if spec.settings is not None:  # the values, and how they go together
+            spec.settings.from_mapping({**spec.fixed, **self.options})
 
     @property
     def stateful(self) -> bool:
@@ -456,18 +430,15 @@ class HookConfig:
     def from_yaml(cls, text: "str | IO[str]", *, name: str | None = None) -> "HookConfig":
         """Build from a YAML mapping: its text, or an open file. Needs PyYAML.
 
-        Stricter than ``yaml.safe_load``, which keeps the last of two equal keys without a word
-        and overflows Python's stack on deeply nested input: a key given twice in one mapping,
-        or nesting deeper than a configuration needs, raises ``ValueError`` naming the file and
-        line.
+        Stricter than ``yaml.safe_load`` (see :mod:`commhooks._yaml`): a key given twice, or
+        nesting deeper than a configuration needs, raises ``ValueError`` naming file and line.
 
         Args:
             text: the YAML text, or a file opened for reading (its ``name`` is used in messages).
             name: the file's name for messages, when ``text`` is its contents.
 
         Raises:
-            ValueError: a duplicate key, too deep nesting, a document that is not a mapping
-                (a list, a bare value, nothing), or an invalid configuration.
+            ValueError: also a document that is not a mapping, or an invalid configuration.
             yaml.YAMLError: text that is not YAML.
         """
         from commhooks._yaml import load_strictly
@@ -482,11 +453,8 @@ class HookConfig:
 
 
 def _mapping_from_text(loaded: Any, form: str, source: str) -> Mapping[str, Any]:
-    """What a JSON or YAML text held, if it is the mapping form of a configuration.
-
-    ``from_dict`` takes a Python object and calls a non-mapping a ``TypeError``; in a text,
-    the same mistake is a wrong value (a list of options, an empty file), so ``ValueError``.
-    """
+    """What a JSON or YAML text held, if it is the mapping form of a configuration: in a text,
+    a non-mapping is a wrong value (a list of options, an empty file), so ``ValueError``."""
     if isinstance(loaded, Mapping):
         return loaded
     got = "nothing" if loaded is None else f"a {type(loaded).__name__}"
@@ -523,8 +491,8 @@ def register(
 ) -> Any:
     """Build the state for ``hook`` from ``options``, wrap, register on ``ddp_model``.
 
-    Everything that can be checked is checked before the hook is registered, so a mistake
-    raises here, once, with the fix, rather than from inside the first backward pass.
+    Everything is checked first, so a mistake raises here, with the fix, rather than from
+    inside the first backward pass.
 
     Args:
         ddp_model: a ``DistributedDataParallel`` model without a hook yet.
@@ -539,9 +507,8 @@ def register(
         process group, whose state dict is an empty, versioned entry.
 
     Raises:
-        ValueError: unknown hook, wrapper or option; an option the hook does not take; a wrapper
-            with hook ``"no"``; bf16 on a backend without bf16; a model that already has a hook;
-            a process group this rank is not in.
+        ValueError: an unknown or unfit hook, wrapper or option; bf16 on a backend without it;
+            a model that already has a hook; a process group this rank is not in.
         TypeError: ``ddp_model`` is not a ``DistributedDataParallel`` model.
     """
     return register_from_config(
@@ -622,12 +589,8 @@ def _check_target(
 
 
 def _check_same_ranks(group: dist.ProcessGroup, ddp_group: dist.ProcessGroup | None) -> None:
-    """Refuse a hook group whose ranks are not the DDP model's, before anything communicates.
-
-    A hook that averages over other ranks than DDP's leaves some DDP ranks waiting for
-    gradients that never come: later collectives then time out without naming the cause.
-    Every rank knows both groups' ranks here, so every rank raises the same error at once.
-    """
+    """Refuse a hook group whose ranks are not the DDP model's: DDP ranks outside it would
+    wait for gradients that never come, and time out without naming the cause."""
     mine, ddp = comm.global_ranks(group), comm.global_ranks(ddp_group)
     if sorted(mine) != sorted(ddp):
         raise ValueError(
@@ -665,8 +628,3 @@ def _nccl_version() -> tuple[int, ...] | None:
     except Exception:  # no CUDA build: nothing to check against
         return None
     return tuple(version) if isinstance(version, tuple) else None
-
-
-def options_of(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The hook options in a flat config mapping (everything but ``hook``/``wrapper``)."""
-    return {k: v for k, v in config.items() if k not in ("hook", "wrapper", "process_group")}

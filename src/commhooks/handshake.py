@@ -1,28 +1,17 @@
 """The one cross-rank check a hook makes at its first call on a process group.
 
-Ranks that registered different hooks, wrappers or state options issue collectives of different
-kinds or sizes: gloo then aborts the process ("Received data size doesn't match"), NCCL hangs,
-and either way the message names neither hook. So before its first collective on a group,
-every commhooks hook gathers one small record from every rank of the group (the hook's name,
-its wrapper's, and what its state needs every rank to agree on) and, if any record differs,
-every rank raises the same ``ValueError`` naming what each rank runs.
+Ranks that registered different hooks, wrappers or options issue collectives of different
+kinds or sizes: gloo aborts ("Received data size doesn't match"), NCCL hangs, and neither names
+the hook. So before its first collective on a group every hook gathers one small record from
+every rank (its name, its wrapper's, its state's :meth:`handshake_fields`), and if any differs
+every rank raises the same ``ValueError`` naming what each runs. It is one ``all_gather_object``
+whatever the hook, so ranks running different hooks still meet in it instead of deadlocking.
 
-It is exactly one ``all_gather_object`` at the first call, whatever the hook: stateless and
-stateful hooks and wrappers all issue the same collective there, so ranks that run different
-kinds of hooks still meet in it and report the difference instead of deadlocking.
-
-Who calls what (always on DDP's thread, before the hook's first collective):
-
-* a stateless hook calls :func:`once` with its group and name; the check is remembered per
-  group (weakly: a destroyed group is forgotten) and per hook and wrapper;
-* a stateful hook calls :func:`agree` with its state whenever the state has not been checked
-  on that group yet; the state keeps that memory and forgets it when it loads a state dict or
-  is bound to another group. The state's :meth:`handshake_fields` says what must agree;
-* a wrapper runs its inner hook inside :func:`wrapping`, which does the check for both; the
-  inner hook's own :func:`once` or :func:`agree` then gathers nothing at that call.
-
-The gather goes through :mod:`commhooks.comm`, on the hook's group, so it waits for a missing
-peer at most that group's timeout.
+On DDP's thread, before the hook's first collective: a stateless hook calls :func:`once`
+(remembered per group, weakly, and per hook and wrapper); a stateful one :func:`agree`
+whenever its state has not been checked on that group (the state forgets it when it loads a
+state dict or is bound anew); a wrapper runs its inner hook inside :func:`wrapping`, which
+checks for both.
 """
 
 import contextlib
@@ -58,10 +47,8 @@ _checked: "dict[int, tuple[weakref.ref[dist.ProcessGroup], set[tuple[str, str | 
 
 
 def once(group: dist.ProcessGroup, hook: str) -> None:
-    """Check, the first time ``hook`` runs on ``group``, that every rank runs the same.
-
-    For hooks without a state. Blocking, one gather, on the first call per group only (and
-    none when a wrapper has just checked for this call).
+    """For a hook without a state: check, the first time ``hook`` runs on ``group``, that
+    every rank runs the same (one blocking gather, none where a wrapper just checked).
 
     Raises:
         ValueError: on every rank, when any rank of ``group`` runs another hook or wrapper.
@@ -77,15 +64,12 @@ def once(group: dist.ProcessGroup, hook: str) -> None:
 
 
 def agree(group: dist.ProcessGroup, hook: str, state: Any, reloaded: str | None = None) -> None:
-    """Check that every rank runs ``hook`` with a state that agrees on its fields.
-
-    For stateful hooks: call it when ``state`` has not been checked on ``group`` yet (it has
-    no memory of its own). Blocking, one gather, unless a wrapper has just checked this call.
+    """For a stateful hook whose state has not been checked on ``group``: check that every
+    rank runs ``hook`` with a state that agrees on its fields (one blocking gather).
 
     Args:
-        reloaded: set when the check is made again because this rank's state loaded a state
-            dict that changed its fields mid-run; it says how, for the message this rank raises
-            if the other ranks never join the check (they did not load one).
+        reloaded: how this rank's state changed its fields by loading a state dict mid-run,
+            for the message it raises if the other ranks (which did not) never join.
 
     Raises:
         ValueError: on every rank, naming the hook and wrapper of each rank or, if those
@@ -113,12 +97,8 @@ def agree(group: dist.ProcessGroup, hook: str, state: Any, reloaded: str | None 
 
 @contextlib.contextmanager
 def wrapping(wrapper: str, hook: Any, state: Any, group: dist.ProcessGroup) -> Iterator[None]:
-    """Run the inner hook of ``wrapper`` in this context: one check covers both.
-
-    The first time this wrapper and hook run on ``group``, every rank gathers its record
-    (with the state's fields); the inner hook's own check then returns at once. Later calls
-    gather nothing here, and the inner hook of a stateful state that forgot its check (after
-    loading a state dict) checks again itself, with the wrapper's name.
+    """Run the inner hook of ``wrapper`` in this context: one check covers both, the first
+    time they run on ``group`` (a state that forgot its check later checks again itself).
 
     Raises:
         ValueError: as :func:`agree`, on every rank.
@@ -140,14 +120,14 @@ def wrapping(wrapper: str, hook: Any, state: Any, group: dist.ProcessGroup) -> I
 
 
 def check_fields(fields: Mapping[str, Any], group: dist.ProcessGroup, *, owner: str) -> None:
-    """Raise on every rank if any of ``fields`` differs between the ranks of ``group``.
-
-    For objects that are not hooks (the model averagers): one blocking gather, no memory.
+    """For objects that are not hooks (the averagers): raise on every rank if any of
+    ``fields`` differs between the ranks of ``group`` (one blocking gather).
 
     Raises:
         ValueError: naming each differing field and its value on every rank.
     """
-    _gather_and_compare(group, {"hook": owner, "wrapper": None, "state": owner, **_as(fields)})
+    record = {"hook": owner, "wrapper": None, "state": owner, "fields": dict(fields)}
+    _gather_and_compare(group, record)
 
 
 def hook_name(hook: Any) -> str:
@@ -161,18 +141,13 @@ def fields_of(state: Any) -> dict[str, Any]:
     return dict(method()) if callable(method) else {}
 
 
-def _as(fields: Mapping[str, Any]) -> dict[str, Any]:
-    return {"fields": dict(fields)}
-
-
 def _record(hook: str, wrapper: str | None, state: Any) -> dict[str, Any]:
     owner = type(state).__name__ if state is not None else None
-    return {"hook": hook, "wrapper": wrapper, "state": owner, **_as(fields_of(state))}
+    return {"hook": hook, "wrapper": wrapper, "state": owner, "fields": fields_of(state)}
 
 
 def _seen(group: dist.ProcessGroup, identity: tuple[str, str | None]) -> bool:
-    # No lock: one dictionary lookup and one set membership, each atomic, and a stale
-    # answer only makes the caller check again (once a bucket, so it must stay cheap).
+    # No lock (asked once a bucket): each lookup is atomic, and a stale answer checks again.
     entry = _checked.get(id(group))
     return entry is not None and entry[0]() is group and identity in entry[1]
 
@@ -204,7 +179,7 @@ def _gather_and_compare(group: dist.ProcessGroup, record: dict[str, Any]) -> Non
             "hook and wrapper on every rank (e.g. commhooks.register with the same arguments "
             "everywhere)."
         )
-    message = _differing_fields(records)
+    message = comm.differing(dict(enumerate(r.get("fields", {}) for r in records)))
     if message:
         raise ValueError(
             f"{record['state'] or record['hook']} was configured differently on different ranks "
@@ -226,14 +201,4 @@ def _by_rank(runs: list[str]) -> str:
     return "; ".join(
         ("rank " if len(r) == 1 else "ranks ") + ", ".join(map(str, r)) + f": {run}"
         for run, r in ranks.items()
-    )
-
-
-def _differing_fields(records: list[dict[str, Any]]) -> str:
-    fields = [r.get("fields", {}) for r in records]
-    names = sorted(set().union(*(f.keys() for f in fields)))
-    differing = [n for n in names if any(f.get(n) != fields[0].get(n) for f in fields)]
-    return "; ".join(
-        f"{n}: " + ", ".join(f"rank {r}={f.get(n)!r}" for r, f in enumerate(fields))
-        for n in differing
     )

@@ -17,16 +17,11 @@ __all__ = ["ParameterNumbering"]
 class ParameterNumbering:
     """Numbers parameters from the end of DDP's list, the same for any bucket size.
 
-    DDP's first step hands the hooks either one bucket with all its parameters in their order,
-    or (with ``find_unused_parameters=True``) buckets of ``bucket_cap_mb`` that each hold a run
-    of consecutive parameters in order, the last run first. Numbering each bucket's new
-    parameters from its end, in the order the buckets come, gives the last parameter 0, the one
-    before it 1, and so on in either case: a resumed run finds each parameter's state whatever
-    its bucket sizes. (Not with parameters of several dtypes and ``find_unused_parameters=True``:
-    DDP then buckets each dtype apart, and the runs of the dtypes interleave by bucket size.)
-
-    Parameters are held by weak reference: the numbering never keeps a model alive. The
-    numbering itself is not saved: it is found again at the first step.
+    DDP's first step hands the hooks one bucket of all its parameters, or (with
+    ``find_unused_parameters=True``) buckets of consecutive runs, the last run first. Numbering
+    each bucket's new parameters from its end gives the last parameter 0, the one before it 1,
+    and so on either way (not where several dtypes are bucketed apart). Parameters are held
+    weakly; the numbering is not saved but found again at the first step.
     """
 
     def __init__(self) -> None:
@@ -61,8 +56,7 @@ class ParameterNumbering:
         return tuple(known[id(p)] for p in params)
 
     def _known(self, params: Sequence[torch.Tensor]) -> tuple[int, ...] | None:
-        """The numbers of ``params`` if every one was seen before, else ``None`` (one lookup a
-        parameter: asked at every bucket of every step)."""
+        """The numbers of ``params`` if every one was seen before (asked at every bucket)."""
         numbers = self._numbers
         out = []
         for p in params:

@@ -1,11 +1,10 @@
 """Typed, frozen options objects: every option of a hook or averager spelled once, with its reason.
 
-Each stateful object of the package takes its options through one frozen dataclass derived
-from :class:`Options`. A field carries its default, a one-line reason (why a user would change
-it) and a checker; the checks run when the object is built, so a bad value is reported where it
-was written, with the fix, and never from inside a backward pass. Everything else that needs the
-options (``register``, ``HookConfig``, the integrations, the bench, state dicts) reads them from
-the class: names, defaults, reasons and the validation come from one place.
+Each stateful object takes its options through one frozen dataclass derived from
+:class:`Options`. A field carries its default, a one-line reason (why a user would change it)
+and a checker, run when the object is built, so a bad value is reported where it was written,
+never from inside a backward pass. Everything else (``register``, ``HookConfig``, the
+integrations, state dicts) reads names, defaults, reasons and checks from the class.
 
 Example::
 
@@ -58,9 +57,8 @@ def option(
 class Options:
     """Base of every options object: checks each field when built, describes the fields.
 
-    Subclasses are ``@dataclass(frozen=True, kw_only=True)``, set :attr:`owner` (the name users
-    see in messages, e.g. ``"PowerSGDState"``), declare fields with :func:`option`, and may
-    override :meth:`check_together` for rules that tie several options.
+    Subclasses are ``@dataclass(frozen=True, kw_only=True)``, set :attr:`owner` (the name in
+    messages), declare fields with :func:`option`, and may override :meth:`check_together`.
     """
 
     owner: ClassVar[str] = "options"
@@ -148,13 +146,10 @@ class _Configured(Protocol):
 
 
 class SettingView(Generic[V]):
-    """A read-only attribute of a state that shows one field of its options (``settings``).
-
-    States keep the attributes of the objects they port (``state.matrix_approximation_rank``
-    on a PowerSGD state) while their options are spelled, and checked, once, in their options
-    class. Options are fixed when the state is built: assigning raises ``AttributeError``
-    naming the fix, since ranks that changed an option apart would issue different collectives.
-    """
+    """A read-only attribute of a state showing one field of its ``settings``: the attributes
+    of the states they port (``state.matrix_approximation_rank``), spelled once. Assigning
+    raises ``AttributeError`` naming the fix: ranks that changed an option apart would issue
+    different collectives."""
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
@@ -190,16 +185,12 @@ def _refuse(owner: str, name: str, value: Any, rule: str, hint: str) -> ValueErr
 
 
 def _refuse_non_integer(owner: str, name: str, value: Any) -> None:
-    """Every option declared ``int`` (or ``int | None``, when given) is given as an ``int``,
-    whatever its checker.
-
-    A checker that compares with ``==`` (``one_of(8, 4)``) would take ``8.0`` or ``True``; the
-    value would then pass the ranks' handshake against ``8`` and fail inside the first backward
-    pass, on one rank only. One that returns ``int(value)`` would keep the option an integer,
-    but the configuration that gave ``8.0`` (a YAML file, a mapping) would still hold it.
-    """
+    """An option declared ``int`` (or ``int | None``, when given) is given as an ``int``,
+    whatever its checker: ``one_of(8, 4)`` would take ``8.0``, which would pass the ranks'
+    handshake and fail inside a backward pass, and a configuration would still hold it."""
     if not _is_integer(value):
-        shown = f" ({int(value)} without the point)" if _whole_float(value) else ""
+        whole = isinstance(value, float) and value.is_integer()
+        shown = f" ({int(value)} without the point)" if whole else ""
         raise ValueError(
             f"{owner}: {name} must be an integer{shown}, not {type(value).__name__}; "
             f"got {name}={value!r}."
@@ -217,10 +208,6 @@ def _integer_kind(declared: Any) -> str | None:
     if typing.get_origin(declared) in (typing.Union, types.UnionType):
         return "optional" if set(typing.get_args(declared)) == {int, type(None)} else None
     return None
-
-
-def _whole_float(value: Any) -> bool:
-    return isinstance(value, float) and value.is_integer()
 
 
 def _is_numpy_bool(value: Any) -> bool:
@@ -253,11 +240,8 @@ def integer(minimum: int | None = None, maximum: int | None = None, hint: str = 
 
 
 def count(minimum: int, hint: str = "") -> Checker:
-    """A whole number of steps or items, at least ``minimum``, returned as ``int``.
-
-    Says "must be an integer" for a value of the wrong type and "must be >= minimum" for one
-    out of range: the wording the averagers and post-local SGD have always used.
-    """
+    """A whole number of steps or items, at least ``minimum``, returned as ``int``, in the
+    averagers' wording ("must be an integer", "must be >= minimum")."""
     tail = f" {hint}" if hint else ""
 
     def check(owner: str, name: str, value: Any) -> int:
@@ -277,12 +261,8 @@ def real(
     keep_int: bool = False,
     finite: bool = True,
 ) -> Checker:
-    """A finite real number in ``[minimum, maximum]``, returned as ``float``.
-
-    ``keep_int`` returns integers unchanged (where PyTorch's own state keeps the type given).
-    ``finite=False`` also takes an infinity within the bounds (never NaN), where PyTorch's own
-    state gives it a meaning.
-    """
+    """A finite real number in ``[minimum, maximum]``, returned as ``float``; ``keep_int`` keeps
+    integers and ``finite=False`` takes an infinity, where PyTorch's own state does."""
     rule = ("a finite number" if finite else "a number") + _bounds(minimum, maximum)
 
     def check(owner: str, name: str, value: Any) -> float | int:
@@ -302,10 +282,8 @@ def real(
 
 
 def flag(hint: str = "", strict: bool = True) -> Checker:
-    """``True`` or ``False``; ``"False"`` (a string) is a common slip and refused.
-
-    ``strict=False`` also takes numpy booleans and the integers 0 and 1, as PyTorch's states do.
-    """
+    """``True`` or ``False`` (``"False"``, a string, is refused); ``strict=False`` also takes
+    numpy booleans and 0 and 1, as PyTorch's states do."""
 
     def check(owner: str, name: str, value: Any) -> bool:
         if isinstance(value, bool):
@@ -346,13 +324,7 @@ def _shown(bound: float) -> str:
 
 
 def nonfinite_option() -> Any:
-    """The ``on_nonfinite`` option every compressing hook takes, spelled once.
-
-    ``"propagate"`` (PyTorch's semantics): a sum that is not finite comes back as it is, and a
-    loss scaler skips the step; nothing is read back from the device. ``"repair"``: a bucket
-    whose compressed average is not finite is averaged again in full precision, at one wait for
-    the device a step (:mod:`commhooks.hooks.repair`).
-    """
+    """The ``on_nonfinite`` option every compressing hook takes (:mod:`commhooks.hooks.repair`)."""
     return option(
         "propagate",
         "'propagate' returns a non-finite average as plain allreduce would (a loss scaler then "

@@ -1,14 +1,9 @@
 """Where on a device mesh a rank's state lives, beyond its rank in the group it averages over.
 
-A hook state's error memories describe the elements this rank compresses. Under DDP those are
-fixed by the rank in the hook's group; under FSDP2 (:mod:`commhooks.fsdp`) the hook averages
-over the replicate group only, and the ranks of one shard group share their place in it while
-holding different rows of every parameter. A state saved by a shard neighbour then looks like
-this rank's own, so the place a state is saved at also names the rank's coordinate in the shard
-dimension and the layout of the shard it holds: a memory loaded elsewhere describes other
-elements and is reset (see the states' ``load_state_dict``).
-
-A place is a flat mapping of names to integers or strings, saved as it is in state dicts.
+A state's error memories describe the elements this rank compresses. Under FSDP2 the hook
+averages over the replicate group, where shard neighbours share their rank while holding other
+rows of every parameter: a state also saves its shard coordinate and layout, and a memory loaded
+at another place is reset. A place is a flat mapping of names to integers or strings.
 """
 
 import hashlib
@@ -28,11 +23,8 @@ MeshPlace = dict[str, int | str]
 def shard_place(
     shard_rank: int, shard_size: int, shards: Iterable[tuple[torch.Size, torch.Size]]
 ) -> MeshPlace:
-    """The place of a rank holding ``shards``: each parameter's ``(full shape, shard shape)``.
-
-    The layout is a digest of the shapes, the shard group's size and this rank's coordinate
-    in it: equal exactly where the same rows of the same parameters are held.
-    """
+    """The place of a rank holding ``shards`` (each parameter's full and shard shape): the
+    layout, a digest of them and the coordinate, is equal where the same rows are held."""
     text = ";".join(f"{tuple(full)}>{tuple(part)}" for full, part in shards)
     text += f"|{shard_rank}/{shard_size}"
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]

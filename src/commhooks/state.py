@@ -50,17 +50,10 @@ def check_tensor(
 ) -> torch.Tensor:
     """Return ``value`` if it is a tensor a state dict may hold, else raise ``StateDictError``.
 
-    A tensor from a file must be dense and contiguous (so it holds every element it claims: an
-    expanded, stride-0 tensor, copied or saved again, would allocate all of them), of the
-    expected dtype and shape when they are known, and finite unless told otherwise: a NaN in a
-    memory that is added to every step would poison training for good.
-
-    Args:
-        where: names the entry in the message, e.g. ``"PowerSGDState 'error'['3']"``.
-        value: the loaded object.
-        dtype, shape: what the entry must be, when known.
-        floating: the tensor must be of a floating-point dtype.
-        finite: every element must be finite.
+    A tensor from a file must be dense and contiguous (an expanded, stride-0 tensor, copied or
+    saved again, would allocate every element it claims), of the ``dtype`` and ``shape`` given,
+    floating point if ``floating``, and finite if ``finite``: a NaN in a memory added to every
+    step would poison training for good. ``where`` names the entry in the message.
     """
     if not isinstance(value, torch.Tensor):
         kind = "a floating-point tensor" if floating else "a tensor"
@@ -79,7 +72,6 @@ def check_tensor(
 
 
 def _check_storage(where: str, value: torch.Tensor) -> None:
-    """A dense, contiguous tensor that holds values (not on the 'meta' device)."""
     if value.layout != torch.strided or not value.is_contiguous():
         raise StateDictError(
             f"{where} must be a dense, contiguous tensor (as state_dict() saves it); got "
@@ -100,7 +92,6 @@ def _check_kind(
     shape: tuple[int, ...] | None,
     floating: bool,
 ) -> None:
-    """The dtype and shape asked for, where they are known."""
     if floating and value.dtype not in _FLOATING:
         raise StateDictError(
             f"{where} must be a floating-point tensor (float16, bfloat16, float32 or float64), "
@@ -137,17 +128,13 @@ def check_count(where: str, value: Any, minimum: int = 0) -> int:
 
 
 def check_optimizer_state(where: str, value: Any, params: Sequence[torch.Tensor]) -> dict[str, Any]:
-    """Return ``value`` if it is a ``torch.optim`` state dict whose tensors fit ``params``.
+    """Return ``value`` if it is a ``torch.optim`` state dict whose tensors fit ``params`` (in
+    the optimizer's order).
 
-    ``torch.optim.Optimizer.load_state_dict`` checks the parameter groups but takes the
-    per-parameter tensors (momentum, Adam's moments) as they come; one with a NaN would
-    poison every later step, one of another shape fails only at the next step. Each must be
-    dense, contiguous, finite, and a scalar or of its parameter's shape.
-
-    Args:
-        where: names the entry in messages.
-        value: the loaded object.
-        params: the parameters, in the order the optimizer numbers them.
+    ``Optimizer.load_state_dict`` takes the per-parameter tensors (momentum, Adam's moments)
+    as they come: one with a NaN would poison every later step, one of another shape fails only
+    at the next step. Each must be dense, contiguous, finite, and a scalar or of its parameter's
+    shape.
     """
     state = value.get("state") if isinstance(value, Mapping) else None
     if not isinstance(state, Mapping) or not isinstance(value.get("param_groups"), list):
@@ -173,20 +160,12 @@ def check_optimizer_state(where: str, value: Any, params: Sequence[torch.Tensor]
     return dict(value)
 
 
-def _default_group() -> dist.ProcessGroup | None:
-    """The default group where one exists: what PyTorch's reference states bind to on loading."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.group.WORLD
-    return None
-
-
 class HookState:
     """Process-group binding, pickling and the ``state_dict`` header shared by all states.
 
-    Subclasses set :attr:`kind`, implement :meth:`_save` and :meth:`_load`, and list in
-    :attr:`_transient` the attributes that must not be pickled (caches rebuilt on demand).
-    ``_load`` must validate everything before assigning anything, so a bad state dict leaves
-    the object as it was.
+    Subclasses set :attr:`kind`, implement :meth:`_save` and :meth:`_load` (which checks
+    everything before assigning anything, so a bad state dict changes nothing), and list in
+    :attr:`_transient` what is not pickled (caches rebuilt by :meth:`_restore_transient`).
     """
 
     kind: ClassVar[str] = "hook_state"
@@ -217,31 +196,25 @@ class HookState:
 
     @property
     def mesh_place(self) -> dict[str, int | str]:
-        """Where this rank sits beyond its place in :attr:`process_group` (see
-        :mod:`commhooks.place`): empty under DDP; under FSDP2, the shard coordinate and layout
-        (set by :func:`commhooks.fsdp.register`)."""
+        """Where this rank sits beyond its place in :attr:`process_group`
+        (:mod:`commhooks.place`): empty under DDP, the shard under FSDP2."""
         return dict(self.__dict__.get("_mesh_place", {}))
 
     def set_mesh_place(self, place: Mapping[str, int | str]) -> None:
-        """Record where on the mesh this rank's state lives; saved with the state by the hook
-        states that keep per-rank memories, and compared when one is loaded."""
+        """Record :attr:`mesh_place` (:func:`commhooks.fsdp.register` does); states with
+        per-rank memories save it and compare it when one is loaded."""
         self._mesh_place = dict(place)
 
     @property
     def on_nonfinite(self) -> str:
-        """What the hook does with a bucket whose average is not finite: ``"propagate"``
-        (return it, as plain allreduce would) or ``"repair"`` (average it again in full
-        precision); an option of the states whose hooks take it."""
+        """``"propagate"`` or ``"repair"``: the option of the states whose hooks take it."""
         settings = getattr(self, "settings", None)
         return str(getattr(settings, "on_nonfinite", "propagate"))
 
     def handshake_fields(self) -> dict[str, Any]:
-        """What every rank's copy of this state must agree on before its first collective.
-
-        Gathered once, at the hook's first call, with the hook's and wrapper's names (see
-        :mod:`commhooks.handshake`): options, and step counters that decide when the hook's
-        collectives change. Plain, picklable values. Default: nothing.
-        """
+        """What every rank's copy of this state must agree on before its first collective
+        (:mod:`commhooks.handshake`): options, and the step counters that decide when the
+        hook's collectives change, as plain picklable values."""
         return {}
 
     # -- pickling ---------------------------------------------------------------------------
@@ -254,11 +227,12 @@ class HookState:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._process_group = _default_group()
+        # The default group where one exists, as PyTorch's reference states bind on loading.
+        self._process_group = dist.group.WORLD if dist.is_initialized() else None
         self._restore_transient()
 
     def _restore_transient(self) -> None:
-        """Recreate what :attr:`_transient` dropped. Default: nothing."""
+        """Recreate what :attr:`_transient` dropped."""
 
     # -- state dicts ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -339,14 +313,11 @@ class StatelessOptions(Options):
 
 
 class StatelessState(HookState):
-    """The state of a hook that keeps none: the process group it communicates on, and what it
-    does with a non-finite average (:class:`StatelessOptions`).
+    """The state of a hook that keeps none: its process group and ``on_nonfinite``.
 
-    :func:`commhooks.register` returns one for every hook without a state of its own
-    (``allreduce``, ``fp16``, ``bf16``, ``noop``, and ``no``), so that whatever it returned can
-    be checkpointed: its state dict is an empty entry with a kind and a version, and loading a
-    dict saved by another kind of state raises ``StateDictError``. The stateless hooks accept
-    it as their state, as they accept the process group itself.
+    :func:`commhooks.register` returns one for every hook without a state of its own, so that
+    whatever it returned can be checkpointed (an empty entry with a kind and a version). The
+    stateless hooks accept it as their state, as they accept the process group itself.
     """
 
     kind: ClassVar[str] = "stateless"
@@ -365,4 +336,4 @@ class StatelessState(HookState):
         return {}
 
     def _load(self, state_dict: Mapping[str, Any]) -> None:
-        """Nothing to restore: the header was checked."""
+        pass  # the header was checked

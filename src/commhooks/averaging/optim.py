@@ -6,12 +6,10 @@
     loss.backward()
     opt.step()  # local step, then parameter averaging when due
 
-Kept so that code written for PyTorch ports by changing the import. It is a thin shell over
-:meth:`commhooks.averaging.averagers.ModelAverager.attach`, which new code can call directly: the
-averager is attached to the inner optimizer, so ``step()`` is the inner optimizer's. It is a
-``torch.optim.Optimizer`` (learning-rate schedulers accept it) whose ``state_dict`` holds the
-inner optimizer's state and the averager's and loads with ``weights_only=True``: the inner
-optimizer's own dict plus ``step`` (PyTorch's format) and ``averager``.
+Kept so that code written for PyTorch ports by changing the import: a thin shell over
+:meth:`commhooks.averaging.averagers.ModelAverager.attach` (which new code can call directly),
+and a ``torch.optim.Optimizer`` that schedulers accept. Its ``state_dict`` is the inner
+optimizer's plus ``step`` (PyTorch's format) and ``averager``.
 """
 
 import copy
@@ -31,14 +29,9 @@ _INNER_KEYS = ("state", "param_groups")
 
 
 class PostLocalSGDOptimizer(HookState, torch.optim.Optimizer):
-    """Wraps ``optim``; ``step()`` runs it, and the averager runs after it.
-
-    Args:
-        optim: the local (inner) optimizer. The averager is attached to it
-            (:meth:`ModelAverager.attach`), so it averages after every ``optim.step()``.
-        averager: a :class:`commhooks.averaging.averagers.ModelAverager`; its ``warmup_steps``
-            should equal the hook's ``start_localSGD_iter``.
-    """
+    """Wraps ``optim``, to which ``averager`` is attached (:meth:`ModelAverager.attach`), so
+    that it averages after every step; its ``warmup_steps`` should equal the hook's
+    ``start_localSGD_iter``."""
 
     kind: ClassVar[str] = "post_local_sgd_optimizer"
     _transient: ClassVar[tuple[str, ...]] = ("_handle",)
@@ -120,15 +113,12 @@ class PostLocalSGDOptimizer(HookState, torch.optim.Optimizer):
         return {**inner, "step": self.averager.step, "averager": self.averager.state_dict()}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore the inner optimizer and the averager; nothing changes if either is invalid.
-
-        Also takes PyTorch's format (the inner optimizer's dict plus the averager's ``step``),
-        so its checkpoints resume here. As PyTorch does, a dict without ``step`` warns and
-        restarts the averager at step 0; where present, ``step`` sets the averager's step.
+        """Restore the inner optimizer and the averager, both or neither. Also takes PyTorch's
+        format, whose ``step`` sets the averager's step (without it, as PyTorch does, a warning
+        and step 0).
 
         Raises:
-            StateDictError: a malformed dict, or one that does not fit the inner optimizer or
-                the averager. Both are then as they were.
+            StateDictError: a dict that does not fit the inner optimizer or the averager.
         """
         if (
             isinstance(state_dict, Mapping)

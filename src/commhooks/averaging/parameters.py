@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from commhooks import comm
+from commhooks.compress.lowrank import views_like
 
 __all__ = [
     "Named",
@@ -43,25 +44,17 @@ def _entries(params: Params) -> Iterable[torch.Tensor]:
 
 
 def get_params_to_average(params: Params) -> list[torch.Tensor]:
-    """The parameters that have a gradient, from ``model.parameters()`` or ``param_groups``.
-
-    As PyTorch's function of the same name: parameters without ``.grad`` (frozen layers,
-    branches unused so far) are left out, so every rank must agree on which have one.
-
-    Raises:
-        TypeError: an entry is neither a tensor nor a parameter-group dict.
-    """
+    """The parameters that have a gradient, from ``model.parameters()`` or ``param_groups``, as
+    PyTorch's function: every rank must agree on which have one."""
     return [p for p in _entries(params) if p.grad is not None]
 
 
 def average_parameters(params: Params, process_group: dist.ProcessGroup | None = None) -> None:
     """Average every parameter given across ``process_group``, in place.
 
-    As PyTorch's function of the same name: all of ``params`` are averaged, with or without a
-    gradient (filter with :func:`get_params_to_average` first to skip those without), and a
-    rank outside ``process_group`` returns at once, its parameters unchanged. One allreduce of
-    a flat copy: per-tensor allreduces would pay the latency once per layer. Each parameter
-    keeps its dtype.
+    As PyTorch's function: with or without a gradient (filter with
+    :func:`get_params_to_average`), and nothing on a rank outside the group. One allreduce of a
+    flat copy, not one a layer; each parameter keeps its dtype.
 
     Args:
         params: ``model.parameters()``, a list of tensors, or ``optimizer.param_groups``.
@@ -79,17 +72,10 @@ def average_parameters(params: Params, process_group: dist.ProcessGroup | None =
 
 
 def averaged_views(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
-    """The average over ``group`` of each of ``tensors``, as views of one flat buffer.
-
-    A collective: one blocking allreduce. The views have the widest dtype of ``tensors``.
-    """
+    """The average over ``group`` of each of ``tensors``, as views of one flat buffer of their
+    widest dtype (one blocking allreduce)."""
     flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-    flat = comm.average(flat, group).wait()
-    out, offset = [], 0
-    for t in tensors:
-        out.append(flat[offset : offset + t.numel()].view_as(t))
-        offset += t.numel()
-    return out
+    return views_like(comm.average(flat, group).wait(), tensors)
 
 
 def positional(tensors: Sequence[torch.Tensor]) -> Named:
@@ -102,14 +88,9 @@ def named_in_groups(
     names: Mapping[int, str] | None = None,
     with_grad_only: bool = True,
 ) -> Named:
-    """The parameters of an optimizer's ``param_groups`` that have a gradient, named.
-
-    A parameter is named by ``names`` (keyed by ``id(parameter)``, from a module's
-    ``named_parameters()``), else by the group's ``"param_names"`` (optimizers built from
-    named parameters keep them), else ``"<group index>.<index in group>"``. The last two are
-    stable when the optimizer is rebuilt the same way; module names survive any rebuild.
-    ``with_grad_only=False`` names every parameter, before any has a gradient.
-    """
+    """The parameters of an optimizer's ``param_groups`` that have a gradient (all, without
+    ``with_grad_only``), named by ``names`` (by ``id``, from ``named_parameters()``), else by
+    the group's ``"param_names"``, else ``"<group>.<index>"``."""
     out: Named = []
     for g, group in enumerate(param_groups):
         given = group.get("param_names")

@@ -22,9 +22,9 @@ __all__ = [
     "allreduce",
     "allreduce_then",
     "average",
-    "forward",
+    "backend_for_device",
+    "chain",
     "completed",
-    "size",
     "completes_inline",
     "completing_inline",
     "fail",
@@ -32,6 +32,7 @@ __all__ = [
     "new_future",
     "observe_collectives",
     "reduce_scatter",
+    "size",
     "then",
     "used_on_current_stream",
 ]
@@ -44,12 +45,9 @@ Future = torch.futures.Future
 
 # -- futures -------------------------------------------------------------------------------------
 def future_devices(*values: Any) -> list[torch.device]:
-    """The CUDA devices of the tensors in ``values``: what a future holding them must know.
-
-    A future made with those devices records, when its result is set, an event on each
-    device's current stream, and whoever waits on it (DDP included) makes its own stream wait
-    for that event; without them, a consumer could read tensors whose kernels are still queued.
-    """
+    """The CUDA devices of the tensors in ``values``: a future made with them records an event
+    on each device's stream when its result is set, which whoever waits on it (DDP included)
+    waits for; without them, a consumer could read tensors whose kernels are still queued."""
     found: dict[str, torch.device] = {}
     for value in values:
         for t in value if isinstance(value, (list, tuple)) else (value,):
@@ -76,29 +74,28 @@ def then(fut: "Future[S]", fn: Callable[["Future[S]"], T]) -> "Future[T]":
 
 
 def fail(fut: "Future[Any]", exc: BaseException) -> None:
-    """Complete ``fut`` with the error ``exc``, which whoever waits on it receives."""
+    """Complete ``fut`` with the error ``exc`` (torch's stubs type the error as the value)."""
     fut.set_exception(exc)
-
-
-def forward(src: "Future[T]", dst: "Future[T]") -> None:
-    """Complete ``dst`` with ``src``'s value, or its error."""
-    try:
-        value = src.value()
-    except BaseException as exc:
-        fail(dst, exc)
-        return
-    dst.set_result(value)
 
 
 def chain(src: "Future[T]", dst: "Future[T]") -> None:
     """Complete ``dst`` with ``src``'s value, or its error, once ``src`` is done."""
-    src.add_done_callback(lambda done: forward(done, dst))
+
+    def forward(done: "Future[T]") -> None:
+        try:
+            value = done.value()
+        except BaseException as exc:
+            fail(dst, exc)
+            return
+        dst.set_result(value)
+
+    src.add_done_callback(forward)
 
 
 def used_on_current_stream(tensors: Sequence[torch.Tensor]) -> None:
-    """Tell the allocator that the CUDA tensors among ``tensors`` are used on the current
-    stream, so that their memory goes to no other tensor before this stream's kernels ran:
-    for tensors made on DDP's stream and last used in a callback, which runs on another."""
+    """Mark the CUDA tensors among ``tensors`` used on the current stream, so that their memory
+    is not reused before its kernels ran: tensors made on DDP's stream, last used in a callback
+    on another."""
     for t in tensors:
         if t.is_cuda:
             t.record_stream(torch.cuda.current_stream(t.device))
@@ -112,9 +109,8 @@ _inline = False
 def completing_inline() -> Iterator[None]:
     """Within this block, collectives behave as NCCL's do, on any backend: for testing.
 
-    Every future this module returns for a collective is complete when it is returned (NCCL
-    completes a collective's future once the collective is queued, so a callback runs at once,
-    on the issuing thread), and follow-ups share the hook's group (:func:`follow_up_group`).
+    Every collective's future is complete when it is returned (as NCCL's once queued, so a
+    callback runs at once, on the issuing thread), and follow-ups share the hook's group.
     Process-wide; not for use while another thread issues collectives.
     """
     global _inline
@@ -143,12 +139,8 @@ def _issued(work: Any) -> "Future[list[torch.Tensor]]":
 
 # -- observing what is sent ----------------------------------------------------------------------
 class CollectiveCounter:
-    """Calls and bytes handed to each kind of collective while an observer was open.
-
-    The bytes are what this rank hands over (a collective's input), not what crosses the wire:
-    what that puts on each link depends on the algorithm and the cluster's shape, which is the
-    cost model's business (``commhooks.bench.costmodel``).
-    """
+    """Calls and bytes handed to each kind of collective while an observer was open: this
+    rank's inputs, not what crosses the wire (the cost model's business)."""
 
     def __init__(self, torch_calls: bool = False) -> None:
         self.torch_calls = torch_calls  # also counts calls made straight to torch.distributed
@@ -180,15 +172,12 @@ _lock = threading.Lock()
 
 @contextlib.contextmanager
 def observe_collectives(*, torch_calls: bool = False) -> Iterator[CollectiveCounter]:
-    """Count the collectives this process issues while inside, per kind: calls and bytes.
-
-    Counting covers every thread (follow-ups are issued from the backend's on gloo).
+    """Count the collectives this process issues while inside, per kind, on every thread.
 
     Args:
         torch_calls: also count calls made straight to ``torch.distributed`` (PyTorch's own
-            hooks, a user's hook): its collective functions are wrapped, process-wide, while
-            such an observer is open. DDP's own allreduce (no hook), issued from C++, is never
-            seen.
+            hooks, a user's): its functions are wrapped, process-wide, meanwhile. DDP's own
+            allreduce, issued from C++, is never seen.
 
     Yields:
         the counter, complete once the block is left.
@@ -230,8 +219,7 @@ def _counting(
 
 
 def _observed(kind: str, handed: Any, direct: bool = False) -> None:
-    """Report a collective of ``kind`` handing over ``handed`` to the open observers;
-    ``direct``: called straight on torch.distributed, for the observers that asked for those."""
+    """Report a collective to the open observers (``direct`` ones to those that asked)."""
     nbytes = handed.numel() * handed.element_size() if isinstance(handed, torch.Tensor) else 0
     for counter in list(_counters):
         if counter.torch_calls or not direct:
@@ -239,14 +227,12 @@ def _observed(kind: str, handed: Any, direct: bool = False) -> None:
 
 
 def _torch(name: str) -> Callable[..., Any]:
-    """torch.distributed's function ``name`` as torch defines it, never an observer's wrapper:
-    what this module issues is counted once, by itself."""
+    """torch.distributed's ``name`` unwrapped: what this module issues it counts itself."""
     return _originals.get(name) or getattr(dist, name)
 
 
 def _options(kind: Callable[[], Opts]) -> Opts:
-    """Options for a collective issued on a group without waiting: ``asyncOp`` where this
-    torch has the field (2.7 on, where it is the default too)."""
+    """Options with ``asyncOp`` set where this torch has the field (2.7 on)."""
     options = kind()
     if hasattr(options, "asyncOp"):
         options.asyncOp = True
@@ -273,25 +259,23 @@ def _allreduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[list[t
 
 
 def allreduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.Tensor]":
-    """Sum ``tensor`` in place across ``group``; the future resolves to the sum (``tensor``
-    itself, or for a sparse tensor the sum gloo returns)."""
-    return _allreduce(tensor, group).then(_first)
+    """Sum ``tensor`` in place across ``group``; the future holds the sum (for a sparse
+    tensor, the one gloo returns)."""
+    return _allreduce(tensor, group).then(lambda fut: fut.value()[0])
 
 
 def allreduce_then(
     tensor: torch.Tensor, group: dist.ProcessGroup, fn: Callable[[torch.Tensor], T]
 ) -> "Future[T]":
-    """:func:`allreduce`, then ``fn`` on the sum in the collective's one callback (a second
-    callback would cost the host once a bucket); the future holds what ``fn`` returns."""
+    """:func:`allreduce`, then ``fn`` on the sum in the one callback (a second would cost the
+    host once a bucket); the future holds what ``fn`` returns."""
     return _allreduce(tensor, group).then(lambda fut: fn(fut.value()[0]))
 
 
 def average(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.Tensor]":
-    """Average ``tensor`` in place across ``group``, scaled before the sum as DDP scales it.
-
-    A dense tensor is multiplied by ``1 / world_size`` and a sparse one divided, DDP's own
-    arithmetic, so that the result is bitwise what DDP gives without a hook.
-    """
+    """Average ``tensor`` in place across ``group``, scaled before the sum with DDP's own
+    arithmetic (a dense tensor times ``1 / world_size``, a sparse one divided): bitwise what
+    DDP gives without a hook."""
     world = size(group)
     if tensor.layout == torch.strided:
         tensor.mul_(1.0 / world)
@@ -303,11 +287,8 @@ def average(tensor: torch.Tensor, group: dist.ProcessGroup) -> "Future[torch.Ten
 def all_to_all(
     out: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup
 ) -> "Future[torch.Tensor]":
-    """Send row ``i`` of ``tensor`` to rank ``i``; row ``j`` of ``out`` comes from rank ``j``.
-
-    Both are ``world_size x ...`` and contiguous; the future resolves to ``out``. On a group of
-    one rank nothing travels: ``out`` becomes ``tensor``, at once.
-    """
+    """Send row ``i`` of ``tensor`` to rank ``i``; row ``j`` of ``out`` comes from rank ``j``
+    (both ``world_size x ...``, contiguous); the future holds ``out``. On one rank: at once."""
     if size(group) == 1:
         return _kept_here(out, tensor)
     if _counters:
@@ -320,66 +301,60 @@ def all_gather_into(
     out: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup
 ) -> "Future[torch.Tensor]":
     """Row ``j`` of ``out`` (``world_size x tensor.numel()``) becomes rank ``j``'s ``tensor``;
-    the future resolves to ``out``. On a group of one rank: ``out`` becomes ``tensor``."""
+    the future holds ``out``."""
     if size(group) == 1:
         return _kept_here(out, tensor)
     if _counters:
         _observed("all_gather_into_tensor", tensor)
-    gather = _originals.get("all_gather_into_tensor") or _all_gather_single()
-    work = gather(out.view(-1), tensor.view(-1), group=group, async_op=True)
+    # all_gather_single: the name of recent PyTorch, where the old one warns at every call.
+    gather = _originals.get("all_gather_into_tensor") or getattr(dist, "all_gather_single", None)
+    work = (gather or dist.all_gather_into_tensor)(
+        out.view(-1), tensor.view(-1), group=group, async_op=True
+    )
     return _issued(work).then(lambda fut: _checked(fut, out))
 
 
 def reduce_scatter(
     out: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup
 ) -> "Future[torch.Tensor]":
-    """``out`` becomes the sum over ``group`` of part ``i`` of ``tensor`` (``world_size``
-    times ``out``'s elements) on rank ``i``; the future resolves to ``out``.
-
-    gloo's reduce-scatter gives no future to wait on without blocking: there it is an
-    all-to-all of the parts (the same bytes) and their sum, in the exchange's callback.
-    """
+    """``out`` becomes the sum over ``group`` of part ``i`` of ``tensor`` on rank ``i``; the
+    future holds ``out``. gloo's reduce-scatter has no future to wait on without blocking:
+    there it is an all-to-all of the parts (the same bytes) and their sum."""
     world = size(group)
     if world == 1:
         return _kept_here(out, tensor)
     if _counters:
         _observed("reduce_scatter_tensor", tensor)
-    if _backend(group, tensor) != "gloo":
+    if backend_for_device(group, tensor.device.type) != "gloo":
         work = _torch("reduce_scatter_tensor")(out, tensor, group=group, async_op=True)
         return _issued(work).then(lambda fut: _checked(fut, out))
     parts = torch.empty_like(tensor).view(world, -1)
     work = group.alltoall_base(parts, tensor.view(world, -1), [], [], _EXCHANGE)
-    return _issued(work).then(lambda fut: _summed(fut, parts, out))
+    return _issued(work).then(lambda fut: torch.sum(_checked(fut, parts), dim=0, out=out.view(-1)))
 
 
-def _summed(fut: "Future[Any]", parts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    fut.value()  # raises here if the exchange failed
-    return torch.sum(parts, dim=0, out=out.view(-1))
+def backend_for_device(group: dist.ProcessGroup | None, device_type: str) -> str:
+    """The backend ``group`` uses for tensors on ``device_type`` (``"gloo"``, ``"nccl"``...).
 
-
-def _backend(group: dist.ProcessGroup, tensor: torch.Tensor) -> str:
-    """The backend ``group`` runs collectives on ``tensor``'s device with."""
+    A group initialised as ``"cpu:gloo,cuda:nccl"`` (PyTorch's default with CUDA) reports
+    each device's backend; a plain ``"gloo"`` group serves every device.
+    """
     name = str(dist.get_backend(group)).lower()
-    if ":" in name:
-        pairs = dict(part.split(":", 1) for part in name.split(",") if ":" in part)
-        name = pairs.get(tensor.device.type, name)
-    return name
+    if ":" not in name:
+        return name
+    pairs = dict(part.split(":", 1) for part in name.split(",") if ":" in part)
+    return pairs.get(device_type, next(iter(pairs.values())))
 
 
 _sizes: "weakref.WeakKeyDictionary[dist.ProcessGroup, int]" = weakref.WeakKeyDictionary()
 
 
 def size(group: dist.ProcessGroup) -> int:
-    """``group.size()``, remembered: a group's size never changes, and asking the backend for
-    it costs the host about a microsecond, which a hook would pay once a bucket."""
+    """``group.size()``, remembered: asking the backend costs a microsecond a bucket."""
     known = _sizes.get(group)
     if known is None:
         known = _sizes[group] = group.size()
     return known
-
-
-def _first(fut: "Future[list[torch.Tensor]]") -> torch.Tensor:
-    return fut.value()[0]
 
 
 def _checked(fut: "Future[Any]", out: torch.Tensor) -> torch.Tensor:
@@ -388,15 +363,7 @@ def _checked(fut: "Future[Any]", out: torch.Tensor) -> torch.Tensor:
 
 
 def _kept_here(out: torch.Tensor, tensor: torch.Tensor) -> "Future[torch.Tensor]":
-    """A one-rank exchange: ``tensor``'s elements in ``out`` (no copy where they are one)."""
+    """A one-rank exchange: ``tensor``'s elements in ``out``."""
     if out.data_ptr() != tensor.data_ptr():
         out.view(-1).copy_(tensor.reshape(-1))
     return completed(out)
-
-
-def _all_gather_single() -> Callable[..., Any]:
-    # Renamed in recent PyTorch, where the old name warns on every call.
-    gather: Callable[..., Any] = getattr(dist, "all_gather_single", None) or (
-        dist.all_gather_into_tensor
-    )
-    return gather

@@ -7,12 +7,12 @@ from typing import Any, cast
 
 import torch.distributed as dist
 
-from commhooks.comm.collectives import completes_inline, size
+from commhooks.comm.collectives import completes_inline
 
 __all__ = [
     "all_gather_objects",
-    "backend_for_device",
     "check_same_on_grid",
+    "differing",
     "excludes_this_rank",
     "follow_up_group",
     "gather_objects",
@@ -22,17 +22,14 @@ __all__ = [
     "is_default_group",
     "new_groups",
     "resolve_group",
-    "size",
+    "subgroup",
     "world_size",
 ]
 
 
 def resolve_group(group: Any, *, owner: str = "this hook") -> dist.ProcessGroup:
-    """Return the process group to communicate on, validating it first.
-
-    Args:
-        group: a ``ProcessGroup`` or ``None`` for the default (world) group.
-        owner: name used in error messages, so the user knows which object complained.
+    """The process group to communicate on (``None``: the default group), checked; ``owner``
+    names the object that complains.
 
     Raises:
         RuntimeError: torch.distributed is not initialised.
@@ -40,7 +37,6 @@ def resolve_group(group: Any, *, owner: str = "this hook") -> dist.ProcessGroup:
         TypeError: ``group`` is neither a process group nor ``None``.
     """
     if group is None:  # the usual case, asked once a bucket
-        # (torch.distributed is available: this module's imports need it)
         world = dist.group.WORLD  # None until torch.distributed is initialised
         if world is not None:
             return world
@@ -49,18 +45,16 @@ def resolve_group(group: Any, *, owner: str = "this hook") -> dist.ProcessGroup:
             f"{owner} needs torch.distributed: call torch.distributed.init_process_group(...) "
             "before the first backward pass."
         )
-    if type(group) is dist.ProcessGroup:  # the usual case, asked once a bucket: see below
+    # The exact type first (asked once a bucket): ``isinstance`` on torch's group class takes
+    # a Python-level check, about 0.2 us.
+    if type(group) is dist.ProcessGroup:
         return group
-    if group is None:
-        return _world()
     if group is dist.GroupMember.NON_GROUP_MEMBER:
         raise ValueError(
             f"{owner}: this rank (global rank {dist.get_rank()}) is not a member of the process "
             "group it was given. Pass a group that contains every DDP rank, or None for the "
             "default group."
         )
-    # ``isinstance`` on torch's group class takes a Python-level check (about 0.2 us), so the
-    # exact type is tried first, above.
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(
             f"{owner} expects a torch.distributed.ProcessGroup or None, got {type(group).__name__}."
@@ -86,19 +80,6 @@ def is_default_group(group: dist.ProcessGroup | None) -> bool:
     return group is None or group is dist.group.WORLD
 
 
-def backend_for_device(group: dist.ProcessGroup | None, device_type: str) -> str:
-    """The backend ``group`` uses for tensors on ``device_type`` (``"gloo"``, ``"nccl"``...).
-
-    A group initialised as ``"cpu:gloo,cuda:nccl"`` (PyTorch's default with CUDA) reports
-    each device's backend; a plain ``"gloo"`` group serves every device.
-    """
-    name = str(dist.get_backend(group)).lower()
-    if ":" not in name:
-        return name
-    pairs = dict(part.split(":", 1) for part in name.split(",") if ":" in part)
-    return pairs.get(device_type, next(iter(pairs.values())))
-
-
 def world_size(group: dist.ProcessGroup | None) -> int:
     """Number of ranks in ``group`` (``None``: the default group)."""
     return dist.get_world_size(group)
@@ -117,17 +98,11 @@ def global_ranks(group: dist.ProcessGroup | None) -> list[int]:
 def new_groups(
     rank_lists: list[list[int]], parent: dist.ProcessGroup | None = None
 ) -> list[dist.ProcessGroup | None]:
-    """Create one process group per list of global ranks, in the order given.
+    """One process group per list of global ranks (``None`` where this rank is not in it).
 
-    Creating a group is a collective over the default group: every rank must call this with the
-    same lists in the same order, including ranks that belong to none of them. A list that is
-    the whole world reuses the default group instead of opening new connections. Each group
-    takes the timeout of ``parent`` (``None``: the default group), the group it is carved
-    from, and so does its creation: a peer that died or stopped during it is reported within
-    that timeout, not torch's default of 30 minutes.
-
-    Returns:
-        one entry per list: the group where this rank is a member, ``None`` where it is not.
+    A collective over the default group: every rank calls it with the same lists in the same
+    order. The whole world reuses the default group. Each group, and its creation, takes
+    ``parent``'s timeout: a dead peer is reported within it, not torch's default 30 minutes.
     """
     world = dist.get_world_size()
     me = dist.get_rank()
@@ -143,14 +118,9 @@ def new_groups(
 
 
 def group_timeout(group: dist.ProcessGroup | None) -> datetime.timedelta:
-    """How long a collective on ``group`` (``None``: the default group) may wait for a peer.
-
-    It is the ``timeout`` given to ``init_process_group`` (or ``new_group``) for that group.
-    Torch keeps it in each backend's options; where a backend does not expose it, the default
-    group's is taken, and failing that torch's own default. Every group the package creates
-    inherits it from the group it derives from, so that a dead or stopped peer is reported
-    within the time the user chose.
-    """
+    """How long a collective on ``group`` (``None``: the default group) may wait for a peer:
+    the ``timeout`` it was made with, else the default group's, else torch's default. Every
+    group the package makes inherits it, so a dead peer is reported within the time chosen."""
     pg = group if group is not None else dist.group.WORLD
     found = _backend_timeouts(pg)
     if found:
@@ -198,15 +168,11 @@ def gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any
 def check_same_on_grid(
     options: dict[str, Any], groups: Sequence[dist.ProcessGroup], *, owner: str
 ) -> None:
-    """Raise on every rank of a grid of ranks if any option differs between any two of them.
+    """Raise on every rank of a grid if any option differs between any two of its ranks.
 
-    ``groups`` are this rank's groups along each dimension of the grid (for HSDP: the ranks of
-    its machine, then the ranks holding the same shard on other machines). What each rank knows
-    is gathered along one dimension after the other, so after the last every rank holds every
-    rank's options without a group spanning the grid; one small gather per dimension, once.
-
-    Raises:
-        ValueError: naming each differing option and its value on every rank (global ranks).
+    ``groups`` are this rank's groups along each dimension (for HSDP: its machine's ranks, then
+    those holding its shard elsewhere); gathering along one after the other gives every rank
+    every rank's options without a group spanning the grid.
     """
     known: dict[int, dict[str, Any]] = {dist.get_rank(): options}
     for group in groups:
@@ -214,51 +180,51 @@ def check_same_on_grid(
         for part in all_gather_objects(known, group):
             merged.update(part)
         known = merged
-    _raise_if_differing(dict(sorted(known.items())), owner)
-
-
-def _raise_if_differing(by_rank: Mapping[int, Mapping[str, Any]], owner: str) -> None:
-    everyone = list(by_rank.values())
-    differing = [
-        name
-        for name in sorted(set().union(*(o.keys() for o in everyone)))
-        if any(o.get(name) != everyone[0].get(name) for o in everyone)
-    ]
-    if differing:
-        details = "; ".join(
-            f"{name}: " + ", ".join(f"rank {r}={o.get(name)!r}" for r, o in by_rank.items())
-            for name in differing
-        )
+    details = differing(dict(sorted(known.items())))
+    if details:
         raise ValueError(
             f"{owner} was configured differently on different ranks ({details}). "
             "Every rank must build its state with the same options."
         )
 
 
+def differing(by_rank: Mapping[int, Mapping[str, Any]]) -> str:
+    """``"name: rank 0=a, rank 1=b; ..."`` for each name whose value differs between the ranks
+    (keys of ``by_rank``), or ``""``: what an error about ranks configured apart lists."""
+    everyone = list(by_rank.values())
+    names = sorted(set().union(*(o.keys() for o in everyone)))
+    return "; ".join(
+        f"{name}: " + ", ".join(f"rank {r}={o.get(name)!r}" for r, o in by_rank.items())
+        for name in names
+        if any(o.get(name) != everyone[0].get(name) for o in everyone)
+    )
+
+
 def follow_up_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
     """The group an :class:`OrderedIssuer` issues ``group``'s follow-ups on.
 
-    On a group of NCCL alone, ``group`` itself: NCCL completes a collective's future as it is
-    queued, so every callback, and with it every follow-up, runs on the thread that issued the
-    collective before it, DDP's, in the same order on every rank, interleaved with DDP's own
-    collectives alike. No second communicator then, and no group made inside a hook: with NCCL
-    initialised eagerly (``init_process_group(device_id=...)``) torch makes each new group by
-    splitting the default group's communicator, which every rank of the world must join, and
-    the ranks outside a subgroup never run its hook.
+    With NCCL, ``group`` itself: NCCL completes a future as its collective is queued, so every
+    follow-up runs on DDP's thread, in order, on every rank. No group made inside a hook
+    either: with NCCL initialised eagerly a new group splits the default group's communicator,
+    which ranks outside the subgroup, which never run its hook, would have to join.
 
-    Otherwise (gloo, whose callbacks run on its worker threads) a new group with ``group``'s
-    ranks, backend and timeout. Creating a group is collective: call it at the same point on
-    every rank of ``group``. It waits for the other ranks at most ``group``'s timeout (see
-    :func:`group_timeout`), and so does every collective on the new group.
+    Otherwise (gloo, whose callbacks run on its threads) a new group of ``group``'s ranks
+    (:func:`subgroup`): call it at the same point on every rank of ``group``.
     """
     if completes_inline() or str(dist.get_backend(group)).lower() == "nccl":
         return group
+    return subgroup(dist.get_process_group_ranks(group), group)
+
+
+def subgroup(ranks: list[int], parent: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A new group of ``ranks`` (this rank among them) with ``parent``'s backend and timeout,
+    made by its members only: each waits for the others at most that timeout."""
     made = dist.new_group(
-        ranks=dist.get_process_group_ranks(group),
-        backend=dist.get_backend(group),
-        timeout=group_timeout(group),
+        ranks=ranks,
+        backend=dist.get_backend(parent),
+        timeout=group_timeout(parent),
         use_local_synchronization=True,
     )
     if made is None:  # only for a rank outside the ranks, which calls this never
-        raise RuntimeError("follow_up_group: this rank is not in the group it was given.")
+        raise RuntimeError(f"this rank is not in the group of ranks {ranks} it made.")
     return cast(dist.ProcessGroup, made)

@@ -1,16 +1,11 @@
 """Follow-up collectives issued in the same order on every rank, whatever thread gets there first.
 
-A collective that needs the result of an earlier one (PowerSGD's ``Q`` after ``P``, the
-quantized hook's all-gather after its all-to-all) can only be started once that result is
-there: in a future's callback, which gloo runs on one of its worker threads, in a different
-order on each rank. PyTorch's PowerSGD issues its follow-ups there and aborts gloo with a
+A collective that needs an earlier one's result (PowerSGD's ``Q`` after ``P``, the quantized
+hook's all-gather after its all-to-all) starts in a future's callback, which gloo runs on its
+worker threads, in a different order on each rank: PyTorch's PowerSGD aborts gloo there with a
 "collective mismatch" as soon as a model has several buckets. :class:`OrderedIssuer` runs each
 follow-up in the order its slot was reserved (on DDP's thread, in bucket order), on a group of
-its own, so that neither group ever sees two ranks issue in different orders.
-
-With NCCL a collective's future is complete once the collective is queued, so callbacks run at
-once on DDP's thread, in order already: the follow-ups then share the hook's group
-(:func:`~commhooks.comm.groups.follow_up_group`), and the issuer only runs them in turn.
+its own (with NCCL, whose callbacks run in order on DDP's thread, the hook's group).
 """
 
 import threading
@@ -36,9 +31,8 @@ class OrderedIssuer:
     collective, on :attr:`group` only."""
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, borrowed: bool = False) -> None:
-        """``borrowed``: ``group`` is owned elsewhere (the hook's own group, which NCCL's
-        follow-ups share) and kept weakly, so that an issuer kept for it does not keep it
-        alive once torch has destroyed it. Without a group, steps cannot issue collectives."""
+        """``borrowed``: ``group`` is the hook's own (NCCL's follow-ups share it), kept weakly
+        so as not to keep it alive once destroyed."""
         self._group = None if borrowed else group
         self._borrowed = weakref.ref(group) if borrowed and group is not None else None
         self._lock = threading.RLock()
@@ -70,14 +64,12 @@ class OrderedIssuer:
         step: Callable[[Any], "Future[T]"],
         devices: list[torch.device] | None = None,
     ) -> "Future[T]":
-        """When ``after`` completes, run ``step(after's value)`` in a slot reserved now.
+        """When ``after`` completes, run ``step(after's value)`` in a slot reserved now (call
+        on the hook's thread).
 
-        ``step`` may compute, issue at most one collective on :attr:`group`, and returns a
-        future (``completed(...)`` when it sends nothing); the future returned here resolves
-        to that future's value. A failed ``after`` or a ``step`` that raises fails it, and
-        releases the slot, so later follow-ups are not held back. ``devices``: the CUDA
-        devices of the tensors involved, whose streams the returned future synchronises.
-        Call on the hook's thread.
+        ``step`` issues at most one collective, on :attr:`group`, and returns a future; the
+        future returned here holds its value. A failed ``after`` or ``step`` fails it and
+        releases the slot. ``devices``: the CUDA devices whose streams the result synchronises.
         """
         with self._lock:
             slot = self._reserved
@@ -91,12 +83,8 @@ class OrderedIssuer:
         return out
 
     def _start(self, slot: int, run: Callable[[], None]) -> None:
-        """File ``run`` for ``slot`` and run every filed step whose turn has come.
-
-        In a loop, never nested: a step whose collective completes at once (NCCL's) files the
-        next slot from inside this loop, which then runs it, so any number of buckets costs
-        one stack frame.
-        """
+        """File ``run`` for ``slot`` and run every filed step whose turn has come, in a loop
+        never nested: a step completing at once (NCCL's) files the next from inside it."""
         with self._lock:
             self._ready[slot] = run
             if self._draining:
@@ -127,12 +115,11 @@ def _run(step: Callable[[Any], "Future[T]"], done: "Future[Any]", out: "Future[T
 
 
 class IssuerPool:
-    """One :class:`OrderedIssuer` per group, for the hooks (or states) that share it.
+    """One :class:`OrderedIssuer` per group (kept weakly), for the hooks or states sharing it.
 
-    Sharing is safe where the sharers reserve their slots one after another, in the same order
-    on every rank (on one thread, or threads that take turns, as DDP's backward and the
-    optimizer's step do), and cheaper: on gloo each issuer's follow-up group has its own
-    connections and threads. Kept weakly by the group: an issuer goes when its group does.
+    Safe where the sharers reserve their slots in the same order on every rank (one thread, or
+    threads that take turns, as DDP's backward and the optimizer's step), and cheaper: on gloo
+    each follow-up group has its own connections and threads.
     """
 
     def __init__(self) -> None:
@@ -147,9 +134,8 @@ class IssuerPool:
     def two_hops(
         self, group: dist.ProcessGroup, topology: Topology
     ) -> tuple[TwoHops, OrderedIssuer]:
-        """The groups of a two-hop average over ``group`` (made at the first call, collective:
-        at the same point on every rank) and the issuer of their follow-ups, both shared by
-        the pool's sharers, whose follow-ups on the peers' group then keep one order."""
+        """The groups of a two-hop average over ``group`` (made at the first call: collective)
+        and the issuer of their follow-ups, shared, so follow-ups on the peers keep one order."""
         hops = self._hops.get(group)
         if hops is None:
             hops = self._hops[group] = two_hops(group, topology)
@@ -160,8 +146,7 @@ class IssuerPool:
         return hops, issuer
 
     def issuer(self, group: dist.ProcessGroup) -> OrderedIssuer:
-        """The issuer of ``group``'s follow-ups. The first call for a group creates its
-        follow-up group (collective): make it at the same point on every rank."""
+        """The issuer of ``group``'s follow-ups (the first call makes a group: collective)."""
         issuer = self._issuers.get(group)
         if issuer is not None:
             return issuer
@@ -178,7 +163,6 @@ _stateless = IssuerPool()
 
 
 def issuer_for(group: dist.ProcessGroup) -> OrderedIssuer:
-    """The follow-up issuer of ``group`` that the stateless hooks share (a hook with a state of
-    its own owns one). The first call for a group creates its follow-up group: hooks call this
-    on DDP's thread, at their first bucket, the same point on every rank."""
+    """The follow-up issuer of ``group`` that the stateless hooks share (the first call, at
+    their first bucket, makes its group)."""
     return _stateless.issuer(group)

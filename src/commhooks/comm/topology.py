@@ -1,14 +1,9 @@
 """Which ranks share a machine: :class:`Topology`, found from the launch environment or given.
 
-Clusters are machines of a few GPUs joined by a slow network; what crosses machines is what
-costs. A :class:`Topology` says which ranks of a group share a machine, so that a hook can sum
-inside a machine first and send only the machine's share across (:class:`TwoHops`, the groups
-that takes).
-
-PyTorch's ``new_subgroups()`` sizes its groups by the number of CUDA devices, so it refuses to
-run on CPU-only machines. We ask the launcher instead: each rank contributes one
-:class:`LaunchInfo` (its machine name and torchrun's ``LOCAL_WORLD_SIZE``), the infos are
-gathered once (:func:`find`), and :func:`machine_rank_lists` turns them into machines.
+What crosses machines is what costs: knowing which ranks share one, a hook sums inside a machine
+first and sends only the machine's share across (:class:`TwoHops`, the groups that takes).
+PyTorch's ``new_subgroups()`` counts CUDA devices, so refuses CPU-only machines; we ask the
+launcher: each rank's :class:`LaunchInfo` is gathered once (:func:`find`).
 
 How a rank's machine is named, first match wins:
 
@@ -29,7 +24,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from commhooks.comm.groups import all_gather_objects, follow_up_group, global_ranks, group_timeout
+from commhooks.comm.groups import all_gather_objects, follow_up_group, global_ranks, subgroup
 
 __all__ = [
     "MACHINE_ID_VAR",
@@ -47,13 +42,8 @@ MACHINE_ID_VAR = "COMMHOOKS_MACHINE_ID"
 
 @dataclass(frozen=True)
 class LaunchInfo:
-    """What one rank knows about where it runs.
-
-    Attributes:
-        host: the host name.
-        label: ``COMMHOOKS_MACHINE_ID``, or ``None`` when not set.
-        local_world_size: torchrun's ``LOCAL_WORLD_SIZE``, or ``None`` when not set or invalid.
-    """
+    """What one rank knows about where it runs: its host name, ``COMMHOOKS_MACHINE_ID`` and
+    torchrun's ``LOCAL_WORLD_SIZE`` (``None`` where not set or invalid)."""
 
     host: str
     label: str | None
@@ -69,13 +59,8 @@ def local_launch_info() -> LaunchInfo:
 
 
 def machine_rank_lists(infos: list[LaunchInfo]) -> tuple[list[list[int]], str]:
-    """Group ranks (indices into ``infos``) by machine.
-
-    Returns:
-        the rank lists, ordered by their lowest rank (the same on every rank, which matters
-        because groups must be created in the same order everywhere), and a sentence saying
-        how they were derived.
-    """
+    """Ranks (indices into ``infos``) by machine, ordered by their lowest rank (groups are made
+    in the same order everywhere), and a sentence saying how they were found."""
     labels = [info.label for info in infos]
     if infos and all(labels):
         lists = list(_by_key(labels).values())
@@ -180,9 +165,8 @@ _found: "weakref.WeakKeyDictionary[dist.ProcessGroup, Topology]" = weakref.WeakK
 
 
 def find(group: dist.ProcessGroup) -> Topology:
-    """The machines of ``group``'s ranks, from each rank's launch environment: one blocking
-    gather of small records at its first call for a group (collective: call it at the same
-    point on every rank), remembered after."""
+    """The machines of ``group``'s ranks, from their launch environments: one blocking gather
+    at the first call for a group (collective), remembered after."""
     known = _found.get(group)
     if known is None:
         infos = all_gather_objects(local_launch_info(), group)
@@ -210,29 +194,14 @@ class TwoHops:
 
 def two_hops(group: dist.ProcessGroup, topology: Topology) -> TwoHops:
     """The groups of a two-hop average over ``group`` on ``topology`` (even, two machines or
-    more), made now: this rank's machine, then the ranks of its share on every machine, then
-    its machine's again for follow-ups. Each rank makes only groups it belongs to, in that
-    order, as every other rank does; each waits for its members only (and at most
-    ``group``'s timeout)."""
+    more), made now, each by its members only, in the same order on every rank: this rank's
+    machine, the ranks of its share on every machine, its machine's again for follow-ups."""
     me = dist.get_rank()
     machine = next(i for i, m in enumerate(topology.machines) if me in m)
     local = topology.machines[machine].index(me)
-    intra = _group_of(list(topology.machines[machine]), group)
-    peers = _group_of([m[local] for m in topology.machines], group)
+    intra = subgroup(list(topology.machines[machine]), group)
+    peers = subgroup([m[local] for m in topology.machines], group)
     return TwoHops(
         intra, follow_up_group(intra), peers, machine, local, topology.nnodes,
         topology.nproc_per_node,
     )  # fmt: skip
-
-
-def _group_of(ranks: list[int], parent: dist.ProcessGroup) -> dist.ProcessGroup:
-    made = dist.new_group(
-        ranks=ranks,
-        backend=dist.get_backend(parent),
-        timeout=group_timeout(parent),
-        use_local_synchronization=True,
-    )
-    if made is None:  # only for a rank outside the ranks, which calls this never
-        raise RuntimeError("two_hops: this rank is not in the group it made.")
-    group: dist.ProcessGroup = made
-    return group

@@ -1,30 +1,21 @@
 """Quantization math: tensors to a few bits per element and back. Nothing here communicates.
 
-Two schemes:
+* **Block quantization** (the quantized hook): each run of ``block`` elements gets a scale,
+  ``absmax / qmax``, and each element the integer nearest to ``x / scale`` (or one of the two
+  nearest, at random, with ``stochastic`` rounding), in ``[-qmax, qmax]``. Symmetric, so zero
+  is exact and no zero point travels. 4-bit codes are stored offset by 8, two to a byte, the
+  first element in the low nibble.
+* **Min-max affine uint8** (PyTorch's per-tensor and per-channel drop-ins), as PyTorch's
+  default observers compute it.
 
-* **Block quantization** (the quantized hook): each run of ``block`` consecutive elements gets a
-  scale, ``absmax / qmax``, and each element the integer nearest to ``x / scale`` (or one of
-  the two nearest, at random, with ``stochastic`` rounding), in ``[-qmax, qmax]``: 127 for
-  8 bits, 7 for 4 bits (6 where the codes are packed to travel, see
-  :mod:`commhooks.compress.packing`). Symmetric, so zero is exact and no zero point
-  travels. 4-bit codes are stored offset by 8, two to a byte, the first element in the low
-  nibble.
-* **Min-max affine uint8** (PyTorch's per-tensor and per-channel drop-ins): each channel gets
-  ``scale = (max(hi, 0) - min(lo, 0)) / 255`` and a zero point, as PyTorch's default observers
-  compute them, and ``code = clamp(round(x / scale) + zero_point, 0, 255)``.
+What travels is a *packet* per row: the codes, then the row's float32 scales, so that one
+collective carries both (:class:`BlockFormat` says where each part lies). Functions work on
+rows (``rows x length``, one per rank), writing into buffers the caller keeps from step to
+step: allocating a bucket-sized tensor costs page faults at every step on a CPU.
 
-What travels is a *packet* per row: the codes, then the row's scales as float32 bytes, so that
-one collective carries both. :class:`BlockFormat` says where each part lies.
-
-Every function works on rows (``rows x length``) so that a whole bucket, cut into one row per
-rank, is handled in a few vectorised passes, writing into buffers the caller keeps from step
-to step (allocating a bucket-sized tensor costs page faults on every step on a CPU).
-
-Block quantization with nearest rounding, its decoding and the owner's pass run fused kernels,
-one read and one write of the bucket instead of six: on a CPU in C
-(:mod:`commhooks.compress.cpu_kernels`) where a C compiler is found, on a CUDA GPU in Triton
-(:mod:`~commhooks.compress.triton_launch`) where Triton is installed. The eager PyTorch
-operations below compute the same bits everywhere else.
+Nearest rounding, decoding and the owner's pass run fused kernels, one read and one write of
+the bucket instead of six: in C on a CPU (:mod:`.cpu_kernels`), in Triton on a CUDA GPU
+(:mod:`.triton_launch`). The eager operations below compute the same bits everywhere else.
 """
 
 import functools
@@ -89,8 +80,7 @@ class BlockFormat:
 
     @functools.cached_property
     def qmax(self) -> int:
-        """The largest code magnitude: 127 (8 bits), 7 (4 bits) or 6 (4 bits, packed)
-        (computed once: read at every quantization of every bucket)."""
+        """The largest code: 127 (8 bits), 7 (4 bits) or 6 (packed); read at every bucket."""
         return _PACKED_QMAX if self.packed else (1 << (self.bits - 1)) - 1
 
     def row_length(self, numel: int, rows: int) -> int:
@@ -106,8 +96,7 @@ class BlockFormat:
         return self.payload_bytes(length) + 4 * (length // self.block)
 
     def wire_bytes(self, length: int) -> int:
-        """Bytes a row of ``length`` elements takes where it travels: its packet, or packed,
-        its scales and ``15 / 32`` of a byte a code."""
+        """Bytes a row takes where it travels: its packet, or packed, ``15 / 32`` a code."""
         if not self.packed:
             return self.packet_bytes(length)
         return 4 * (length // self.block) + length // 32 * 15
@@ -115,13 +104,10 @@ class BlockFormat:
     def plausible_residual(self, residual: torch.Tensor, gradient: torch.Tensor) -> bool:
         """Whether ``residual`` can be what quantizing to this format left out of ``gradient``.
 
-        Each element of a residual is at most half a step of its block with nearest rounding
-        (a whole step with stochastic rounding), and a step is the block's absmax / qmax; with
-        error feedback the block also holds the previous residual, so in a steady state a
-        residual stays below ``max|gradient| / (qmax - 1)``. A loaded memory is refused past
-        :data:`RESIDUAL_SLACK` times that: a looser bound than the math gives, so that a
-        gradient smaller at the step after a restart than at the step saved does not trip it,
-        still far below a memory that would swamp the gradient. Synchronises with the device.
+        A residual is at most a step (``absmax / qmax``) of its block, which also holds the
+        previous residual: in a steady state below ``max|gradient| / (qmax - 1)``. A loaded
+        memory is refused past :data:`RESIDUAL_SLACK` times that, loose enough for a gradient
+        smaller after a restart, far below one that would swamp it. Synchronises with the device.
         """
         if residual.numel() == 0 or gradient.numel() == 0:
             return True
@@ -147,25 +133,19 @@ def quantize_(
 ) -> None:
     """Quantize the rows of ``x`` into ``packets``; leave in ``x`` what quantization dropped.
 
-    Per element, the error ``x - dequantized`` is at most half a step, ``scale / 2 =
-    absmax / (2 qmax)`` of its block, with ``nearest`` rounding; with ``stochastic`` rounding
-    it is less than a whole step and zero on average. A block holding inf or NaN gets a
-    non-finite scale, which is how a receiver knows.
+    The error is at most half a step (``absmax / (2 qmax)`` of its block) with ``nearest``
+    rounding, under a step and zero on average with ``stochastic``. A block holding inf or NaN
+    gets a non-finite scale, which is how a receiver knows.
 
     Args:
-        x: float32, ``rows x length``, rows of whole blocks. Overwritten with the error when
-            ``keep_error`` (the compensated gradient becomes the next error memory in place);
-            left as it was otherwise.
+        x: float32, ``rows x length``, rows of whole blocks; overwritten with the error when
+            ``keep_error`` (the compensated gradient becomes the next memory in place).
         packets: uint8, ``rows x fmt.packet_bytes(length)``: written completely.
-        fmt: the format.
         levels: float32 scratch of ``x``'s shape.
-        rounding: :data:`NEAREST` or :data:`STOCHASTIC`.
         generator: the random numbers of stochastic rounding (on ``x``'s device).
-        keep_error: overwrite ``x`` with the error.
         add: two float32 tensors of ``n`` elements whose sum first replaces the first ``n``
-            elements of ``x`` (contiguous, row after row): the remembered error added to the
-            gradient, in the same pass as the quantization where the fused kernels run. The
-            first may be ``x`` itself, or its first ``n`` elements (added to in place).
+            elements of ``x``: the remembered error added in the quantizing pass where the
+            fused kernels run. The first may be ``x`` itself, or its first ``n`` elements.
     """
     if rounding == NEAREST:
         args = (x, packets, fmt.bits, fmt.block, keep_error, add)
@@ -239,12 +219,11 @@ def dequantize_(
 ) -> torch.Tensor:
     """Decode ``packets`` into ``out`` (``rows x columns``, any floating dtype); returns ``out``.
 
-    Deterministic: the same bytes give the same bits on every rank.
+    The same bytes give the same bits on every rank.
 
     Args:
-        length: elements per row of ``packets`` (default ``columns``); when ``out`` holds
-            fewer, each of its rows gets the first ``columns`` elements of its packet's row
-            (the end of a bucket that fills part of a row).
+        length: elements per row of ``packets`` (default ``columns``); where ``out`` holds
+            fewer (the end of a bucket), its rows get their packets' first ``columns``.
         scratch: float32 ``rows x length``, through which the eager form decodes such a row.
     """
     columns = out.shape[1]
@@ -284,36 +263,21 @@ def _decode_eager(
 def dequantize_sum(
     packets: torch.Tensor, fmt: BlockFormat, scratch: torch.Tensor, out: torch.Tensor
 ) -> torch.Tensor:
-    """The sum of the decoded rows of ``packets``, in float32, into ``out`` (one row).
-
-    Args:
-        packets: ``rows x packet_bytes``.
-        scratch: float32 of ``rows x length``, overwritten.
-        out: float32 of ``length``.
-    """
-    return _sum_rows(packets, fmt, scratch, out.view(1, -1))[0]
-
-
-def _sum_rows(
-    packets: torch.Tensor, fmt: BlockFormat, scratch: torch.Tensor, out: torch.Tensor
-) -> torch.Tensor:
-    """:func:`dequantize_sum` into ``out`` of ``1 x length``."""
-    args = (packets, fmt.bits, fmt.block, out)
+    """The sum of the decoded rows of ``packets`` into ``out`` (float32, ``length``), through
+    ``scratch`` (float32, ``rows x length``)."""
+    row = out.view(1, -1)
+    args = (packets, fmt.bits, fmt.block, row)
     if (out.is_cuda and triton_launch.dequantize_rows(*args, add_rows=True)) or (
         cpu_kernels.dequantize_rows(*args, add_rows=True)
     ):
         return out
-    return _sum_in_row_order(_decode_eager(packets, fmt, scratch, out.shape[1]), out)
+    return _sum_in_row_order(_decode_eager(packets, fmt, scratch, row.shape[1]), row)[0]
 
 
 def _sum_in_row_order(rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """The sum of ``rows`` into ``out`` (``1 x length``), one row added after another.
-
-    The kernels add in row order; ``torch.sum`` over the rows orders its additions as each
-    device's reduction does (on CUDA, for eight rows, not in row order: the int4 owner's
-    packet differed from the kernel's in one byte of 67,584, bits that must depend neither on
-    the device nor on whether a kernel ran).
-    """
+    """The sum of ``rows`` into ``out`` (``1 x length``), one row added after another, as the
+    kernels add: ``torch.sum`` orders its additions as each device's reduction does (on CUDA,
+    an int4 owner's packet came out a byte apart), and the bits must not depend on either."""
     if rows.shape[0] == 1:
         return out.copy_(rows)
     torch.add(rows[:1], rows[1:2], out=out)
@@ -339,27 +303,19 @@ def requantize_sum_(
     """The owner's pass: the mean of the decoded rows of ``packets``, plus ``memory``,
     quantized into ``packet``; what quantization dropped left in ``out``.
 
-    That is :func:`dequantize_sum`, a division by ``world``, the addition of ``memory`` and
-    :func:`quantize_`, with their bits; with nearest rounding on a GPU, one kernel launch that
-    reads the rows once and writes ``out`` and ``packet`` once.
+    :func:`dequantize_sum`, a division by ``world``, the addition of ``memory`` and
+    :func:`quantize_`, with their bits; on a GPU with nearest rounding, one kernel launch.
 
     Args:
         packets: ``rows x fmt.packet_bytes(length)``: every rank's copy of this row.
-        out: float32 ``1 x length``: the error when ``keep_error``, the value quantized
-            otherwise.
+        out: float32 ``1 x length``: the error when ``keep_error``, else the value quantized.
         packet: uint8 ``1 x fmt.packet_bytes(length)``, written completely.
         scratch: float32 ``rows x length``, overwritten.
-        world: the divisor (the number of ranks averaged).
-        memory: float32, contiguous, at most ``length`` elements: added to the mean's first
-            elements before quantizing (the owner's remembered error); of ``out``'s shape, to
-            all of it.
-        rounding, generator, keep_error: as for :func:`quantize_`.
-        kernels: the CPU kernels' calls bound to these tensors, tried first: the sum of the
-            decoded ``packets`` into ``out``, and the quantization of ``out`` (with ``memory``
-            added) into ``packet``.
+        memory: float32, contiguous, at most ``length`` elements: the owner's remembered
+            error, added to the mean's first elements before quantizing.
+        kernels: a CPU's kernel calls bound to these tensors (the sum, then the quantization
+            with ``memory`` added), tried first, without the general path's checks.
     """
-    # A CPU's calls bound to these tensors first (there are none on a GPU): the sum, and with
-    # nearest rounding the quantization too, without the general path's checks.
     summed = kernels is not None and kernels[0]()
     if not summed:
         owner = (packets, fmt.bits, fmt.block, world, out, packet, keep_error, memory)
@@ -386,8 +342,8 @@ def _added_in_place(
     out: torch.Tensor, memory: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``memory`` added to ``out``'s first elements: on a CPU, the addends of the quantizing
-    pass, which adds them in place (the same two tensors at every step, which a bound kernel
-    checks once); elsewhere, now (a GPU's kernels read their addends apart from ``out``)."""
+    pass (the same two tensors at every step, which a bound kernel checks once); on a GPU,
+    now (its kernels read their addends apart from ``out``)."""
     if memory is None:
         return None
     whole = memory.shape == out.shape
@@ -407,12 +363,10 @@ def decode_into_(
     places: list[tuple[int, int, int, int]] | None = None,
     kernels: "list[cpu_kernels.BoundDequantize] | None" = None,
 ) -> None:
-    """Decode every row of ``packets`` into the flat ``out``: row after row (``places`` None:
-    ``out`` holds the rows' first elements, straight into it), or through ``scratch``
-    (float32, ``rows x length``), each ``(_, offset, size, source)`` of ``places`` taking
-    ``size`` elements from ``offset`` in the rows to ``source`` in ``out``. ``kernels``: for
-    ``places`` None, the CPU kernels' calls bound to the parts of :func:`decode_parts`, tried
-    first."""
+    """Decode every row of ``packets`` into the flat ``out``: straight, row after row, or
+    through ``scratch`` (float32, ``rows x length``), each ``(_, offset, size, source)`` of
+    ``places`` taking ``size`` elements from ``offset`` in the rows to ``source`` in ``out``.
+    ``kernels``: without ``places``, bound calls for the parts of :func:`decode_parts`."""
     if places is None and kernels and _all_ran(kernels):
         return
     length = scratch.shape[1]
@@ -460,15 +414,10 @@ _UINT8_LEVELS = 255.0
 
 
 def affine_qparams(channels: torch.Tensor) -> torch.Tensor:
-    """Scale and zero point of each row of ``channels`` (float32), as PyTorch's observers.
-
+    """Scale and zero point of each row of ``channels`` (float32), as PyTorch's observers:
     ``scale = max((max(hi, 0) - min(lo, 0)) / 255, eps)`` and ``zero_point = clamp(-round(
-    min(lo, 0) / scale), 0, 255)``: the range always holds zero, so zero is exact.
-
-    Returns:
-        float32 ``2 x rows``: scales, then zero points (integral values), the layout PyTorch's
-        hooks exchange.
-    """
+    min(lo, 0) / scale), 0, 255)``, so zero is exact. Float32 ``2 x rows``, the layout
+    PyTorch's hooks exchange."""
     lo, hi = torch.aminmax(channels, dim=1)
     lo = torch.minimum(lo, torch.zeros_like(lo))
     hi = torch.maximum(hi, torch.zeros_like(hi))

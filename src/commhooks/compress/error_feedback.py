@@ -1,18 +1,16 @@
 """Error-feedback memory: what compression left out of each tensor, added back the next time.
 
-A compressor that drops information (a low-rank approximation, a quantisation) keeps training
-unbiased over time if the part it dropped is remembered and added to the next gradient before
-compressing again. :class:`ErrorFeedback` owns those residuals, one per key (a parameter's
-number or name, or a chunk of a bucket). A compressing step uses it in this order::
+A compressor that drops information keeps training unbiased over time if the part it dropped
+is added to the next gradient before compressing again. :class:`ErrorFeedback` owns those
+residuals, one per key (a parameter's number or name, or a chunk of a bucket)::
 
     memory.compensate_all_(keys, grads)             # grad += residual (before compressing)
     ... compress, communicate ...
     memory.record_where(finite, keys, grads - approx)  # the new residuals, if the step was finite
 
-Nothing here communicates. Residuals are kept in the dtype and on the device of the tensors they
-correct; a residual that no longer fits its tensor (a checkpoint of another model) is dropped
-with a warning; a step whose result is not finite leaves the residuals as they were, decided on
-the device (:meth:`ErrorFeedback.record_where`), so that no NaN is ever added to a later step.
+Nothing here communicates. A residual that no longer fits its tensor (a checkpoint of another
+model) is dropped with a warning; a step that is not finite leaves the residuals as they were,
+decided on the device, so that no NaN is ever added to a later step.
 """
 
 import operator
@@ -36,20 +34,17 @@ Key = int | str
 
 
 Plausible = Callable[[torch.Tensor, torch.Tensor], bool]
-"""``plausible(residual, gradient)``: whether a residual can be what compressing a gradient of
-that size dropped. Each compressor bounds its own residuals (see the ``plausible_residual`` of
-:mod:`commhooks.compress.blocks` and of :mod:`commhooks.compress.lowrank`)."""
+"""``plausible(residual, gradient)``: whether compressing such a gradient can have dropped that
+much (each compressor's ``plausible_residual``)."""
 
 
 class ErrorFeedback:
     """Residuals per key, added back before compressing.
 
-    A residual loaded from a state dict is finite (checked at load) but may still be absurd: a
-    memory filled with 1e6 would be added to gradients of 1e-2 and wreck training on every
-    rank. Given ``plausible``, each loaded residual is compared once, the first time it meets
-    the gradient it is added to (:meth:`check_loaded_`, which :meth:`compensate_` calls), and
-    reset with a warning naming its key if compression could not have dropped that much. Only
-    then: steps after that make no check, and so no host-device synchronisation.
+    A loaded residual is finite (checked at load) but may still be absurd: 1e6 added to
+    gradients of 1e-2 would wreck training on every rank. Given ``plausible``, each is compared
+    once with the first gradient it meets (:meth:`check_loaded_`) and reset with a warning if
+    compression could not have dropped that much; later steps check nothing, so never wait.
 
     Args:
         owner: the name users see in warnings and errors (``"PowerSGDState"``...).
@@ -57,9 +52,7 @@ class ErrorFeedback:
         plausible: the compressor's bound on its residuals; ``None``: loaded ones are trusted.
     """
 
-    # Class-level defaults, so that a memory pickled before these existed still works.
-    _plausible: Plausible | None = None
-    _unchecked: frozenset[Key] = frozenset()
+    _unchecked: frozenset[Key] = frozenset()  # loaded keys still to meet their gradient
 
     def __init__(
         self,
@@ -86,10 +79,8 @@ class ErrorFeedback:
         return list(self._residuals.items())
 
     def get(self, key: Key, like: torch.Tensor) -> torch.Tensor | None:
-        """The residual of ``key`` if it fits ``like`` (moved to its dtype and device), else None.
-
-        A residual of another shape is dropped with a warning: it was made for another tensor.
-        """
+        """The residual of ``key`` moved to ``like``'s dtype and device; ``None`` if there is
+        none, or (dropped, with a warning: it was made for another tensor) of another shape."""
         residual = self._residuals.get(key)
         if residual is None:
             return None
@@ -114,8 +105,7 @@ class ErrorFeedback:
 
     @property
     def awaits_check(self) -> bool:
-        """Whether loaded residuals are still to meet their gradient (see
-        :meth:`check_loaded_`). A plain attribute test: no device work."""
+        """Whether loaded residuals are still to meet their gradient (no device work)."""
         return bool(self._unchecked)
 
     def _checked(self, key: Key) -> None:
@@ -125,12 +115,9 @@ class ErrorFeedback:
             self._unchecked = self._unchecked - {key}
 
     def check_loaded_(self, key: Key, gradient: torch.Tensor) -> None:
-        """The first time a loaded residual of ``key`` meets ``gradient`` (what it is added
-        to), reset it with a warning if the compressor could not have dropped that much.
-
-        Costs one reduction and host synchronisation per loaded key, once; nothing for keys
-        recorded since the load.
-        """
+        """The first time a loaded residual of ``key`` meets ``gradient``, reset it with a
+        warning if the compressor could not have dropped that much: one host wait a loaded key,
+        once."""
         if key not in self._unchecked:
             return
         self._checked(key)
@@ -150,10 +137,8 @@ class ErrorFeedback:
         )
 
     def compensate_all_(self, keys: Sequence[Key], tensors: Sequence[torch.Tensor]) -> list[bool]:
-        """``tensor += residual`` for each ``(key, tensor)`` pair, in place; returns whether each
-        had a residual. One batched addition for them all (a bucket holds many small tensors).
-        The first time after a load, each residual is checked against its tensor first (see
-        :meth:`check_loaded_`)."""
+        """``tensor += residual`` for each pair, in one batched addition (a bucket holds many
+        small tensors); whether each had a residual. Loaded ones are checked first."""
         if self._unchecked:
             for key, tensor in zip(keys, tensors):
                 self.check_loaded_(key, tensor)
@@ -164,51 +149,28 @@ class ErrorFeedback:
         return [r is not None for r in residuals]
 
     def slot(self, key: Key, like: torch.Tensor) -> torch.Tensor:
-        """Storage to write the next residual of ``key`` into: the old one's, if it fits.
-
-        The memory keeps the returned tensor as the residual of ``key``; write it completely.
-        """
+        """Storage for the next residual of ``key`` (the old one's, if it fits), kept as its
+        residual: write it completely."""
         if self._unchecked:  # overwritten whole: a new residual
             self._checked(key)
         residual = self._residuals.get(key)
-        if (
-            residual is None
-            or residual.shape != like.shape
-            or residual.dtype != like.dtype
-            or residual.device != like.device
-        ):
+        if residual is None or not _fits(residual, like):
             residual = self._residuals[key] = torch.empty_like(like)
         return residual
-
-    def slots(self, keys: Sequence[Key], likes: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """:meth:`slot` of each key: where a step writes the new residuals of all its tensors."""
-        return [self.slot(key, like) for key, like in zip(keys, likes)]
 
     def record_where(
         self, finite: torch.Tensor, keys: Sequence[Key], errors: Sequence[torch.Tensor]
     ) -> None:
-        """Keep each of ``errors`` as its key's residual where ``finite`` (a boolean tensor on
-        their device) is true; else leave the residual as it was (zeros for a key without
-        one). Decided on the device, so nothing is read back; the residuals stay the memory's
-        own tensors, written in place."""
+        """Keep each of ``errors`` as its key's residual, in place, where ``finite`` (a boolean
+        tensor on their device) is true; else the residual as it was (zeros for a key without
+        one). Decided on the device: nothing is read back."""
         for key, error in zip(keys, errors):
             if self._unchecked:  # a new residual, or the old one kept: checked either way
                 self._checked(key)
-            old = self._zeros_if_none(key, error)
+            old = self._residuals.get(key)
+            if old is None or not _fits(old, error):
+                old = self._residuals[key] = torch.zeros_like(error)
             torch.where(finite, error, old, out=old)
-
-    def _zeros_if_none(self, key: Key, like: torch.Tensor) -> torch.Tensor:
-        """The residual of ``key`` where it fits ``like``, else (made now) zeros."""
-        residual = self._residuals.get(key)
-        fits = residual is not None and (residual.shape, residual.dtype, residual.device) == (
-            like.shape,
-            like.dtype,
-            like.device,
-        )
-        if not fits:
-            residual = self._residuals[key] = torch.zeros_like(like)
-        assert residual is not None
-        return residual
 
     def record(self, key: Key, residual: torch.Tensor) -> None:
         """Keep ``residual`` (not a copy) as what compression left out of ``key``."""
@@ -217,8 +179,7 @@ class ErrorFeedback:
         self._residuals[key] = residual
 
     def record_all(self, keys: Sequence[Key], residuals: Sequence[torch.Tensor]) -> None:
-        """:meth:`record` each key's residual: in one update where no loaded residual awaits
-        its check (a step's usual case: no Python call per key, which a GPU's host pays)."""
+        """:meth:`record` each key's residual; one dict update where none awaits its check."""
         if self._unchecked:
             for key, residual in zip(keys, residuals):
                 self.record(key, residual)
@@ -227,8 +188,7 @@ class ErrorFeedback:
 
     def holds(self, keys: Sequence[Key], residuals: Sequence[torch.Tensor]) -> bool:
         """Whether the residual kept for each key is that very tensor (and none awaits its
-        check): a caller that recorded its own buffers finds them where it left them, and
-        need neither look each one up nor copy it (compared without a Python call per key)."""
+        check): a caller that recorded its own buffers need neither look them up nor copy."""
         if self._unchecked:
             return False
         found = map(self._residuals.get, keys)
@@ -252,12 +212,8 @@ class ErrorFeedback:
     def load_state_dict(
         self, state_dict: Mapping[str, object], key_of: Callable[[str], Key], where: str
     ) -> None:
-        """Replace every residual by those of ``state_dict``, checked first (all or nothing).
-
-        Args:
-            state_dict: :meth:`state_dict`'s output.
-            key_of: turns a saved key back into a key (``int`` for parameter numbers).
-            where: names the entry in error messages, e.g. ``"PowerSGDState 'error'"``.
+        """Replace every residual by those of ``state_dict``, checked first (all or nothing):
+        ``key_of`` turns a saved key back into a key, ``where`` names the entry in errors.
 
         Raises:
             StateDictError: a key or tensor that is not what :meth:`state_dict` writes.
@@ -277,13 +233,17 @@ class ErrorFeedback:
         self.check_before_use()
 
 
-def all_finite(*tensors: torch.Tensor) -> torch.Tensor:
-    """Whether every element of ``tensors`` is finite, as a boolean tensor on their device:
-    what a step's memories are kept by (:meth:`ErrorFeedback.record_where`), read back never.
+def _fits(kept: torch.Tensor, like: torch.Tensor) -> bool:
+    return (kept.shape, kept.dtype, kept.device) == (like.shape, like.dtype, like.device)
 
-    Decided from their total, one reduction each (half precision summed in float32): inf or
-    NaN anywhere makes it inf or NaN, and so does a total of finite values past float32's
-    range, which then counts as not finite (such a step keeps the memories as they were).
+
+def all_finite(*tensors: torch.Tensor) -> torch.Tensor:
+    """Whether every element of ``tensors`` is finite, as a boolean tensor on their device
+    (for :meth:`ErrorFeedback.record_where`; never read back).
+
+    From their total, one reduction each (half precision summed in float32): inf or NaN
+    anywhere makes it non-finite, and so does a total past float32's range, a step then kept
+    out of the memories too.
     """
     total = _total(tensors[0])
     for tensor in tensors[1:]:

@@ -1,12 +1,9 @@
 """Factor memory of a low-rank compressor: each matrix's last factors, and which one comes next.
 
-Power iteration approximates a gradient ``M`` (n x m) by ``P Qᵀ`` with ``P`` (n x r) and ``Q``
-(m x r). Gradients change slowly from step to step, so a step that starts from the factors the
-last one found (warm start) refines an approximation instead of starting from a random one.
-:class:`FactorMemory` keeps those factors per key (a parameter's number, or ``"bucket<i>"``),
-and, for a compressor that refines one factor a step, which one each matrix refines next.
-
-Nothing here communicates or computes: the compressor reads and writes the factors.
+Gradients change slowly, so a power iteration that starts from the factors ``P`` (n x r) and
+``Q`` (m x r) of the last step (warm start) refines an approximation ``P Qᵀ`` instead of starting
+afresh. :class:`FactorMemory` keeps them per key, and which one each key refines next for a
+compressor that refines one a step. Nothing here communicates or computes.
 """
 
 from collections.abc import Callable, Mapping
@@ -28,12 +25,9 @@ BOTH = "pq"
 
 
 class FactorMemory:
-    """The last ``P`` and ``Q`` of each key, and the factor each key's next step refines.
-
-    ``p`` and ``q`` are plain dicts of tensors, as PyTorch's PowerSGD state exposes them
-    (``p_memory_dict``, ``q_memory_dict``). A factor is kept in the dtype and on the device of
-    the gradient it approximates; one that no longer fits its gradient (a checkpoint of another
-    model) is dropped with a warning, and a new random one is drawn instead.
+    """The last ``P`` and ``Q`` of each key (plain dicts, PyTorch's ``p_memory_dict`` and
+    ``q_memory_dict``), and the factor each key's next step refines. A factor that no longer
+    fits its gradient (a checkpoint of another model) is dropped with a warning.
 
     Args:
         owner: the name users see in warnings and errors (``"PowerSGDState"``).
@@ -50,11 +44,8 @@ class FactorMemory:
     def start(
         self, which: str, key: Key, shape: tuple[int, ...], like: torch.Tensor
     ) -> torch.Tensor | None:
-        """The stored factor ``which`` (``"p"`` or ``"q"``) of ``key`` to start a step from.
-
-        Returns it moved to ``like``'s dtype and device if it has ``shape``; ``None`` if there
-        is none, or (with a warning, once it is dropped) if it has another shape.
-        """
+        """The stored factor ``which`` of ``key`` moved to ``like``'s dtype and device; ``None``
+        if there is none, or (dropped, with a warning) if it is not of ``shape``."""
         store = self.p if which == P_STEP else self.q
         factor = store.get(key)
         if factor is None:
@@ -74,8 +65,8 @@ class FactorMemory:
         return factor
 
     def next_step(self, key: Key) -> str:
-        """Which factor a one-factor-a-step compressor refines for ``key`` now: the other one
-        than last time, and ``P`` first, when there is no ``P`` yet to start ``Q`` from."""
+        """The factor a one-a-step compressor refines for ``key`` now: not last time's, and
+        ``P`` while there is no ``P`` to start ``Q`` from."""
         if key in self.p and self.last_step.get(key) == P_STEP:
             return Q_STEP
         return P_STEP
@@ -95,8 +86,8 @@ class FactorMemory:
         return had_p is not None or had_q is not None
 
     def state_dict(self) -> dict[str, dict[str, object]]:
-        """``{"p": ..., "q": ..., "last_step": ...}`` by key as a string; factors are contiguous
-        copies, so that a view into a larger buffer saves only its own elements."""
+        """``p``, ``q`` and ``last_step`` by key as a string; factors are contiguous copies, so
+        that a view into a larger buffer saves only its own elements."""
         return {
             "p": {str(k): _copy(t) for k, t in self.p.items()},
             "q": {str(k): _copy(t) for k, t in self.q.items()},
@@ -106,17 +97,11 @@ class FactorMemory:
     def load_state_dict(
         self, state_dict: Mapping[str, object], key_of: Callable[[str], Key], prefix: str = ""
     ) -> None:
-        """Replace everything by :meth:`state_dict`'s output, checked first (all or nothing).
-
-        Args:
-            state_dict: a mapping with the entries ``"p"``, ``"q"`` and ``"last_step"``.
-            key_of: turns a saved key back into a key (``int`` for parameter numbers).
-            prefix: put before the entries' names in messages.
+        """Replace everything by :meth:`state_dict`'s output, checked first (all or nothing):
+        ``key_of`` turns a saved key back into a key, ``prefix`` goes before names in messages.
 
         Raises:
-            StateDictError: an entry that is not what :meth:`state_dict` writes: a factor that
-                is not a dense, contiguous, finite 2-D floating-point tensor, a step other than
-                ``"p"`` or ``"q"``, or a key that ``key_of`` refuses.
+            StateDictError: an entry that is not what :meth:`state_dict` writes.
         """
         p = _factors(_entry(state_dict, "p", prefix), key_of, f"{prefix}p")
         q = _factors(_entry(state_dict, "q", prefix), key_of, f"{prefix}q")

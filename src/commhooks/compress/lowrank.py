@@ -41,11 +41,8 @@ def compression_sizes(rows: int, cols: int, rank: int) -> tuple[int, int]:
 
 
 def should_compress(rows: int, cols: int, rank: int, min_compression_rate: float) -> bool:
-    """Whether the factors are at least ``min_compression_rate`` times smaller than the matrix.
-
-    Below that rate the saved bandwidth does not pay for the extra products and the
-    approximation error, so the matrix is sent as it is.
-    """
+    """Whether the factors are ``min_compression_rate`` times smaller than the matrix: below,
+    the bandwidth saved does not pay for the products and the error."""
     full, compressed = compression_sizes(rows, cols, rank)
     return compressed * min_compression_rate < full
 
@@ -65,21 +62,16 @@ def orthogonalize_(
 ) -> torch.Tensor:
     """Make the columns of each matrix in a ``(batch, rows, rank)`` stack orthonormal, in place.
 
-    ``method="auto"`` makes PyTorch's choice, and so keeps its hook's numerics: Gram-Schmidt for
-    rank <= 2 and for half precision (which ``torch.linalg.qr`` does not support; computed in
-    float32), Householder QR otherwise. ``method="qr"`` always uses Householder QR (half
-    precision in float32): one library call instead of a few dozen small operations, about
-    ten times faster on a CPU for thin factors, where only the spanned subspace matters.
-    Neither gives NaN for a column of zeros, even with ``epsilon == 0``: Gram-Schmidt leaves it
-    zero, QR replaces it by a unit vector orthogonal to the others. A layer whose gradient
-    vanishes then contributes zeros instead of poisoning the weights.
+    ``method="auto"`` makes PyTorch's choice, and keeps its hook's numerics: Gram-Schmidt for
+    rank <= 2 and half precision, Householder QR otherwise. ``method="qr"`` always uses QR: one
+    library call, about ten times faster on a CPU for thin factors. Neither gives NaN for a
+    column of zeros (Gram-Schmidt leaves it zero, QR makes it a unit vector orthogonal to the
+    others), so a vanishing gradient contributes zeros instead of poisoning the weights.
 
     Args:
         matrices: a 3-D stack, or a single 2-D matrix, with no more columns than rows.
         epsilon: added to each column norm before dividing (PyTorch's
-            ``orthogonalization_epsilon``); 0 keeps the exact projection. QR does not divide
-            by column norms and ignores it.
-        method: ``"auto"`` or ``"qr"``.
+            ``orthogonalization_epsilon``; QR ignores it); 0 keeps the exact projection.
     """
     if method not in ("auto", "qr"):
         raise ValueError(f"orthogonalize_ method must be 'auto' or 'qr', got {method!r}.")
@@ -133,11 +125,7 @@ def _gram_schmidt_(stack: torch.Tensor, epsilon: float) -> None:
 
 
 def _column_norms(stack: torch.Tensor) -> torch.Tensor:
-    """Column norms that neither underflow nor overflow, in float32 or wider.
-
-    They decide, not divide: a float32 or half-precision stack's are taken in float64, which
-    holds every square (two operations, where scaling each column by its peak took eight).
-    """
+    """Column norms that neither underflow nor overflow (float32's and half's in float64)."""
     if stack.dtype == torch.float32 or stack.dtype in _HALF:
         wide: torch.Tensor = torch.linalg.vector_norm(
             stack, dim=1, keepdim=True, dtype=torch.float64
@@ -182,22 +170,14 @@ def _householder_(stack: torch.Tensor) -> None:
 
 
 def keep_nonzero_columns(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """``new`` with each column that is all zeros replaced by the same column of ``old``.
-
-    A warm-started power iteration cannot leave a zero column: ``M·0 = 0`` at every later step,
-    so a layer whose gradient vanished once (or fell below the rank) would lose that direction
-    for good. Orthogonalisation before the next use makes the mix orthonormal again. Works on
-    ``(..., rows, rank)`` stacks without reading values back to the host.
-    """
+    """``new`` with each all-zero column replaced by ``old``'s: a warm-started power iteration
+    cannot keep a zero column (``M·0 = 0`` for good). No value is read back to the host."""
     return torch.where((new == 0).all(dim=-2, keepdim=True), old, new)
 
 
 def pack_into(tensors: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-    """Copy ``tensors`` one after another into the flat ``out``; returns ``out``.
-
-    One batched copy: a bucket's many small tensors (biases, norms) would otherwise cost one
-    operation each.
-    """
+    """Copy ``tensors`` one after another into the flat ``out`` in one batched copy (not one
+    a small tensor); returns ``out``."""
     if tensors:
         torch._foreach_copy_(views_like(out, tensors), list(tensors))
     return out
@@ -224,11 +204,9 @@ RESIDUAL_SLACK = 1000.0
 def plausible_residual(residual: torch.Tensor, gradient: torch.Tensor) -> bool:
     """Whether ``residual`` can be what a low-rank approximation left out of ``gradient``.
 
-    The residual of approximating ``M = gradient + previous residual`` is ``M - P Qᵀ``, an
-    orthogonal projection's remainder, so no larger than ``M``: with error feedback it stays
-    within a small multiple of the gradient's norm (as much as the approximation keeps missing
-    of it). A loaded memory past :data:`RESIDUAL_SLACK` times the gradient's norm cannot have
-    come from training this model at this point. Synchronises with the device.
+    ``M - P Qᵀ``, a projection's remainder, is no larger than ``M = gradient + previous
+    residual``: with error feedback, a small multiple of the gradient's norm. One past
+    :data:`RESIDUAL_SLACK` times it cannot come from training this model. Waits for the device.
     """
     if residual.numel() == 0 or gradient.numel() == 0:
         return True

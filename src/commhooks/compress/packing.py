@@ -1,20 +1,16 @@
 """4-bit codes of 13 levels, packed eight to 30 bits: 3.75 bits a value on the wire.
 
-A block's float32 scale costs 32 bits over the block's values: 0.125 bits a value with the
-default 256-value blocks, so 4-bit codes with their scales take 4.125 bits a value. Where what
-is sent must fit in 4 bits a value, scales included (DiLoCo's outer gradients, see
-:mod:`commhooks.averaging.diloco`), the codes keep 13 levels (``[-6, 6]``) instead of 15: eight
-of them take 30 bits, since ``13 ** 8 < 2 ** 30``, and a value costs 3.75 bits, 3.875 with its
-scale. The steps are 7/6 as coarse as with 15 levels; error feedback sends what they leave out
-later.
+With its block's float32 scale a 4-bit code takes 4.125 bits. Where what is sent must fit in 4
+bits a value (DiLoCo's outer gradients), the codes keep 13 levels (``[-6, 6]``): eight take 30
+bits (``13 ** 8 < 2 ** 30``), 3.875 bits a value with the scale, at steps 7/6 as coarse, which
+error feedback makes up later.
 
-Quantization itself is unchanged (:mod:`commhooks.compress.blocks`, with ``qmax`` 6):
-a format with ``packed`` set keeps its packets as nibbles in memory, and only what travels is
-packed: :func:`to_wire_` before a collective, :func:`from_wire_` after it. A wire packet is the
-row's float32 scales, then its packed codes (the layout of ``cpu_kernels/_base13.c``: four
-values of eight codes in 15 bytes, each value's low three bytes, then their four top 6-bit
-parts as one 24-bit number). Both forms, the C kernel and the PyTorch operations below, give
-the same bytes, and any bytes unpack to codes in range.
+Quantization is unchanged (``qmax`` 6) and packets stay nibbles in memory; only what travels
+is packed: :func:`to_wire_` before a collective, :func:`from_wire_` after. A wire packet is the
+row's scales, then its codes as ``cpu_kernels/_base13.c`` lays them out (four values of eight
+codes in 15 bytes: each value's low three bytes, then their four top 6-bit parts as one 24-bit
+number). The C kernel and the operations below give the same bytes, and any bytes unpack to
+codes in range.
 """
 
 import functools

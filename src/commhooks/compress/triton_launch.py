@@ -1,19 +1,14 @@
 """Block quantization on GPUs in Triton kernels, for :mod:`commhooks.compress.blocks`.
 
-PyTorch's eager form reads and writes a bucket six times to quantize it, and the owner's pass
-(decode every rank's row, sum, divide, add its error, quantize again) several more; each
-kernel of ``triton_kernels.py`` does one of these passes in one launch, reading and writing
-the bucket once, with no host synchronisation. They compute the eager form's bits on the same
-device (``tests/test_triton_kernels.py`` holds them to it through Triton's interpreter).
+Each kernel of ``triton_kernels.py`` does one of the eager form's passes (quantize; decode; the
+owner's decode, sum, divide, add and quantize) in one launch, reading and writing the bucket
+once, with the eager form's bits (``tests/test_triton_kernels.py``, through Triton's
+interpreter; ``examples/quantize_passes.py --device cuda --check`` on a GPU).
 
-Triton is imported on the first CUDA tensor that reaches a function here, not before, so that
-``import commhooks`` stays light. Where Triton is missing, ``COMMHOOKS_TRITON=0`` is set, or the
-tensors are not the plain layout the kernels read (float32 rows, each contiguous, 4-byte
-aligned uint8 packets of whole blocks), the functions return ``False`` and the caller runs the
-eager form, which is meant to give the same bits (``python examples/quantize_passes.py
---device cuda --check`` compares them on a GPU). Where ``TRITON_INTERPRET=1`` was set before
-Triton was first imported, the kernels run, slowly, on CPU tensors instead of CUDA ones (how
-their bits are tested).
+Triton is imported on the first CUDA tensor, so that ``import commhooks`` stays light. Where
+it is missing, ``COMMHOOKS_TRITON=0`` is set, or the tensors are not the plain layout the
+kernels read, the functions return ``False`` and the caller runs the eager form. With
+``TRITON_INTERPRET=1`` set before Triton's import, the kernels run on CPU tensors instead.
 
 Environment:
     COMMHOOKS_TRITON: ``0`` to never load the kernels.
@@ -58,7 +53,7 @@ _DECODED = (torch.float32, torch.bfloat16, torch.float16)
 
 def available() -> bool:
     """Whether the kernels are loaded (loading them, and so Triton, on the first call)."""
-    return _module() is not None
+    return _LOADER.get() is not None
 
 
 def disabled() -> contextlib.AbstractContextManager[None]:
@@ -77,18 +72,16 @@ def quantize_rows(
     qmax: int | None = None,
     reciprocal: bool | None = None,
 ) -> bool:
-    """Quantize the rows of ``x`` into ``packets`` as ``quantize.quantize_`` with nearest
-    rounding does (``add`` included) on ``x``'s device; ``False`` (nothing done) where the
-    kernels cannot take these tensors.
+    """``blocks.quantize_`` with nearest rounding on ``x``'s device; whether it was done.
 
     Args:
         qmax: the largest code magnitude (by default the widest ``bits`` hold).
-        reciprocal: divide by ``qmax`` as a multiplication by its float32 reciprocal (what
-            PyTorch's CUDA kernels do with a host number), not a division (its CPU kernels');
-            by default, as on ``x``'s device.
+        reciprocal: divide by ``qmax`` as a multiplication by its float32 reciprocal (as
+            PyTorch's CUDA kernels do), not a division (its CPU kernels'); by default, as on
+            ``x``'s device.
     """
     rows, length = x.shape
-    kernels = _module()
+    kernels = _LOADER.get()
     if kernels is None or not _packets_fit(kernels, packets, rows, length, bits, block):
         return False
     if not _rows_fit(kernels, x, rows, length):
@@ -118,14 +111,11 @@ def dequantize_rows(
     length: int | None = None,
     add_rows: bool = False,
 ) -> bool:
-    """Decode ``packets`` (rows of ``length`` elements, by default ``out``'s) into the rows of
-    ``out`` (float32, bfloat16 or float16) as ``quantize.dequantize_`` does, or their sum in
-    row order into its one float32 row with ``add_rows``; ``out`` may hold fewer columns than
-    ``length``: the rows' first elements. ``False`` (nothing done) where the kernels cannot
-    take these tensors."""
+    """``blocks.dequantize_`` into ``out`` (float32, bfloat16 or float16), or with ``add_rows``
+    the rows' sum in row order into its one float32 row; whether it was done."""
     rows, columns = packets.shape[0], out.shape[-1]
     length = columns if length is None else length
-    kernels = _module()
+    kernels = _LOADER.get()
     if kernels is None or out.dim() != 2 or not 0 <= columns <= length:
         return False
     if not _packets_fit(kernels, packets, rows, length, bits, block):
@@ -162,18 +152,10 @@ def requantize_rows(
     qmax: int | None = None,
     reciprocal: bool | None = None,
 ) -> bool:
-    """The owner's pass, as ``quantize.requantize_sum_`` does it: the decoded rows of
-    ``packets`` summed in row order, divided by ``world``, plus ``memory`` on its first
-    elements, quantized into ``packet`` (one row), the error (``keep``) or the value left in
-    ``out`` (``1 x length`` float32). ``False`` (nothing done) where the kernels cannot take
-    these tensors.
-
-    Args:
-        qmax, reciprocal: as for :func:`quantize_rows` (``reciprocal``: the division by
-            ``world`` too).
-    """
+    """The owner's pass of ``blocks.requantize_sum_``; whether it was done. ``qmax`` and
+    ``reciprocal`` as for :func:`quantize_rows` (the division by ``world`` too)."""
     rows, length = packets.shape[0], out.shape[-1]
-    kernels = _module()
+    kernels = _LOADER.get()
     if kernels is None or world < 1 or out.dim() != 2:
         return False
     if not (
@@ -210,16 +192,14 @@ def _split(packets: torch.Tensor, length: int, bits: int) -> tuple[torch.Tensor,
 def _shape(
     block: int, columns: int, rows: int, tile: int = _TILE
 ) -> tuple[int, int, tuple[int, int]]:
-    """The tile's width (the block, rounded up to a power of two), blocks per program, and
-    the grid: programs along a row, then rows."""
+    """The tile's width (the block to a power of two), blocks a program, and the grid."""
     width = 1 << (block - 1).bit_length()
     group = max(1, tile // width)
     return width, group, (max(1, math.ceil(columns / (block * group))), rows)
 
 
 def _qmax(bits: int, qmax: int | None) -> tuple[float, float]:
-    """``qmax`` (by default the widest ``bits`` hold) and its float32 reciprocal, rounded as
-    PyTorch's CUDA kernels round it."""
+    """``qmax`` (default: the widest ``bits`` hold) and its float32 reciprocal, as PyTorch's."""
     largest = (1 << (bits - 1)) - 1 if qmax is None else qmax
     return float(largest), float(np.float32(1.0) / np.float32(largest))
 
@@ -234,8 +214,7 @@ def _reciprocal(t: torch.Tensor, asked: bool | None) -> bool:
 
 
 def _on(t: torch.Tensor) -> contextlib.AbstractContextManager[None]:
-    """The CUDA device the kernels must launch on for ``t``: Triton launches on the current
-    one."""
+    """``t``'s CUDA device made current: Triton launches on the current one."""
     if not t.is_cuda:
         return contextlib.nullcontext()
     index = t.get_device()
@@ -247,8 +226,7 @@ def _on(t: torch.Tensor) -> contextlib.AbstractContextManager[None]:
 def _packets_fit(
     kernels: ModuleType, packets: torch.Tensor, rows: int, length: int, bits: int, block: int
 ) -> bool:
-    """uint8 packets, one contiguous row per row of whole blocks (a multiple of 8 elements:
-    whole bytes at 4 bits), whose scales are 4-byte aligned."""
+    """uint8 rows of whole blocks (of 8 elements or more), scales 4-byte aligned."""
     size = length * bits // 8 + 4 * (length // block)
     return (
         bits in (4, 8)
@@ -272,8 +250,7 @@ def _rows_fit(
 
 
 def _plain_rows(kernels: ModuleType, t: torch.Tensor, rows: int, length: int) -> bool:
-    """``rows x length`` on the kernels' device, 4-byte aligned, each row contiguous and none
-    overlapping another."""
+    """``rows x length`` on the kernels' device, 4-byte aligned, rows contiguous, apart."""
     if not _on_kernels_device(kernels, t) or t.shape != (rows, length) or t.requires_grad:
         return False
     row_stride, column_stride = t.stride()
@@ -307,10 +284,6 @@ def _addends_fit(kernels: ModuleType, x: torch.Tensor, *addends: torch.Tensor) -
 def _on_kernels_device(kernels: ModuleType, t: torch.Tensor) -> bool:
     """CUDA tensors; CPU tensors instead where the kernels run in Triton's interpreter."""
     return t.is_cpu if kernels.INTERPRETED else t.is_cuda
-
-
-def _module() -> ModuleType | None:
-    return _LOADER.get()
 
 
 def _load() -> ModuleType | None:

@@ -42,12 +42,12 @@ _NOT_FOR_SHARDS = {
     CommHookType.POST_LOCAL_SGD: "it stops averaging across machines after a warm-up, and "
     "within a machine FSDP2's reduce-scatter already averages. Use 'noop' with a model "
     "averager, or another hook",
-    CommHookType.DILOCO: "DiLoCo averages parameters, not gradient shards, and its averager "
-    "works on whole (not sharded) parameters. Use DDP within a machine and "
-    "commhooks.register(ddp_model, 'diloco', ...)",
-    CommHookType.STREAMING_DILOCO: "DiLoCo averages parameters, not gradient shards, and its "
-    "averager works on whole (not sharded) parameters. Use DDP within a machine and "
-    "commhooks.register(ddp_model, 'streaming_diloco', ...)",
+    **{
+        kind: "DiLoCo averages parameters, not gradient shards, and its averager works on whole "
+        "(not sharded) parameters. Use DDP within a machine and commhooks.register(ddp_model, "
+        f"'{kind}', ...)"
+        for kind in (CommHookType.DILOCO, CommHookType.STREAMING_DILOCO)
+    },
 }
 _OWNER = "commhooks.fsdp.register"
 _hooked: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # FSDP modules with a hook of ours
@@ -70,11 +70,10 @@ def register(
     """Average every FSDP module's gradient shard across machines with hook ``hook``.
 
     Call it on every rank, after ``fully_shard`` and before the first forward pass. Everything
-    is checked first, so a mistake raises here rather than in a backward pass; then the options
-    are compared across every rank of the mesh (two small gathers), so ranks configured
-    differently all raise. Sets ``set_reduce_scatter_unused_params(True)`` on each FSDP module:
-    a parameter without a gradient on some rank is reduced as zeros, as DDP's
-    ``find_unused_parameters`` does, so every rank hands the hook the same layout.
+    is checked, then compared across every rank of the mesh (two small gathers), so mistakes
+    raise here, on every rank. Sets ``set_reduce_scatter_unused_params(True)`` on each module:
+    a parameter without a gradient is reduced as zeros, as with DDP's
+    ``find_unused_parameters``, so every rank hands the hook the same layout.
 
     Args:
         module: the root of a model sharded with ``fully_shard`` over the ranks of one machine
@@ -91,10 +90,8 @@ def register(
         keep none.
 
     Raises:
-        ValueError: an unknown or unsuitable hook or option; no FSDP module under ``module``;
-            both or neither of ``mesh`` and ``replicate_group``; a mesh without those
-            dimensions, or whose ``"shard"`` dimension is not the model's; options that differ
-            between ranks.
+        ValueError: an unknown or unfit hook or option, no FSDP module, not exactly one fitting
+            ``mesh`` or ``replicate_group``, options that differ between ranks.
         TypeError: an argument of the wrong type.
     """
     kind = _hook_kind(hook)
@@ -247,8 +244,7 @@ def _ranks_of(mesh: Any) -> tuple[int, ...]:
 
 
 def _mesh_place(named: list[tuple[str, nn.Module]], shard: dist.ProcessGroup) -> MeshPlace:
-    """This rank's coordinate in the shard dimension and the shard it holds: what, beyond its
-    rank in the replicate group, a state's memories describe (see :mod:`commhooks.place`)."""
+    """This rank's shard coordinate and layout (:mod:`commhooks.place`)."""
     shards = [
         (slot.param.shape, slot.shape) for _, module in named for slot in reduced_shards(module)
     ]
@@ -256,13 +252,11 @@ def _mesh_place(named: list[tuple[str, nn.Module]], shard: dist.ProcessGroup) ->
 
 
 def _install(named: list[tuple[str, nn.Module]], hook: Any, state: Any, overlap: bool) -> None:
-    """Put a ``ShardHook`` on every module. With ``overlap``, results may land at the end of
-    the backward pass (see ``ShardHook``): only with one rank per machine, where FSDP2's
-    reduce-scatter is a local copy and the hook's collectives are the only ones in flight, on
-    one group, as under DDP. With several, FSDP2's reduce-scatter of the next module would run
-    on gloo while the hook's collectives are still in flight on another group: one run of the
-    2 x 2 tests saw a rank segfault in gloo's loop thread that way, which could not be
-    reproduced; until it is understood, the hook waits there."""
+    """Put a ``ShardHook`` on every module; with ``overlap`` (one rank per machine, where the
+    hook's collectives are the only ones in flight) results may land at the end of the pass.
+    With several, FSDP2's next reduce-scatter would run on gloo while the hook's are in flight
+    on another group: one run of the 2 x 2 tests saw gloo's loop thread segfault that way,
+    not reproduced since; until it is understood, the hook waits there."""
     steps = StepTracker([name for name, _ in named])
     pending = PendingShards() if overlap else None
     for index, (_, m) in enumerate(named):

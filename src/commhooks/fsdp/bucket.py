@@ -1,12 +1,9 @@
 """Running the package's DDP hooks on the gradient shards of FSDP2 modules.
 
 FSDP2 calls an all-reduce hook (``FSDPModule.set_all_reduce_hook``) with each module's flat
-gradient shard, right after the reduce-scatter within the machine. :class:`ShardHook` is that
-hook: it hands the shard to a DDP hook as a :class:`ShardBucket`, an object with the methods of
-``torch.distributed.GradBucket`` that the package's hooks use, and leaves the hook's result in
-the shard, either before it returns or, where FSDP2 only makes the gradients views of the
-shard, at the end of the backward pass (``_fsdp_pending``). The DDP hooks and their states are
-reused unchanged.
+gradient shard, after the reduce-scatter within the machine. :class:`ShardHook` hands it to a
+DDP hook as a :class:`ShardBucket` (``GradBucket``'s methods) and leaves the result in the
+shard, before it returns or at the end of the backward pass (:mod:`.pending`).
 
 Hook-facing modules must not use ``from __future__ import annotations``.
 """
@@ -25,14 +22,8 @@ __all__ = ["ShardBucket", "ShardHook", "StepTracker"]
 
 
 class ShardBucket:
-    """One FSDP module's flat gradient shard, seen through ``GradBucket``'s methods.
-
-    Args:
-        index: the module's number among the hooked modules (stable across steps and runs).
-        buffer: the flat shard, padding included; the hook's result is expected in it.
-        slots: where each parameter's shard lies in ``buffer``.
-        last: whether this is the last shard of the backward pass.
-    """
+    """One FSDP module's flat gradient shard (padding included), seen through ``GradBucket``'s
+    methods; ``slots`` say where each parameter's shard lies in it."""
 
     def __init__(
         self, index: int, buffer: torch.Tensor, slots: Sequence[ShardSlot], last: bool
@@ -51,11 +42,8 @@ class ShardBucket:
         return self._buffer
 
     def gradients(self) -> list[torch.Tensor]:
-        """Each parameter's shard as a view into :meth:`buffer`, padding excluded.
-
-        FSDP2 shards on dim 0, so the shard of an ``n x m`` weight is ``rows x m``; ``rows`` may
-        be smaller on the last ranks of a machine, or 0.
-        """
+        """Each parameter's shard as a view into :meth:`buffer`: FSDP2 shards on dim 0, so an
+        ``n x m`` weight's is ``rows x m`` (fewer rows on the last ranks, or none)."""
         views, offset = [], 0
         for slot in self._slots:
             views.append(self._buffer[offset : offset + slot.shape.numel()].view(slot.shape))
@@ -81,16 +69,10 @@ class ShardBucket:
 
 
 class StepTracker:
-    """Finds the last hook call of each backward pass, which a DDP bucket reports as ``is_last()``.
-
-    Stateful hooks count steps on that call. FSDP2 reduces, in every backward pass that
-    synchronises, each FSDP module that has run a forward pass since it was built (one that did
-    not run in this step's forward reduces zeros), so the pass ends when every module seen in
-    a forward pass has been called. Modules are watched with forward pre-hooks.
-
-    Args:
-        names: the hooked modules' names, by index, for messages.
-    """
+    """Finds the last hook call of each backward pass (a DDP bucket's ``is_last()``), on which
+    stateful hooks count steps: FSDP2 reduces every module that has run a forward pass since it
+    was built, so the pass ends when each module seen by a forward pre-hook has been called.
+    ``names``: the hooked modules' names, by index, for messages."""
 
     def __init__(self, names: Sequence[str]) -> None:
         self._names = tuple(names)
@@ -105,8 +87,8 @@ class StepTracker:
         """Record module ``index``'s call; whether it completes the backward pass.
 
         Raises:
-            RuntimeError: the module was called twice before every other module that has run
-                was called once, or before it ran a forward pass: the step count would go wrong.
+            RuntimeError: the module was called again before every other module was, or
+                before its first forward pass: the step count would go wrong.
         """
         if index in self._seen or index not in self._ran:
             raise self._out_of_turn(index)
@@ -134,24 +116,14 @@ class StepTracker:
 class ShardHook:
     """The hook given to ``FSDPModule.set_all_reduce_hook``: a DDP hook applied to the shard.
 
-    FSDP2 calls it on the thread running the backward pass (on a GPU, inside FSDP2's all-reduce
-    stream), once per module and synchronising backward pass. On CPU, given ``pending`` (one
-    rank per machine), where FSDP2 makes the gradients views of the shard and reads none of
-    it, the call returns once the DDP hook has issued its collectives, and ``pending``
-    finishes them at the end of the backward pass, so that one module's communication
-    overlaps the next modules' backward computation, as DDP's buckets do. Otherwise (a cast,
-    an accumulation, a post-accumulate-grad hook, a GPU, several ranks per machine) it waits
-    for the result, which FSDP2 uses as soon as the call returns. On a GPU FSDP2 orders its
-    own work after the hook's with an event recorded when the call returns, which work
-    finished later would escape.
+    FSDP2 calls it on the backward pass's thread, once per module and synchronising pass. On
+    CPU, given ``pending`` (one rank per machine), where FSDP2 only makes the gradients views
+    of the shard, it returns once the hook's collectives are issued and ``pending`` finishes
+    them at the end of the pass, so communication overlaps the backward computation as DDP's
+    buckets do. Otherwise it waits for the result, which FSDP2 uses as soon as it returns (on
+    a GPU FSDP2 orders its work after the hook's with an event recorded then).
 
-    Args:
-        module: the FSDP module.
-        index: its number among the hooked modules.
-        hook: a DDP communication hook, ``hook(state, bucket) -> Future[Tensor]``.
-        state: the hook's state (a process group for the stateless hooks).
-        steps: shared by every module of the model.
-        pending: shared by every module of the model; ``None``: always wait.
+    ``steps`` and ``pending`` (``None``: always wait) are shared by the model's modules.
     """
 
     def __init__(
@@ -184,12 +156,8 @@ class ShardHook:
 
 
 def reduced_shards(module: nn.Module) -> list[ShardSlot]:
-    """The parameters in ``module``'s gradient shard: those that require a gradient.
-
-    FSDP2 leaves out parameters without a gradient unless told to reduce them as zeros
-    (``set_reduce_scatter_unused_params(True)``, which registration sets), so this holds for
-    every backward pass, on every rank.
-    """
+    """The parameters in ``module``'s gradient shard: those that require a gradient (all of
+    them, with the ``set_reduce_scatter_unused_params(True)`` registration sets)."""
     return [slot for slot in managed_shards(module) if slot.param.requires_grad]
 
 

@@ -40,14 +40,8 @@ class FSDPLayoutError(RuntimeError):
 
 @dataclass(frozen=True)
 class ShardSlot:
-    """One parameter's place in the flat gradient shard.
-
-    Attributes:
-        param: the sharded parameter (what the optimizer updates, and what hook state is kept
-            for).
-        shape: this rank's shard of it, padding excluded.
-        span: the elements it occupies in the flat shard, padding included.
-    """
+    """One parameter's place in the flat gradient shard: the sharded parameter, this rank's
+    shard's shape (padding excluded), and the elements it spans (padding included)."""
 
     param: nn.Parameter
     shape: torch.Size
@@ -91,13 +85,9 @@ def _slot(fsdp_param: Any) -> ShardSlot:
 
 
 def shard_becomes_gradients(module: nn.Module, shard: torch.Tensor, slots: list[ShardSlot]) -> bool:
-    """Whether FSDP2 will make the parameters' gradients views of ``shard`` and read none of it.
-
-    Then the hook may finish averaging ``shard`` later, before the optimizer reads the
-    gradients. False whenever FSDP2 would divide, cast or add the shard, or hand the gradient
-    to a post-accumulate-grad hook (an optimizer in the backward pass) as soon as the hook
-    returns, and whenever its internals are not the ones described above.
-    """
+    """Whether FSDP2 will only make the parameters' gradients views of ``shard``, so that the
+    hook may finish averaging it later: not where it would divide, cast or add the shard, or
+    hand it to a post-accumulate-grad hook, nor where its internals are not as described."""
     if shard.dtype not in (torch.float32, torch.bfloat16):  # float16 is divided after the hook
         return False
     try:

@@ -22,13 +22,9 @@ _GROUP_TYPES: set[type] = {dist.ProcessGroup}
 
 
 def group_state(state: Any, owner: str) -> dist.ProcessGroup:
-    """Resolve the ``state`` of a stateless hook: a process group, ``None``, or the
-    :class:`~commhooks.state.StatelessState` that ``commhooks.register`` gives it.
-
-    Raises:
-        TypeError: ``state`` is another hook's state object or anything else that is not a group.
-        ValueError: this rank is not in the group.
-    """
+    """The group of a stateless hook's ``state``: a process group, ``None``, or the
+    :class:`~commhooks.state.StatelessState` ``commhooks.register`` gives it; checked once by
+    :mod:`commhooks.handshake`. ``TypeError`` for another hook's state."""
     if isinstance(state, StatelessState):
         state = state.process_group
     # The usual cases first, without resolve_group's checks: they cannot fail for a group that
@@ -57,12 +53,9 @@ def group_state(state: Any, owner: str) -> dist.ProcessGroup:
 
 
 def gradient_buffer(bucket: GradBucket, owner: str) -> torch.Tensor:
-    """The bucket's gradient, checked to be floating point; dense or sparse.
-
-    DDP hands a parameter with sparse gradients (``nn.Embedding(..., sparse=True)``) a bucket of
-    its own whose buffer is that sparse gradient. Only hooks that average or return a bucket as
-    it is take this path; every other hook calls :func:`float_buffer`.
-    """
+    """The bucket's gradient, checked to be floating point: dense, or the sparse gradient of
+    a bucket of its own (``nn.Embedding(..., sparse=True)``), which only hooks that average or
+    return it as it is take; the others call :func:`float_buffer`."""
     buffer: torch.Tensor = bucket.buffer()
     if not buffer.is_floating_point():
         raise TypeError(
@@ -74,12 +67,8 @@ def gradient_buffer(bucket: GradBucket, owner: str) -> torch.Tensor:
 
 
 def float_buffer(bucket: GradBucket, owner: str) -> torch.Tensor:
-    """The bucket's flat gradient, checked to be dense and floating point.
-
-    Raises:
-        TypeError: the gradient is sparse, naming the hooks that take sparse gradients, or not
-            floating point.
-    """
+    """The bucket's flat gradient; ``TypeError`` where it is not floating point, or sparse
+    (naming the hooks that take sparse gradients)."""
     buffer: torch.Tensor = bucket.buffer()
     if buffer.layout == torch.strided and buffer.is_floating_point():  # the usual bucket
         return buffer

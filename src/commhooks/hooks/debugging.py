@@ -14,20 +14,9 @@ def noop_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     """Return each rank's local gradient untouched, communicating nothing.
 
-    Training with it is no longer data parallel; its purpose is the step time with zero
-    communication, the floor that every other hook is measured against. It checks its
-    arguments as the other stateless hooks do, so that a setup that is wrong for them is
-    reported here too rather than only once a real hook is swapped in. Sparse gradients are
-    returned untouched too.
-
-    Args:
-        state: a process group or ``None`` (the default group); only validated.
-        bucket: the gradient bucket DDP hands to the hook.
-
-    Raises:
-        RuntimeError: torch.distributed is not initialised.
-        TypeError: ``state`` is not a group, or the bucket is not floating point.
-        ValueError: this rank is not in the group ``state``.
+    Not data parallel: the step time with zero communication, the floor every other hook is
+    measured against. It checks ``state`` (a process group or ``None``) and the bucket as the
+    other stateless hooks do, so a setup wrong for them is reported here too.
     """
     group_state(state, "noop_hook")
     return comm.completed(gradient_buffer(bucket, "noop_hook"))

@@ -1,9 +1,7 @@
 """Plain averaging, reduced-precision averaging, and wrappers that run any hook in low precision.
 
 Every hook here takes a ``ProcessGroup`` or ``None`` (the default group) as its state.
-
-Note for maintainers: hook modules must not use ``from __future__ import annotations``. DDP
-inspects a hook's annotations and rejects them when they are strings.
+Hook modules must not use ``from __future__ import annotations``: DDP rejects string annotations.
 """
 
 from collections.abc import Callable
@@ -29,15 +27,9 @@ Hook = Callable[[Any, GradBucket], "torch.futures.Future[torch.Tensor]"]
 
 
 def allreduce_hook(process_group: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Average the bucket across the group: the same result, bit for bit, as DDP without a hook.
-
-    Sparse gradients (``nn.Embedding(..., sparse=True)``, in buckets of their own) included.
-
-    Args:
-        process_group: group to average over; ``None`` for the default group (or the
-            :class:`~commhooks.state.StatelessState` that ``commhooks.register`` makes).
-        bucket: the gradient bucket DDP hands to the hook.
-    """
+    """Average the bucket across ``process_group`` (``None``: the default group; or the
+    ``StatelessState`` ``commhooks.register`` makes): bit for bit DDP's result without a hook,
+    sparse gradients included."""
     group = group_state(process_group, "allreduce_hook")
     buffer = gradient_buffer(bucket, "allreduce_hook")
     policy = policy_of(process_group)
@@ -49,12 +41,11 @@ def fp16_compress_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket in float16, halving the bytes on the wire.
 
-    PyTorch's arithmetic, pass for pass (cast, divide by the world size, sum, cast back into
-    the bucket), so its results are bitwise those of PyTorch's ``fp16_compress_hook``: a rank's
-    value beyond float16's range (|x| > 65504) is sent as ``inf``, and a loss scaler skips the
-    step. With ``on_nonfinite="repair"`` (``register(ddp, "fp16", on_nonfinite="repair")``) a
-    bucket whose float16 sum is not finite is averaged again in its own precision. Sparse
-    gradients are refused (use ``allreduce_hook``).
+    PyTorch's arithmetic, pass for pass, so bitwise PyTorch's ``fp16_compress_hook``: a value
+    beyond float16's range (|x| > 65504) is sent as ``inf``, and a loss scaler skips the step.
+    With ``on_nonfinite="repair"`` (``register(ddp, "fp16", on_nonfinite="repair")``) a bucket
+    whose float16 sum is not finite is averaged again in its own precision. Sparse gradients
+    are refused (use ``allreduce_hook``).
     """
     return _cast_average(process_group, bucket, torch.float16, "fp16_compress_hook")
 
@@ -89,8 +80,8 @@ def _cast_average(
 def average_in(
     buffer: torch.Tensor, dtype: torch.dtype, group: dist.ProcessGroup
 ) -> torch.futures.Future[torch.Tensor]:
-    """Average ``buffer`` across ``group`` in ``dtype``: cast, divide, sum, and cast the sum
-    back into ``buffer`` in the collective's one callback; the future holds ``buffer``."""
+    """Average ``buffer`` across ``group`` in ``dtype``: cast, divide, sum, cast back into
+    ``buffer`` in the one callback."""
     world = comm.size(group)
     if dtype == torch.bfloat16 and buffer.is_cpu:  # one fused pass, PyTorch's bits
         low = torch.empty_like(buffer, dtype=dtype)
@@ -104,13 +95,11 @@ def average_in(
 def fp16_compress_wrapper(hook: Hook) -> Hook:
     """Run ``hook`` on a float16 copy of the bucket; DDP casts its result back.
 
-    Composes with any hook of this package, stateful ones included:
-    ``fp16_compress_wrapper(powerSGD_hook)`` compresses the low-rank factors' traffic too.
-    Values beyond float16's range (|x| > 65504) become ``inf``, as in PyTorch's wrapper; with
-    the hook's state's ``on_nonfinite="repair"``, a bucket whose result is not finite is
-    averaged again in the bucket's own precision. As with PyTorch's wrapper, the future holds
-    the float16 copy with the hook's result in it: DDP casts that back as it copies it into the
-    gradients, one pass fewer than casting it into the bucket first.
+    Composes with any hook of this package: ``fp16_compress_wrapper(powerSGD_hook)`` sends the
+    factors in float16. Values beyond float16's range become ``inf``, as in PyTorch's wrapper
+    (with the state's ``on_nonfinite="repair"``, such a bucket is averaged again in its own
+    precision). The future holds the float16 copy, which DDP casts as it copies it into the
+    gradients: one pass fewer than casting it into the bucket first.
     """
     return _cast_wrapper(hook, torch.float16, "fp16")
 
@@ -129,10 +118,8 @@ def _cast_wrapper(hook: Hook, dtype: torch.dtype, short: str) -> Hook:
 
 
 class CastWrapper:
-    """A hook that runs ``hook`` on a down-cast copy of the bucket.
-
-    A class rather than a closure so that wrapped hooks pickle (launchers copy them to workers).
-    """
+    """A hook that runs ``hook`` on a down-cast copy of the bucket (a class, not a closure,
+    so that wrapped hooks pickle: launchers copy them to workers)."""
 
     def __init__(self, hook: Hook, dtype: torch.dtype, short: str) -> None:
         self.hook, self.dtype = hook, dtype

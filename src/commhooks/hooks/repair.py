@@ -1,22 +1,14 @@
 """``on_nonfinite="repair"``: a bucket whose compressed average is not finite is averaged again.
 
-By default every hook returns what its collectives give, as PyTorch's hooks do: a gradient that
-holds inf or NaN, or an fp16 sum beyond float16's range, comes back non-finite, a loss scaler
-(``torch.amp.GradScaler``) skips the step and lowers its scale, and no hook reads anything back
-from the device to decide anything. The hooks' own memories (error feedback, PowerSGD's
-factors) are protected on the device either way: a step whose sum is not finite leaves them as
-they were.
+By default a hook returns what its collectives give, as PyTorch's do: a non-finite sum comes
+back non-finite, a loss scaler skips the step, and nothing is read back from the device (the
+hooks' memories are kept on the device either way).
 
-A user who would rather have the finite average where one exists (a rank's value too large for
-float16 whose average fits, a quantized sum that overflowed) turns the repair on. Then the hook
-keeps a copy of each bucket's gradient, and at the step's last bucket one batched check of
-every bucket's result is read back (one wait for the device a step); each bucket whose result
-is not finite is averaged again in its own precision, plain allreduce's result, with a warning
-naming it. A caller that waits for each bucket before handing over the next (FSDP2's shards)
-decides each bucket at once, inside :func:`deciding_each_bucket`.
-
-Every rank holds the same results (they are reduced), so every rank re-sends the same buckets,
-in bucket order, on DDP's thread: the same collectives in the same order everywhere.
+With the repair the hook keeps a copy of each bucket's gradient; at the step's last bucket one
+batched check of every result is read back (one wait a step), and each bucket whose result is
+not finite is averaged again in its own precision, with a warning naming it. The results are
+reduced, so every rank re-sends the same buckets, in order, on DDP's thread. A caller that
+waits for each bucket (FSDP2) decides each at once, inside :func:`deciding_each_bucket`.
 """
 
 import contextlib
@@ -84,8 +76,7 @@ _now = _Deciding()
 
 @contextlib.contextmanager
 def deciding_each_bucket() -> Iterator[None]:
-    """Within this block a repaired bucket is decided at once, not at the step's last bucket:
-    for callers that wait for each bucket's result before they hand over the next."""
+    """Within this block a repaired bucket is decided at once, not at the step's last bucket."""
     before, _now.each = _now.each, True
     try:
         yield
@@ -94,8 +85,7 @@ def deciding_each_bucket() -> Iterator[None]:
 
 
 def policy_of(state: Any) -> str:
-    """The ``on_nonfinite`` policy of a hook's state: its own where it has one (a
-    :class:`~commhooks.state.HookState`), :data:`PROPAGATE` for a process group or ``None``."""
+    """The ``on_nonfinite`` of a hook's state; :data:`PROPAGATE` for a process group."""
     return state.on_nonfinite if isinstance(state, HookState) else PROPAGATE
 
 
@@ -106,12 +96,8 @@ def repaired(
     owner: str,
     run: Callable[[], "Future[torch.Tensor]"],
 ) -> "Future[torch.Tensor]":
-    """``run()``, the hook's work on ``bucket``, under ``policy``.
-
-    With :data:`PROPAGATE` (or inside another repair: a wrapper's inner hook) that is all.
-    With :data:`REPAIR` the bucket's gradient is copied first, and the future returned
-    completes once the step's results are checked (see the module's note).
-    """
+    """``run()``, the hook's work on ``bucket``, under ``policy``: with :data:`REPAIR` (outside
+    another repair) the gradient is copied first, and the future completes once checked."""
     if policy != REPAIR or _now.inside:
         return run()
     original = bucket.buffer().clone()
@@ -158,8 +144,8 @@ _WORD = 62  # flags a 64-bit integer carries, read back as one
 
 
 def _read_flags(flags: list[torch.Tensor]) -> list[bool]:
-    """The values of boolean tensors on the device, read back to the host at once: packed as
-    bits into 64-bit words, one ``item()`` where the step has at most 62 buckets."""
+    """Boolean tensors on the device read back at once, as bits of 64-bit words: one
+    ``item()`` for up to 62 buckets."""
     if not flags:
         return []
     bits = torch.stack(flags).to(torch.int64)

@@ -60,10 +60,8 @@ _ACCELERATE_KEYS = ("comm_hook", "comm_wrapper", "comm_state_option")
 
 
 def find_ddp(model: nn.Module) -> DistributedDataParallel | None:
-    """The ``DistributedDataParallel`` module inside what ``accelerator.prepare`` returned.
-
-    ``prepare`` returns the DDP model itself, or a ``torch.compile`` wrapper around it.
-    """
+    """The ``DistributedDataParallel`` model ``accelerator.prepare`` returned, or the one inside
+    its ``torch.compile`` wrapper."""
     found: nn.Module | None = model
     while found is not None:
         if isinstance(found, DistributedDataParallel):
@@ -87,13 +85,8 @@ def register_hook(
     rank's copy (Accelerate writes custom objects from the main process only). Call this in
     the same order on every run, as Accelerate requires of checkpointed objects.
 
-    Args:
-        accelerator: the ``accelerate.Accelerator``.
-        model: the model returned by ``accelerator.prepare``.
-        hook: the hook's name, as for :func:`commhooks.register`.
-        wrapper: the wrapper's name, as for :func:`commhooks.register`.
-        process_group: as for :func:`commhooks.register`.
-        **options: the hook's options, as for :func:`commhooks.register`.
+    ``model`` is the one ``accelerator.prepare`` returned; ``hook``, ``wrapper``,
+    ``process_group`` and ``options`` are :func:`commhooks.register`'s.
 
     Returns:
         what ``commhooks.register`` returns (a stateless hook's ``StatelessState`` is not
@@ -152,11 +145,9 @@ def DistributedDataParallelKwargs(  # noqa: N802  # stands in for Accelerate's c
 ) -> Any:
     """Accelerate's ``DistributedDataParallelKwargs``, registering commhooks' hook.
 
-    Accelerate looks its kwargs handlers up by their exact class, so this returns an instance
-    of Accelerate's own ``DistributedDataParallelKwargs``: ``ddp_args`` go to DDP as before,
-    and ``accelerator.prepare`` calls the handler's ``register_comm_hook``, which here registers
-    the commhooks hook through :func:`commhooks.register_from_config` instead of PyTorch's. The
-    state registered on each prepared model is :func:`hook_state` of it.
+    Accelerate looks its handlers up by their exact class, so this returns an instance of its
+    own class, whose ``register_comm_hook`` (called by ``accelerator.prepare``) registers the
+    commhooks hook instead of PyTorch's; the state is :func:`hook_state` of the prepared model.
 
     Args:
         comm_hook: any name ``commhooks.register`` takes (``"power_sgd"``, ``"bf16"``,
@@ -212,12 +203,7 @@ def _accelerate_handler(ddp_args: dict[str, Any]) -> Any:
 
 def hook_state(model: nn.Module) -> Any:
     """The hook state registered on ``model`` (what ``accelerator.prepare`` returned) through
-    :func:`DistributedDataParallelKwargs`: register it for checkpointing, wrapped in
-    ``PerRankState`` (every rank keeps its own).
-
-    Returns:
-        the state, or ``None`` when the model was not prepared with such a handler (a single
-        process: Accelerate does not wrap it in DDP, and nothing is registered).
-    """
+    :func:`DistributedDataParallelKwargs`, to register for checkpointing in ``PerRankState``;
+    ``None`` without one (a single process: Accelerate does not wrap the model in DDP)."""
     ddp = find_ddp(model)
     return _states.get(ddp) if ddp is not None else None

@@ -1,11 +1,9 @@
 """Checkpointing hook state whose content differs between ranks.
 
-Some hook state is the same on every rank (iteration counters, random generators, PowerSGD's
-warm-start factors) and some is each rank's own (PowerSGD's error feedback: the part of this
-rank's gradient that compression has not sent yet). Frameworks that write a single file from
-rank 0 (Accelerate's ``save_state``, Lightning, ``torch.save`` on rank 0) therefore keep rank
-0's copy only, and ``torch.distributed.checkpoint`` keeps one copy of every key that all ranks
-share. Either way the other ranks would resume with rank 0's error and drift.
+Some hook state is each rank's own (error feedback: what compression has not sent yet of this
+rank's gradient). Frameworks that write one file from rank 0 (Accelerate's ``save_state``,
+Lightning) keep rank 0's copy only, and ``torch.distributed.checkpoint`` one copy of each key:
+either way the other ranks would resume with rank 0's error and drift.
 
 * :class:`PerRankState` gathers every rank's ``state_dict()`` on rank 0 for single-file
   savers, and gives each rank its own entry back on load.
@@ -31,20 +29,16 @@ __all__ = ["DistributedCheckpointState", "PerRankState"]
 class PerRankState(HookState):
     """Every rank's hook state in one checkpoint written by rank 0.
 
-    ``state_dict()`` is a collective: call it on every rank (Accelerate's ``save_state`` and
-    Lightning's ``save_checkpoint`` do). Rank 0 receives every rank's entry; the other ranks
-    return the header only, which they do not write. ``load_state_dict`` hands each rank its own
-    entry. The file holds only tensors, numbers, strings, lists and dicts, so it loads with
-    ``torch.load(path, weights_only=True)``. Files written by another rank than rank 0 (such
-    as Accelerate's ``save_on_each_node=True`` on the other nodes) hold the header only and
-    are refused on load.
+    ``state_dict()`` is a collective (Accelerate's ``save_state`` and Lightning's
+    ``save_checkpoint`` call it on every rank): rank 0 gets every rank's entry, the others the
+    header only, refused on load. ``load_state_dict`` hands each rank its own entry. The file
+    loads with ``torch.load(path, weights_only=True)``.
 
     Args:
         state: the hook state returned by ``commhooks.register``.
         process_group: the group the hook communicates on (``None``: the default group).
-        allow_resize: when the checkpoint was written by a different number of ranks, every
-            rank loads rank 0's entry and the state's own checks decide what still fits,
-            instead of raising.
+        allow_resize: where another number of ranks wrote the checkpoint, every rank loads
+            rank 0's entry (the state's checks decide what still fits) instead of raising.
 
     Example::
 
@@ -97,10 +91,9 @@ class PerRankState(HookState):
 class DistributedCheckpointState:
     """A ``torch.distributed.checkpoint`` ``Stateful`` for hook state, one entry per rank.
 
-    ``dcp`` writes one copy of each key that all ranks share and loads into a template of the
-    same shapes. Hook state breaks both assumptions: its content differs between ranks and a
-    fresh state has not allocated its buffers yet. Each rank's state dict is therefore stored,
-    serialised, under a key of its own.
+    ``dcp`` writes one copy of each key all ranks share and loads into a template of the same
+    shapes, but hook state differs between ranks and a fresh one has no buffers yet: each
+    rank's state dict is stored serialised, under a key of its own.
 
     Example::
 

@@ -112,12 +112,8 @@ class CommHookDDPStrategy(DDPStrategy):
         self.attach_averager()
 
     def attach_averager(self) -> None:
-        """Run the hook's model averager (``streaming_diloco``, ``diloco``) after every step
-        of the optimizer, its parameters named as in the DDP model's module; once.
-
-        Raises:
-            ValueError: more than one optimizer (each step would count as an inner step).
-        """
+        """Run the hook's model averager (DiLoCo's) after every step of the one optimizer
+        (with several, each step would count as an inner step: ``ValueError``); once."""
         state = self.hook_state
         if not isinstance(state, ModelAverager) or self._averager_attached:
             return
@@ -151,22 +147,16 @@ class CommHookDDPStrategy(DDPStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
-        """Add every rank's hook state to ``checkpoint``, then save as ``DDPStrategy`` does.
-
-        Runs on every rank (Lightning calls it on all of them), because gathering the hook
-        state is a collective.
-        """
+        """Add every rank's hook state to ``checkpoint`` (a collective: Lightning calls it on
+        every rank), then save as ``DDPStrategy`` does."""
         per_rank = self._per_rank()
         if per_rank is not None:
             checkpoint[CHECKPOINT_KEY] = per_rank.state_dict()
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """Load as ``DDPStrategy`` does, and restore the hook state from it.
-
-        Lightning loads a resumed checkpoint before the DDP model exists; the hook state is
-        then kept until :meth:`configure_ddp` has registered the hook.
-        """
+        """Load as ``DDPStrategy`` does, and restore the hook state from it (kept until
+        :meth:`configure_ddp` where, as on resuming, the DDP model does not exist yet)."""
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
         saved = checkpoint.get(CHECKPOINT_KEY)
         if saved is not None:
@@ -181,10 +171,8 @@ class CommHookDDPStrategy(DDPStrategy):
 def _lightning_hook_args(
     kwargs: dict[str, Any], hook: Any, wrapper: Any, hook_options: Any
 ) -> tuple[Any, Any, Any] | None:
-    """Take ``DDPStrategy``'s own hook arguments out of ``kwargs``: ``(hook, state, wrapper)``.
-
-    ``DDPStrategy`` would register them only on CUDA; this strategy registers them itself.
-    """
+    """Take ``DDPStrategy``'s hook arguments out of ``kwargs`` (it registers them only on CUDA;
+    this strategy registers them itself): ``(hook, state, wrapper)``."""
     names = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper")
     given = {k: kwargs.pop(k, None) for k in names}
     if all(v is None for v in given.values()):

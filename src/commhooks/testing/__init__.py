@@ -9,11 +9,10 @@ custom hook::
 
     results = run_on_ranks(check, world_size=2)
 
-Ranks are started from a fork server that has already imported torch, so each costs a fork,
-not an interpreter start. They rendezvous through a file store in a private directory (no port
-to race for), so the only traffic between them is their own. A rank that raises has its
-traceback re-raised here; one that dies has the tail of its output shown; one that hangs is
-killed after ``timeout`` seconds. Whatever happens, every rank is gone when the call returns.
+Ranks are forked from a server that has imported torch already, and meet through a file store
+in a private directory (no port to race for). A rank that raises has its traceback re-raised
+here, one that dies the tail of its output shown, one that hangs is killed after ``timeout``
+seconds; every rank is gone when the call returns.
 """
 
 import datetime
@@ -39,12 +38,8 @@ _LAST_WORDS_S = 0.5  # how long a message already in flight may take to arrive
 
 
 class RankError(RuntimeError):
-    """A rank raised, died, or did not finish in time.
-
-    Attributes:
-        rank: the rank that failed first.
-        summary: one line saying what went wrong (the exception and its message).
-    """
+    """A rank raised, died, or did not finish in time: ``rank``, the first that failed, and
+    ``summary``, one line saying what went wrong."""
 
     def __init__(self, rank: int, summary: str, details: str) -> None:
         super().__init__(f"{summary}\n{details}" if details else summary)
@@ -78,11 +73,9 @@ def run_on_ranks(
 ) -> list[Any]:
     """Call ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` processes.
 
-    Each process has an initialised default process group, one intra-op thread, and the
-    torchrun variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``) set;
-    ``env`` adds or overrides variables. ``fn`` and ``prepare`` must be importable (defined at
-    module level, or partials of such functions) and ``fn`` must return something picklable
-    (tensors are fine).
+    Each has an initialised default process group, one intra-op thread, and torchrun's
+    variables (``env`` adds or overrides some). ``fn`` and ``prepare`` must be importable
+    (module-level, or partials of such); ``fn`` returns something picklable.
 
     Args:
         prepare: called as ``prepare(rank)`` in each rank before its process group is set up,
@@ -127,7 +120,7 @@ def run_on_ranks(
 
 @dataclass(frozen=True)
 class _Setup:
-    """What every rank is to do: where to meet and how, what to do first, what to call."""
+    """What every rank is to do: where and how to meet, what to do first, what to call."""
 
     store: str
     backend: str

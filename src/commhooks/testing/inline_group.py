@@ -1,14 +1,11 @@
 """A process group of one rank whose collectives complete as they are issued: NCCL's futures,
 without a GPU.
 
-NCCL completes a collective's future once the collective is queued, so a hook's callbacks run
-at once, on the thread that issued it; gloo runs them later, on a worker thread of its own,
-which a hook pays for differently (the interpreter changes hands at every callback). What a
-hook costs the host on a GPU is therefore measured best on a backend that behaves as NCCL does,
-and this one does so on a CPU: every collective returns a finished work holding its tensors
-(one rank: a sum or a gather is the tensor itself), for PyTorch's hooks and ours alike.
-``examples/host_cost.py --backend inline`` uses it, with our hooks inside
-:func:`commhooks.comm.completing_inline`, which makes them take the GPU's branches.
+NCCL runs a hook's callbacks at once, on the issuing thread; gloo runs them on a thread of its
+own, which a hook pays for differently. A GPU's host cost is best measured on a backend that
+behaves as NCCL does: this one, on a CPU, for PyTorch's hooks and ours alike
+(``examples/host_cost.py --backend inline``, ours inside
+:func:`commhooks.comm.completing_inline`).
 
     from commhooks.testing import inline_group
     inline_group.init()  # instead of init_process_group, in a process of its own
@@ -35,12 +32,8 @@ def _finished(result: list[torch.Tensor]) -> Any:
 
 
 class InlineGroup(dist.ProcessGroup):
-    """One rank; each collective's result is its input, and its work is finished already.
-
-    The methods take the backend's argument lists (lists of tensors, an options object) as
-    ``torch.distributed`` hands them over; torch's type stubs list only the overloads callers
-    use, hence the ``override`` ignores.
-    """
+    """One rank; each collective's result is its input, and its work is finished already
+    (torch's stubs list only the callers' overloads, hence the ``override`` ignores)."""
 
     def getBackendName(self) -> str:  # noqa: N802 (the backend interface's name)
         return BACKEND

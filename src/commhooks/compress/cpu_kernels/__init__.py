@@ -1,20 +1,16 @@
-"""Fused CPU kernels, built on first use and loaded with ctypes: for the quantization math
-(:mod:`commhooks.compress.blocks`) and the bf16 hook. They only speed up work on CPU tensors;
-the C sources lie beside this loader.
+"""Fused CPU kernels in plain C, built on first use and loaded with ctypes, for the quantization
+math (:mod:`commhooks.compress.blocks`) and the bf16 hook.
 
-PyTorch has no single operation that quantizes a block with its own scale and keeps the error,
-so its eager form reads and writes the bucket six times (4-5x the cost of copying it once).
-``_blockquant.c`` does it in one read and one write. ``_bfloat16.c`` casts a bucket to bfloat16
-and divides it in one pass where PyTorch takes two. ``_base13.c`` packs 13-level 4-bit codes eight
-to 30 bits and back in one pass where PyTorch takes a dozen. All use PyTorch's arithmetic, so
-that both forms give the same bits (``tests/test_kernels.py`` and ``tests/test_packing.py``
-hold them to it); ``_parallel.c`` runs their parts on threads. They are plain C with no
-PyTorch headers: the system's C compiler builds them into one library in about a second, once
-per machine and source, into a cache directory; every later process loads the built file.
+PyTorch's eager form reads and writes a bucket six times to quantize it with a scale a block
+and keep the error; ``_blockquant.c`` reads and writes it once. ``_bfloat16.c`` casts and
+divides in one pass, ``_base13.c`` packs 13-level 4-bit codes in one pass where PyTorch takes
+a dozen; ``_parallel.c`` runs their parts on threads. All give PyTorch's bits
+(``tests/test_kernels.py``). The system's C compiler builds them in about a second, once per
+machine and source, into a cache directory.
 
-Where there is no compiler, the build fails, the tensors are not the plain CPU layout the
-kernels read, or ``COMMHOOKS_NATIVE=0`` is set, callers get ``False`` (or ``None``) and run the
-eager form. The choice never changes a result, only its speed.
+Where there is no compiler, the tensors are not the plain CPU layout the kernels read, or
+``COMMHOOKS_NATIVE=0`` is set, callers get ``False`` (or ``None``) and run the eager form: the
+choice changes a result's speed, never its bits.
 
 Environment:
     COMMHOOKS_NATIVE: ``0`` to never build or load the kernels.
@@ -75,12 +71,11 @@ _P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_f
 
 def available() -> bool:
     """Whether the fused kernels are built and loaded (building them on the first call)."""
-    return _library() is not None
+    return _LOADER.get() is not None
 
 
 def disabled() -> contextlib.AbstractContextManager[None]:
-    """Run the eager PyTorch form in the whole process while the block is active: in every
-    thread, since a hook's later phases run on the backend's threads (for comparisons)."""
+    """Run the eager form in every thread while the block is active (for comparisons)."""
     return _LOADER.disabled()
 
 
@@ -100,10 +95,13 @@ def quantize_rows(
     head = _quantize_head(x, packets, bits, block, keep, qmax)
     if head is None or (add is not None and not _addends_fit(x, *add)):
         return False
-    library = _library()
+    library = _LOADER.get()
     if library is None:
         return False
-    _quantize(library, head, add, x.numel())
+    first, second, n = (
+        (None, None, 0) if add is None else (*(t.data_ptr() for t in add), add[0].numel())
+    )
+    library.commhooks_quantize(*head, first, second, n, _threads(x.numel()))
     return True
 
 
@@ -121,7 +119,7 @@ def dequantize_rows(
     ``add_rows``; ``out`` may hold fewer columns than ``length``: the rows' first elements.
     ``False`` (nothing done) where the kernels cannot take these tensors."""
     args = _dequantize_args(packets, bits, block, out, length, add_rows)
-    library = None if args is None else _library()
+    library = None if args is None else _LOADER.get()
     if args is None or library is None:
         return False
     library.commhooks_dequantize(*args)
@@ -138,17 +136,13 @@ BoundDequantize = Callable[[], bool]
 def bound_quantize(
     x: torch.Tensor, packets: torch.Tensor, bits: int, block: int, keep: bool, qmax: int
 ) -> BoundQuantize | None:
-    """:func:`quantize_rows` of these two tensors, checked now, not at each call: for buffers
-    a caller owns and keeps as they are (a workspace's, reused at every step; a call a bucket
-    otherwise checks every tensor again, about 3 us on a CPU). The call takes ``add``, checked
-    when it is not the pair of tensors the last call took (a bucket's buffer and a workspace's
-    memory, the same at every step). ``None`` where the kernels cannot take the tensors or are
-    not there; the call returns ``False`` while they are off (:func:`disabled`).
-
-    The arguments wait in one array the kernel reads through one pointer (ctypes converts each
-    argument of a call, about 0.25 us apiece on the host)."""
+    """:func:`quantize_rows` of these tensors, checked now, not at each call (about 3 us a
+    bucket): for a workspace's buffers, kept from step to step. The call takes ``add``, checked
+    when it is not the pair the last call took; it returns ``False`` while the kernels are off.
+    ``None`` where they cannot take the tensors. The arguments wait in one array the kernel
+    reads through one pointer (ctypes converts each argument, 0.25 us apiece)."""
     head = _quantize_head(x, packets, bits, block, keep, qmax)
-    library = None if head is None else _library()
+    library = None if head is None else _LOADER.get()
     if head is None or library is None:
         return None
     args = (ctypes.c_int64 * 14)(*head, 0, 0, 0, _threads(x.numel()))
@@ -188,7 +182,7 @@ def bound_dequantize(
 ) -> BoundDequantize | None:
     """:func:`dequantize_rows` of these tensors, checked now (see :func:`bound_quantize`)."""
     found = _dequantize_args(packets, bits, block, out, length, add_rows)
-    library = None if found is None else _library()
+    library = None if found is None else _LOADER.get()
     if found is None or library is None:
         return None
     args = (ctypes.c_int64 * len(found))(*found)
@@ -206,16 +200,14 @@ def bound_dequantize(
 def bound_keep_if_not_finite(
     packets: torch.Tensor, bits: int, block: int, length: int, now: torch.Tensor, kept: torch.Tensor
 ) -> BoundDequantize | None:
-    """A call that copies ``kept`` over ``now`` (float32, as long) if a scale of ``packets``
-    (rows of ``length`` elements) is inf or NaN, and does nothing otherwise: a quantized step's
-    memories kept as they were where its result is not finite, decided in one pass over the
-    scales (on a CPU, where reading them costs no wait), checked now (see
-    :func:`bound_quantize`). ``None`` where the kernels cannot take these tensors."""
+    """A bound call (see :func:`bound_quantize`) that copies ``kept`` over ``now`` (float32) if
+    a scale of ``packets`` (rows of ``length``) is inf or NaN: a quantized step's memories kept
+    where its result is not finite, in one pass over the scales."""
     rows = packets.shape[0]
     found = _packets_fit(packets, rows, length, bits, block)
     n = now.numel()
     fits = all(_flat(t, torch.float32, n) for t in (now, kept))
-    library = None if found is None or not fits else _library()
+    library = None if found is None or not fits else _LOADER.get()
     if found is None or library is None:
         return None
     at, stride = found
@@ -239,8 +231,7 @@ _Head = tuple[int, ...]
 def _quantize_head(
     x: torch.Tensor, packets: torch.Tensor, bits: int, block: int, keep: bool, qmax: int
 ) -> _Head | None:
-    """The quantizing kernel's arguments for these rows and packets, up to the addition;
-    ``None`` where it cannot take them."""
+    """The quantizing kernel's arguments up to the addition, or ``None``."""
     rows, length = x.shape
     rows_at, packets_at = _plain_rows(x, torch.float32, rows, length), None
     if rows_at is not None:
@@ -248,15 +239,6 @@ def _quantize_head(
     if rows_at is None or packets_at is None:
         return None
     return (*rows_at, rows, length, block, bits, qmax, *packets_at, int(keep))
-
-
-def _quantize(library: ctypes.CDLL, head: _Head, add: Addends, numel: int) -> None:
-    """Run the quantizing kernel, ``add`` checked already."""
-    if add is None:
-        library.commhooks_quantize(*head, None, None, 0, _threads(numel))
-    else:
-        first, second = add[0].data_ptr(), add[1].data_ptr()
-        library.commhooks_quantize(*head, first, second, add[0].numel(), _threads(numel))
 
 
 def _dequantize_args(
@@ -267,8 +249,7 @@ def _dequantize_args(
     length: int | None,
     add_rows: bool,
 ) -> _Head | None:
-    """The decoding kernel's arguments for these tensors; ``None`` where it cannot take
-    them."""
+    """The decoding kernel's arguments, or ``None``."""
     rows, columns = packets.shape[0], out.shape[-1]
     length = columns if length is None else length
     if out.dim() != 2 or not 0 <= columns <= length:
@@ -285,13 +266,11 @@ def _dequantize_args(
 
 
 def bfloat16_scaled(x: torch.Tensor, out: torch.Tensor, world: int) -> bool:
-    """Write ``x`` cast to bfloat16, then divided by ``world``, into ``out``, as
-    ``out.copy_(x).div_(world)`` does; whether it was done (``False``: the kernels cannot take
-    these tensors, and nothing was written)."""
+    """``out.copy_(x).div_(world)`` (bfloat16 ``out``) in one pass; whether it was done."""
     n = x.numel()
     if world < 1 or not (_flat(x, torch.float32, n) and _flat(out, torch.bfloat16, n)):
         return False
-    library = _library()
+    library = _LOADER.get()
     if library is None:
         return False
     # Multiplying by 1 / world is the division's bits where that is exact: a power of two.
@@ -304,27 +283,24 @@ def bfloat16_scaled(x: torch.Tensor, out: torch.Tensor, world: int) -> bool:
 
 
 def pack13(nibbles: torch.Tensor, out: torch.Tensor) -> bool:
-    """Pack the 13-level 4-bit codes of ``nibbles`` (``rows x 16 q`` bytes, each nibble in
-    [2, 14]) into ``out`` (``rows x 15 q``) as ``packing.pack13_`` does; ``False`` (nothing
-    done) where the kernels cannot take these tensors."""
+    """``packing.pack13_``; whether it was done."""
     return _base13("commhooks_pack13", nibbles, out, 16, 15)
 
 
 def unpack13(packed: torch.Tensor, nibbles: torch.Tensor) -> bool:
-    """The inverse of :func:`pack13`, as ``packing.unpack13_`` computes it."""
+    """``packing.unpack13_``; whether it was done."""
     return _base13("commhooks_unpack13", packed, nibbles, 15, 16)
 
 
 def _base13(name: str, source: torch.Tensor, target: torch.Tensor, size: int, out: int) -> bool:
-    """Run the packing kernel ``name`` from ``source`` (quads of ``size`` bytes a row) into
-    ``target`` (quads of ``out`` bytes)."""
+    """Run packing kernel ``name`` from ``source`` (``size`` bytes a quad) into ``target``."""
     rows, columns = source.shape
     quads = columns // size
     source_at = _plain_rows(source, torch.uint8, rows, columns, aligned=False)
     target_at = _plain_rows(target, torch.uint8, rows, quads * out, aligned=False)
     if columns % size or source_at is None or target_at is None:
         return False
-    library = _library()
+    library = _LOADER.get()
     if library is None:
         return False
     getattr(library, name)(source_at[0], source_at[1], target_at[0], target_at[1], rows, quads)
@@ -344,16 +320,13 @@ def _flat(t: torch.Tensor, dtype: torch.dtype, numel: int) -> bool:
     )
 
 
-# Where a tensor the kernels take starts and its row stride: read once per call, since every
-# call pays for each read (a kernel's call a bucket, several times, on the host's path).
-_Rows = tuple[int, int]
+_Rows = tuple[int, int]  # where a tensor starts and its row stride, read once a call
 
 
 def _packets_fit(
     packets: torch.Tensor, rows: int, length: int, bits: int, block: int
 ) -> _Rows | None:
-    """uint8 packets on the CPU, one contiguous row per row of whole even blocks, whose scales
-    are 4-byte aligned: where they start and their row stride, else ``None``."""
+    """uint8 rows of whole even blocks, scales 4-byte aligned: where and their stride."""
     if bits not in (4, 8) or block % 2 or length % block:
         return None
     size = length * bits // 8 + 4 * (length // block)
@@ -364,9 +337,8 @@ def _packets_fit(
 def _plain_rows(
     t: torch.Tensor, dtype: torch.dtype, rows: int, length: int, *, aligned: bool = True
 ) -> _Rows | None:
-    """``rows x length`` of ``dtype`` on the CPU, 4-byte aligned (unless not ``aligned``), each
-    row contiguous and none overlapping another (what the kernels read through a pointer and a
-    row stride): where it starts and its row stride, else ``None``."""
+    """``rows x length`` of ``dtype`` on the CPU, 4-byte aligned (if ``aligned``), each row
+    contiguous, none overlapping: where it starts and its row stride, else ``None``."""
     if t.dtype != dtype or not t.is_cpu or t.requires_grad or t.shape != (rows, length):
         return None
     at = t.data_ptr()
@@ -388,14 +360,7 @@ def _addends_fit(x: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> 
     return (
         x.is_contiguous()
         and n <= x.numel()
-        and all(
-            t.is_cpu
-            and t.dtype == torch.float32
-            and t.is_contiguous()
-            and not t.requires_grad
-            and t.numel() == n
-            for t in (first, second)
-        )
+        and all(_flat(t, torch.float32, n) for t in (first, second))
     )
 
 
@@ -403,10 +368,6 @@ def _threads(elements: int) -> int:
     if elements < 2 * _ELEMENTS_PER_THREAD:  # most calls: one thread, without asking torch
         return 1
     return max(1, min(torch.get_num_threads(), elements // _ELEMENTS_PER_THREAD))
-
-
-def _library() -> ctypes.CDLL | None:
-    return _LOADER.get()
 
 
 def _load() -> ctypes.CDLL | None:
@@ -440,8 +401,7 @@ def _load() -> ctypes.CDLL | None:
 
 
 def _opened() -> ctypes.CDLL:
-    """The built kernels, loaded; a cached file the loader refuses (a damaged disk, a copy
-    from another machine) is built again, once."""
+    """The built kernels, loaded; a cached file the loader refuses is built again, once."""
     try:
         return ctypes.CDLL(str(_built()))
     except OSError as error:
@@ -450,8 +410,7 @@ def _opened() -> ctypes.CDLL:
 
 
 def _built(again: bool = False) -> Path:
-    """The path of the built kernels for these sources, compiler and CPU, building them if new
-    (or ``again``)."""
+    """The built kernels for these sources, compiler and CPU, built if new (or ``again``)."""
     compiler = _compiler()
     package = resources.files(__name__)
     sources = [package.joinpath(name).read_bytes() for name in _SOURCES + _HEADERS]

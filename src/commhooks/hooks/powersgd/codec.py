@@ -1,10 +1,5 @@
-"""PowerSGD state <-> its state dict.
-
-A state dict comes from a file, which may be damaged or hostile: :func:`decode` checks every
-entry before anything is used (a tensor must be dense, contiguous and finite, error and factors
-must fit each other and the options, counts must be integers), and raises
-:class:`~commhooks.state.StateDictError` naming the entry otherwise.
-"""
+"""PowerSGD state <-> its state dict: :func:`decode` checks every entry of a file, which may be
+damaged or hostile, before anything is used, and names the entry it refuses."""
 
 import math
 import numbers
@@ -24,7 +19,7 @@ from commhooks.state import StateDictError, check_count, check_tensor
 
 from .options import COSMETIC, PowerSGDOptions
 
-__all__ = ["HOOKS", "Snapshot", "decode", "encode", "key_of"]
+__all__ = ["COUNTS", "HOOKS", "Snapshot", "decode", "encode", "key_of"]
 
 OWNER = "PowerSGDState"
 LAYERWISE, BATCHED = "powerSGD_hook", "batched_powerSGD_hook"
@@ -32,20 +27,24 @@ HOOKS = (LAYERWISE, BATCHED)
 _WHERE = "PowerSGDState.load_state_dict"
 RngState = tuple[str, npt.NDArray[np.uint32], int, int, float]
 """What ``numpy.random.RandomState.get_state()`` returns and ``set_state`` takes."""
+COUNTS = (
+    "iter",
+    "total_numel_before_compression",
+    "total_numel_after_compression",
+    "next_stats_report",
+)
+"""The state's counters: its step, and its compression statistics."""
 
 
 @dataclass
 class Snapshot:
     """Everything a PowerSGD state saves, decoded and checked; ``None`` where not known."""
 
-    iter: int
-    total_numel_before_compression: int
-    total_numel_after_compression: int
-    next_stats_report: int
+    counts: dict[str, int]  # by the names of COUNTS
     rng: RngState
     world_size: int | None
     rank: int | None
-    place: dict[str, int | str] | None  # mesh coordinates (commhooks.place); None: not saved
+    place: dict[str, int | str]  # mesh coordinates (commhooks.place)
     memory: ErrorFeedback
     factors: FactorMemory
     layouts: dict[str, tuple[int, ...]]
@@ -67,10 +66,7 @@ def encode(snap: Snapshot, options: PowerSGDOptions) -> dict[str, Any]:
     name, keys, pos, has_gauss, cached = snap.rng
     return {
         "options": options.as_dict(),
-        "iter": snap.iter,
-        "total_numel_before_compression": snap.total_numel_before_compression,
-        "total_numel_after_compression": snap.total_numel_after_compression,
-        "next_stats_report": snap.next_stats_report,
+        **snap.counts,
         "rng": {
             "name": str(name),
             "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64).copy()),
@@ -80,7 +76,7 @@ def encode(snap: Snapshot, options: PowerSGDOptions) -> dict[str, Any]:
         },
         "world_size": -1 if snap.world_size is None else snap.world_size,
         "rank": -1 if snap.rank is None else snap.rank,
-        "place": {} if snap.place is None else dict(snap.place),
+        "place": dict(snap.place),
         "error": snap.memory.state_dict(),
         **snap.factors.state_dict(),
         "layouts": {k: list(v) for k, v in snap.layouts.items()},
@@ -91,12 +87,8 @@ def encode(snap: Snapshot, options: PowerSGDOptions) -> dict[str, Any]:
 def decode(
     sd: Mapping[str, Any], options: PowerSGDOptions, describe: Callable[[Key], str]
 ) -> Snapshot:
-    """Check and convert every entry of ``sd``, changing nothing (the caller applies it).
-
-    Raises:
-        StateDictError: options that differ from ``options`` (other than
-            :data:`~.options.COSMETIC` ones), or any malformed entry, named.
-    """
+    """Check and convert every entry of ``sd``; ``StateDictError`` for options that differ
+    from ``options`` (but :data:`~.options.COSMETIC` ones), or any malformed entry."""
     _check_options(sd.get("options"), options)
     try:
         return _parse(sd, options, describe)
@@ -133,18 +125,11 @@ def _parse(
     factors.load_state_dict(sd, key_of)
     _check_factor_shapes(dict(memory.items()), factors, options.matrix_approximation_rank)
     return Snapshot(
-        iter=check_count("iter", sd["iter"]),
-        total_numel_before_compression=check_count(
-            "total_numel_before_compression", sd["total_numel_before_compression"]
-        ),
-        total_numel_after_compression=check_count(
-            "total_numel_after_compression", sd["total_numel_after_compression"]
-        ),
-        next_stats_report=check_count("next_stats_report", sd["next_stats_report"]),
+        counts={name: check_count(name, sd[name]) for name in COUNTS},
         rng=_rng(sd["rng"]),
         world_size=_known(check_count("world_size", sd["world_size"], minimum=-1)),
         rank=_known(check_count("rank", sd["rank"], minimum=-1)),
-        place=None if sd.get("place") is None else place.checked("place", sd["place"]),
+        place=place.checked("place", sd["place"]),
         memory=memory,
         factors=factors,
         layouts=_layouts(sd["layouts"]),
@@ -157,8 +142,8 @@ def _known(count: int) -> int | None:
 
 
 def _check_factor_shapes(errors: dict[Key, torch.Tensor], factors: FactorMemory, rank: int) -> None:
-    """Error ``(n, m)``, ``P`` ``(n, r)`` and ``Q`` ``(m, r)`` of a key must agree, with
-    ``r = min(rank, n, m)``, and be of one dtype; a key that alternates needs both factors."""
+    """Error ``(n, m)``, ``P`` ``(n, r)`` and ``Q`` ``(m, r)`` of a key agree, with
+    ``r = min(rank, n, m)``, in one dtype; a key that alternates has both factors."""
     for key in factors.last_step:
         if key not in factors.p or key not in factors.q:
             raise ValueError(f"last_step[{str(key)!r}] has no factors p and q to go with it")

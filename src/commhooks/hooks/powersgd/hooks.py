@@ -1,27 +1,17 @@
 """The PowerSGD hooks: check, number the bucket's parameters, plan, and run a pipeline.
 
-``powerSGD_hook`` compresses each gradient matrix of a bucket to rank-``r`` factors ``P`` (n x r)
-and ``Q`` (m x r) and averages those instead of the matrix; vectors and matrices too small to
-gain are averaged as they are. ``batched_powerSGD_hook`` treats the whole bucket as one
-zero-padded square matrix. Both take a :class:`PowerSGDState`.
+``powerSGD_hook`` averages each large gradient matrix of a bucket as rank-``r`` factors ``P``
+(n x r) and ``Q`` (m x r), the rest as it is; ``batched_powerSGD_hook`` treats the whole bucket
+as one zero-padded square matrix. The numerics of the default options are PyTorch's; unlike
+its hooks of the same names:
 
-How this differs from PyTorch's hooks of the same names (the numerics of the default options
-are the same):
-
-* State is kept per parameter, not per bucket, so DDP's bucket rebuild after the first step,
-  a restart, or another ``bucket_cap_mb`` can never apply one layer's error to another layer;
-  ``start_powerSGD_iter`` may therefore be 0 or 1.
-* First-round collectives are issued on DDP's thread, in bucket order; the ``Q`` round, which
-  needs ``P``'s result, goes through the state's :class:`~commhooks.comm.OrderedIssuer` to a
-  follow-up group of its own, in the order its slots were reserved. Ranks therefore issue the
-  same collectives in the same order on each group whatever the thread timing: many buckets
-  work on gloo.
-* The uncompressed tensors' allreduce starts before the compression work, together with the
-  ``P`` round, instead of before it; no device-wide synchronisation; error feedback adds the
-  remembered error into the gradient in place instead of cloning the bucket. Like PyTorch, it
-  also remembers ``local - mean`` for the tensors sent uncompressed (small, and keeping it makes
-  the numerics PyTorch's to the last bit where the order of operations allows).
-* ``single_round=True`` sends one collective per bucket per step (see :class:`PowerSGDState`).
+* State is kept per parameter, so DDP's bucket rebuild, a restart or another ``bucket_cap_mb``
+  never applies one layer's error to another.
+* The ``Q`` round goes through the state's :class:`~commhooks.comm.OrderedIssuer`, so ranks
+  issue the same collectives in the same order whatever the thread timing: many buckets work
+  on gloo.
+* The uncompressed tensors travel with ``P``; no device-wide synchronisation; the error is
+  added in place instead of cloning the bucket.
 
 A hook uses only the bucket's methods (``index``, ``buffer``, ``gradients``, ``parameters``,
 ``is_last``): any object that has them can stand for DDP's ``GradBucket``.
@@ -58,12 +48,10 @@ def powerSGD_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket with each large gradient matrix compressed to rank-``r`` factors.
 
-    Plain allreduce for the first ``state.start_powerSGD_iter`` steps. Then, per bucket: the
-    uncompressed tensors (vectors, small matrices) are packed and their average started; each
-    other gradient ``M`` (plus its remembered error) is approximated by ``P Qᵀ`` with one power
-    iteration: ``P = M Q``, sum ``P``, orthogonalise, ``Q = Mᵀ P``, average ``Q``. The error
-    ``M - P Qᵀ`` is remembered. With ``state.single_round``, one factor per step and one
-    collective (see :class:`PowerSGDState`).
+    Plain allreduce for the first ``state.start_powerSGD_iter`` steps. Then each matrix ``M``
+    (plus its remembered error) is approximated by ``P Qᵀ`` with one power iteration
+    (``P = M Q``, sum, orthogonalise, ``Q = Mᵀ P``, average) and ``M - P Qᵀ`` remembered; the
+    other tensors are averaged with ``P``.
 
     Args:
         state: the :class:`PowerSGDState` with the options and memory.
@@ -98,16 +86,9 @@ def batched_powerSGD_hook(
     """Average the bucket compressed as one zero-padded square matrix of rank-``r`` factors.
 
     Cheaper than :func:`powerSGD_hook` (one product per bucket) but far less accurate unless
-    the rank is 1, since a flat bucket has no low-rank structure across layers. State is kept
-    per bucket and reset (with a warning) when DDP rebuilds the bucket with other parameters.
-
-    Args:
-        state: the :class:`PowerSGDState` with the options and memory.
-        bucket: the gradient bucket DDP hands to the hook.
-
-    Raises:
-        TypeError: as :func:`powerSGD_hook`.
-        StateDictError: ``state`` belongs to :func:`powerSGD_hook`.
+    the rank is 1: a flat bucket has no low-rank structure across layers. State is kept per
+    bucket, reset (with a warning) when DDP rebuilds the bucket with other parameters. Raises
+    as :func:`powerSGD_hook` does.
     """
     state, buffer, group = _begin(state, bucket, BATCHED)
     numbers = state.numbering.numbers(bucket.parameters())
@@ -141,11 +122,8 @@ def batched_powerSGD_hook(
 def state_maker(
     hook: Callable[..., Any],
 ) -> Callable[[dist.ProcessGroup | None, Mapping[str, Any]], PowerSGDState]:
-    """How :func:`commhooks.register` builds the state of ``hook``.
-
-    The state knows its hook from the start, so a state dict of the other hook is refused when
-    it is loaded, not at the first step.
-    """
+    """How :func:`commhooks.register` builds the state of ``hook``, which knows its hook from
+    the start: a state dict of the other hook is refused at load, not at the first step."""
 
     def make(group: dist.ProcessGroup | None, options: Mapping[str, Any]) -> PowerSGDState:
         state = PowerSGDState(group, **options)
@@ -181,8 +159,7 @@ def _run(step: BucketStep) -> "Future[torch.Tensor]":
 
 
 def _layerwise(state: PowerSGDState, bucket: Any, plan: Plan, signature: tuple[Any, ...]) -> Layout:
-    """The layout of a bucket for :func:`powerSGD_hook`: its matrices and vectors as views of
-    its gradients, batched as the options say."""
+    """A bucket's matrices and vectors as views of its gradients, batched as the options say."""
     grads, numbers = bucket.gradients(), signature[1]
     steps = signature[2] or (BOTH,) * len(plan.compressed)
     matrices = [

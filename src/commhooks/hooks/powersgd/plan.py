@@ -57,14 +57,11 @@ def bucket_order(
 ) -> tuple[list[int] | None, bool]:
     """Where a whole-bucket state applies: the bucket's parameters in the state's order.
 
-    The state of ``key`` was made for a bucket holding the parameters ``layouts[key]`` in some
-    order. If this bucket (whose parameters are ``signature``) holds the same ones in another
-    order (a fresh DDP's first step, before it rebuilds its buckets), the first value returned
-    lists the positions in this bucket of the state's parameters, in the state's order:
-    compressing the gradients gathered in that order keeps the state's numerics. It is ``None``
-    when the order is the bucket's own. The second value says that the bucket now holds other
-    parameters, so that the state of ``key`` no longer applies; ``layouts`` then takes the new
-    signature.
+    The state of ``key`` was made for the parameters ``layouts[key]``. Where this bucket (of
+    parameters ``signature``) holds them in another order (a fresh DDP's first step), the first
+    value lists their positions in the state's order (``None``: the bucket's own). The second
+    says that the bucket holds other parameters, so the state no longer applies (``layouts``
+    then takes the new signature).
     """
     old = layouts.get(key)
     if old is None or old == signature:

@@ -38,27 +38,23 @@ SavedPlace = tuple[int | None, int | None, dict[str, int | str] | None]
 class PowerSGDState(HookState):
     """Options and memory of :func:`powerSGD_hook` and :func:`batched_powerSGD_hook`.
 
-    The arguments, their defaults and the attributes are PyTorch's, so existing code ports by
-    changing the import; :class:`PowerSGDOptions` gives each option's reason, and
-    ``state.settings`` is that typed object. ``matrix_approximation_rank`` and
-    ``start_powerSGD_iter`` are the ones to tune. State is kept per parameter, so DDP's bucket
-    rebuild after the first step cannot misapply it, and ``start_powerSGD_iter`` may be 0 or 1.
+    The arguments, their defaults and the attributes are PyTorch's, so code ports by changing
+    the import; :class:`PowerSGDOptions` (``state.settings``) gives each option's reason.
+    ``matrix_approximation_rank`` and ``start_powerSGD_iter`` are the ones to tune. State is
+    kept per parameter, so DDP's bucket rebuild cannot misapply it, and ``start_powerSGD_iter``
+    may be 0 or 1.
 
-    ``single_round=True`` sends one collective per bucket per step instead of two. Each step
-    refines only one factor, alternately ``P`` (``P = M Q`` with the last ``Q``) and ``Q``
-    (``Q = Mᵀ P`` with the last ``P``), and sends it packed with the uncompressed tensors. Half
-    the rounds and latency; the approximation follows the gradient one step later, so it
-    converges more slowly than the default at the same rank (error feedback makes up part of
-    it). Needs ``warm_start``.
+    ``single_round=True`` sends one collective per bucket and step instead of two, refining
+    alternately ``P = M Q`` and ``Q = Mᵀ P`` from the other factor of the last step: half the
+    latency, but the approximation lags a step, so it converges more slowly at the same rank.
 
-    On a step whose result is not finite (some rank's gradient held inf or NaN) the bucket
-    comes back non-finite, as PyTorch's hook gives it (a loss scaler skips the step), and the
-    memory and factors stay as they were, decided on the device. With
+    A step whose result is not finite comes back non-finite, as PyTorch's does (a loss scaler
+    skips it), and leaves the memory and factors as they were, decided on the device; with
     ``on_nonfinite="repair"`` such a bucket is averaged again as plain allreduce would.
 
-    Parts, each public: ``settings`` (the options), ``memory`` (the error feedback),
-    ``factors`` (warm-start ``P`` and ``Q``), ``numbering`` (stable parameter numbers, the
-    memories' keys), ``layouts`` (the batched hook's bucket contents), ``rng`` (PyTorch's seeds).
+    Parts, each public: ``settings``, ``memory`` (the error feedback), ``factors`` (warm-start
+    ``P`` and ``Q``), ``numbering`` (stable parameter numbers, the memories' keys), ``layouts``
+    (the batched hook's bucket contents), ``rng`` (PyTorch's seeds).
 
     Raises:
         ValueError: an option out of range, with the fix in the message.
@@ -109,7 +105,6 @@ class PowerSGDState(HookState):
         self.memory = ErrorFeedback(codec.OWNER, self.describe, lowrank.plausible_residual)
         self.factors = FactorMemory(codec.OWNER, self.describe)
         self.layouts: dict[str, tuple[int, ...]] = {}
-        # (size, rank, mesh place) a loaded state was saved at; None where not known
         self._saved_world: SavedPlace = (None, None, None)
         self._restore_transient()
 
@@ -148,10 +143,7 @@ class PowerSGDState(HookState):
 
     @property
     def error_dict(self) -> dict[Key, torch.Tensor]:
-        """The error-feedback memory by key: what compression dropped, per parameter (or bucket).
-
-        A new dict of the memory's own tensors.
-        """
+        """A new dict of the error-feedback memory's own tensors, by parameter (or bucket)."""
         return dict(self.memory.items())
 
     @error_dict.setter
@@ -178,17 +170,13 @@ class PowerSGDState(HookState):
     def prepare(self, hook: str) -> dist.ProcessGroup:
         """The group to communicate on, once this state is fit to serve ``hook``.
 
-        On the first call (and after :meth:`bind` or :meth:`load_state_dict`) this blocks on
-        one small gather over the group: ranks built with different options would issue
-        collectives of different shapes, which gloo reports as an abort and NCCL as a hang. The
-        first call for a group also creates the follow-up group of :attr:`issuer` (a
-        collective). Call it from DDP's thread, at the same point on every rank.
+        On the first call for a group (and after :meth:`load_state_dict`) the ranks check that
+        they agree (:mod:`commhooks.handshake`) and make :attr:`issuer`'s group: collectives,
+        so call it on DDP's thread, at the same point on every rank.
 
         Raises:
-            StateDictError: the state belongs to the other PowerSGD hook (saved by it, or used
-                with it first).
-            ValueError: the ranks run other hooks or disagree on :meth:`handshake_fields`, or
-                this rank is not in the group.
+            StateDictError: the state belongs to the other PowerSGD hook.
+            ValueError: the ranks disagree, or this rank is not in the group.
         """
         self._claim(hook)
         group = comm.resolve_group(self.process_group, owner=hook)
@@ -203,11 +191,8 @@ class PowerSGDState(HookState):
         return group
 
     def handshake_fields(self) -> dict[str, Any]:
-        """What every rank must agree on before its first collective (see commhooks.handshake).
-
-        The options, the hook, and the step count: ranks resumed at different steps would start
-        compressing at different steps, and their collectives would no longer match.
-        """
+        """The options, the hook, and the step count (ranks resumed at different steps would
+        start compressing at different steps)."""
         return {**self.options(), "iter": self.iter, "hook": self.hook_name}
 
     @property
@@ -237,8 +222,7 @@ class PowerSGDState(HookState):
     def plan(
         self, numbers: tuple[int, ...], gradients: Callable[[], Sequence[torch.Tensor]]
     ) -> Plan:
-        """Which gradients of a bucket holding parameters ``numbers`` are compressed (made once,
-        from ``gradients()``)."""
+        """Which gradients of a bucket of parameters ``numbers`` are compressed (made once)."""
         plan = self._plans.get(numbers)
         if plan is None:
             rank, rate = self.settings.matrix_approximation_rank, self.settings.min_compression_rate
@@ -246,26 +230,23 @@ class PowerSGDState(HookState):
         return plan
 
     def layout(self, index: int, signature: tuple[object, ...]) -> Any:
-        """The layout bucket ``index``'s last step of this ``signature`` (its buffer, its
-        parameters, the factor each matrix refines) worked on, or ``None``: a single-round
-        bucket alternates between two."""
+        """The layout bucket ``index``'s last step of this ``signature`` (buffer, parameters,
+        the factor each matrix refines) worked on, or ``None``."""
         for layout in self._layouts.get(index, ()):
             if layout.signature == signature:
                 return layout
         return None
 
     def keep_layout(self, index: int, layout: Any) -> Any:
-        """Keep ``layout`` for bucket ``index``'s later steps (the two last of each bucket)."""
+        """Keep ``layout`` for bucket ``index``'s later steps (the last two: a single-round
+        bucket alternates between two)."""
         kept = self._layouts.setdefault(index, [])
         kept[:] = [layout, *kept[:1]]
         return layout
 
     def bucket_order(self, key: str, signature: tuple[int, ...]) -> list[int] | None:
-        """For the batched hook: the order in which the bucket's gradients meet its state.
-
-        See :func:`~.plan.bucket_order`. When the bucket now holds other parameters than those
-        its memory and factors were made for, they are reset, with a warning.
-        """
+        """For the batched hook: :func:`~.plan.bucket_order`; the memory and factors of a bucket
+        that now holds other parameters are reset, with a warning."""
         order, changed = bucket_order(self.layouts, key, signature)
         if not changed:
             return order
@@ -312,12 +293,11 @@ class PowerSGDState(HookState):
             raise StateDictError(_other_hook(self.hook_name, hook))
 
     def _forget_memory_of_another_world(self, group: dist.ProcessGroup) -> None:
-        # A state pickled by an earlier release holds (size, rank) only.
-        size, rank, mesh = (*self._saved_world, None)[:3]
+        size, rank, mesh = self._saved_world
         self._saved_world = (None, None, None)
         if size is None or not len(self.memory):
             return
-        mesh = mesh or {}  # none saved (a release before FSDP2 places): no shard is shown
+        mesh = mesh or {}
         if size == group.size() and place.differs(mesh, self.mesh_place):
             why = (
                 f"it was saved at {place.describe(mesh)} and is used at "
@@ -358,10 +338,7 @@ class PowerSGDState(HookState):
         rng = self.rng.get_state()
         assert isinstance(rng, tuple)  # legacy=True, the default: the tuple form
         snapshot = codec.Snapshot(
-            iter=self.iter,
-            total_numel_before_compression=self.total_numel_before_compression,
-            total_numel_after_compression=self.total_numel_after_compression,
-            next_stats_report=self.next_stats_report,
+            counts={name: getattr(self, name) for name in codec.COUNTS},
             rng=rng,
             world_size=_current(comm.world_size, self.process_group),
             rank=_current(comm.group_rank, self.process_group),
@@ -378,10 +355,8 @@ class PowerSGDState(HookState):
         if self.hook_name is not None and snap.hook not in (None, self.hook_name):
             raise StateDictError(_other_hook(snap.hook, self.hook_name))
         agreed = self.handshake_fields()
-        self.iter = snap.iter
-        self.total_numel_before_compression = snap.total_numel_before_compression
-        self.total_numel_after_compression = snap.total_numel_after_compression
-        self.next_stats_report = snap.next_stats_report
+        for name, count in snap.counts.items():
+            setattr(self, name, count)
         self.rng.set_state(snap.rng)
         self.memory, self.factors, self.layouts = snap.memory, snap.factors, snap.layouts
         self.hook_name = self.hook_name or snap.hook
@@ -390,7 +365,7 @@ class PowerSGDState(HookState):
             # Another step count: the ranks must agree on it again (a reload of the same step
             # keeps the check, so that one rank may reload alone).
             if self._checked_group is not None:
-                self._reloaded = f"from step {agreed['iter']} to step {snap.iter}"
+                self._reloaded = f"from step {agreed['iter']} to step {self.iter}"
             self._checked_group = None
         self._warn_if_memory_lost()
 

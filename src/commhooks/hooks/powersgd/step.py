@@ -1,23 +1,18 @@
 """One bucket's PowerSGD step: its layout, kept across steps, and the two pipelines.
 
-A hook turns a bucket into a :class:`Layout` (which gradients are matrices to compress, in
-which batches, which are sent as they are; where every factor lives) and runs
-:func:`two_rounds` (the paper's step) or :func:`one_round` on it. Each reads as the algorithm:
-add the remembered error, form the factor to send, sum it, orthogonalise, form the other
-factor, sum it, approximate, remember the error.
+A hook turns a bucket into a :class:`Layout` (which gradients are matrices, in which batches,
+where every factor lives) and runs :func:`two_rounds` (the paper's step) or :func:`one_round`
+on it, each read as the algorithm: add the error, form the factor to send, sum it,
+orthogonalise, form the other, sum it, approximate, remember the error.
 
-Factors of all the bucket's matrices live in flat buffers, one batch after another, so that one
-collective carries them all; a batch's factor is a ``(batch, rows, rank)`` view of such a
-buffer, and consecutive batches of one factor shape are orthogonalised with one call. A layout
-is made at a bucket's first step and kept while the bucket's buffer, parameters and steps stay
-the same: a step then makes no buffer and no view, which a GPU's host would pay once a bucket.
-The two-round step keeps each matrix's ``Q`` where it is formed, in the layout's buffer, which
-the next step starts from as it is.
+Factors live in flat buffers, one batch after another, so that one collective carries them
+all; a batch's factor is a ``(batch, rows, rank)`` view, and consecutive batches of one shape
+are orthogonalised with one call. A layout is kept while the bucket's buffer, parameters and
+steps stay the same, so a step makes no buffer and no view (a GPU's host pays each).
 
-Non-finite sums: nothing is read back. The result is whatever the collectives give (inf or NaN
-where plain allreduce has them, spread over a matrix as PyTorch's PowerSGD spreads them), and
-the memories and factors are updated with ``torch.where`` on one flag reduced from the sums on
-the device, so that a step that is not finite leaves them as they were.
+Nothing is read back: the result is what the collectives give (inf or NaN spread over a matrix,
+as PyTorch's), and the memories and factors are updated with ``torch.where`` on one flag
+reduced on the device, so that a step that is not finite leaves them as they were.
 
 Hook modules must not use ``from __future__ import annotations``: DDP rejects string annotations.
 """
@@ -87,12 +82,9 @@ class Batch:
 
 @dataclass
 class Layout:
-    """Where a bucket's step works, made once (:func:`lay_out`) and kept across steps.
-
-    ``send`` holds the tensors sent as they are (``unc`` elements: vectors and small matrices),
-    then every batch's sent factor; ``known`` every batch's starting factor; ``starts`` a copy
-    of ``known`` as the step began, which a step that is not finite keeps.
-    """
+    """Where a bucket's step works, made once (:func:`lay_out`): ``send`` holds the tensors
+    sent as they are, then every batch's sent factor; ``known`` every batch's starting factor;
+    ``starts`` ``known`` as the step began, which a step that is not finite keeps."""
 
     signature: tuple[object, ...]
     batches: list[Batch]
@@ -192,13 +184,9 @@ class BucketStep:
 
 # -- the two pipelines ---------------------------------------------------------------------------
 def two_rounds(step: BucketStep) -> "Future[torch.Tensor]":
-    """One power iteration per matrix ``M`` (gradient plus remembered error), as in the paper.
-
-    ``Q`` is the last step's (warm start) or random, orthogonalised; ``P = M Q`` is summed with
-    the vectors in one collective, issued here on DDP's thread; then, in the state's issuer
-    (in slot order, whatever thread completes the sum), ``P`` is orthogonalised, ``Q = Mᵀ P``
-    formed and averaged; ``M ≈ P Qᵀ`` and ``M - P Qᵀ`` is remembered.
-    """
+    """One power iteration per matrix ``M``, as in the paper: ``P = M Q`` summed with the
+    vectors here, on DDP's thread; in the state's issuer ``P`` orthogonalised and ``Q = Mᵀ P``
+    averaged; ``M ≈ P Qᵀ``, and ``M - P Qᵀ`` remembered."""
     layout = _prepare(step, single=False)
     for b in layout.batches:  # P = M Q
         torch.bmm(b.stack, b.known, out=b.sent)
@@ -209,8 +197,7 @@ def two_rounds(step: BucketStep) -> "Future[torch.Tensor]":
 
 
 def _second_round(step: BucketStep) -> "Future[torch.Tensor]":
-    """In the issuer's turn, with ``P`` summed: orthogonalise it, form ``Q = Mᵀ P`` over the
-    starting ``Q``, and sum ``Q`` on the issuer's group."""
+    """With ``P`` summed: orthogonalise it, form ``Q = Mᵀ P`` and sum it on the issuer's group."""
     layout, eps = step.layout, step.state.settings.orthogonalization_epsilon
     for stack in layout.sent_runs:
         lowrank.orthogonalize_(stack, eps)
@@ -291,15 +278,11 @@ def _prepare(step: BucketStep, single: bool) -> Layout:
 
 
 def _fill_starts(step: BucketStep) -> None:
-    """Fill each batch's starting factor: the stored one (warm start) or a random projection.
-
-    A two-round step's ``Q`` is stored where it is formed, in the layout's buffer: then there is
-    nothing to copy. A call that needs any random projection draws one seed from the state's
-    numpy generator and samples, batch by batch, on a private CPU generator: the same values on
-    every rank, PyTorch's sequence, the global RNG untouched. The seed is drawn wherever
-    PyTorch's hook draws one (every step without warm start, and at the first step that
-    compresses), even with nothing to sample, so that later buckets draw the seeds they would.
-    """
+    """Fill each batch's starting factor: the stored one (warm start; a two-round ``Q`` is
+    stored where it is formed), or a random projection, from one seed of the state's numpy
+    generator on a private CPU generator: the same on every rank, PyTorch's sequence. The seed
+    is drawn wherever PyTorch's hook draws one, even with nothing to sample, so that later
+    buckets draw the seeds they would."""
     state, settings = step.state, step.state.settings
     warm = settings.warm_start or settings.single_round
     first = state.iter == settings.start_powerSGD_iter
@@ -358,9 +341,9 @@ def _approximate(step: BucketStep, finite: torch.Tensor) -> None:
 
 
 def _keep_known(step: BucketStep, finite: torch.Tensor) -> None:
-    """Keep each averaged ``Q``, where it was formed, for the next step's warm start: where the
-    step was finite, any column that came out zero taken from the step's start (a zero column
-    would stay zero for good: ``M·0 = 0``); the ``Q`` it started from where it was not."""
+    """Keep each averaged ``Q`` where it was formed, for the next step's warm start: any zero
+    column (``M·0 = 0``: zero for good) taken from the step's start; the start itself where
+    the step was not finite."""
     layout = step.layout
     for fresh, before in zip(layout.known_runs, layout.start_runs):
         torch.where(finite, lowrank.keep_nonzero_columns(fresh, before), before, out=fresh)
@@ -373,8 +356,7 @@ def _keep_known(step: BucketStep, finite: torch.Tensor) -> None:
 def _kept(
     finite: torch.Tensor, new: torch.Tensor, old: torch.Tensor, batches: list[Batch], known: bool
 ) -> torch.Tensor:
-    """The factors to keep, laid out as ``new`` and ``old``: ``new`` where the step was finite,
-    each all-zero column of it taken from ``old``; ``old`` where the step was not finite."""
+    """:func:`_keep_known` for factors laid out as ``new`` and ``old``, into a new tensor."""
     out = torch.empty_like(new)
     shapes = _runs([b.shapes()[0 if known else 1] for b in batches])
     for fresh, before, into in zip(_views(new, shapes), _views(old, shapes), _views(out, shapes)):
@@ -384,7 +366,7 @@ def _kept(
 
 def _old_sent(step: BucketStep) -> torch.Tensor:
     """The single round's sent factors as stored before the step (zeros where none), laid out
-    as ``send`` after the vectors: what a step that is not finite keeps."""
+    as ``send``'s: what a step that is not finite keeps."""
     layout = step.layout
     old = torch.zeros_like(layout.send[layout.unc :])
     factors = step.state.factors

@@ -2,31 +2,19 @@
 
 Per bucket, in two phases (the scheme of ZeRO++'s qgZ and torchft's quantized allreduce):
 
-1. Each rank adds its remembered error to its gradient, cuts the zero-padded result into one
-   row per rank, quantizes it in blocks with a scale each (:mod:`commhooks.compress.blocks`),
-   and keeps what was dropped as its next error. An all-to-all hands each rank every rank's copy
-   of the row it owns.
-2. The owner decodes and sums those copies in float32, divides by the world size, adds the
-   error it remembers for that row, quantizes the average again (keeping that error too), and
-   an all-gather hands everyone every row. Every rank decodes the same bytes, so the result is
-   the same on every rank, bit for bit.
+1. Each rank adds its remembered error to its gradient, cuts it into one row per rank,
+   quantizes it in blocks with a scale each, and keeps what was dropped as its next error. An
+   all-to-all hands each rank every rank's copy of the row it owns.
+2. The owner decodes and sums those copies in float32, divides, adds the error it remembers
+   for that row, quantizes again (keeping that error too), and an all-gather hands everyone
+   every row: every rank decodes the same bytes, so holds the same bits.
 
-A block holding inf or NaN gives the gathered result a scale that is not finite, which every
-rank sees alike: the bucket then decodes to inf or NaN where plain allreduce has them too, and
-the memories keep what they held before the step, chosen on the device from the gathered
-scales (no read back to the host). ``on_nonfinite="repair"`` averages such a bucket again in
-full precision (:mod:`commhooks.hooks.repair`).
-
-Each rank sends ``2 (p - 1) / p`` of the bucket at ``bits`` per element plus a float32 scale
-per block: with the default 256-element blocks, 0.254 (int8) or 0.129 (int4) of what a
-float32 ring allreduce sends, at any world size; 0.121 with ``packed`` 4-bit codes, 13 levels
-eight to 30 bits (:mod:`commhooks.compress.packing`), packed before each exchange and
-unpacked after it.
+Each rank sends ``2 (p - 1) / p`` of the bucket at ``bits`` per element plus a float32 scale a
+block: with 256-element blocks, 0.254 (int8) or 0.129 (int4) of a float32 ring allreduce's
+bytes, at any world size; 0.121 with ``packed`` 4-bit codes (:mod:`commhooks.compress.packing`).
 
 Hook modules must not use ``from __future__ import annotations``: DDP rejects string annotations.
 """
-
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,11 +36,8 @@ def quantized_hook(
     """Average the bucket with 8- or 4-bit blocks on the wire, remembering what was dropped.
 
     Plain allreduce for the first ``state.warmup_steps`` steps. Then the two phases of the
-    module docstring: an all-to-all issued here, on DDP's thread, and an all-gather started
-    when it completes, through the state's ordered issuer, so that many buckets issue their
-    collectives in the same order on every rank (where collectives complete as they are
-    queued, as NCCL's do, at once, here). A group of one rank sends nothing: its packets are
-    what the collectives would hand back, and the same passes run on them.
+    module docstring: an all-to-all issued here, on DDP's thread, and an all-gather through
+    the state's ordered issuer, so that many buckets issue in the same order on every rank.
 
     Accuracy: with nearest rounding, each element of the result is within
     ``(mean over ranks of a1 + a2) / (2 qmax)`` of the exact average of the compensated
@@ -63,17 +48,21 @@ def quantized_hook(
     (the ranks' mean first memory plus the owners' second) equals the exact average plus the
     previous memories.
 
-    Non-finite gradients: a block holding inf or NaN makes a scale of the gathered result
-    non-finite, which every rank sees alike; the bucket comes back non-finite, as plain
-    allreduce's would (a loss scaler skips the step), and both memories keep what they held.
-    With ``on_nonfinite="repair"`` such a bucket is averaged again in full precision.
+    A block holding inf or NaN makes a gathered scale non-finite, on every rank alike: the
+    bucket comes back non-finite, as plain allreduce's would (a loss scaler skips the step),
+    and both memories keep what they held, chosen on the device. With
+    ``on_nonfinite="repair"`` such a bucket is averaged again in full precision.
 
     Args:
         state: the :class:`QuantizationState` with the options and memories.
         bucket: the gradient bucket DDP hands to the hook (or anything with its methods).
     """
-    if type(state) is not QuantizationState:  # (the exact type: no isinstance a bucket)
-        state = _check_state(state)
+    if type(state) is not QuantizationState and not isinstance(state, QuantizationState):
+        raise TypeError(  # (the exact type first: no isinstance a bucket)
+            f"{HOOK} needs a commhooks.QuantizationState as its state, got "
+            f"{type(state).__name__}. Register it as "
+            f"ddp_model.register_comm_hook(QuantizationState(None, bits=8), {HOOK})."
+        )
     buffer = float_buffer(bucket, HOOK)
     group = state.prepare()
     if state.settings.on_nonfinite == REPAIR:
@@ -81,21 +70,11 @@ def quantized_hook(
     return _average(state, bucket, buffer, group)
 
 
-def _check_state(state: Any) -> QuantizationState:
-    if not isinstance(state, QuantizationState):
-        raise TypeError(
-            f"{HOOK} needs a commhooks.QuantizationState as its state, got "
-            f"{type(state).__name__}. Register it as "
-            f"ddp_model.register_comm_hook(QuantizationState(None, bits=8), {HOOK})."
-        )
-    return state
-
-
 def _average(
     state: QuantizationState, bucket: GradBucket, buffer: torch.Tensor, group: dist.ProcessGroup
 ) -> torch.futures.Future[torch.Tensor]:
-    """The hook's step: quantize, exchange, the owner's pass and the all-gather, decode; on the
-    two-hop path (:mod:`.two_hops`) within the machine first and last."""
+    """The hook's step, flat or on the two-hop path (:mod:`.two_hops`). A group of one rank
+    sends nothing: its packets are what the exchanges would hand back."""
     if state.hops is not None:
         return average_two_hops(state, bucket, buffer, group)
     work = state.begin(bucket, buffer, bucket.is_last())

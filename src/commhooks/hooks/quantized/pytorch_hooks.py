@@ -1,17 +1,12 @@
 """PyTorch's uint8 quantization hooks, with their names and arguments, working on every backend.
 
-``quantization_pertensor_hook`` and ``quantization_perchannel_hook`` quantize the bucket with
-PyTorch's min-max affine uint8 scheme (one scale and zero point for the bucket, or for each
-run of ``bucket_size`` elements), all-gather every rank's codes, and average them decoded, in
-float32: the numbers of PyTorch's hooks of the same names, bit for bit on float32 buckets.
-
-Differences: PyTorch's fail on gloo with an ``IndexError``; these run on any backend, and send
-the scales and zero points with the codes in one all-gather instead of two collectives one
-after the other. Half-precision buckets are quantized from their float32 values (PyTorch
-divides in half precision). Like PyTorch's, each rank receives every other rank's whole
-bucket, so the bytes received grow with the world size: prefer
-:func:`~commhooks.hooks.quantized.hook.quantized_hook` beyond a few ranks. A non-finite gradient
-makes its whole channel (the whole bucket, per tensor) non-finite.
+They quantize the bucket with PyTorch's min-max affine uint8 scheme (one scale and zero point
+for the bucket, or each run of ``bucket_size`` elements), all-gather every rank's codes and
+average them decoded in float32: PyTorch's numbers, bit for bit on float32 buckets. Unlike
+PyTorch's (which fail on gloo), they run on any backend and send the scales with the codes in
+one all-gather. Each rank receives every rank's whole bucket, so beyond a few ranks prefer
+:func:`~commhooks.hooks.quantized.hook.quantized_hook`. A non-finite gradient makes its whole
+channel non-finite.
 
 Hook modules must not use ``from __future__ import annotations``: DDP rejects string annotations.
 """

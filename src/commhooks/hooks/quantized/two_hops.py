@@ -1,19 +1,15 @@
 """Two hops: sum within each machine at full precision, average each machine's share across
 machines in 8 or 4 bits, gather within the machine (the scheme of ZeRO++'s qgZ).
 
-What crosses machines is what costs. The flat two-phase average sends every rank's quantized
-bucket across, G times a machine for machines of G ranks. Here the G ranks of a machine first
-reduce-scatter the bucket at full precision inside the machine (rank ``l`` holds the machine's
-sum of share ``l``, a G-th of the bucket), divide it into the machine's mean, and the ranks
-holding share ``l`` on every machine average it with the quantized hook's two phases and its
-error feedback, over a group of one rank a machine; an all-gather inside the machine then hands
-every rank the whole bucket. Each machine sends ``2 (N - 1) / N`` of the bucket's codes across,
-G times fewer than the flat path, and every rank holds the same bits.
+The flat average sends every rank's quantized bucket across machines, G times a machine of G
+ranks. Here a machine first reduce-scatters the bucket at full precision (rank ``l`` holds the
+machine's mean of share ``l``), the ranks holding share ``l`` on every machine average it with
+the quantized phases and their error feedback, and an all-gather inside the machine hands every
+rank the whole bucket: G times fewer bytes across, the same bits on every rank.
 
-The share is a bucket of its own (:class:`ShareBucket`): its gradients are the parts of the
-bucket's parameters it holds, so the memories are kept per parameter as on the flat path (of
-the part a rank holds, which the state's place saves with the topology). The exchanges after
-the first are follow-ups, run in the state's issuer, in the same order on every rank.
+The share is a bucket of its own (:class:`ShareBucket`), whose gradients are the parts of the
+bucket's parameters it holds, so the memories are kept per parameter as on the flat path. The
+exchanges after the first are follow-ups, run in the state's issuer.
 
 Hook modules must not use ``from __future__ import annotations``: DDP rejects string annotations.
 """
@@ -64,13 +60,9 @@ class ShareBucket:
 
 
 class Share:
-    """One rank's share of a bucket: the buffers of its two hops, made at the bucket's first
-    step and kept while its buffer and parameters stay the same.
-
-    ``whole`` is what the machine reduce-scatters and gathers into: the bucket's buffer, or a
-    padded copy where the bucket does not split into shares of one size; ``chunk`` is this
-    rank's share of it, of which the bucket holds ``valid`` elements (the last shares may hold
-    padding only)."""
+    """One rank's share of a bucket, kept while the bucket's buffer and parameters stay: ``whole``
+    is what the machine reduce-scatters and gathers into (the buffer, or a padded copy), and
+    ``chunk`` this rank's share of it, of which ``valid`` elements are the bucket's."""
 
     def __init__(self, bucket: GradBucket, buffer: torch.Tensor, hops: comm.TwoHops) -> None:
         numel, ranks = buffer.numel(), hops.nproc_per_node
@@ -123,9 +115,8 @@ def _parts(
 def average_two_hops(
     state: QuantizationState, bucket: GradBucket, buffer: torch.Tensor, group: dist.ProcessGroup
 ) -> "Future[torch.Tensor]":
-    """The hook's step on the two-hop path: the reduce-scatter within the machine issued here,
-    on DDP's thread; the two quantized phases across machines and the all-gather within the
-    machine in the state's issuer."""
+    """The hook's step on the two-hop path: the reduce-scatter issued here, on DDP's thread; the
+    quantized phases across machines and the all-gather within in the state's issuer."""
     hops, issuer = state.hops, state.issuer
     assert hops is not None and issuer is not None, "prepare() made them"
     if not state.compressing(bucket.is_last()) or buffer.numel() == 0:
