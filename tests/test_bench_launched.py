@@ -65,9 +65,14 @@ def test_torchrun_joins_the_world_and_rank_0_alone_reports(torchrun_output):
         # the test model's own size: 32x64 + 64 + 64x4 + 4 parameters of 4 bytes
         assert row["gradient_bytes"] == 4 * (32 * 64 + 64 + 64 * 4 + 4)
     assert rows["allreduce"]["bytes_per_step"] == pytest.approx(rows["allreduce"]["gradient_bytes"])
-    # one table, one answer: only rank 0 prints them
-    assert printed.count("measured on your network (2 ranks, gloo):") == 1
-    assert printed.count("Which hook on which link") == 1
+    # one table, one answer: only rank 0 prints them; the shape is the launcher's (one node
+    # of two processes), and the answer is for it and for two machines of eight
+    assert printed.count("cluster: 1 machine x 2 ranks") == 1
+    assert printed.count("measured on your network (1 machine x 2 ranks, gloo):") == 1
+    assert printed.count("Which hook on which link, 1 machine x 2 ranks") == 1
+    assert printed.count("Which hook on which link, 2 machines x 8 ranks") == 1
+    assert env["shape"] == {"nodes": 1, "per_node": 2}
+    assert [s["shape"]["key"] for s in doc["answer"]["shapes"]] == ["1x2", "2x8"]
 
 
 @pytest.mark.timeout(150)

@@ -73,6 +73,7 @@ __all__ = [
 _ALL_GATHERS = ("all_gather", "all_gather_into_tensor", "all_gather_single")
 _ALL_TO_ALL = "all_to_all_single"
 _REDUCE_SCATTER = "reduce_scatter_tensor"
+_HOPPING = ("all_reduce", _ALL_TO_ALL, *_ALL_GATHERS)  # what a two-hop path takes across
 
 TCP_WIRE_FACTOR = 1514 / 1448  # Ethernet + IPv4 + TCP (timestamps) headers per full segment
 TCP_RING_WIRE_FACTOR = (1514 + 66 / 2) / 1448  # and half an acknowledgement per segment
@@ -204,7 +205,7 @@ def transfers(
         if calls <= 0 or per_rank <= 0:
             continue
         each = _total(kind, per_rank, before.ranks) / calls
-        if two_hops and (kind == _ALL_TO_ALL or kind in _ALL_GATHERS):
+        if two_hops and (kind in _HOPPING):
             out.append(_across(kind, calls, each, after, summed / calls))
             continue
         cross, intra = _flat_bytes(kind, each, after, backend)
@@ -234,13 +235,19 @@ def _as_flat(c: Collectives, measured: Shape) -> tuple[Collectives, float]:
 
 
 def _across(kind: str, calls: float, each: float, shape: Shape, summed: float) -> Transfer:
-    """A phase of the two hops: the machine's ``G`` ranks each exchange a ``G``-th of the
-    quantized bucket with their counterparts on the other machines (``N - 1`` of ``N`` of it
-    leaves the machine, in each phase), after summing the float32 bucket inside the machine
-    (a reduce-scatter, with the all-to-all) or before gathering it (with the all-gather)."""
+    """A collective in two hops: the machine's ``G`` ranks each take a ``G``-th of it across,
+    with their counterparts on the other machines, after summing inside the machine.
+
+    The quantized average's all-to-all and all-gather each send ``N - 1`` of ``N`` of the
+    machine's share, after a float32 reduce-scatter of ``summed`` bytes inside (with the
+    all-to-all) or before an all-gather inside (with the all-gather). An allreduce (DiLoCo's
+    float32 sync with workers of a machine's ranks) is a ring over the ``N`` machines of each
+    ``G``-th: ``2 (N - 1) / N`` of it a machine.
+    """
     n, g = shape.nodes, shape.per_node
-    inside = (g - 1) / g * summed
-    return Transfer(kind, calls, (n - 1) / n * each, n, inside)
+    if kind == "all_reduce":
+        return Transfer(kind, calls, 2 * (n - 1) / n * each, n, 2 * (g - 1) / g * each)
+    return Transfer(kind, calls, (n - 1) / n * each, n, (g - 1) / g * summed)
 
 
 def machine_bytes(steps: list[Transfer]) -> float:
