@@ -316,14 +316,10 @@ def _plan(a: argparse.Namespace) -> Plan:
     steps, warmup = _budget(a)
     _check_outputs(a)
     _check_model(a)
-    asked = any(x is not None for x in (a.links, a.link, a.predict, a.world_size, a.nnodes))
-    asked = asked or a.nproc_per_node is not None
     notes = _fsdp_notes(a) + _add_references(
-        hooks, sweep=bool(a.sweep), predict=asked, other_world=shapes != [shape]
+        hooks, sweep=bool(a.sweep), predict=_prediction_asked(a), other_world=shapes != [shape]
     )
-    memory = _memory(a, notes) if launched is None else _launched_memory(a, notes)
-    if launched is not None and launched.shape_note:
-        notes.append(launched.shape_note)
+    memory = _memory(a, notes) if launched is None else _launched_memory(a, launched, notes)
     return Plan(
         hooks=hooks,
         skipped=skipped,
@@ -585,9 +581,20 @@ def _check_model(a: argparse.Namespace) -> None:
     split_name(a.model)  # raises BenchModelError (a ValueError) with the fix
 
 
-def _launched_memory(a: argparse.Namespace, notes: list[str]) -> MemoryMeasure:
+def _prediction_asked(a: argparse.Namespace) -> bool:
+    """Whether a prediction was asked for, for a link or a cluster."""
+    given = (a.links, a.link, a.predict, a.world_size, a.nnodes, a.nproc_per_node)
+    return any(x is not None for x in given)
+
+
+def _launched_memory(
+    a: argparse.Namespace, launched: LauncherWorld, notes: list[str]
+) -> MemoryMeasure:
     """Under a launcher every hook runs in the same process: only the resident-set peak,
-    started afresh per hook, can be measured there."""
+    started afresh per hook, can be measured there. Also notes a shape the launcher did not
+    say."""
+    if launched.shape_note:
+        notes.append(launched.shape_note)
     if a.memory == "live":
         raise ValueError(
             "--memory live needs a fresh process per hook, which the bench starts only without "
