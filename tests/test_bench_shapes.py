@@ -35,6 +35,9 @@ def test_shape_flags_predict_for_machines_and_the_links_run_them(capsys):
     # With a rate-limited link the shape itself runs: a namespace per machine.
     linked = args.parse(["--nnodes", "2", "--nproc-per-node", "2", "--bandwidth", "100mbit"])
     assert linked.shape == Shape(2, 2) and linked.ranks == 4 and linked.shapes == [Shape(2, 2)]
+    # --world-size only predicts, as it always did: the links run the ranks of --ranks
+    world = args.parse(["--world-size", "8", "--bandwidth", "100mbit"])
+    assert world.shape == Shape(2, 1) and world.shapes == [Shape(8, 1)]
     err = _parse_error(capsys, ["--world-size", "4", "--nnodes", "2"])
     assert "--world-size W is --nnodes W --nproc-per-node 1" in err
     err = _parse_error(

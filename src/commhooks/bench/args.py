@@ -461,12 +461,15 @@ def _ladder(a: argparse.Namespace) -> tuple[list[int], list[int], int | None]:
 
 
 def _shape_run(a: argparse.Namespace, launched: LauncherWorld | None, linked: bool) -> Shape:
-    """The machines the ranks run as: the launcher's; on rate-limited links, the shape asked
-    for (a namespace per machine); otherwise ``--ranks`` (default 2) machines of one rank."""
+    """The machines the ranks run as: the launcher's; on rate-limited links, the shape of
+    ``--nnodes``/``--nproc-per-node`` (a namespace per machine); otherwise ``--ranks``
+    (default 2) machines of one rank, as with ``--world-size``, which only predicts."""
     for flag, value in (("--world-size", a.world_size), ("--ranks", a.ranks)):
         if value is not None and value < 2:
             raise ValueError(f"{flag} must be at least 2 (a single rank communicates nothing).")
     asked = _shape_asked(a)
+    if a.world_size is not None:
+        asked = None  # machines of one rank to predict for, from the ranks run
     if launched is not None:
         _check_launched(a)
         if launched.world_size < 2:
