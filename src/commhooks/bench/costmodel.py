@@ -29,9 +29,7 @@ A step on a cluster is the step measured on loopback plus the time the machines'
   directions of the link take turns. Measured on two namespaces at 100 Mbit/s: an all-to-all
   of 254 KB each way takes 2.0 times its bytes' time, the all-gather (two half chunks)
   1.5 times, the ring allreduce (receives posted first) 1.0. :data:`GLOO_TURNS` holds those
-  patterns. With more ranks the peers of an exchange differ and both directions run at once,
-  except in the all-to-all's round in which a rank sends to the rank it receives from (round
-  ``W / 2``), whose pairs take turns.
+  patterns; with more ranks the peers differ and both directions run at once.
 * A token-bucket link (``tc tbf``, a cloud's rate limit) lets ``burst_bytes`` through at once
   each time a direction starts after being idle: each turn of such a pattern starts afresh.
   The bench's own links have a 2 ms bucket; a wire has none (``burst_bytes=0``).
@@ -84,7 +82,7 @@ TCP_RING_WIRE_FACTOR = (1514 + 66 / 2) / 1448  # and half an acknowledgement per
 # it sends, and whether the direction starts it idle (a token bucket's burst then helps).
 # All-to-all: the late rank's payload, then the early one's. All-gather in two half chunks:
 # the late rank's first half; its second half beside the early rank's first; the early
-# rank's second half. With more ranks, see _all_to_all_turns.
+# rank's second half.
 Turn = tuple[float, bool]
 GLOO_TURNS: dict[str, tuple[Turn, ...]] = {
     _ALL_TO_ALL: ((1.0, True), (1.0, True)),
@@ -150,7 +148,6 @@ class Transfer:
         machine_bytes: payload bytes one machine's link sends per call.
         members: the ranks of the group it runs over (two: gloo takes turns).
         intra_bytes: payload bytes one rank sends to ranks of its own machine per call.
-        block: the group's ranks on one machine (consecutive).
     """
 
     kind: str
@@ -158,7 +155,6 @@ class Transfer:
     machine_bytes: float
     members: int
     intra_bytes: float = 0.0
-    block: int = 1
 
 
 def _shape(world: "int | Shape") -> Shape:
@@ -213,7 +209,7 @@ def transfers(
             out.append(_across(kind, calls, each, after, summed / calls))
             continue
         cross, intra = _flat_bytes(kind, each, after, backend)
-        out.append(Transfer(kind, calls, cross, after.ranks, intra, after.per_node))
+        out.append(Transfer(kind, calls, cross, after.ranks, intra))
     return out
 
 
@@ -278,40 +274,11 @@ def wire_bytes(c: Collectives, world_size: "int | Shape", wire_factor: float = 1
     return total * wire_factor
 
 
-def _all_to_all_turns(members: int, block: int) -> tuple[Turn, ...]:
-    """Gloo's all-to-all over ``members`` ranks, ``block`` of them a machine, round by round.
-
-    In round ``i`` each rank sends to the rank ``i`` after it and receives from the rank ``i``
-    before it: on different connections, at once, except in round ``W / 2``, where the two
-    are the same rank and the pair takes turns. A round carries the share of the machine's
-    bytes its ranks send off the machine; the first round starts on an idle link, and so
-    does each turn.
-    """
-    counts = [sum(1 for r in range(block) if (r + i) % members >= block) for i in range(1, members)]
-    total = sum(counts) or 1
-    turns: list[Turn] = []
-    for i, count in enumerate(counts, start=1):
-        share = count / total
-        if 2 * i == members:
-            turns += [(share, True), (share, True)]
-        elif count:
-            turns.append((share, not turns))
-    return tuple(turns)
-
-
-def _turns(t: Transfer, backend: str) -> tuple[Turn, ...]:
-    """How one call of ``t`` uses the machine's link (see :data:`GLOO_TURNS`)."""
-    if backend != "gloo":
-        return _ONE_TURN
-    if t.kind == _ALL_TO_ALL:
-        return _all_to_all_turns(t.members, t.block)
-    return GLOO_TURNS.get(t.kind, _ONE_TURN) if t.members == 2 else _ONE_TURN
-
-
 def _call_s(t: Transfer, link: Link, backend: str) -> float:
     """Seconds one call of ``t`` keeps the machine's link busy, turn by turn."""
+    turns = GLOO_TURNS.get(t.kind, _ONE_TURN) if backend == "gloo" and t.members == 2 else None
     seconds = 0.0
-    for share, idle in _turns(t, backend):
+    for share, idle in turns or _ONE_TURN:
         nbytes = share * t.machine_bytes
         if idle:
             nbytes = max(0.0, nbytes - link.burst_bytes)
