@@ -64,10 +64,20 @@ def test_torchrun_joins_the_world_and_rank_0_alone_reports(torchrun_output):
         assert row["device_peak_memory_bytes"] is None  # no GPU here
         # the test model's own size: 32x64 + 64 + 64x4 + 4 parameters of 4 bytes
         assert row["gradient_bytes"] == 4 * (32 * 64 + 64 + 64 * 4 + 4)
-    assert rows["allreduce"]["bytes_per_step"] == pytest.approx(rows["allreduce"]["gradient_bytes"])
-    # one table, one answer: only rank 0 prints them
-    assert printed.count("measured on your network (2 ranks, gloo):") == 1
-    assert printed.count("Which hook on which link") == 1
+    # what crosses machines, by the payload model: nothing leaves one machine of two ranks,
+    # whose allreduce hands over every gradient each step
+    assert rows["allreduce"]["bytes_per_step"] == 0
+    assert rows["allreduce"]["payload_bytes_per_step"] == {
+        "all_reduce": rows["allreduce"]["gradient_bytes"]
+    }
+    # one table, one answer: only rank 0 prints them; the shape is the launcher's (one node
+    # of two processes), and the answer is for it and for two machines of eight
+    assert printed.count("cluster: 1 machine x 2 ranks") == 1
+    assert printed.count("measured on your network (1 machine x 2 ranks, gloo):") == 1
+    assert printed.count("Which hook on which link, 1 machine x 2 ranks") == 1
+    assert printed.count("Which hook on which link, 2 machines x 8 ranks") == 1
+    assert env["shape"] == {"nodes": 1, "per_node": 2}
+    assert [s["shape"]["key"] for s in doc["answer"]["shapes"]] == ["1x2", "2x8"]
 
 
 @pytest.mark.timeout(150)

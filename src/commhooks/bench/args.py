@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from commhooks.bench import footprint, hookset
+from commhooks.bench.shape import Shape
 from commhooks.bench.tasks import TASKS, parse_params
 from commhooks.bench.units import RATE_FORM, parse_duration, parse_rate
 from commhooks.bench.world import LauncherWorld, launcher_world
@@ -25,6 +26,9 @@ MemoryMeasure = Literal["live", "rss"]
 MEMORY_MEASURES: tuple[MemoryMeasure, ...] = get_args(MemoryMeasure)
 BACKENDS = ("nccl", "gloo")
 TORCHRUN = "torchrun --nproc_per_node N -m commhooks bench"
+# The cluster the default run also answers for: two machines of eight GPUs, the shape of most
+# clusters whose machines are joined by a slow link.
+STANDARD_SHAPE = Shape(2, 8)
 
 
 @dataclass
@@ -37,8 +41,13 @@ class Plan:
         links: the ladder of link rates to predict step times for, ascending.
         recommend_bps: the rates to recommend a hook for (``--link``, or the ladder).
         predict_bps: the rate given with ``--link``/``--predict``, if any.
-        predict_world: the world size predictions are for (``--world-size``).
-        ranks: the local ranks started for every hook.
+        shapes: the cluster shapes predicted for, the first one in the ladder and the
+            recommendations of old (``--nnodes``/``--nproc-per-node``, ``--world-size`` as
+            machines of one rank; by default the ranks run, and two machines of eight).
+        intra_link_bps: the rate between two ranks of one machine (``--intra-link``);
+            ``None``: free.
+        shape: the machines the ranks run as (``ranks`` is its size): on rate-limited links a
+            namespace per machine; under a launcher, the launcher's.
         steps, reach_steps: the steps of allreduce and the measuring hooks, and of the others
             (which may take longer to reach allreduce's loss).
         memory: ``live``: each hook's peak memory from a run of its own with glibc mapping every
@@ -68,7 +77,9 @@ class Plan:
     links: list[int] = field(default_factory=list)
     recommend_bps: list[int] = field(default_factory=list)
     predict_bps: int | None = None
-    predict_world: int = 2
+    shapes: list[Shape] = field(default_factory=lambda: [Shape(2)])
+    intra_link_bps: int | None = None
+    shape: Shape = Shape(2)
     sweep: bool = False
     repeat: int = 1
     lockstep: bool = False
@@ -80,6 +91,11 @@ class Plan:
     model: str | None = None
     world: LauncherWorld | None = None
     backend: str = "gloo"
+
+    @property
+    def predict_world(self) -> int:
+        """The ranks of the first shape predicted for (``--world-size``, of old)."""
+        return self.shapes[0].ranks
 
     @property
     def networks(self) -> list[int | None]:
@@ -192,10 +208,31 @@ def _prediction_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--predict", help="the same as --link")
     p.add_argument(
+        "--nnodes",
+        type=int,
+        default=None,
+        help="predict for this many machines (torchrun's --nnodes), each with one link of the "
+        "rate predicted for; with --bandwidth, also run them as network namespaces",
+    )
+    p.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        help="ranks in each machine (torchrun's --nproc-per-node; default 1): what they send "
+        "one another does not cross the link",
+    )
+    p.add_argument(
+        "--intra-link",
+        metavar="RATE",
+        help="the rate between two ranks of one machine (NVLink, PCIe), which the prediction "
+        "then charges too (default: free)",
+    )
+    p.add_argument(
         "--world-size",
         type=int,
         default=None,
-        help="the number of ranks to predict for (default: the ranks run, --ranks)",
+        help="the number of ranks to predict for, each a machine of its own (the same as "
+        "--nnodes N --nproc-per-node 1; default: the ranks run, and 2 machines of 8 ranks)",
     )
 
 
@@ -274,21 +311,21 @@ def _plan(a: argparse.Namespace) -> Plan:
     hooks, skipped = _hooks(a)
     bandwidths, latency = _links_measured(a)
     links, recommend, predict_bps = _ladder(a)
-    ranks, world = _world(a, launched)
+    shape = _shape_run(a, launched, linked=bandwidths != [None])
+    shapes = _shapes(a, shape)
     steps, warmup = _budget(a)
     _check_outputs(a)
     _check_model(a)
-    asked = any(x is not None for x in (a.links, a.link, a.predict, a.world_size))
     notes = _fsdp_notes(a) + _add_references(
-        hooks, sweep=bool(a.sweep), predict=asked, other_world=world != ranks
+        hooks, sweep=bool(a.sweep), predict=_prediction_asked(a), other_world=shapes != [shape]
     )
-    memory = _memory(a, notes) if launched is None else _launched_memory(a, notes)
+    memory = _memory(a, notes) if launched is None else _launched_memory(a, launched, notes)
     return Plan(
         hooks=hooks,
         skipped=skipped,
         bandwidths=bandwidths,
         latency_s=latency,
-        ranks=ranks,
+        ranks=shape.ranks,
         steps=steps,
         warmup=warmup,
         reach_steps=_reach_steps(a, steps),
@@ -303,7 +340,9 @@ def _plan(a: argparse.Namespace) -> Plan:
         links=links,
         recommend_bps=recommend,
         predict_bps=predict_bps,
-        predict_world=world,
+        shapes=shapes,
+        intra_link_bps=parse_rate(a.intra_link) if a.intra_link else None,
+        shape=shape,
         sweep=bool(a.sweep),
         repeat=a.repeat,
         lockstep=a.lockstep,
@@ -421,11 +460,16 @@ def _ladder(a: argparse.Namespace) -> tuple[list[int], list[int], int | None]:
     return ladder, [own] if own else ladder, own
 
 
-def _world(a: argparse.Namespace, launched: LauncherWorld | None) -> tuple[int, int]:
-    """The ranks to start (or the launcher's), and the world size to predict for."""
+def _shape_run(a: argparse.Namespace, launched: LauncherWorld | None, linked: bool) -> Shape:
+    """The machines the ranks run as: the launcher's; on rate-limited links, the shape of
+    ``--nnodes``/``--nproc-per-node`` (a namespace per machine); otherwise ``--ranks``
+    (default 2) machines of one rank, as with ``--world-size``, which only predicts."""
     for flag, value in (("--world-size", a.world_size), ("--ranks", a.ranks)):
         if value is not None and value < 2:
             raise ValueError(f"{flag} must be at least 2 (a single rank communicates nothing).")
+    asked = _shape_asked(a)
+    if a.world_size is not None:
+        asked = None  # machines of one rank to predict for, from the ranks run
     if launched is not None:
         _check_launched(a)
         if launched.world_size < 2:
@@ -433,15 +477,61 @@ def _world(a: argparse.Namespace, launched: LauncherWorld | None) -> tuple[int, 
                 "the launcher started a single process, which communicates nothing: start at "
                 "least 2 (torchrun --nproc_per_node 2, or --nnodes 2)."
             )
-        return launched.world_size, a.world_size or launched.world_size
+        return launched.shape
+    if linked and asked is not None:
+        if a.ranks is not None:
+            raise ValueError(
+                "give --ranks or --nnodes/--nproc-per-node with --bandwidth or --sweep, not "
+                f"both: the links run {asked.text()}, {asked.ranks} ranks."
+            )
+        _check_local(asked.ranks, "--nnodes x --nproc-per-node")
+        return asked
     ranks = a.ranks or 2
+    _check_local(ranks, "--ranks")
+    return Shape.of_ranks(ranks)
+
+
+def _check_local(ranks: int, flag: str) -> None:
     if ranks > MAX_LOCAL_RANKS:
         raise ValueError(
-            f"{ranks} ranks on one machine would measure the CPU, not the network; start at most "
-            f"{MAX_LOCAL_RANKS} and predict larger worlds with --world-size N (and --link or "
-            "--predict RATE for your link)."
+            f"{flag}: {ranks} ranks on one machine would measure the CPU, not the network; start "
+            f"at most {MAX_LOCAL_RANKS} and predict larger clusters with --nnodes N "
+            "--nproc-per-node G without --bandwidth (and --link RATE for your link)."
         )
-    return ranks, a.world_size or ranks
+
+
+def _shape_asked(a: argparse.Namespace) -> Shape | None:
+    """The shape of ``--nnodes``/``--nproc-per-node`` (torchrun's defaults, 1, for the one not
+    given), or of ``--world-size`` (machines of one rank); ``None`` when neither is given."""
+    given = a.nnodes is not None or a.nproc_per_node is not None
+    if given and a.world_size is not None:
+        raise ValueError(
+            "give --world-size or --nnodes/--nproc-per-node, not both: --world-size W is "
+            "--nnodes W --nproc-per-node 1 (W machines of one rank)."
+        )
+    if a.world_size is not None:
+        return Shape.of_ranks(a.world_size)
+    if not given:
+        return None
+    for flag, value in (("--nnodes", a.nnodes), ("--nproc-per-node", a.nproc_per_node)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be at least 1.")
+    shape = Shape(a.nnodes or 1, a.nproc_per_node or 1)
+    if shape.ranks < 2:
+        raise ValueError(
+            "--nnodes x --nproc-per-node must make at least 2 ranks (a single rank "
+            "communicates nothing)."
+        )
+    return shape
+
+
+def _shapes(a: argparse.Namespace, run: Shape) -> list[Shape]:
+    """The shapes to predict for: the one asked for, or the ranks run and two machines of
+    eight GPUs."""
+    asked = _shape_asked(a)
+    if asked is not None:
+        return [asked]
+    return list(dict.fromkeys([run, STANDARD_SHAPE]))
 
 
 def _check_launched(a: argparse.Namespace) -> None:
@@ -494,9 +584,20 @@ def _check_model(a: argparse.Namespace) -> None:
     split_name(a.model)  # raises BenchModelError (a ValueError) with the fix
 
 
-def _launched_memory(a: argparse.Namespace, notes: list[str]) -> MemoryMeasure:
+def _prediction_asked(a: argparse.Namespace) -> bool:
+    """Whether a prediction was asked for, for a link or a cluster."""
+    given = (a.links, a.link, a.predict, a.world_size, a.nnodes, a.nproc_per_node)
+    return any(x is not None for x in given)
+
+
+def _launched_memory(
+    a: argparse.Namespace, launched: LauncherWorld, notes: list[str]
+) -> MemoryMeasure:
     """Under a launcher every hook runs in the same process: only the resident-set peak,
-    started afresh per hook, can be measured there."""
+    started afresh per hook, can be measured there. Also notes a shape the launcher did not
+    say."""
+    if launched.shape_note:
+        notes.append(launched.shape_note)
     if a.memory == "live":
         raise ValueError(
             "--memory live needs a fresh process per hook, which the bench starts only without "

@@ -114,7 +114,10 @@ def _open_networks(plan: Plan, stack: ExitStack) -> dict[int | None, Network | N
     for bandwidth in plan.bandwidths:
         if bandwidth is None:
             continue
-        net = Network(plan.ranks, bandwidth, plan.latency_s, offload=plan.offload)
+        shape = plan.shape
+        net = Network(
+            shape.nodes, bandwidth, plan.latency_s, offload=plan.offload, per_node=shape.per_node
+        )
         networks[bandwidth] = stack.enter_context(net)
     return networks
 
@@ -154,7 +157,7 @@ def _run(
 ) -> RunOutcome:
     progress.starting(f"{spec.hook} @ {where}")
     t0 = time.time()
-    outcome = run_hook(spec, plan.ranks, net, plan.timeout_s)
+    outcome = run_hook(spec, plan.shape, net, plan.timeout_s)
     status = "ok" if outcome.ok else f"FAILED: {(outcome.error or '')[:120]}"
     progress.finished(f"{spec.hook} @ {where}: {time.time() - t0:.1f}s {status}")
     return outcome
@@ -168,6 +171,8 @@ def _rows(plan: Plan, runs: Runs, memory: Runs) -> list[Row]:
             pool_runs(runs[hook, bw]),
             row_context(plan, hook),
             pool_memory_runs(memory[hook, bw]) if memory[hook, bw] else None,
+            plan.shape,
+            plan.backend,
         )
         for bw in plan.networks
         for hook in plan.hooks

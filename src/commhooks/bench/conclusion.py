@@ -67,7 +67,7 @@ def _network_name(plan: Plan) -> str:
     """What the rows without a rate-limited link were measured on."""
     if plan.world is None:
         return "loopback"
-    return f"your network ({plan.ranks} ranks, {plan.backend})"
+    return f"your network ({plan.shape.text()}, {plan.backend})"
 
 
 def print_notes(plan: Plan) -> None:
@@ -85,11 +85,16 @@ def print_notes(plan: Plan) -> None:
 
 
 def title(plan: Plan) -> str:
+    """The report's first line: what ran, on which ranks (as which machines, where a machine
+    holds several or a launcher started them), for how long."""
     rounds = f", {plan.repeat} rounds" if plan.repeat > 1 else ""
     what = f"--model {plan.model}" if plan.model else plan.task
     where = f" under a launcher ({plan.backend})" if plan.world is not None else ""
+    ranks = f"{plan.ranks} ranks"
+    if plan.world is not None or plan.shape.per_node > 1:
+        ranks = plan.shape.text()
     return (
-        f"commhooks bench: {what}, {plan.ranks} ranks{where}, {plan.steps} steps "
+        f"commhooks bench: {what}, {ranks}{where}, {plan.steps} steps "
         f"({plan.warmup} untimed){rounds}"
     )
 
@@ -196,6 +201,8 @@ def _settings(plan: Plan) -> dict[str, Any]:
         "links": plan.links,
         "link": plan.predict_bps,
         "predicted_world_size": plan.predict_world,
+        "predicted_shapes": [shape.key for shape in plan.shapes],
+        "intra_link": plan.intra_link_bps,
         "powerSGD": hookset.POWERSGD_SETTINGS,
         "post_local_sgd": {**hookset.LOCALSGD_SETTINGS, "averager_period": hookset.AVERAGER_PERIOD},
         "torch_reference": TORCH_SINGLE_BUCKET_NOTE.format(mb=hookset.SINGLE_BUCKET_MB),
@@ -224,6 +231,7 @@ def _environment(plan: Plan, argv: list[str], elapsed: float) -> dict[str, Any]:
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
         "world_size": plan.ranks,
+        "shape": {"nodes": plan.shape.nodes, "per_node": plan.shape.per_node},
         "backend": plan.backend,
         "launcher": dataclasses.asdict(plan.world) if plan.world is not None else None,
         # The link rate in bit/s (null: loopback only); a sweep lists each rate it ran.
@@ -232,7 +240,8 @@ def _environment(plan: Plan, argv: list[str], elapsed: float) -> dict[str, Any]:
         "latency_s": plan.latency_s or None,
         "network": _network_name(plan)
         if not links
-        else "loopback, and one network namespace per rank, veth to a bridge, tc tbf on both "
-        "ends of each link" + ("" if plan.offload else ", no segmentation offload"),
+        else f"loopback, and one network namespace per machine ({plan.shape.text()}), veth to "
+        "a bridge, tc tbf on both ends of each link"
+        + ("" if plan.offload else ", no segmentation offload"),
         "elapsed_s": elapsed,
     }

@@ -126,8 +126,9 @@ def run(plan: Plan, argv: list[str]) -> dict[str, Any] | None:
         _check_model(plan, device, agreement)
         if lead:
             conclusion.print_notes(plan)
+            print(f"cluster: {plan.shape.text()} (WORLD_SIZE, LOCAL_WORLD_SIZE)", flush=True)
             print(f"measuring the network: allreduce sweep on {plan.ranks} ranks", flush=True)
-        link = measure_link(None, device, clock_for(device))
+        link = measure_link(None, device, clock_for(device), plan.shape)
         rows = _measure(plan, device, agreement)
         document = conclusion.conclude(plan, argv, rows, started, link) if lead else None
         dist.barrier(group=agreement)  # every rank leaves once rank 0 has written its files
@@ -184,7 +185,17 @@ def _measure(plan: Plan, device: torch.device, agreement: Any) -> list[Row]:
                 print(
                     f"[{done}/{total}] {hook}{where}: {time.time() - t0:.1f}s {status}", flush=True
                 )
-    return [make_row(h, None, pool_runs(runs[h]), specs.row_context(plan, h)) for h in plan.hooks]
+    return [
+        make_row(
+            h,
+            None,
+            pool_runs(runs[h]),
+            specs.row_context(plan, h),
+            shape=plan.shape,
+            backend=plan.backend,
+        )
+        for h in plan.hooks
+    ]
 
 
 def _run_hook(plan: Plan, hook: str, device: torch.device, agreement: Any) -> RunOutcome:

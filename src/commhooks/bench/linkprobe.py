@@ -12,7 +12,10 @@ difference in bytes, whatever a rate limiter's burst or the backend's fixed cost
 and the smallest, less its bytes' time at that rate, the latency. ``rate`` is what one rank's
 link carries of allreduce payload per second (headers not counted), ``latency`` the time per
 round that does not depend on size (the link's delay plus the backend's own cost per
-message). The fit is pure arithmetic (:func:`fit_link`), tested apart from any network.
+message). On machines of several ranks the link is the machine's, and ``w`` what it carries:
+the same ``2 (p - 1) / p * n`` for gloo's ring, whose boundary rank forwards the ring's
+traffic, ``2 (N - 1) / N * n`` for NCCL's topology-aware allreduce over ``N`` machines. The fit
+is pure arithmetic (:func:`fit_link`), tested apart from any network.
 """
 
 import statistics
@@ -23,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from commhooks.bench.clock import DeviceClock
+from commhooks.bench.shape import Shape
 from commhooks.bench.units import format_rate
 
 __all__ = ["LinkMeasure", "fit_link", "measure_link"]
@@ -78,12 +82,16 @@ def _size(nbytes: float) -> str:
     return f"{nbytes / (1 << 20):g} MiB" if nbytes >= 1 << 20 else f"{nbytes / 1024:g} KiB"
 
 
-def fit_link(points: list[list[float]], world_size: int) -> tuple[float | None, float]:
+def fit_link(
+    points: list[list[float]], world_size: int, share: float | None = None
+) -> tuple[float | None, float]:
     """``(rate_bps, latency_s)`` from ``[bytes allreduced, seconds]`` pairs in ascending size
-    (see the module docstring). With one size only, its whole time is taken as the rate's;
-    when the largest size took no longer than the one before, the rate is ``None``."""
+    (see the module docstring); ``share``: the bytes a link carries per byte allreduced
+    (default: a ring's, ``2 (p - 1) / p``). With one size only, its whole time is taken as
+    the rate's; when the largest size took no longer than the one before, the rate is
+    ``None``."""
     p = max(2, world_size)
-    share = 2 * (p - 1) / p
+    share = 2 * (p - 1) / p if share is None else share
     rounds = 2 * (p - 1)
     if not points:
         return None, 0.0
@@ -112,8 +120,19 @@ def _time_allreduce(nbytes: int, group: Any, device: torch.device, clock: Device
     return statistics.median(times)
 
 
-def measure_link(group: Any, device: torch.device, clock: DeviceClock) -> LinkMeasure:
-    """Allreduce on ``group`` at growing sizes on every rank; the fitted rate and latency.
+def _share(shape: Shape | None, backend: str) -> float | None:
+    """Bytes a machine's link carries per byte allreduced over ``shape``: NCCL's allreduce
+    crosses ``2 (N - 1) / N`` of it; gloo's ring (the default) a ring's share."""
+    if shape is None or backend != "nccl" or shape.nodes < 2:
+        return None
+    return 2 * (shape.nodes - 1) / shape.nodes
+
+
+def measure_link(
+    group: Any, device: torch.device, clock: DeviceClock, shape: Shape | None = None
+) -> LinkMeasure:
+    """Allreduce on ``group`` at growing sizes on every rank; the fitted rate and latency of
+    a machine's link (``shape``: the machines the ranks are on; default, each rank one).
 
     Every rank takes the same decisions (sizes, when to stop): the time that decides is the
     slowest rank's, agreed with a max-allreduce.
@@ -127,6 +146,6 @@ def measure_link(group: Any, device: torch.device, clock: DeviceClock) -> LinkMe
         if points[-1][1] > LONG_ENOUGH_S:
             break
         nbytes *= 4
-    world = dist.get_world_size(group)
-    rate, latency = fit_link(points, world)
-    return LinkMeasure(rate, latency, world, str(dist.get_backend(group)), points)
+    world, backend = dist.get_world_size(group), str(dist.get_backend(group))
+    rate, latency = fit_link(points, world, _share(shape, backend))
+    return LinkMeasure(rate, latency, world, backend, points)

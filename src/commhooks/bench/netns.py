@@ -1,13 +1,18 @@
-"""A private, rate-limited network for the ranks: one namespace per rank, joined by a bridge.
+"""A private, rate-limited network for the ranks: one namespace per machine, joined by a bridge.
 
 Layout for a run with id ``ID`` (process id plus a random suffix, so concurrent runs never
-collide) and ``p`` ranks::
+collide) and ``N`` machines of ``G`` ranks each::
 
-    namespace commhooks-ID-r          host side
-    [bench0 198.18.x.(r+1)/24] ==veth== [chvIDr] --- bridge chbID
+    namespace commhooks-ID-m (ranks m*G .. m*G+G-1)    host side
+    [bench0 198.18.x.(m+1)/24] ==veth== [chvIDm] --- bridge chbID
+
+A machine is a namespace: its ranks share its address, and what they send one another goes
+to a local address, over the namespace's own loopback, never over the veth (the inside of a
+machine is free, as NVLink or shared memory next to a network link). What crosses machines
+crosses the machine's one link.
 
 Every link is limited in both directions with ``tc tbf`` on its egress: inside the namespace
-(what the rank sends) and on the host end (what the bridge delivers to it). Segmentation
+(what the machine sends) and on the host end (what the bridge delivers to it). Segmentation
 offload stays on, as on a real NIC: TCP hands the link packets of up to 64 KiB, which ``tbf``
 charges (and counts) as the wire-sized segments they become, headers included. Without it
 the kernel cuts and reassembles every 1500-byte packet in software, on the very cores that
@@ -19,9 +24,9 @@ without offload.
 The addresses come from the benchmarking range 198.18.0.0/15, a random /24 per run; the
 bridge has no address and no other port, so nothing reaches, or comes from, any other network.
 
-``--latency`` adds a one-way delay between two ranks with ``netem`` (half on each link), when
-the kernel has it; ``tbf``'s own ``latency`` parameter is only the bound on its queue, not a
-delay, so without netem a latency request is refused rather than silently ignored.
+``--latency`` adds a one-way delay between two machines with ``netem`` (half on each link),
+when the kernel has it; ``tbf``'s own ``latency`` parameter is only the bound on its queue, not
+a delay, so without netem a latency request is refused rather than silently ignored.
 
 Everything is removed by :meth:`Network.close`, which :meth:`Network.__exit__`, an ``atexit``
 handler and the SIGINT/SIGTERM handlers installed while the network exists all call.
@@ -40,10 +45,26 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-__all__ = ["Network", "NetworkError", "check_can_create", "enter_namespace", "link_counters"]
+__all__ = [
+    "Network",
+    "NetworkError",
+    "burst_bytes",
+    "check_can_create",
+    "enter_namespace",
+    "link_counters",
+]
 
-IFACE = "bench0"  # the rank's interface name inside its own namespace
+IFACE = "bench0"  # the machine's interface name inside its own namespace
 _PREFIX = "commhooks-"
+
+
+def burst_bytes(rate_bps: float, mtu: int = 1500) -> int:
+    """The token bucket of a link of ``rate_bps``: about 2 ms at the rate, at least a few full
+    packets. It keeps bursts short, and lets a link reach its rate (a bucket of a quarter
+    of a millisecond carried 78% of 1 Gbit/s, against 96% with this one); the cost model
+    counts what it lets through at once after an idle spell (``costmodel.Link.burst_bytes``).
+    """
+    return max(4 * (mtu + 14), int(rate_bps) // 8 // 500)
 
 
 class NetworkError(RuntimeError):
@@ -90,35 +111,56 @@ def _run(*cmd: str) -> None:
 
 
 class Network:
-    """Create the namespaces, links and limits on entry; remove all of it on exit."""
+    """Create the namespaces, links and limits on entry; remove all of it on exit.
+
+    ``machines`` namespaces, each the machine of ``per_node`` consecutive ranks, each with one
+    link of ``rate_bps``. Per machine: :attr:`namespaces`, :attr:`host_ends`,
+    :attr:`addresses`; per rank: :meth:`rank_namespaces`, :meth:`rank_host_ends`.
+    """
 
     def __init__(
         self,
-        world_size: int,
+        machines: int,
         rate_bps: int,
         latency_s: float = 0.0,
         mtu: int = 1500,
         offload: bool = True,
+        per_node: int = 1,
     ):
-        self.world_size = world_size
+        self.machines = machines
+        self.per_node = per_node
         self.offload = offload
         self.rate_bps = rate_bps
         self.latency_s = latency_s
         self.mtu = mtu
         # The whole process id (at most 6 hex digits) and a random part: unique among running
-        # processes, and "chv" + 10 + a two-digit rank fits a 15-character interface name.
+        # processes, and "chv" + 10 + a two-digit machine fits a 15-character interface name.
         self.run_id = f"{os.getpid():x}{secrets.token_hex(2)}"
         block = secrets.randbelow(512)  # a random /24 inside 198.18.0.0/15
         self.subnet = f"198.{18 + block // 256}.{block % 256}"
         self.bridge = f"chb{self.run_id}"
-        self.namespaces = [f"{_PREFIX}{self.run_id}-{r}" for r in range(world_size)]
-        self.host_ends = [f"chv{self.run_id}{r}" for r in range(world_size)]
-        self.addresses = [f"{self.subnet}.{r + 1}" for r in range(world_size)]
+        self.namespaces = [f"{_PREFIX}{self.run_id}-{m}" for m in range(machines)]
+        self.host_ends = [f"chv{self.run_id}{m}" for m in range(machines)]
+        self.addresses = [f"{self.subnet}.{m + 1}" for m in range(machines)]
         self._created = False
         # What this run made, so that cleaning up never touches a name someone else holds.
         self._made_namespaces: list[str] = []
         self._made_links: list[str] = []
         self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}
+
+    @property
+    def world_size(self) -> int:
+        """The ranks the network holds: every machine's."""
+        return self.machines * self.per_node
+
+    def rank_namespaces(self) -> list[str]:
+        """Per rank, the namespace of its machine (what :func:`enter_namespace` takes)."""
+        return [self.namespaces[r // self.per_node] for r in range(self.world_size)]
+
+    def rank_host_ends(self) -> list[str]:
+        """Per rank, the host end of its machine's link, whose counters the rank reads: every
+        rank of a machine reads the same link, the machine's."""
+        return [self.host_ends[r // self.per_node] for r in range(self.world_size)]
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -212,9 +254,8 @@ class Network:
 
     def _limit(self, tc: list[str], dev: str) -> None:
         rate = f"{self.rate_bps}bit"
-        # Bucket of ~2 ms at the rate (at least a few full packets) keeps bursts short;
-        # a 100 ms queue absorbs TCP's bursts without drops that would waste the link.
-        burst = max(4 * (self.mtu + 14), self.rate_bps // 8 // 500)
+        # A 100 ms queue absorbs TCP's bursts without drops that would waste the link.
+        burst = burst_bytes(self.rate_bps, self.mtu)
         limit = ["rate", rate, "burst", str(burst), "latency", "100ms"]
         if self.latency_s <= 0:
             _run(*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf", *limit)
@@ -232,12 +273,13 @@ class Network:
 
     # -- use ---------------------------------------------------------------------------------
 
-    def command(self, rank: int) -> list[str]:
-        """The prefix that runs a command inside rank ``rank``'s namespace."""
-        return ["ip", "netns", "exec", self.namespaces[rank]]
+    def command(self, machine: int) -> list[str]:
+        """The prefix that runs a command inside machine ``machine``'s namespace."""
+        return ["ip", "netns", "exec", self.namespaces[machine]]
 
     def env(self) -> dict[str, str]:
-        """Environment that binds gloo to each rank's interface in its namespace."""
+        """Environment that binds gloo to each machine's interface in its namespace: the ranks
+        of one machine reach one another at its own address, over its loopback."""
         return {"GLOO_SOCKET_IFNAME": IFACE, "MASTER_ADDR": self.addresses[0]}
 
     def leftovers(self) -> list[str]:
@@ -255,7 +297,8 @@ class Network:
 
 
 def enter_namespace(namespaces: list[str], rank: int) -> None:
-    """Move this process into rank ``rank``'s network namespace, before it opens any socket.
+    """Move this process into ``namespaces[rank]`` (its machine's network namespace), before it
+    opens any socket.
 
     Called in a freshly forked, single-threaded rank process (``setns`` refuses a process
     with several threads).
@@ -271,13 +314,15 @@ def enter_namespace(namespaces: list[str], rank: int) -> None:
 
 
 def link_counters(host_end: str | None) -> dict[str, int] | None:
-    """The rank's sent and received bytes and wire-sized packets so far; ``None`` on loopback.
+    """The machine's sent and received bytes and wire-sized packets so far over its link;
+    ``None`` on loopback.
 
-    Sent traffic is read from the rate limiter on the rank's own link, which counts every
+    Sent traffic is read from the rate limiter on the machine's link, which counts every
     segment that goes on the wire with its headers, whether or not TCP handed it over as one
-    offloaded packet. Received traffic is what the host end of the link delivered to the rank
-    (its transmit counters). Without ``tc`` statistics both come from the host end. Call it
-    from inside the rank's namespace.
+    offloaded packet; what the machine's ranks send one another never reaches it. Received
+    traffic is what the host end of the link delivered to the machine (its transmit counters).
+    Without ``tc`` statistics both come from the host end. Call it from inside the machine's
+    namespace.
     """
     if not host_end:
         return None

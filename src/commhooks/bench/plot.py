@@ -14,6 +14,7 @@ from typing import Any
 from commhooks.bench import hookset
 from commhooks.bench.predict import Model
 from commhooks.bench.rows import Row
+from commhooks.bench.shape import Shape
 from commhooks.bench.summary import by_network
 from commhooks.bench.units import format_rate
 
@@ -57,11 +58,18 @@ def _measured(rows: list[Row], hook: str) -> list[tuple[float, float]]:
 def _speedup_panel(
     ax: Any, rows: list[Row], answer: dict[str, Any], styles: dict[str, Any]
 ) -> None:
-    model = Model.from_rows(by_network(rows)[None], answer["ranks_measured"], answer["latency_s"])
-    world, rates = answer["world_size"], _rates(answer["links"])
+    measured, shape = _shapes(answer)
+    model = Model.from_rows(
+        by_network(rows)[None],
+        measured,
+        answer["latency_s"],
+        backend=answer.get("backend", "gloo"),
+        intra_bps=answer.get("intra_link_bps"),
+    )
+    rates = _rates(answer["links"])
     marks = [rates.index(b) for b in answer["links"]]
     for row in _drawn(rows):
-        speedups = [model.speedup(row.hook, b, world) or math.nan for b in rates]
+        speedups = [model.speedup(row.hook, b, shape) or math.nan for b in rates]
         ax.plot(rates, speedups, **styles[row.hook], markevery=marks, label=row.hook)
         points = _measured(rows, row.hook)
         if points:
@@ -79,10 +87,20 @@ def _speedup_panel(
     if len(ticks) < 4:  # a narrow range: finer steps
         ticks = [t for t in _FINE_TICKS if low <= t <= high]
     ax.set_yticks(ticks, [f"{t:g}x" for t in ticks])
-    ax.set_xlabel("link rate (each rank's link, both directions)")
+    ax.set_xlabel("link rate (each machine's link, both directions)")
     ax.set_ylabel("speedup over allreduce (above 1: pays)")
-    ax.set_title(f"predicted step speedup, {world} ranks", fontsize=11)
+    ax.set_title(f"predicted step speedup, {shape.text()}", fontsize=11)
     ax.grid(True, which="major", axis="y", color="0.9")
+
+
+def _shapes(answer: dict[str, Any]) -> tuple[Shape, Shape]:
+    """The shape the rows were measured on and the first one predicted for (a saved run from
+    before shapes: its ranks, each a machine)."""
+    if "shape_measured" not in answer:
+        return Shape.of_ranks(answer["ranks_measured"]), Shape.of_ranks(answer["world_size"])
+    first = answer["shapes"][0]["shape"]
+    measured = answer["shape_measured"]
+    return Shape(measured["nodes"], measured["per_node"]), Shape(first["nodes"], first["per_node"])
 
 
 def _hollow(style: dict[str, Any]) -> dict[str, Any]:

@@ -161,10 +161,7 @@ def table_lines(rows: list[Row], columns: list[Column]) -> list[str]:
 def _footnotes(rows: list[Row], network: str = "loopback") -> list[str]:
     out = []
     if any(r.ok and not r.wire for r in rows):
-        out.append(
-            "* bytes from the payload handed to each collective and the ring-allreduce model; "
-            "links (--bandwidth) read real counters."
-        )
+        out.append(_payload_note(rows))
     if any(r.steps_to_allreduce_loss is not None for r in rows):
         out.append(
             f"reached: the step (and seconds) at which the training loss, averaged over "
@@ -187,6 +184,20 @@ def _footnotes(rows: list[Row], network: str = "loopback") -> list[str]:
             where = network if r.bandwidth is None else format_rate(r.bandwidth)
             out.append(f"FAILED {r.hook} @ {where}: {r.error}")
     return [wrapped for line in out for wrapped in textwrap.wrap(line, WIDTH)]
+
+
+def _payload_note(rows: list[Row]) -> str:
+    """How the bytes of rows without a link to count were found; with machines of several
+    ranks, they are a machine link's."""
+    if all((r.shape or "x1").endswith("x1") for r in rows):
+        return (
+            "* bytes from the payload handed to each collective and the ring-allreduce model; "
+            "links (--bandwidth) read real counters."
+        )
+    return (
+        "* bytes each machine's link sends, from the payload handed to each collective and the "
+        "collectives' algorithms; links (--bandwidth) read real counters."
+    )
 
 
 def _reasons(rows: list[Row]) -> list[str]:
@@ -219,30 +230,52 @@ def results_lines(rows: list[Row], title: str, wide: bool, network: str = "loopb
     return out + [""] + _footnotes(rows, network)
 
 
-def _pays_below(r: Row) -> str:
-    if r.hook == "allreduce" or not r.predicted:
+def _shaped(r: Row, key: str | None) -> dict[str, Any]:
+    """The row's predictions for shape ``key`` (``None``, or a row without per-shape figures:
+    the first shape's)."""
+    if key is not None and key in r.by_shape:
+        return r.by_shape[key]
+    return {"predicted": r.predicted, "break_even_bps": r.break_even_bps}
+
+
+def _pays_below(r: Row, key: str | None = None) -> str:
+    shaped = _shaped(r, key)
+    if r.hook == "allreduce" or not shaped["predicted"]:
         return "-"
-    if r.break_even_bps is None:
+    bps = shaped["break_even_bps"]
+    if bps is None:
         return "always"
-    return format_rate(r.break_even_bps) if r.break_even_bps > 0 else "never"
+    return format_rate(bps) if bps > 0 else "never"
 
 
-def _ladder_cell(r: Row, rate: str) -> str:
-    p = r.predicted.get(rate, {})
+def _ladder_cell(r: Row, rate: str, key: str | None = None) -> str:
+    p = _shaped(r, key)["predicted"].get(rate, {})
     return f"{_ms(p.get('step_ms')):>4} {_fmt(p.get('speedup_vs_allreduce'), '.2f', 'x'):>5}"
 
 
-def _ladder_table(rows: list[Row], rates: list[str]) -> list[str]:
-    head = ["hook", *(format_rate(int(b)) for b in rates), "pays below"]
-    body = [[r.hook, *(_ladder_cell(r, b) for b in rates), _pays_below(r)] for r in rows]
+def _per_machine(r: Row, key: str | None) -> str:
+    return format_bytes(_shaped(r, key).get("machine_bytes_per_step"))
+
+
+def _ladder_table(rows: list[Row], rates: list[str], key: str | None = None) -> list[str]:
+    """The ladder of shape ``key``, with the bytes a machine's link sends; ``None``: of a saved
+    run from before shapes, as it printed then."""
+    sent = [] if key is None else ["sent/machine"]
+    head = ["hook", *sent, *(format_rate(int(b)) for b in rates), "pays below"]
+    body = [
+        [r.hook, *([] if key is None else [_per_machine(r, key)])]
+        + [*(_ladder_cell(r, b, key) for b in rates), _pays_below(r, key)]
+        for r in rows
+    ]
     return _fitted([head, *body])
 
 
-def _ladder_tables(rows: list[Row], rates: list[str]) -> list[str]:
+def _ladder_tables(rows: list[Row], rates: list[str], key: str | None = None) -> list[str]:
     """The ladder as one table, or as several in turn where one would exceed WIDTH."""
     for per_table in range(len(rates), 0, -1):
         tables = [
-            _ladder_table(rows, rates[i : i + per_table]) for i in range(0, len(rates), per_table)
+            _ladder_table(rows, rates[i : i + per_table], key)
+            for i in range(0, len(rates), per_table)
         ]
         lines = [line for table in tables for line in table]
         if per_table == 1 or max(len(line) for line in lines) <= WIDTH:
@@ -250,27 +283,67 @@ def _ladder_tables(rows: list[Row], rates: list[str]) -> list[str]:
     return []
 
 
+def _shape_lines(
+    predicted: list[Row], shape: dict[str, Any] | None, answer: dict[str, Any]
+) -> list[str]:
+    """The ladder of one shape: per hook, what a machine's link sends per step, its step time
+    and speedup on each link, and below which rate it pays; ``None``: the ranks of a saved run
+    from before shapes."""
+    rates = list(predicted[0].predicted) if predicted else []
+    where = answer.get("measured_on", "loopback")
+    if shape is None:
+        text = (
+            f"Predicted for {answer['world_size']} ranks from the run on {where}: ms per step "
+            "and speedup over allreduce on each link; 'pays below': the link rate under which "
+            "a hook steps faster than allreduce."
+        )
+        return textwrap.wrap(text, WIDTH) + _ladder_tables(predicted, rates) + [""]
+    info = shape["shape"]
+    text = (
+        f"Predicted for {info['text']} from the run on {where}: bytes each machine's link "
+        "sends per step, ms per step and speedup over allreduce on each link (each machine's "
+        "link of that rate); 'pays below': the link rate under which a hook steps faster "
+        "than allreduce."
+    )
+    return textwrap.wrap(text, WIDTH) + _ladder_tables(predicted, rates, info["key"]) + [""]
+
+
 def answer_lines(rows: list[Row], answer: dict[str, Any], steps: int) -> list[str]:
-    """The prediction for the ladder of links, then which hook to use on which link."""
+    """The prediction for the ladder of links on each shape, then which hook to use on which
+    link of each shape."""
     if "recommendations" not in answer:
         return [answer.get("prediction_note", "")]
     predicted = [r for r in rows if r.bandwidth is None and r.predicted]
-    rates = list(predicted[0].predicted) if predicted else []
-    world, where = answer["world_size"], answer.get("measured_on", "loopback")
-    out = textwrap.wrap(
-        f"Predicted for {world} ranks from the run on {where}: ms per step and speedup over "
-        "allreduce on each link; 'pays below': the link rate under which a hook steps faster "
-        "than allreduce.",
-        WIDTH,
-    )
-    out += _ladder_tables(predicted, rates) + [""]
+    where = answer.get("measured_on", "loopback")
+    shapes: list[dict[str, Any]] = answer.get("shapes") or []
+    ladders: list[dict[str, Any] | None] = [*shapes] if shapes else [None]
+    out = [line for shape in ladders for line in _shape_lines(predicted, shape, answer)]
     if "link" in answer:
         out += textwrap.wrap(answer["link"]["text"] + ".", WIDTH)
         out += textwrap.wrap(answer["on_your_network"]["text"], WIDTH)
     for measured in answer.get("on_measured_links", {}).values():  # --bandwidth's links
         out += textwrap.wrap(measured["text"], WIDTH)
-    out.append("Which hook on which link (predicted time to reach allreduce's loss):")
-    out += ["  " + rec["text"] for rec in answer["recommendations"]]
+    out += _recommendation_lines(answer, shapes)
+    out += _caution_lines(predicted, answer, where, steps)
+    return out
+
+
+def _recommendation_lines(answer: dict[str, Any], shapes: list[dict[str, Any]]) -> list[str]:
+    """Which hook on which link, per shape (predicted time to reach allreduce's loss)."""
+    if len(shapes) < 2:
+        out = ["Which hook on which link (predicted time to reach allreduce's loss):"]
+        return out + ["  " + rec["text"] for rec in answer["recommendations"]]
+    out = []
+    for shape in shapes:
+        out.append(f"Which hook on which link, {shape['shape']['text']} (predicted time to loss):")
+        out += ["  " + rec["text"] for rec in shape["recommendations"]]
+    return out
+
+
+def _caution_lines(
+    predicted: list[Row], answer: dict[str, Any], where: str, steps: int
+) -> list[str]:
+    out = []
     noisy = [r for r in predicted if r.noise.get("noisy")]
     if noisy:
         out += textwrap.wrap(

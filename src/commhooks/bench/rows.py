@@ -12,8 +12,9 @@ import statistics
 from collections.abc import Iterable
 from typing import Any
 
-from commhooks.bench import costmodel
+from commhooks.bench import costmodel, paths
 from commhooks.bench.records import RankResult, Record, RunOutcome
+from commhooks.bench.shape import Shape
 
 __all__ = ["HEADER_BYTES", "Row", "make_row", "pool_memory_runs", "pool_runs"]
 
@@ -91,6 +92,8 @@ class Row(Record):
     predicted: dict[str, dict[str, float | None]] = dataclasses.field(default_factory=dict)
     break_even_bps: float | None = None
     prediction: dict[str, Any] | None = None
+    by_shape: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    shape: str | None = None
 
     def collectives(self) -> costmodel.Collectives:
         """What this hook's ranks handed to collectives per step."""
@@ -171,11 +174,15 @@ def make_row(
     run: RunOutcome,
     context: dict[str, Any],
     memory: RunOutcome | None = None,
+    shape: Shape | None = None,
+    backend: str = "gloo",
 ) -> Row:
     """The row of ``hook`` on ``bandwidth`` from its (pooled) run; ``context``: its settings.
 
     ``memory``: the hook's run for its peak memory (``RunSpec.live_memory``), if it had one;
-    where that run failed, the row keeps the timed runs' peak and notes why.
+    where that run failed, the row keeps the timed runs' peak and notes why. ``shape``: the
+    machines the ranks ran as (default: each rank a machine), over ``backend``, whose links
+    the bytes per step are of.
     """
     row = Row(hook=hook, bandwidth=bandwidth, ok=run.ok, **context)
     if not run.ok:
@@ -185,7 +192,7 @@ def make_row(
     _add_step_times(row, run.ranks)
     _add_device(row, run.ranks)
     row.repeats = run.repeats
-    _add_bytes(row, run.ranks)
+    _add_bytes(row, run.ranks, shape or Shape.of_ranks(len(run.ranks)), backend)
     ranks = run.ranks
     row.heldout_loss = statistics.fmean(r.heldout_loss for r in ranks)
     row.heldout_loss_per_rank = [r.heldout_loss for r in ranks]
@@ -227,7 +234,7 @@ def _add_device(row: Row, ranks: list[RankResult]) -> None:
     row.device_peak_memory_bytes = _max_known(r.device_peak_memory_bytes for r in ranks)
 
 
-def _add_bytes(row: Row, ranks: list[RankResult]) -> None:
+def _add_bytes(row: Row, ranks: list[RankResult], shape: Shape, backend: str) -> None:
     first, steps = ranks[0], ranks[0].timed_steps
     row.payload_calls_per_step = {k: v / steps for k, v in first.payload_calls.items()}
     row.payload_bytes_per_step = {k: v / steps for k, v in first.payload_bytes.items()}
@@ -236,7 +243,8 @@ def _add_bytes(row: Row, ranks: list[RankResult]) -> None:
         # every gradient per step is what it sends.
         row.payload_calls_per_step = {"all_reduce": 1.0}
         row.payload_bytes_per_step = {"all_reduce": float(first.gradient_bytes)}
-    analytic = costmodel.wire_bytes(row.collectives(), len(ranks))
+    analytic = _machine_bytes(row, shape, backend)
+    row.shape = shape.key
     row.analytic_bytes_per_step = analytic
     row.gradient_bytes = first.gradient_bytes
     sent = sum(row.payload_bytes_per_step.values())
@@ -245,21 +253,28 @@ def _add_bytes(row: Row, ranks: list[RankResult]) -> None:
     if not all(wires):
         row.bytes_per_step = analytic
         row.bytes_source = (
-            "payload counted in the ranks, ring allreduce model "
-            "(loopback: no private interface to count)"
+            "payload counted in the ranks, per machine link by the cost model's algorithms "
+            "(no private interface to count)"
         )
         return
     tx = statistics.fmean(w["tx_bytes"] for w in wires if w) / steps
     packets = statistics.fmean(w["tx_packets"] for w in wires if w) / steps
     row.bytes_per_step = tx
     row.bytes_source = (
-        "interface counters (bytes each rank's link sent, from its rate limiter: every "
+        "interface counters (bytes each machine's link sent, from its rate limiter: every "
         "wire-sized segment with its headers; mean over ranks)"
     )
     row.wire = [w for w in wires if w]
     row.wire_packets_per_step = packets
     row.wire_payload_bytes_per_step = tx - packets * HEADER_BYTES
     row.wire_vs_analytic = row.wire_payload_bytes_per_step / analytic if analytic else None
+
+
+def _machine_bytes(row: Row, shape: Shape, backend: str) -> float:
+    """What one machine's link sends per step, from the collectives counted (payload model)."""
+    hops = paths.two_hops(row.hook, row.options, shape)
+    steps = costmodel.transfers(row.collectives(), shape, shape, backend, hops, hops)
+    return costmodel.machine_bytes(steps)
 
 
 def _mean_losses(ranks: list[RankResult]) -> list[list[float]]:

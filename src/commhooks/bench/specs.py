@@ -39,7 +39,7 @@ def run_spec(plan: Plan, hook: str, net: Network | None) -> RunSpec:
         lr=plan.lr,
         bucket_cap_mb=_bucket_cap_mb(plan, hook),
         lockstep=plan.lockstep,
-        host_ends=net.host_ends if net is not None else None,
+        host_ends=net.rank_host_ends() if net is not None else None,
         fsdp=plan.fsdp,
         model=plan.model,
     )
