@@ -71,10 +71,15 @@ __all__ = [
     "PeriodicModelAverager",
     "average_parameters",
     "check_plausible",
+    "check_snapshot",
     "get_params_to_average",
     "largest_magnitude",
+    "layout_of",
     "load_outer",
+    "mismatch",
+    "move_to",
     "params_with_grads",
+    "parse_snapshot",
     "step_where_finite",
     "warn_replaced",
 ]
@@ -380,9 +385,13 @@ def warn_replaced(owner: str, replaced: Iterable[tuple[str, Any, Any]], default_
 
 
 def step_where_finite(
-    optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], finite: torch.Tensor
+    optimizer: torch.optim.Optimizer,
+    params: Sequence[torch.Tensor],
+    grads: Iterable[torch.Tensor],
+    finite: torch.Tensor,
 ) -> None:
-    """``optimizer.step()`` on ``params``, undone on the device where ``finite`` is false.
+    """``optimizer.step()`` on ``params`` with ``grads``, undone on the device where ``finite``
+    is false.
 
     An outer step whose average is not finite (a worker's NaN) would put NaN in the global
     parameters and the outer momentum for good, on every rank. Whether it is finite is a
@@ -396,7 +405,10 @@ def step_where_finite(
     before = [p.detach().clone() for p in params]
     held = [_state_on(optimizer, p, finite.device) for p in params]
     kept = [{key: value.clone() for key, value in state.items()} for state in held]
+    for p, grad in zip(params, grads):
+        p.grad = grad.to(p.dtype)
     optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
     with torch.no_grad():
         for p, was in zip(params, before):
             torch.where(finite, p, was, out=p)
@@ -420,6 +432,87 @@ def _step_count(where: str, value: Any) -> int:
         return check_count(where, value)
     except StateDictError:
         raise StateDictError(f"{where} must be a non-negative integer, got {value!r}.") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# The global parameters (the snapshot) of the outer averager and of DiLoCo
+# ----------------------------------------------------------------------------------------------
+Shape = tuple[int, ...]
+Layout = dict[str, tuple[Shape, torch.dtype]]  # a model's parameters: name -> shape, dtype
+
+
+def layout_of(named: Iterable[tuple[str, torch.Tensor]]) -> Layout:
+    """Each parameter's shape and dtype, by name."""
+    return {n: (tuple(p.shape), p.dtype) for n, p in named}
+
+
+def mismatch(saved: torch.Tensor | None, wanted: tuple[Shape, torch.dtype]) -> str:
+    """How a global parameter differs from the model's, ``wanted`` ('' if it fits)."""
+    shape, dtype = wanted
+    if saved is None:
+        return "has no global parameter"
+    if tuple(saved.shape) == shape and saved.dtype == dtype:
+        return ""
+    return f"is {tuple(saved.shape)} {saved.dtype}, the model's parameter {shape} {dtype}"
+
+
+def check_snapshot(
+    owner: str,
+    snapshot: Mapping[str, torch.Tensor],
+    params: Mapping[str, torch.Tensor],
+    exact: bool = True,
+) -> None:
+    """Raise unless ``snapshot`` holds each of ``params`` in its shape and dtype (and no other,
+    if ``exact``), before an outer step mixes the two.
+
+    Raises:
+        ValueError: naming the first that differ; nothing was changed.
+    """
+    want = layout_of(params.items())
+    wrong = [f"{n!r} {w}" for n, shape in want.items() if (w := mismatch(snapshot.get(n), shape))]
+    if wrong or (exact and len(params) != len(snapshot)):
+        first = f"; first differing: {'; '.join(wrong[:3])}" if wrong else ""
+        raise ValueError(
+            f"{owner}: the parameters to average ({len(params)} tensors) do not match the "
+            f"snapshot from the last sync ({len(snapshot)} tensors{first}; names, shapes and "
+            "dtypes must match); the set of parameters with gradients changed, or a state dict "
+            "saved for another model was loaded. Nothing was changed; load the matching "
+            "checkpoint."
+        )
+
+
+def move_to(
+    device: torch.device,
+    snapshot: Mapping[str, torch.Tensor],
+    optimizers: Iterable[torch.optim.Optimizer],
+) -> None:
+    """Move the snapshot to ``device`` if it is elsewhere (a CPU checkpoint): in place, so that
+    the outer optimizers keep their references; then they move their own state."""
+    if next(iter(snapshot.values())).device == device:
+        return
+    for snap in snapshot.values():
+        snap.data = snap.data.to(device)
+    for outer in optimizers:
+        outer.load_state_dict(outer.state_dict())
+
+
+def parse_snapshot(
+    where: str, state_dict: Mapping[str, Any], flag: str
+) -> dict[str, torch.Tensor] | None:
+    """The saved snapshot as ``{name: tensor}``, each tensor checked and copied; ``None`` where
+    ``state_dict[flag]`` says there is none. A list (version 1) is keyed by position."""
+    taken, raw = state_dict.get(flag), state_dict.get("snapshot")
+    if not isinstance(taken, bool) or not isinstance(raw, (list, Mapping)):
+        raise StateDictError(f"{where} '{flag}' or 'snapshot' is missing or malformed.")
+    if not taken:
+        return None
+    out: dict[str, torch.Tensor] = {}
+    for name, t in enumerate(raw) if isinstance(raw, list) else raw.items():
+        if not isinstance(name, (str, int)) or isinstance(name, bool):
+            raise StateDictError(f"{where} 'snapshot' keys must be parameter names (strings).")
+        entry = f"{where} 'snapshot'[{str(name)!r}]"
+        out[str(name)] = check_tensor(entry, t, floating=True).detach().clone()
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -586,12 +679,17 @@ class ModelAverager(HookState):
         self._attached = None  # optimizers do not pickle their hooks: attach again
 
     # -- state dicts: parse (validate everything) then apply, so a bad dict changes nothing ---
-    # The schedule is saved with the step so that a counter is never resumed under another
-    # schedule, which would silently average at other steps than the saved run. The warm-up
-    # is restored from the state dict, as an optimizer restores its learning rate; the period
-    # (and a hierarchy) decide which groups average at all, so a different one is refused.
+    # The warm-up is restored from the state dict, as an optimizer restores its learning rate;
+    # the schedule (:meth:`_schedule`) decides which groups average at all, so another is refused.
+    _shown_as: ClassVar[dict[str, tuple[str, Callable[[Any], str]]]] = {}
+
+    def _schedule(self) -> dict[str, Any]:
+        """The options saved with the step, as saved: a counter resumed under another schedule
+        would silently average at other steps than the saved run."""
+        return {}
+
     def _save(self) -> dict[str, Any]:
-        return {"step": self.step, "warmup_steps": self.warmup_steps}
+        return {"step": self.step, "warmup_steps": self.warmup_steps, **self._schedule()}
 
     def _load(self, state_dict: Mapping[str, Any]) -> None:
         self._apply(self._parse(state_dict))
@@ -599,41 +697,19 @@ class ModelAverager(HookState):
     def _parse(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
         where = f"{type(self).__name__}.load_state_dict:"
         step = _step_count(f"{where} 'step'", state_dict.get("step"))
-        warmup = state_dict.get("warmup_steps", self.warmup_steps)
-        return {"step": step, "warmup_steps": _step_count(f"{where} 'warmup_steps'", warmup)}
-
-    def _check_saved_option(
-        self,
-        state_dict: Mapping[str, Any],
-        key: str,
-        current: Any,
-        name: str | None = None,
-        show: Callable[[Any], str] = repr,
-    ) -> None:
-        """Raise unless the saved ``key`` equals ``current``.
-
-        State dicts written before the options were saved lack the key; they load unchecked.
-
-        Args:
-            state_dict: the dict being loaded.
-            key: its entry for the option.
-            current: this averager's value, in the form :meth:`_save` writes it.
-            name: the option's constructor name, if it differs from ``key``.
-            show: how to write a value in the message, in the form the constructor takes.
-
-        Raises:
-            StateDictError: the saved value differs; the message names both.
-        """
-        if key not in state_dict or state_dict[key] == current:
-            return
-        name = name or key
-        saved = show(state_dict[key])
-        raise StateDictError(
-            f"{type(self).__name__}.load_state_dict: the state dict was saved by an averager "
-            f"with {name}={saved}, but this one has {name}={show(current)}, so its step counter "
-            f"would average at other steps. Build the averager with {name}={saved} to resume "
-            "from this state dict."
-        )
+        saved_warmup = state_dict.get("warmup_steps", self.warmup_steps)
+        warmup = _step_count(f"{where} 'warmup_steps'", saved_warmup)
+        for key, current in self._schedule().items():
+            if key not in state_dict or state_dict[key] == current:  # absent: saved before it was
+                continue
+            name, show = self._shown_as.get(key, (key, repr))
+            saved = show(state_dict[key])
+            raise StateDictError(
+                f"{where} the state dict was saved by an averager with {name}={saved}, but this "
+                f"one has {name}={show(current)}, so its step counter would average at other "
+                f"steps. Build the averager with {name}={saved} to resume from this state dict."
+            )
+        return {"step": step, "warmup_steps": warmup}
 
     def _apply(self, values: dict[str, Any]) -> None:
         warmup = values["warmup_steps"]
@@ -701,13 +777,16 @@ class PeriodicModelAverager(ModelAverager):
             return None
         return comm.resolve_group(self.process_group, owner=type(self).__name__)
 
-    def _save(self) -> dict[str, Any]:
-        return {**super()._save(), "period": self.period}
+    def _schedule(self) -> dict[str, Any]:
+        return {"period": self.period}
 
-    def _parse(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
-        values = super()._parse(state_dict)
-        self._check_saved_option(state_dict, "period", self.period)
-        return values
+
+def _pairs_as_dict(pairs: Any) -> str:
+    """Saved ``[period, size]`` pairs written as the ``{period: size}`` the constructor takes."""
+    try:
+        return repr({period: size for period, size in pairs})
+    except (TypeError, ValueError):
+        return repr(pairs)  # malformed: show it as it is
 
 
 class HierarchicalModelAverager(ModelAverager):
@@ -821,22 +900,10 @@ class HierarchicalModelAverager(ModelAverager):
 
     # Saved as [period, size] pairs: a dict with integer keys does not survive every
     # checkpointing tool (torch.distributed.checkpoint turns the keys into strings).
-    def _save(self) -> dict[str, Any]:
-        return {**super()._save(), "period_group_sizes": self._level_pairs()}
+    _shown_as = {"period_group_sizes": ("period_group_size_dict", _pairs_as_dict)}
 
-    def _parse(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
-        values = super()._parse(state_dict)
-        self._check_saved_option(
-            state_dict,
-            "period_group_sizes",
-            self._level_pairs(),
-            name="period_group_size_dict",
-            show=_pairs_as_dict,
-        )
-        return values
-
-    def _level_pairs(self) -> list[list[int]]:
-        return [[period, size] for period, size in self.levels]
+    def _schedule(self) -> dict[str, Any]:
+        return {"period_group_sizes": [[period, size] for period, size in self.levels]}
 
     def bind(self, process_group: dist.ProcessGroup | None) -> "HierarchicalModelAverager":
         """Average within ``process_group`` from now on; its subgroups are created on next use.
@@ -863,14 +930,6 @@ def _check_fits_world(pairs: tuple[tuple[int, int], ...], world: int) -> None:
             f"whole group of {world} ranks, got size {pairs[-1][1]}. Add or change the last "
             f"entry to {{period: {world}}}."
         )
-
-
-def _pairs_as_dict(pairs: Any) -> str:
-    """Saved ``[period, size]`` pairs written as the ``{period: size}`` the constructor takes."""
-    try:
-        return repr({period: size for period, size in pairs})
-    except (TypeError, ValueError):
-        return repr(pairs)  # malformed: show it as it is
 
 
 class OuterOptimizerAverager(PeriodicModelAverager):
@@ -972,48 +1031,22 @@ class OuterOptimizerAverager(PeriodicModelAverager):
         snapshot = self._fit_snapshot(named)  # before the collective, so no rank waits alone
         avg = averaged_views(tensors, group)
         finite = all_finite(*avg)  # the same on every rank: a NaN anywhere is everyone's
-        with torch.no_grad():
-            for snap, a in zip(snapshot, avg):
-                # In place in the flat buffer: it is not needed after this.
-                snap.grad = a.neg_().add_(snap).to(snap.dtype)
-        step_where_finite(self.outer_optimizer, snapshot, finite)
-        self.outer_optimizer.zero_grad(set_to_none=True)
-        with torch.no_grad():
+        with torch.no_grad():  # in place in the flat buffer: it is not needed after this
+            grads = [a.neg_().add_(snap) for snap, a in zip(snapshot, avg)]
+            step_where_finite(self.outer_optimizer, snapshot, grads, finite)
             for p, snap in zip(tensors, snapshot):
                 p.copy_(snap)
 
     def _fit_snapshot(self, named: Named) -> list[torch.Tensor]:
         """The snapshot's tensors in the order of ``named``, or ``ValueError`` if they differ."""
-        assert self.snapshot is not None
+        assert self.snapshot is not None and self.outer_optimizer is not None
         names = [n for n, _ in named]
         if set(names) != set(self.snapshot) and _is_positional(self.snapshot, len(names)):
             # Saved by position (an earlier release, or average_parameters): same order.
             self.snapshot = dict(zip(names, self.snapshot.values()))
-        found = [self.snapshot.get(n) for n in names]
-        fits = [
-            s is not None and s.shape == p.shape and s.dtype == p.dtype
-            for s, (_, p) in zip(found, named)
-        ]
-        if len(names) != len(self.snapshot) or not all(fits):
-            raise ValueError(
-                f"{type(self).__name__}: the parameters to average ({len(names)} tensors) do "
-                f"not match the snapshot from the last sync ({len(self.snapshot)} tensors; "
-                "names, shapes and dtypes must match); the set of parameters with gradients "
-                "changed, or a state dict saved for another model was loaded. Nothing was "
-                "changed; load the matching checkpoint."
-            )
-        snapshot = [s for s in found if s is not None]
-        if snapshot[0].device != named[0][1].device:
-            self._move_snapshot(named[0][1].device)
-        return snapshot
-
-    def _move_snapshot(self, device: torch.device) -> None:
-        # Loaded on another device (e.g. a CPU checkpoint): move in place so that the outer
-        # optimizer keeps its references, then let it move its own state.
-        assert self.snapshot is not None and self.outer_optimizer is not None
-        for snap in self.snapshot.values():
-            snap.data = snap.data.to(device)
-        self.outer_optimizer.load_state_dict(self.outer_optimizer.state_dict())
+        check_snapshot(type(self).__name__, self.snapshot, dict(named))
+        move_to(named[0][1].device, self.snapshot, [self.outer_optimizer])
+        return [self.snapshot[n] for n in names]
 
     def _save(self) -> dict[str, Any]:
         # "synced": there is a snapshot, from the last warm-up step or from a sync.
@@ -1028,12 +1061,11 @@ class OuterOptimizerAverager(PeriodicModelAverager):
     def _parse(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
         values = super()._parse(state_dict)
         where = f"{type(self).__name__}.load_state_dict:"
-        synced, raw = state_dict.get("synced"), state_dict.get("snapshot")
-        if not isinstance(synced, bool) or not isinstance(raw, (list, Mapping)):
-            raise StateDictError(f"{where} 'synced' or 'snapshot' is missing or malformed.")
-        if not synced:
+        snapshot = parse_snapshot(where, state_dict, "synced")
+        if snapshot is None:
             return {**values, "snapshot": None, "outer_optimizer": None}
-        snapshot = _parse_snapshot(where, raw)
+        if not snapshot:
+            raise StateDictError(f"{where} 'snapshot' must hold a tensor per parameter, got none.")
         tensors = list(snapshot.values())
         outer = load_outer(
             f"{where} the outer optimizer state ('outer_optimizer')",
@@ -1060,20 +1092,6 @@ class OuterOptimizerAverager(PeriodicModelAverager):
 
 def _is_positional(snapshot: Mapping[str, torch.Tensor], size: int) -> bool:
     return len(snapshot) == size and list(snapshot) == [str(i) for i in range(size)]
-
-
-def _parse_snapshot(where: str, raw: Any) -> dict[str, torch.Tensor]:
-    """The saved snapshot as ``{name: tensor}``, each tensor checked and copied."""
-    items = list(enumerate(raw)) if isinstance(raw, list) else list(raw.items())
-    if not items:
-        raise StateDictError(f"{where} 'snapshot' must hold a tensor per parameter, got none.")
-    out: dict[str, torch.Tensor] = {}
-    for name, t in items:
-        if not isinstance(name, (str, int)) or isinstance(name, bool):
-            raise StateDictError(f"{where} 'snapshot' keys must be parameter names (strings).")
-        entry = f"{where} 'snapshot'[{str(name)!r}]"
-        out[str(name)] = check_tensor(entry, t, floating=True).detach().clone()
-    return out
 
 
 def _qualname(obj: Any) -> str:

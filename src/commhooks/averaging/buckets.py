@@ -25,7 +25,7 @@ from commhooks.hooks._bucket import GradBucket
 from commhooks.hooks.quantized import QuantizationState, quantized_hook
 from commhooks.state import StateDictError, check_count
 
-__all__ = ["FlatBucket", "WarmupBuckets", "parse_buckets"]
+__all__ = ["FlatBucket", "WarmupBuckets", "parse_buckets", "split"]
 
 Numbers = tuple[int, ...]
 """The parameters of a bucket, by the quantizer's numbers, in the bucket's order."""
@@ -59,13 +59,7 @@ class FlatBucket:
         return self._buffer
 
     def gradients(self) -> list[torch.Tensor]:
-        if self._parts is not None:
-            return self._parts
-        views, offset = [], 0
-        for p in self._params:
-            views.append(self._buffer[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
-        return views
+        return split(self._buffer, self._params) if self._parts is None else self._parts
 
     def parameters(self) -> list[torch.Tensor]:
         return self._params
@@ -183,11 +177,19 @@ def _put_back(
 ) -> torch.Tensor:
     """Each part's average into its gradients' places in ``buffer``."""
     for future, grads in zip(done.value(), targets):
-        averaged, offset = future.wait(), 0  # raises if it failed; on a GPU, orders the streams
-        for grad in grads:
-            grad.copy_(averaged[offset : offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
+        averaged = future.wait()  # raises if it failed; on a GPU, orders the streams
+        for grad, average in zip(grads, split(averaged, grads)):
+            grad.copy_(average)
     return buffer
+
+
+def split(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of ``flat``, one shaped as each of ``like``, in order."""
+    out, offset = [], 0
+    for t in like:
+        out.append(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+    return out
 
 
 def parse_buckets(where: str, raw: Any) -> list[Numbers]:

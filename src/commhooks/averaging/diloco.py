@@ -59,16 +59,22 @@ from torch.utils.hooks import RemovableHandle
 from commhooks import comm
 from commhooks._warnings import CommHooksWarning
 from commhooks.averaging.averagers import (
+    Layout,
     ModelAverager,
     OuterOptions,
     check_plausible,
+    check_snapshot,
     default_outer_optimizer,
     largest_magnitude,
+    layout_of,
     load_outer,
+    mismatch,
+    move_to,
+    parse_snapshot,
     step_where_finite,
     warn_replaced,
 )
-from commhooks.averaging.buckets import FlatBucket, WarmupBuckets, parse_buckets
+from commhooks.averaging.buckets import FlatBucket, WarmupBuckets, parse_buckets, split
 from commhooks.averaging.parameters import Named, averaged_views, named_in_groups
 from commhooks.compress.error_feedback import all_finite
 from commhooks.hooks._bucket import GradBucket, gradient_buffer
@@ -92,8 +98,6 @@ HOOK = "diloco_hook"
 Fragments = int | tuple[tuple[str, ...], ...]
 _KEEP: Any = object()
 _OUTER_BLOCK = 512  # values per scale of packed 4-bit outer gradients (see _quantizer)
-Shape = tuple[int, ...]
-Layout = dict[str, tuple[Shape, torch.dtype]]  # a model's parameters: name -> shape, dtype
 
 
 def _check_fragments(owner: str, name: str, value: Any) -> Fragments:
@@ -506,7 +510,7 @@ class StreamingDiLoCo(ModelAverager):
         named = None if named_parameters is None else list(named_parameters)
         names = None if named is None else {id(p): n for n, p in named}
         every = named_in_groups(optimizer.param_groups, names, with_grad_only=False)
-        layout = _layout_of(every)
+        layout = layout_of(every)
         if self.snapshot is not None:
             _check_fits(f"{OWNER}.attach: the loaded state's", self.snapshot, layout)
         self._layout = layout
@@ -523,7 +527,7 @@ class StreamingDiLoCo(ModelAverager):
         self.snapshot = {n: p.detach().clone() for n, p in named}
         self.plan, self.outer_optimizers, self.quantizers = None, [], []
         if self._layout is None:
-            self._layout = _layout_of(self.snapshot.items())
+            self._layout = layout_of(self.snapshot.items())
 
     def finish(self) -> None:
         """Apply the fragment in flight now: call it on every rank after the last step.
@@ -687,10 +691,7 @@ class StreamingDiLoCo(ModelAverager):
         finite = all_finite(flight.flat)
         with torch.no_grad():
             kept = _local_change(flight, snaps, params)
-            for snap, grad in zip(snaps, _split(flight.flat, snaps)):
-                snap.grad = grad.to(snap.dtype)
-            step_where_finite(outer, snaps, finite)
-            outer.zero_grad(set_to_none=True)
+            step_where_finite(outer, snaps, split(flight.flat, snaps), finite)
             for i, (p, snap) in enumerate(zip(params, snaps)):
                 if kept is None and alpha == 0:  # the global parameters, finite or not
                     p.copy_(snap)
@@ -730,7 +731,7 @@ class StreamingDiLoCo(ModelAverager):
         lookup = dict(named)
         if self.plan is None:
             plan = split_by_module(named, self.options.fragments)
-            self._check_snapshot(lookup, self.snapshot)
+            check_snapshot(OWNER, self.snapshot, lookup, exact=False)
             self.snapshot = {n: self.snapshot[n] for n in lookup}
             self.plan = plan
             self.outer_optimizers = [
@@ -738,12 +739,10 @@ class StreamingDiLoCo(ModelAverager):
             ]
             self.quantizers = self._new_quantizers(group, len(plan))
         elif not self._fitted or set(lookup) != set(self.snapshot):
-            self._check_snapshot(lookup, self.snapshot)  # loaded since the last step, or changed
-        first = next(iter(lookup.values()))
-        if next(iter(self.snapshot.values())).device != first.device:
-            self._move_to(first.device)
+            check_snapshot(OWNER, self.snapshot, lookup)  # loaded since the last step, or changed
+        move_to(named[0][1].device, self.snapshot, self.outer_optimizers)
         if self._layout is None:
-            self._layout = _layout_of(named)
+            self._layout = layout_of(named)
         self._fitted = True
         return lookup
 
@@ -768,30 +767,10 @@ class StreamingDiLoCo(ModelAverager):
         made.share_issuers(self._issuers)
         return made
 
-    def _check_snapshot(
-        self, lookup: Mapping[str, torch.Tensor], snapshot: Mapping[str, torch.Tensor]
-    ) -> None:
-        layout = _layout_of(lookup.items())
-        wrong = [
-            f"{n!r} {w}" for n, want in layout.items() if (w := _differs(snapshot.get(n), want))
-        ]
-        if wrong or (self.plan is not None and len(lookup) != len(snapshot)):
-            raise ValueError(
-                f"{OWNER}: the parameters with gradients ({len(lookup)}) do not match the global "
-                f"parameters ({len(snapshot)}; first differing: {'; '.join(wrong[:3])}); the "
-                "set of trained parameters changed, or a state dict of another model was loaded. "
-                "Nothing was changed; load the matching checkpoint."
-            )
-
-    def _move_to(self, device: torch.device) -> None:
-        # In place, so that each outer optimizer keeps its references; then its own state.
-        assert self.snapshot is not None
-        for snap in self.snapshot.values():
-            snap.data = snap.data.to(device)
-        for outer in self.outer_optimizers:
-            outer.load_state_dict(outer.state_dict())
-
     # -- checkpoints: parse everything, then apply ----------------------------------------------
+    def _schedule(self) -> dict[str, Any]:
+        return {n: _fragments_saved(getattr(self.options, n)) for n in _SCHEDULE}
+
     # Saved between two steps. A fragment in flight is waited for and saved as its average, to
     # be applied at the same inner step after a resume: the collective's result does not
     # depend on when it is read, so the resumed run is the uninterrupted one, bit for bit.
@@ -800,7 +779,6 @@ class StreamingDiLoCo(ModelAverager):
         flight = self.in_flight
         return {
             **super()._save(),
-            **{n: _fragments_saved(getattr(self.options, n)) for n in _SCHEDULE},
             "bits": self.options.bits,
             "started": self.snapshot is not None,
             "snapshot": {n: t.detach().clone() for n, t in (self.snapshot or {}).items()},
@@ -834,22 +812,8 @@ class StreamingDiLoCo(ModelAverager):
 
     def _parse(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
         values = super()._parse(state_dict)
-        for name in _SCHEDULE:
-            self._check_saved_option(
-                state_dict, name, _fragments_saved(getattr(self.options, name))
-            )
         where = f"{OWNER}.load_state_dict:"
-        started, raw = state_dict.get("started"), state_dict.get("snapshot")
-        if not isinstance(started, bool) or not isinstance(raw, Mapping):
-            raise StateDictError(f"{where} 'started' or 'snapshot' is missing or malformed.")
-        snapshot = (
-            {
-                str(n): check_tensor(f"{where} 'snapshot'[{n!r}]", t, floating=True).clone()
-                for n, t in raw.items()
-            }
-            if started
-            else None
-        )
+        snapshot = parse_snapshot(where, state_dict, "started")
         if snapshot is not None and self._layout is not None:
             _check_fits(where, snapshot, self._layout)  # else checked by attach() or a step
         plan = _parse_plan(where, state_dict.get("plan"), snapshot)
@@ -956,12 +920,8 @@ def _local_change(
     gradient then. ``None`` when that change is not kept."""
     if flight.local is None:
         return None
-    issued = _split(flight.local, snaps)
+    issued = split(flight.local, snaps)
     return [p.float() - s.float() + g for p, s, g in zip(params, snaps, issued)]
-
-
-def _layout_of(named: Iterable[tuple[str, torch.Tensor]]) -> Layout:
-    return {n: (tuple(p.shape), p.dtype) for n, p in named}
 
 
 def _agree_on_model(named: Named, group: dist.ProcessGroup) -> None:
@@ -976,7 +936,7 @@ def _agree_on_model(named: Named, group: dist.ProcessGroup) -> None:
     Raises:
         ValueError: naming each rank's description, on every rank alike.
     """
-    layout = _layout_of(named)
+    layout = layout_of(named)
     digest = hashlib.sha256(repr(list(layout.items())).encode()).hexdigest()[:12]
     elements = sum(math.prod(shape) for shape, _ in layout.values())
     mine = f"{len(layout)} tensors, {elements} elements, layout {digest}"
@@ -988,16 +948,6 @@ def _agree_on_model(named: Named, group: dist.ProcessGroup) -> None:
             "averages would not match. Build the same model on every worker: the same "
             "parameters with gradients, in the same order, shapes and dtypes."
         )
-
-
-def _differs(saved: torch.Tensor | None, wanted: tuple[Shape, torch.dtype]) -> str:
-    """How a global parameter differs from the model's, ``wanted`` ('' if it fits)."""
-    shape, dtype = wanted
-    if saved is None:
-        return "has no global parameter"
-    if tuple(saved.shape) == shape and saved.dtype == dtype:
-        return ""
-    return f"is {tuple(saved.shape)} {saved.dtype}, the model's parameter {shape} {dtype}"
 
 
 def _check_fits(where: str, snapshot: Mapping[str, torch.Tensor], layout: Layout) -> None:
@@ -1014,20 +964,12 @@ def _check_fits(where: str, snapshot: Mapping[str, torch.Tensor], layout: Layout
                 f"{len(layout)}: {known}...); it was saved for another model. Nothing was "
                 "changed; load the checkpoint saved with this model."
             )
-        differs = _differs(saved, layout[name])
+        differs = mismatch(saved, layout[name])
         if differs:
             raise StateDictError(
                 f"{where} 'snapshot'[{name!r}] {differs}; it was saved for another model. "
                 "Nothing was changed; load the checkpoint saved with this model."
             )
-
-
-def _split(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    out, offset = [], 0
-    for t in like:
-        out.append(flat[offset : offset + t.numel()].view_as(t))
-        offset += t.numel()
-    return out
 
 
 def _mesh_groups(

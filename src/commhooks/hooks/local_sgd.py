@@ -94,18 +94,11 @@ class PostLocalSGDState(HookState):
             start_localSGD_iter=start_localSGD_iter,
             post_local_gradient_allreduce=post_local_gradient_allreduce,
         )
-        if subgroup is not None and not isinstance(subgroup, dist.ProcessGroup):
-            raise TypeError(
-                f"{type(self).__name__}: subgroup must be a ProcessGroup or None (one per "
-                f"machine), got {type(subgroup).__name__}."
-            )
         super().__init__(process_group)
-        _check_default_subgroup_allowed(process_group, subgroup, post_local_gradient_allreduce)
         self.iter = 0
-        self._subgroup = subgroup
-        self._subgroup_explicit = subgroup is not None
-        self.subgroup_source: str | None = "given by the caller" if subgroup is not None else None
         self._checked = False
+        self._subgroup_explicit = False
+        self.bind(process_group, subgroup)
         logger.info("post-local SGD: global gradient averaging for %d steps", start_localSGD_iter)
 
     @property
@@ -132,20 +125,20 @@ class PostLocalSGDState(HookState):
         ``state.bind(process_group, subgroup=...)``; a state using per-machine subgroups
         derives them again on first use.
         """
-        given = subgroup is not _UNCHANGED and subgroup is not None
-        if given and not isinstance(subgroup, dist.ProcessGroup):
-            raise TypeError(f"subgroup must be a ProcessGroup, got {type(subgroup).__name__}")
-        explicit = self._subgroup_explicit if subgroup is _UNCHANGED else subgroup is not None
+        given = subgroup is not _UNCHANGED
+        if given and subgroup is not None and not isinstance(subgroup, dist.ProcessGroup):
+            raise TypeError(
+                f"{type(self).__name__}: subgroup must be a ProcessGroup or None (one per "
+                f"machine), got {type(subgroup).__name__}."
+            )
+        explicit = subgroup is not None if given else self._subgroup_explicit
         if not explicit:
-            _check_default_subgroup_allowed(process_group, None, self.post_local_gradient_allreduce)
+            _check_default_subgroup_allowed(process_group, self.post_local_gradient_allreduce)
         super().bind(process_group)
-        if subgroup is not _UNCHANGED:
-            self._subgroup = subgroup
-            self._subgroup_explicit = subgroup is not None
-            self.subgroup_source = "given by the caller" if subgroup is not None else None
-        elif not self._subgroup_explicit:
-            self._subgroup = None  # machines are derived within the group: derive them again
-            self.subgroup_source = None
+        if given or not explicit:  # per-machine groups are derived within the group: again
+            self._subgroup: dist.ProcessGroup | None = subgroup if given else None
+            self._subgroup_explicit = explicit
+            self.subgroup_source: str | None = "given by the caller" if explicit else None
         return self
 
     def ensure_subgroup(self) -> dist.ProcessGroup:
@@ -220,15 +213,13 @@ class PostLocalSGDState(HookState):
 
 
 def _check_default_subgroup_allowed(
-    process_group: dist.ProcessGroup | None,
-    subgroup: dist.ProcessGroup | None,
-    gradients_averaged: bool,
+    process_group: dist.ProcessGroup | None, gradients_averaged: bool
 ) -> None:
     # Per-machine groups are created by every rank of the default group; ranks outside a
     # custom group would never join that collective, so we do not guess for them. Without
     # gradient averaging after the warm-up no subgroup is ever made, and a group of every
     # rank in order is the default group under another name.
-    if subgroup is not None or not gradients_averaged or comm.is_default_group(process_group):
+    if not gradients_averaged or comm.is_default_group(process_group):
         return
     if comm.global_ranks(process_group) == list(range(dist.get_world_size())):
         return
