@@ -1,25 +1,15 @@
 """Model averagers: average parameters (not gradients) across ranks every few steps.
 
 Used after ``optimizer.step()`` with :func:`commhooks.post_localSGD_hook`, or alone. Either
-call one after each step, as with PyTorch's averagers::
+call ``averager.average_parameters(model.parameters())`` after each step, as with PyTorch's
+averagers, or attach it once (``averager.attach(optimizer, model.named_parameters())``) and it
+runs after every ``optimizer.step()``.
 
-    averager = PeriodicModelAverager(period=4, warmup_steps=100)
-    for x, y in data:
-        ...
-        optimizer.step()
-        averager.average_parameters(model.parameters())
-
-or attach it to the optimizer once, and it runs after every ``optimizer.step()``::
-
-    averager.attach(optimizer, model.named_parameters())
-
-Each averager counts its steps in ``step``; averaging happens at the steps its schedule picks,
-over the parameters that have a gradient
-(:func:`commhooks.averaging.parameters.get_params_to_average`).
-``step`` and the schedule are in :meth:`state_dict`, so a resumed run averages at the same steps.
-With a loss scaler, which skips ``optimizer.step()`` (and the hook) where a rank's gradients are
-not finite, call ``averager.end_step()`` after every ``scaler.step(optimizer)``, so that every
-rank counts every step.
+Each averager counts its steps in ``step`` and averages the parameters that have a gradient at
+the steps its schedule picks; ``step`` and the schedule are in :meth:`state_dict`, so a resumed
+run averages at the same steps. A loss scaler skips ``optimizer.step()`` (and the hook) where
+a rank's gradients are not finite: call ``averager.end_step()`` after every
+``scaler.step(optimizer)``, so that every rank counts every step.
 """
 
 import collections
@@ -71,15 +61,10 @@ __all__ = [
     "PeriodicModelAverager",
     "average_parameters",
     "check_plausible",
-    "check_snapshot",
     "get_params_to_average",
     "largest_magnitude",
-    "layout_of",
     "load_outer",
-    "mismatch",
-    "move_to",
     "params_with_grads",
-    "parse_snapshot",
     "step_where_finite",
     "warn_replaced",
 ]
@@ -256,12 +241,11 @@ def load_outer(
 ) -> LoadedOuter:
     """A fresh outer optimizer over ``params`` holding the ``saved`` state, every entry checked.
 
-    The options an averager is built with win over the saved hyper-parameters: they are what
-    the user asked for now, and what every rank's handshake compares. A saved hyper-parameter
-    that is not a finite number (or a flag where a flag belongs) is refused as damage; a valid
-    one that differs is replaced, and reported in :attr:`LoadedOuter.replaced`. Each saved
-    ``momentum_buffer`` must have its parameter's shape and stay within the plausible reach
-    of :data:`PLAUSIBLE_CHANGE` given ``scale``, the largest magnitude among ``params``.
+    The averager's own hyper-parameters win over the saved ones: they are what the user asked
+    for now, and what every rank's handshake compared. A saved one that is not a finite number
+    (or a flag) is refused as damage; one that differs is replaced and reported in
+    :attr:`LoadedOuter.replaced`. A ``momentum_buffer`` must stay within
+    :data:`PLAUSIBLE_CHANGE` of ``scale``, the largest magnitude among ``params``.
 
     Raises:
         StateDictError: naming the entry; nothing is changed.
@@ -307,40 +291,31 @@ def _check_groups(where: str, saved: Any, built: list[dict[str, Any]]) -> None:
         if not isinstance(group, Mapping):
             raise StateDictError(f"{where} 'param_groups'[{i}] must be a dict.")
         for name, value in own.items():
-            if name in group and not _same_kind(group[name], value):
+            wanted = _kind_wanted(group[name], value) if name in group else ""
+            if wanted:
                 raise StateDictError(
-                    f"{where} 'param_groups'[{i}][{name!r}] must be "
-                    f"{_kind_of(value)}, as this optimizer's {value!r} is; got "
-                    f"{group[name]!r:.80}. Load the unchanged output of state_dict()."
+                    f"{where} 'param_groups'[{i}][{name!r}] must be {wanted}, as this "
+                    f"optimizer's {value!r} is; got {group[name]!r:.80}. Load the unchanged "
+                    "output of state_dict()."
                 )
 
 
-def _is_real(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _same_kind(saved: Any, own: Any) -> bool:
-    """Whether ``saved`` may stand where the optimizer holds ``own``: a flag for a flag, a
-    finite number for a number, as many finite numbers for a tuple of them."""
+def _kind_wanted(saved: Any, own: Any) -> str:
+    """What ``saved`` must be to stand where the optimizer holds ``own`` ('' if it may): a flag
+    for a flag, a finite number for a number, as many for a tuple of them; anything for what no
+    step computes with (None, a string, a device)."""
     if isinstance(own, bool):
-        return isinstance(saved, bool)
-    if _is_real(own):
-        return _is_real(saved) and math.isfinite(saved)
-    if isinstance(own, tuple) and all(_is_real(v) for v in own):
-        return (
-            isinstance(saved, (tuple, list))
-            and len(saved) == len(own)
-            and all(_is_real(v) and math.isfinite(v) for v in saved)
-        )
-    return True  # None, a string, a device: nothing a step computes with
-
-
-def _kind_of(own: Any) -> str:
-    if isinstance(own, bool):
-        return "True or False"
-    if _is_real(own):
-        return "a finite number"
-    return "a list of finite numbers" if isinstance(own, tuple) else "of the same kind"
+        return "" if isinstance(saved, bool) else "True or False"
+    if _finite(own):
+        return "" if _finite(saved) else "a finite number"
+    if isinstance(own, tuple) and all(map(_finite, own)):
+        fits = isinstance(saved, (tuple, list)) and len(saved) == len(own)
+        return "" if fits and all(map(_finite, saved)) else "a list of finite numbers"
+    return ""
 
 
 def check_plausible(where: str, value: torch.Tensor, scale: float) -> None:
@@ -393,14 +368,11 @@ def step_where_finite(
     """``optimizer.step()`` on ``params`` with ``grads``, undone on the device where ``finite``
     is false.
 
-    An outer step whose average is not finite (a worker's NaN) would put NaN in the global
-    parameters and the outer momentum for good, on every rank. Whether it is finite is a
-    tensor on the device (:func:`commhooks.compress.error_feedback.all_finite`), the same on
-    every rank; reading it back would make the host wait for the device at every sync. So the
-    parameters and their optimizer state are copied before the step and taken back after it
-    with ``torch.where``: one copy of them a sync, nothing read. A state the step made (a
-    first momentum) is zeros where it is undone, as a fresh one is; a state tensor on another
-    device than ``finite`` (a step count kept on the CPU) is left as the step made it.
+    A non-finite average (a worker's NaN) would put NaN in the global parameters and the outer
+    momentum for good, on every rank; reading ``finite`` back would make the host wait for the
+    device at every sync. So the parameters and their optimizer state are copied before the step
+    and taken back after it with ``torch.where``. A state the step made is zeros where it is
+    undone, as a fresh one is; one on another device (a step count on the CPU) is left as made.
     """
     before = [p.detach().clone() for p in params]
     held = [_state_on(optimizer, p, finite.device) for p in params]
@@ -584,11 +556,10 @@ class ModelAverager(HookState):
     ) -> RemovableHandle:
         """Run this averager after every ``optimizer.step()``, through its step post-hook.
 
-        The parameters averaged are those of ``optimizer.param_groups`` that have a gradient,
-        each known by its name in ``named_parameters`` (e.g. ``model.named_parameters()``),
-        else by the optimizer's own parameter names, else by its place in the groups. State kept
-        per parameter (:class:`OuterOptimizerAverager`'s snapshot) is keyed by that name, so a
-        checkpoint resumes after the model and optimizer are rebuilt.
+        It averages the parameters of ``optimizer.param_groups`` that have a gradient, each
+        named by ``named_parameters`` (e.g. ``model.named_parameters()``), else by the
+        optimizer's parameter names, else by its place: state kept per parameter is keyed by
+        that name, so a checkpoint resumes after the model and optimizer are rebuilt.
 
         Returns:
             the hook's handle: ``handle.remove()`` detaches the averager.
@@ -601,13 +572,11 @@ class ModelAverager(HookState):
         """Count a step the attached optimizer skipped: call it after every
         ``scaler.step(optimizer)``.
 
-        A loss scaler (``torch.amp.GradScaler``) skips ``optimizer.step()`` where this rank's
-        gradients are not finite, and with it the step post-hook this averager runs in. Where
-        the ranks do not average gradients (after post-local SGD's warm-up, DiLoCo's workers)
-        a rank skips alone: uncounted, its steps would fall behind the others' and it would
-        average at other steps than they do. Called after a step the optimizer took, this does
-        nothing (the hook counted it); after one it skipped, it does what the hook would have
-        done, for parameters the skipped step left as they were. Once per step, on every rank.
+        A loss scaler skips ``optimizer.step()``, and this averager's post-hook, where this
+        rank's gradients are not finite. Where the ranks do not average gradients (post-local
+        SGD, DiLoCo's workers) a rank skips alone and, uncounted, would average at other steps
+        than the others. After a step taken this does nothing; after one skipped, what the hook
+        would have done. Once per step, on every rank.
 
         Raises:
             ValueError: the averager is not attached to an optimizer (call
@@ -635,10 +604,9 @@ class ModelAverager(HookState):
     def agree_with_ranks(self, group: dist.ProcessGroup | None = None) -> None:
         """Check that every rank of ``group`` (``None``: the averager's) shares the schedule.
 
-        One gather, on every rank of ``group`` at the same point; after it (until a state dict
-        is loaded) nothing. Run at the first :meth:`average_named`, or earlier by whoever
-        communicates first (DiLoCo's DDP hook), so that options that differ are named before
-        any collective whose kind or size they decide.
+        One gather, on every rank at the same point, until a state dict is loaded. Run at the
+        first :meth:`average_named`, or earlier by whoever communicates first (DiLoCo's DDP
+        hook), so that options that differ are named before a collective they shape.
 
         Raises:
             ValueError: on every rank alike, naming each differing field and its value on
@@ -662,11 +630,8 @@ class ModelAverager(HookState):
         average_parameters([p for _, p in named], group)
 
     def _between_syncs(self, named: Named) -> None:
-        """Called at the steps that do not average, so a subclass can prepare the next sync.
-
-        Runs after the schedule check and at the same steps on every rank, so it may
-        communicate. Default: nothing.
-        """
+        """At the steps that do not average (on every rank alike, so it may communicate), a
+        subclass prepares the next sync. Default: nothing."""
 
     def _restore_transient(self) -> None:
         if "options" not in self.__dict__:  # pickled by a release without options objects
@@ -792,15 +757,12 @@ def _pairs_as_dict(pairs: Any) -> str:
 class HierarchicalModelAverager(ModelAverager):
     """Average within groups of several sizes, each on its own period.
 
-    At a step past the warm-up, the averaging runs in the largest group whose period divides
-    the step (counting from 0, as PyTorch does); smaller groups are nested in it, so averaging
-    them as well would change nothing. Groups of size ``s`` are consecutive blocks of ``s``
-    ranks of ``process_group``, and inherit its timeout.
+    Past the warm-up, a step averages in the largest group whose period divides it (counting
+    from 0, as PyTorch does); the smaller groups nest in it. Groups of size ``s`` are
+    consecutive blocks of ``s`` ranks of ``process_group``, and inherit its timeout.
 
-    The groups are created at construction, a collective over the default group: build the
-    averager on every rank at the same point. After unpickling they are created again on the
-    first call to :meth:`average_parameters` (or the first read of
-    :attr:`period_process_group_dict`), which every rank must also make at the same step.
+    The groups are created at construction (and after unpickling, at the first average or read
+    of :attr:`period_process_group_dict`): a collective, at the same point on every rank.
 
     Args:
         period_group_size_dict: ordered ``{period: group size}``, periods increasing; every
@@ -822,16 +784,13 @@ class HierarchicalModelAverager(ModelAverager):
         warmup_steps: int = 0,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
-        # The shape of the hierarchy first: its errors need no process group, and looking one
-        # up first would report a missing group instead of the mistake in the hierarchy.
+        # The hierarchy first: a missing group would hide its mistakes.
         given = period_group_size_dict
         options = HierarchicalAveragerOptions(
             period_group_size_dict=tuple(given.items()) if isinstance(given, Mapping) else given,
             warmup_steps=warmup_steps,
         )
         self._setup(options, process_group)
-        world = comm.world_size(comm.resolve_group(process_group, owner=type(self).__name__))
-        _check_fits_world(self.levels, world)
         self._groups: list[dist.ProcessGroup | None] | None = self._create_groups()
         for period, size in self.levels:
             logger.info("hierarchical averaging: groups of %d ranks every %d steps", size, period)
@@ -867,11 +826,7 @@ class HierarchicalModelAverager(ModelAverager):
     def _create_groups(self) -> list[dist.ProcessGroup | None]:
         parent = comm.resolve_group(self.process_group, owner=type(self).__name__)
         ranks = comm.global_ranks(parent)
-        if len(ranks) != self.levels[-1][1]:
-            raise ValueError(
-                f"{type(self).__name__}: the hierarchy was built for {self.levels[-1][1]} "
-                f"ranks, but its process group has {len(ranks)}. Build a new averager for it."
-            )
+        _check_fits_world(self.levels, len(ranks))
         groups: list[dist.ProcessGroup | None] = []
         for _, size in self.levels:  # blocks of one rank too: each rank gets its own group
             if size == len(ranks):
@@ -935,24 +890,17 @@ def _check_fits_world(pairs: tuple[tuple[int, int], ...], world: int) -> None:
 class OuterOptimizerAverager(PeriodicModelAverager):
     """Periodic averaging that applies an outer optimizer to the averaged change (DiLoCo).
 
-    Keeps the parameters as they were at the last sync (the snapshot), by parameter name. At
-    each sync, the change the ranks made since then, averaged (``last sync - average of
-    current``), is treated as a gradient: the parameters go back to their last-sync values and
-    the outer optimizer takes one step with that pseudo-gradient. With outer SGD at learning
-    rate 1 and no momentum this is plain periodic averaging; momentum lets the slow, infrequent
-    global updates build speed.
+    Keeps the parameters of the last sync (the snapshot), by name (:meth:`attach`) or else by
+    position. At each sync the averaged change since then (``last sync - average of current``)
+    is a gradient: the parameters go back to the snapshot and the outer optimizer takes one
+    step with it. Outer SGD at learning rate 1 without momentum is plain periodic averaging;
+    momentum lets the slow, infrequent global updates build speed.
 
-    The first snapshot is taken at the last warm-up step (``warmup_steps - 1``), as the
-    average over the group of the parameters then: DiLoCo steps from where the local phase
-    started, and the average is the same on every rank even if the warm-up did not keep the
-    parameters in sync (they are left as they are). That costs one more allreduce, at that
-    step. So the first sync already applies the outer optimizer. Without a snapshot at a sync
-    (``warmup_steps=0``, or a state dict saved without one) that sync is a plain average, which
-    becomes the snapshot; the outer optimizer starts at the next.
-
-    The snapshot is keyed by the parameters' names when the averager is attached with them
-    (:meth:`attach`), else by their positions. State dicts of earlier releases, whose
-    snapshot is a list, still load: their entries are matched to the parameters by position.
+    The first snapshot is the group's average of the parameters at the last warm-up step (one
+    more allreduce), the same on every rank even if the warm-up did not keep them in sync, so
+    the first sync already steps the outer optimizer. A sync without a snapshot
+    (``warmup_steps=0``) is a plain average, which becomes the snapshot. A state dict of
+    version 1, whose snapshot is a list, loads by position.
 
     Args:
         period: steps between syncs.
@@ -966,10 +914,8 @@ class OuterOptimizerAverager(PeriodicModelAverager):
             ``functools.partial(torch.optim.AdamW, lr=1e-3)``. Make it picklable (a partial,
             not a lambda) if you pickle the averager.
 
-    The outer optimizer runs on the averager's own copy of the parameters (the snapshot), so
-    its state and the snapshot are in :meth:`state_dict`. Loaded, it keeps the settings this
-    averager was built with (:func:`load_outer`): a saved learning rate that differs is named
-    in a warning, one that is not a finite number refused.
+    The snapshot and the outer optimizer's state are in :meth:`state_dict`; loaded, the outer
+    optimizer keeps the settings this averager was built with (:func:`load_outer`).
     """
 
     kind: ClassVar[str] = "outer_optimizer_averager"

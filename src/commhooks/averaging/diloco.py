@@ -1,48 +1,37 @@
 """Streaming DiLoCo: inner steps alone, then an outer step on the averaged change, by fragment.
 
 DiLoCo (Douillard et al. 2023) lets every worker take ``sync_every`` steps of its own optimizer
-(the inner steps) and then treats the change since the last sync, averaged over the workers,
-as a gradient for an outer optimizer (Nesterov SGD, lr 0.7, momentum 0.9 by default), which
-moves the shared (global) parameters. Streaming DiLoCo (arXiv 2501.18512) cuts the model into
-fragments, each synced every ``sync_every`` steps but at staggered steps, so that one fragment
-is in flight at a time; a fragment's collective is issued without waiting and applied
-``fragment_sync_delay`` inner steps later, hidden behind them, and its outer gradient may
-travel in 8 or 4 bits (the two-phase quantized average of :mod:`commhooks.hooks.quantized`,
-with error feedback on both sides, so what one sync leaves out is sent in the next). In 4
-bits the codes have 13 levels, packed eight to 30 bits (:mod:`commhooks.compress.packing`),
-with a float32 scale per 512 values: 3.8125 bits a value, so that a run sends at most
-``1 / (8 sync_every)`` of what a float32 allreduce of every step's gradients sends.
-
-Use it as any averager, attached to the inner optimizer::
+(the inner steps), then treats the change since the last sync, averaged over the workers, as a
+gradient for an outer optimizer (Nesterov SGD, lr 0.7, momentum 0.9 by default) that moves the
+shared (global) parameters. Streaming DiLoCo (arXiv 2501.18512) cuts the model into fragments
+synced at staggered steps, one in flight at a time: a fragment's average is issued without
+waiting and applied ``fragment_sync_delay`` inner steps later, hidden behind them, and may
+travel in 8 or 4 bits (the quantized hook's two-phase average, with error feedback on both
+sides; in 4 bits 13-level codes packed eight to 30 bits and a scale per 512 values, 3.8125 bits
+a value, :mod:`commhooks.compress.packing`). Use it as any averager::
 
     diloco = StreamingDiLoCo(sync_every=32, fragments=4, fragment_sync_delay=4, bits=4)
     diloco.attach(optimizer, model.named_parameters())
 
-Each rank is its own worker by default (its gradients are not averaged with the others'). A
-worker of several ranks (a DDP group inside a machine) is given as ``worker_group`` (DDP's
-group, which averages gradients within it) with ``process_group`` the ranks that hold the same
-place in every worker, or as a 2-D ``mesh`` (across workers, within a worker), as for HSDP.
-:func:`commhooks.register` with ``"diloco"`` or ``"streaming_diloco"`` registers the DDP hook of
-that layout and returns the averager to attach.
-
-The warm-up's gradient averages may travel quantized too (``warmup_bits``): on a slow link
-its few steps of full-precision allreduce are a large share of a run whose syncs are hidden.
+Each rank is its own worker by default. A worker of several ranks (a DDP group in a machine)
+is given as ``worker_group`` with ``process_group`` the ranks holding the same place in every
+worker, or as a 2-D ``mesh`` (across workers, within a worker), as for HSDP;
+:func:`commhooks.register` with ``"diloco"`` or ``"streaming_diloco"`` registers the DDP hook
+of that layout. The warm-up's gradient averages may be quantized too (``warmup_bits``): on a
+slow link its few full-precision steps are a large share of a run whose syncs are hidden.
 
 Workers do not average gradients, so a loss scaler skips a step on one worker alone: call
-:meth:`~commhooks.averaging.averagers.ModelAverager.end_step` after every ``scaler.step``, so
-that the skipped step is counted and every worker syncs at the same steps. A sync whose average
-is not finite (a worker's NaN) leaves the global parameters and the outer optimizers as they
+:meth:`~commhooks.averaging.averagers.ModelAverager.end_step` after every ``scaler.step``. A
+sync whose average is not finite leaves the global parameters and outer optimizers as they
 were, decided on the device, and every worker's parameters go back to the global ones.
 
-Checkpoints: :meth:`state_dict` holds the step, the global parameters, every outer optimizer,
-the quantized averages' error memories (the warm-up's while it lasts, with the buckets of its
-last step: :class:`~commhooks.averaging.buckets.WarmupBuckets`) and a fragment in flight
-(its average, waited for), so a run resumed from it continues bit for bit. Loading checks each
-entry against the model and the averager: a global parameter of another shape or dtype, an
-outer setting that is not a number, an outer gradient or momentum past any training step
-(:data:`commhooks.averaging.averagers.PLAUSIBLE_CHANGE`) is refused by name; the outer optimizers
-keep the settings the averager was built with (``outer_lr``...), which the ranks' handshake agreed
-on, and a saved one that differs is named in a warning.
+:meth:`state_dict` holds the step, the global parameters, the outer optimizers, the quantized
+averages' memories (the warm-up's with its last buckets,
+:class:`~commhooks.averaging.buckets.WarmupBuckets`) and a fragment in flight (its average),
+so a resumed run continues bit for bit. Loading refuses by name an entry that does not fit
+the model or is past any training step
+(:data:`commhooks.averaging.averagers.PLAUSIBLE_CHANGE`); the outer optimizers keep the
+settings the averager was built with, and a saved one that differs is named in a warning.
 """
 
 import hashlib
@@ -75,7 +64,7 @@ from commhooks.averaging.averagers import (
     warn_replaced,
 )
 from commhooks.averaging.buckets import FlatBucket, WarmupBuckets, parse_buckets, split
-from commhooks.averaging.parameters import Named, averaged_views, named_in_groups
+from commhooks.averaging.parameters import Named, average_parameters, named_in_groups
 from commhooks.compress.error_feedback import all_finite
 from commhooks.hooks._bucket import GradBucket, gradient_buffer
 from commhooks.hooks.quantized import QuantizationState, quantized_hook
@@ -218,11 +207,9 @@ def _sync_error(fragment: int, exc: BaseException) -> "DiLoCoSyncError":
 def split_by_module(named: Named, fragments: Fragments) -> list[list[str]]:
     """The parameter names of each fragment.
 
-    A number cuts the modules (a parameter's name without its last part), in order, into that
-    many runs of about equal size; a module is never split, and a module of no elements joins
-    the fragment of the module before it (the first fragment if none), so that no fragment is
-    made of nothing. Given fragments match each parameter to the one listing its name or a
-    module containing it.
+    A number cuts the modules (a name without its last part), in order, into that many runs of
+    about equal size, never splitting a module; a module of no elements joins the fragment
+    before it. Given fragments take each parameter listed by name or by a module containing it.
 
     Raises:
         ValueError: a parameter in no fragment or in two, a fragment without a parameter or
@@ -300,19 +287,16 @@ class _InFlight:
     fragment: int
     apply_at: int
     flat: torch.Tensor
-    # With ``keep_inflight_steps`` and a delay: the fragment's own outer gradient at the issue
-    # (its snapshot minus its local parameters then), from which its local change since follows.
+    # With keep_inflight_steps and a delay: the fragment's own outer gradient at the issue.
     local: torch.Tensor | None = None
-    # A worker of several ranks: the share this rank averages across workers, gathered within
-    # the worker before the fragment is applied.
+    # A worker of several ranks: the share this rank averages, gathered before the apply.
     share: "_Share | None" = None
 
 
 @dataclass
 class _Share:
-    """A worker's rank's share of a fragment: ``whole`` (the fragment, padded to ``ranks``
-    shares of one size where it does not split evenly), ``part`` (this rank's share of it,
-    averaged across workers), and the parameters the part holds pieces of, with those pieces."""
+    """A worker's rank's share of a fragment: ``whole`` (padded to ``ranks`` equal shares),
+    ``part`` (this rank's, averaged across workers), the parameters it holds pieces of."""
 
     whole: torch.Tensor
     part: torch.Tensor
@@ -343,22 +327,18 @@ def _share_of(flat: torch.Tensor, params: list[torch.Tensor], rank: int, ranks: 
 class StreamingDiLoCo(ModelAverager):
     """Streaming DiLoCo as a model averager: attach it to the inner optimizer.
 
-    Inner steps are counted from the end of the warm-up. Fragment ``f`` (of ``n``) is applied
-    after inner steps ``(f + 1) * sync_every / n + k * sync_every`` and issued
-    ``fragment_sync_delay`` inner steps before, at the end of an inner step: its outer
-    gradient (the global parameters minus the local ones) is averaged over ``process_group``
-    by a collective that is not waited for; when it is applied, the local parameters of the
-    fragment go back to the global ones, the fragment's outer optimizer steps them with the
-    average, and they become the new global parameters, blended with the local ones by
-    ``fragment_update_alpha``. With one fragment and no delay this is DiLoCo.
+    Inner steps count from the end of the warm-up. Fragment ``f`` (of ``n``) is applied after
+    inner steps ``(f + 1) * sync_every / n + k * sync_every``, and issued
+    ``fragment_sync_delay`` inner steps before: its outer gradient (global minus local
+    parameters) is averaged over ``process_group`` without waiting; at the apply, the
+    fragment's outer optimizer steps the global parameters with the average, and the local ones
+    become them, blended by ``fragment_update_alpha``. One fragment and no delay is DiLoCo.
 
-    The global parameters start as the parameters before the first inner step: taken by
-    :meth:`attach` (or :meth:`start`) before the first step, or after the last warm-up step,
-    when every rank holds the same (DDP makes them equal at construction, and the warm-up
-    averages gradients over every worker). Otherwise the first inner step's parameters are
-    averaged (one blocking allreduce) and start from there. After the last step, call
-    :meth:`finish` on every rank, so that no fragment is left in flight; with a loss scaler,
-    :meth:`end_step` after every ``scaler.step(optimizer)``.
+    The global parameters start as the parameters before the first inner step, which every
+    rank holds alike: taken by :meth:`attach` (or :meth:`start`) before the first step, or after
+    the last warm-up step; else the first inner step's are averaged (one blocking allreduce).
+    After the last step, call :meth:`finish` on every rank, so that no fragment is left in
+    flight; with a loss scaler, :meth:`end_step` after every ``scaler.step(optimizer)``.
 
     Args:
         sync_every: inner steps between two syncs of a fragment.
@@ -409,7 +389,6 @@ class StreamingDiLoCo(ModelAverager):
         if mesh is not None:
             process_group, worker_group = _mesh_groups(mesh, process_group, worker_group)
         self._setup(settings, process_group)
-        self._worker_group = worker_group
         self.outer_optimizer_factory = settings.factory()
         self.snapshot: dict[str, torch.Tensor] | None = None
         self.plan: list[list[str]] | None = None
@@ -418,25 +397,22 @@ class StreamingDiLoCo(ModelAverager):
         self.warmup_quantizer: QuantizationState | None = None  # made by the hook's first use
         self.warmup_buckets = WarmupBuckets()  # the buckets it averaged (saved with it)
         self.in_flight: _InFlight | None = None
-        self._in_flight_future: torch.futures.Future[torch.Tensor] | None = None
-        self._last_seen: dict[str, torch.Tensor] = {}  # the parameters of the last step
-        # The model's parameters, as attach() or the first step met them, so that a loaded
-        # state is checked against them; and whether the parameters of a step were checked
-        # against the global ones since the last load.
-        self._layout: Layout | None = None
-        self._fitted = False
-        self._model_agreed = False  # every rank of the group was found to train the same model
-        # One follow-up issuer per group for every quantized average this averager starts,
-        # one after another on the training thread: one follow-up group, not one a fragment.
-        self._issuers = comm.IssuerPool()
+        self._restore_transient()
+        self._worker_group = worker_group
 
     def _restore_transient(self) -> None:
         super()._restore_transient()
         self._worker_group = None
-        self._in_flight_future = None
-        self._last_seen = {}
+        self._in_flight_future: torch.futures.Future[torch.Tensor] | None = None
+        self._last_seen: dict[str, torch.Tensor] = {}  # the parameters of the last step
+        # One follow-up issuer per group for every quantized average, all started one after
+        # another on the training thread: one follow-up group, not one a fragment.
         self._issuers = comm.IssuerPool()
-        self._layout, self._fitted, self._model_agreed = None, False, False
+        # The model's parameters as attach() or the first step met them (a loaded state is
+        # checked against them); whether a step's were checked against the global ones since
+        # the last load; whether every rank was found to train the same model.
+        self._layout: Layout | None = None
+        self._fitted = self._model_agreed = False
 
     def __getstate__(self) -> dict[str, Any]:
         self._settle()  # a pickle holds the fragment in flight as its average
@@ -499,13 +475,12 @@ class StreamingDiLoCo(ModelAverager):
     ) -> RemovableHandle:
         """Run after every ``optimizer.step()`` (see :meth:`ModelAverager.attach` for names).
 
-        Attached before the first step of a run without warm-up, it takes the optimizer's
-        parameters as they are now as the global parameters (:meth:`start`). Their names,
-        shapes and dtypes are kept, so that a state dict loaded later is checked against them.
+        Attached before the first step of a run without warm-up, it takes the parameters as
+        the global ones (:meth:`start`). Their names, shapes and dtypes are kept, so that a
+        state dict loaded later is checked against them.
 
         Raises:
-            StateDictError: a state dict loaded before holds global parameters that are not
-                this model's (a name it lacks, another shape or dtype); nothing is attached.
+            StateDictError: a state dict loaded before is not this model's; nothing attached.
         """
         named = None if named_parameters is None else list(named_parameters)
         names = None if named is None else {id(p): n for n, p in named}
@@ -532,10 +507,8 @@ class StreamingDiLoCo(ModelAverager):
     def finish(self) -> None:
         """Apply the fragment in flight now: call it on every rank after the last step.
 
-        A rank that ends its run (or destroys its process group) while a fragment's average
-        is in flight leaves its peers' collective without a partner. After this, every rank
-        holds the same global parameters of that fragment. Nothing happens when nothing is in
-        flight.
+        A rank that ends its run while a fragment's average is in flight leaves its peers'
+        collective without a partner. Nothing happens when nothing is in flight.
 
         Raises:
             DiLoCoSyncError: the average failed (a peer was lost).
@@ -585,9 +558,7 @@ class StreamingDiLoCo(ModelAverager):
             _agree_on_model(named, group)
             self._model_agreed = True
         if self.snapshot is None:  # neither attached before the first step nor started
-            for p, avg in zip([p for _, p in named], averaged_views([p for _, p in named], group)):
-                with torch.no_grad():
-                    p.copy_(avg)
+            average_parameters([p for _, p in named], group)
             self.start(named)
         lookup = self._last_seen = self._fit(named, group)
         fragment = self._issue_due(inner)
@@ -675,11 +646,10 @@ class StreamingDiLoCo(ModelAverager):
     def _finish(self, lookup: dict[str, torch.Tensor]) -> None:
         """The outer step of the fragment in flight, then local = blend of global and local.
 
-        An average that is not finite (a worker's NaN, which every rank receives alike) must
-        not reach the global parameters or the outer optimizer, which would carry it to every
-        later sync: whether it is finite is decided on the device, nothing read back, the outer
-        step undone where it is not (:func:`step_where_finite`) and every parameter of the
-        model taken back to the global ones (:meth:`_back_to_global`), so the run goes on.
+        A non-finite average (a worker's NaN, which every rank receives alike) must not reach
+        the global parameters or the outer optimizer, which would carry it to every later sync:
+        decided on the device, the outer step is undone (:func:`step_where_finite`) and every
+        parameter taken back to the global ones (:meth:`_back_to_global`).
         """
         self._settle()
         flight, self.in_flight = self.in_flight, None
@@ -705,14 +675,8 @@ class StreamingDiLoCo(ModelAverager):
         self, finite: torch.Tensor, lookup: Mapping[str, torch.Tensor], done: Sequence[str]
     ) -> None:
         """Where ``finite`` is false, the parameters of every fragment but ``done`` become the
-        global ones.
-
-        A worker whose parameters turned NaN holds NaN in every fragment after one more inner
-        step (its forward pass spreads it): reset one fragment at a sync, each would poison the
-        others again before its own sync came. One ``torch.where`` a parameter (none with one
-        fragment), nothing read back; the inner steps since each fragment's last sync are
-        dropped with it, on every worker alike.
-        """
+        global ones: a worker's NaN spreads to every fragment in one forward pass, so reset one
+        fragment at a time, each would poison the others again before its own sync."""
         assert self.snapshot is not None
         synced = set(done)
         for name, p in lookup.items():
@@ -755,11 +719,8 @@ class StreamingDiLoCo(ModelAverager):
     def _quantizer(
         self, group: dist.ProcessGroup | None, bits: int, outer: bool = False
     ) -> QuantizationState:
-        # Outer gradients in 4 bits travel packed, 13 levels eight to 30 bits, with a scale
-        # per 512 values: 3.8125 bits a value with the scales (commhooks.compress.packing).
-        # Outer gradients are changes over several inner steps, smoother than one step's
-        # gradient: on the bench's default task 512-value blocks train as 256 did (43 steps to
-        # allreduce's loss, the same held-out loss), 1024 took 45.
+        # Outer gradients in 4 bits travel packed, a scale per 512 values: smoother than one
+        # step's gradient, on the bench's task they train as in 256-value blocks (1024: slower).
         packed = outer and bits == 4
         made = QuantizationState(
             group, bits=bits, packed=packed, block_size=_OUTER_BLOCK if packed else 256
@@ -915,9 +876,8 @@ def _local_change(
     flight: _InFlight, snaps: Sequence[torch.Tensor], params: Sequence[torch.Tensor]
 ) -> list[torch.Tensor] | None:
     """What the inner steps taken while ``flight`` travelled changed in its parameters (with
-    ``keep_inflight_steps``), read before the outer step moves the snapshots: the parameters
-    now less those at the issue, which were the snapshots less the fragment's own outer
-    gradient then. ``None`` when that change is not kept."""
+    ``keep_inflight_steps``; else ``None``), read before the outer step moves the snapshots:
+    the parameters now less those at the issue (the snapshots less the outer gradient then)."""
     if flight.local is None:
         return None
     issued = split(flight.local, snaps)
@@ -927,11 +887,9 @@ def _local_change(
 def _agree_on_model(named: Named, group: dist.ProcessGroup) -> None:
     """Raise on every rank of ``group`` unless all average the same parameters.
 
-    The fragments' averages are collectives whose sizes are the model's: between models of
-    different sizes gloo aborts the process, and the quantized average pads both to whole
-    blocks and returns wrong averages without a word. So, as the ranks' handshake does for
-    the options, one gather of a short description of the parameters (count, elements, and
-    a digest of their names, shapes and dtypes, in order) at the first sync.
+    Between models of different sizes gloo aborts the process, and the quantized average pads
+    both to whole blocks and averages wrongly without a word. So one gather of a description
+    (count, elements, a digest of names, shapes and dtypes) at the first sync.
 
     Raises:
         ValueError: naming each rank's description, on every rank alike.
@@ -1056,15 +1014,12 @@ def _fragment_tensor(
 def diloco_hook(state: StreamingDiLoCo, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
     """The DDP hook of a DiLoCo worker: average gradients within the worker, not across.
 
-    A worker of one rank sends nothing; a worker of several ranks averages over
-    ``state.worker_group``. During the warm-up (``state.step < warmup_steps``) gradients are
-    averaged over every worker, so that the workers start DiLoCo with the same parameters: in
-    float32, or with the quantized hook in ``warmup_bits`` (whose result every rank shares
-    bit for bit, so the parameters stay equal).
-
-    Its first call checks that every rank (of every worker) built the averager alike
-    (:meth:`StreamingDiLoCo.agree_with_ranks`, one gather): options that differ, as
-    ``warmup_steps`` or ``warmup_bits``, would make the ranks send different collectives.
+    A worker of one rank sends nothing; one of several averages over ``state.worker_group``.
+    During the warm-up gradients are averaged over every worker, so that the workers start
+    DiLoCo alike: in float32, or by the quantized hook in ``warmup_bits`` (bit for bit the same
+    on every rank). Its first call checks that every rank built the averager alike
+    (:meth:`StreamingDiLoCo.agree_with_ranks`): options that differ would send different
+    collectives.
 
     Raises:
         ValueError: at the first call, on every rank alike, naming each differing option and
@@ -1092,10 +1047,8 @@ def diloco_hook(state: StreamingDiLoCo, bucket: GradBucket) -> torch.futures.Fut
 
 
 def cross_worker_group(worker_group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """The ranks holding this rank's place in every worker, given this rank's worker.
-
-    A collective over the default group (one gather, one group creation per place): call it on
-    every rank at the same point.
+    """The ranks holding this rank's place in every worker: a collective over the default
+    group, at the same point on every rank.
 
     Raises:
         ValueError: the workers differ in size or overlap.
@@ -1118,12 +1071,9 @@ def cross_worker_group(worker_group: dist.ProcessGroup) -> dist.ProcessGroup:
 def state_from_options(
     group: dist.ProcessGroup | None, options: Mapping[str, Any]
 ) -> StreamingDiLoCo:
-    """The averager :func:`commhooks.register` builds for a DDP model on ``group``.
-
-    DDP on the default group (``None``): each rank is its own worker. DDP on a smaller group:
-    that group is the worker, and the fragments are averaged with the ranks holding the same
-    place in every other worker (:func:`cross_worker_group`, a collective).
-    """
+    """The averager :func:`commhooks.register` builds for a DDP model on ``group``: each rank
+    its own worker on the default group, else ``group`` the worker (:func:`cross_worker_group`,
+    a collective)."""
     if group is None or comm.is_default_group(group):
         return StreamingDiLoCo(process_group=group, **options)
     return StreamingDiLoCo(process_group=cross_worker_group(group), worker_group=group, **options)

@@ -144,10 +144,9 @@ _OPTION_NAMES = frozenset(QuantizationOptions.names())  # read-only attributes o
 class BucketLayout:
     """Where each parameter of a bucket goes, and how the bucket is cut into one row per rank.
 
-    The parameters are laid out by their number, whatever their order in the bucket: DDP's
-    first step hands them over in another order than the rebuilt buckets of the later steps,
-    and a fresh DDP after a restart does that again; laid out by number, the same parameters
-    make the same blocks and rows either way, so a restart resumes bit for bit.
+    Laid out by number, whatever their order in the bucket (DDP's first step and a fresh DDP
+    after a restart hand them over in another order), the same parameters make the same blocks
+    and rows, so a restart resumes bit for bit.
 
     Attributes:
         numbers: the parameters' stable numbers
@@ -241,9 +240,8 @@ def _describe(key: Key) -> str:
 
 class _Side:
     """One of a workspace's two error buffers: the rows (the compensated gradient, then its
-    error) and this rank's averaged row (then its error), with a view of each parameter's
-    elements in the rows and of each piece's in the row, made once (slicing on every step
-    costs host time per bucket)."""
+    error) and this rank's averaged row (then its error), with views of each parameter and
+    piece made once (slicing at every step costs host time per bucket)."""
 
     def __init__(self, both: torch.Tensor, layout: BucketLayout) -> None:
         self.both = both  # the rows, then this rank's row: one tensor, kept or not at once
@@ -255,18 +253,18 @@ class _Side:
         # On a CPU, the kernels' calls bound to this side's buffers (see bind_kernels).
         self.quantize: cpu_kernels.BoundQuantize | None = None
         self.owner: tuple[cpu_kernels.BoundDequantize, cpu_kernels.BoundQuantize] | None = None
+        self.keep_other: cpu_kernels.BoundDequantize | None = None  # see bind_keeping
 
     def bind_kernels(self, work: "Workspace", fmt: blocks.BlockFormat, keep: bool) -> None:
-        """Bind the CPU kernels' calls to this side's buffers and ``work``'s packets: the
-        rank's quantization (rows into ``send``) and the owner's pass (``received`` summed
-        into ``mine``, then ``mine`` into ``own_packet``), checked once here rather than at
-        every call (about 3 us a call on a CPU's host)."""
+        """Bind the CPU kernels' calls to this side's buffers and ``work``'s packets, checked
+        once here rather than at every call (about 3 us a call): the rank's quantization (rows
+        into ``send``) and the owner's pass (``received`` summed into ``mine``, then quantized
+        into ``own_packet``)."""
         bits, block, qmax = fmt.bits, fmt.block, fmt.qmax
         self.quantize = cpu_kernels.bound_quantize(self.rows, work.send, bits, block, keep, qmax)
         summed = cpu_kernels.bound_dequantize(work.received, bits, block, self.mine, add_rows=True)
         owned = cpu_kernels.bound_quantize(self.mine, work.own_packet, bits, block, keep, qmax)
         self.owner = (summed, owned) if summed is not None and owned is not None else None
-        self.keep_other: cpu_kernels.BoundDequantize | None = None  # see bind_keeping
 
     def bind_keeping(self, work: "Workspace", other: "_Side", fmt: blocks.BlockFormat) -> None:
         """Bind the CPU kernel that copies ``other`` (the memories before a step) over this
@@ -278,8 +276,7 @@ class _Side:
 
     def keep_unless_finite(self, other: "_Side", scales: torch.Tensor) -> None:
         """Where the step's gathered ``scales`` are not all finite, this side takes ``other``'s
-        values (the memories before the step): on the device, with nothing read back (on a
-        CPU one kernel pass over the scales)."""
+        values (the memories before the step), with nothing read back."""
         if self.keep_other is None or not self.keep_other():
             torch.where(all_finite(scales), self.both, other.both, out=self.both)
 
@@ -300,21 +297,14 @@ class Workspace:
     """The buffers one bucket reuses from step to step (allocating them costs page faults),
     and what the hook needs of the state for this bucket's step.
 
-    ``rows`` is the compensated gradient cut into one row per rank, then its error; ``mine``
-    this rank's averaged row, then its error; both belong to ``now``, the side written this
-    step, while ``kept`` holds the error memories when they are where the last step left them
-    (:meth:`QuantizationState.commit` swaps the sides). ``levels`` is scratch;
-    ``send``/``received`` the packets of the all-to-all, ``own_packet``/``gathered`` those of
-    the all-gather: with one rank, the same tensors, since nothing travels. Without error
-    feedback there is no error to keep, and both sides are one. ``wire``: with a packed
-    format and several ranks, what those four travel as (:class:`Wire`); ``None`` otherwise.
-
-    ``fmt`` is the block format the buffers were made for; ``alone`` whether the group has
-    one rank; ``params`` the bucket's parameters, held weakly (:meth:`serves`).
-
-    Set by :meth:`QuantizationState.begin` for each step: ``addition``
-    (what the quantizing pass adds, or ``None`` when ``rows`` is filled already), ``first``
-    and ``second`` (the generators of the two quantizations, ``None`` with nearest rounding).
+    ``now`` is the side written this step (:class:`_Side`), ``kept`` the one holding the error
+    memories where the last step left them (:meth:`QuantizationState.commit` swaps them;
+    without error feedback both are one). ``levels`` is scratch; ``send``/``received`` the
+    all-to-all's packets, ``own_packet``/``gathered`` the all-gather's (with one rank, the same
+    tensors); ``wire`` what they travel as in a packed format (:class:`Wire`), else ``None``.
+    Set for each step by :meth:`QuantizationState.begin`: ``addition`` (what the quantizing
+    pass adds, ``None`` when ``rows`` is filled), ``first`` and ``second`` (the generators of
+    the two quantizations, ``None`` with nearest rounding).
     """
 
     def __init__(
@@ -419,22 +409,19 @@ class Workspace:
 class QuantizationState(HookState):
     """Options and error memories of :func:`~commhooks.hooks.quantized.hook.quantized_hook`.
 
-    Build it as ``QuantizationState(process_group=None, bits=8, ...)``, the other options of
-    :class:`QuantizationOptions` as keywords, e.g. ``QuantizationState(None, 4,
-    block_size=128)``. Each option reads as an attribute (``state.bits``),
-    read-only; ``state.settings`` is the whole typed object.
+    Build it as ``QuantizationState(None, 4, block_size=128)``, the other options of
+    :class:`QuantizationOptions` as keywords. Each option reads as a read-only attribute
+    (``state.bits``); ``state.settings`` is the whole typed object.
 
     Two error memories, both :class:`~commhooks.compress.error_feedback.ErrorFeedback`:
 
-    * ``error``: what this rank's quantization dropped from its own gradient, one float32
-      tensor per parameter, keyed by the parameter's number (counted from DDP's last
-      parameter), so it follows each parameter through DDP's bucket rebuild after the first
-      step and through a restart with other bucket sizes.
+    * ``error``: what this rank's quantization dropped from its own gradient, a float32 tensor
+      per parameter keyed by its number (counted from DDP's last parameter), so it follows the
+      parameter through DDP's bucket rebuild and a restart with other bucket sizes.
     * ``owner_error``: what the second quantization dropped from the average of the row this
-      rank owns, keyed by the parameter elements it covers (``"number:first-stop"``). Which
-      elements a rank owns depends on the bucket layout and the world size: a piece whose
-      elements are owned differently after a rebuild or restart is dropped (it is at most half
-      a quantization step of the average), the others carry over.
+      rank owns, keyed by the elements it covers (``"number:first-stop"``). A piece owned
+      differently after a rebuild or restart is dropped (at most half a quantization step of
+      the average); the others carry over.
 
     Args:
         process_group: the group to average over; ``None`` for the default group.
@@ -632,7 +619,7 @@ class QuantizationState(HookState):
         if work.unfinished:  # the last step on these buffers never committed
             work.clear_padding()
         work.unfinished = True
-        if self.settings.rounding != blocks.NEAREST:  # (nearest rounding draws nothing)
+        if self.settings.rounding == blocks.STOCHASTIC:  # (nearest rounding draws nothing)
             work.first, work.second = self._generators_on(buffer.device)
         if self.error.awaits_check or self.owner_error.awaits_check:  # after a load only
             self._check_loaded(work.order, bucket, buffer, work.layout)
@@ -667,41 +654,34 @@ class QuantizationState(HookState):
             self._layouts[(numbers, sizes)] = found
         return found
 
-    def _generators_on(
-        self, device: torch.device
-    ) -> tuple[torch.Generator | None, torch.Generator | None]:
-        """The random numbers of stochastic rounding (``None`` with nearest rounding).
-
-        One generator per quantization (a rank's own gradient, on DDP's thread; the average of
-        its row, in the order the issuer runs follow-ups), so that each is drawn from in the
-        same order in every run, seeded ``random_seed + 2 rank`` and ``+ 2 rank + 1``.
+    def _generators_on(self, device: torch.device) -> tuple[torch.Generator, torch.Generator]:
+        """The random numbers of stochastic rounding: one generator per quantization (a rank's
+        own gradient, on DDP's thread; the average of its row, in the issuer's order), so that
+        each is drawn from in the same order in every run, seeded ``random_seed + 2 rank + i``.
         """
-        if self.settings.rounding != blocks.STOCHASTIC:
-            return None, None
         if not self._generators or self._generators[0].device != device:
             self._generators = [torch.Generator(device=device) for _ in _PHASES]
-            for i, made in enumerate(self._generators):
-                made.manual_seed(self.settings.random_seed + 2 * self._rank + i)
-            if self._generator_states is not None:
-                self._resume_generators(self._generator_states, device, self._rank)
-            self._generator_states = None
+            states, self._generator_states = self._generator_states, None
+            if states is None or not self._resumed(states, device):
+                for i, made in enumerate(self._generators):
+                    made.manual_seed(self.settings.random_seed + 2 * self._rank + i)
         return self._generators[0], self._generators[1]
 
-    def _resume_generators(self, states: torch.Tensor, device: torch.device, rank: int) -> None:
-        """Set the loaded generator states; where they are another device's (a CUDA run's
-        states on CPU), keep the fresh seeds with a warning rather than fail in the backward."""
+    def _resumed(self, states: torch.Tensor, device: torch.device) -> bool:
+        """Whether the loaded generator states were set: another device's (a CUDA run's on a
+        CPU) give way to fresh seeds, with a warning, rather than fail in the backward."""
         try:
             for made, saved in zip(self._generators, states):
                 made.set_state(saved.clone())
+            return True
         except RuntimeError:
-            for i, made in enumerate(self._generators):
-                made.manual_seed(self.settings.random_seed + 2 * rank + i)
             warn_once(
                 f"quantization-generators-{device.type}",
                 f"{OWNER}: the loaded 'generators' are the states of another device's generators "
                 f"({states.shape[1]} bytes each), not {device.type}'s; stochastic rounding starts "
                 "again from its seeds.",
             )
+            return False
 
     def _compensate(
         self, work: Workspace, buffer: torch.Tensor
@@ -838,23 +818,19 @@ class QuantizationState(HookState):
 
     def _load(self, state_dict: Mapping[str, Any]) -> None:
         where = f"{OWNER}.load_state_dict"
-        try:
-            entries = {k: state_dict[k] for k in ("iter", "world_size", "rank", "error")}
-            entries.update(
-                owner_error=state_dict["owner_error"], generators=state_dict["generators"]
-            )
-        except KeyError as exc:
-            raise StateDictError(
-                f"{where}: missing entry {exc}. Pass the unchanged output of state_dict()."
-            ) from exc
-        step = check_count(f"{where} 'iter'", entries["iter"])
-        world = check_count(f"{where} 'world_size'", entries["world_size"], minimum=-1)
-        rank = check_count(f"{where} 'rank'", entries["rank"], minimum=-1)
+        for key in ("iter", "world_size", "rank", "error", "owner_error", "generators"):
+            if key not in state_dict:
+                raise StateDictError(
+                    f"{where}: missing entry {key!r}. Pass the unchanged output of state_dict()."
+                )
+        step = check_count(f"{where} 'iter'", state_dict["iter"])
+        world = check_count(f"{where} 'world_size'", state_dict["world_size"], minimum=-1)
+        rank = check_count(f"{where} 'rank'", state_dict["rank"], minimum=-1)
         error, owner_error = self._memory(), self._memory()
-        error.load_state_dict(entries["error"], int, f"{OWNER} 'error'")
+        error.load_state_dict(state_dict["error"], int, f"{OWNER} 'error'")
         where_owner = f"{OWNER} 'owner_error'"
-        owner_error.load_state_dict(entries["owner_error"], _checked_piece, where_owner)
-        generators = _checked_generators(f"{OWNER} 'generators'", entries["generators"])
+        owner_error.load_state_dict(state_dict["owner_error"], _checked_piece, where_owner)
+        generators = _checked_generators(f"{OWNER} 'generators'", state_dict["generators"])
         # Earlier releases saved no place: under FSDP2 such a file cannot show which shard it
         # holds, and is treated as another shard's; under DDP only the rank is compared.
         mesh = state_dict.get("place", {})
@@ -862,10 +838,8 @@ class QuantizationState(HookState):
         agreed = self.handshake_fields()
         self.iter, self.error, self.owner_error = step, error, owner_error
         self._generator_states, self._generators = generators, []
-        known = world > 0 and rank >= 0
-        self._saved_place = {"world_size": world, "rank": rank} if known else None
-        if self._saved_place is not None:
-            self._saved_place.update({"topology": FLAT, **saved_mesh})
+        saved = {"world_size": world, "rank": rank, "topology": FLAT, **saved_mesh}
+        self._saved_place = saved if world > 0 and rank >= 0 else None
         self._layouts.clear()  # pieces of the loaded second memory are sorted out anew
         if self.handshake_fields() != agreed:
             # Another step count: the ranks must agree on it again (a reload of the same step
