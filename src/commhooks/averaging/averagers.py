@@ -180,12 +180,16 @@ class OuterOptions(AveragerOptions):
         )
 
     def described(self) -> dict[str, Any]:
-        """The options as every rank must agree on them (a factory by its name)."""
-        if self.outer_optimizer is None:
-            return {n: getattr(self, n) for n in ("outer_lr", "outer_momentum", "nesterov")}
-        given = self.outer_optimizer
-        name = repr(given) if isinstance(given, functools.partial) else _qualname(given)
-        return {"outer_optimizer": name}
+        """The options as every rank must agree on them: a factory by its name, in place of
+        the default SGD's three options."""
+        fields, given = self.as_dict(), self.outer_optimizer
+        if given is None:
+            del fields["outer_optimizer"]
+            return fields
+        for name in ("outer_lr", "outer_momentum", "nesterov"):
+            del fields[name]
+        named = repr(given) if isinstance(given, functools.partial) else _qualname(given)
+        return {**fields, "outer_optimizer": named}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -634,12 +638,6 @@ class ModelAverager(HookState):
         subclass prepares the next sync. Default: nothing."""
 
     def _restore_transient(self) -> None:
-        if "options" not in self.__dict__:  # pickled by a release without options objects
-            names = self.options_class.names()
-            values = {n: self.__dict__.pop(n) for n in names if n in self.__dict__}
-            if "levels" in self.__dict__:
-                values["period_group_size_dict"] = dict(self.__dict__.pop("levels"))
-            self.options = self.options_class(**values)
         self._checked = False
         self._attached = None  # optimizers do not pickle their hooks: attach again
 
@@ -950,9 +948,7 @@ class OuterOptimizerAverager(PeriodicModelAverager):
 
     def handshake_fields(self) -> dict[str, Any]:
         """The schedule, the outer optimizer's options and whether a snapshot exists."""
-        opts = self.options
-        schedule = {"warmup_steps": opts.warmup_steps, "period": opts.period, "step": self.step}
-        return {**schedule, **opts.described(), "synced": self.snapshot is not None}
+        return {**self.options.described(), "step": self.step, "synced": self.snapshot is not None}
 
     def _between_syncs(self, named: Named) -> None:
         if self.step != self.warmup_steps - 1 or not named:
@@ -1029,11 +1025,6 @@ class OuterOptimizerAverager(PeriodicModelAverager):
         super()._apply(values)
         self.snapshot = values["snapshot"]
         self.outer_optimizer = values["outer_optimizer"]
-
-    def _restore_transient(self) -> None:
-        super()._restore_transient()
-        if isinstance(self.snapshot, list):  # pickled by a release that kept it by position
-            self.snapshot = dict(zip(map(str, range(len(self.snapshot))), self.snapshot))
 
 
 def _is_positional(snapshot: Mapping[str, torch.Tensor], size: int) -> bool:

@@ -1,15 +1,11 @@
 """Buckets that DiLoCo hands the quantized hook: a fragment's outer gradient, and the warm-up's
 gradients cut as a saved run's buckets were.
 
-The quantized average cuts a bucket into blocks and one row per rank by the parameters the
-bucket holds, so its bits depend on which parameters share a bucket. A fresh DDP model hands
-its hook the first step in buckets of its own (one holding every parameter, unless it looks
-for unused ones) and rebuilds them after that step. A run resumed inside a quantized warm-up
-would therefore average its first step in other blocks than the uninterrupted run did, and
-the owner's error memory, kept per piece of a row, would not find its pieces: not bit for bit.
-:class:`WarmupBuckets` remembers the parameters of each bucket of the warm-up's last step;
-saved with the warm-up's memories, they cut the first step after a load into the saved
-run's buckets, each averaged as a bucket of its own.
+The quantized average's bits depend on which parameters share a bucket, and a fresh DDP model
+hands its hook the first step in buckets of its own, rebuilt after that step: a run resumed
+inside a quantized warm-up would average its first step in other blocks than the uninterrupted
+run. :class:`WarmupBuckets` remembers the buckets of the warm-up's last step; saved with the
+warm-up's memories, they cut the first step after a load into the saved run's buckets.
 
 Hook modules must not use ``from __future__ import annotations``: DDP rejects string annotations.
 """
@@ -32,13 +28,11 @@ Numbers = tuple[int, ...]
 
 
 class FlatBucket:
-    """A flat tensor with a gradient bucket's methods, for the quantized hook.
+    """A flat tensor with a gradient bucket's methods, for the quantized hook, which keys its
+    memories by the parameters it is handed: a fragment keeps them from sync to sync.
 
-    The hook keys its error memories by the parameters it is handed, so a fragment keeps its
-    memories from one sync to the next, as a bucket does from step to step. ``parts``: the
-    gradients where they are not each parameter's elements of ``flat`` in order (a worker's
-    share holds parts of its parameters). ``last``: whether it ends its step (the hook counts
-    steps on the last bucket).
+    ``parts``: the gradients, where they are not ``flat`` cut by ``params`` (a worker's share);
+    ``last``: whether it ends its step (the hook counts steps on the last bucket).
     """
 
     def __init__(
@@ -75,10 +69,9 @@ class WarmupBuckets:
     """The buckets of the warm-up's quantized average: those of its last step, and, after a
     load, the saved ones that the first step's buckets are cut into.
 
-    Only the layout DDP settled on is worth saving: a fresh DDP model's first step comes in
-    buckets it drops after that step (:attr:`settled` is false until a later step, or a step
-    cut as a saved run's). Pickled as its saved form, so that an unpickled averager cuts its
-    next step as a loaded one does.
+    Only buckets DDP settled on are worth saving (:attr:`settled`: false after a fresh DDP
+    model's first step). Pickled as its saved form, so that an unpickled averager cuts its next
+    step as a loaded one does.
 
     Args:
         saved: the buckets of a saved run (:meth:`saved`'s output), cut into at the next step.

@@ -520,12 +520,9 @@ class StreamingDiLoCo(ModelAverager):
     # -- the schedule, on every rank at the same steps -------------------------------------------
     def handshake_fields(self) -> dict[str, Any]:
         """The schedule, the outer optimizer, the step and what is started or in flight."""
-        opts = self.options
-        fields = {n: getattr(opts, n) for n in DiLoCoOptions.names() if n not in _OUTER}
         flight = self.in_flight
         return {
-            **fields,
-            **opts.described(),
+            **self.options.described(),
             "step": self.step,
             "started": self.snapshot is not None,
             "in_flight": None if flight is None else [flight.fragment, flight.apply_at],
@@ -869,7 +866,6 @@ class StreamingDiLoCo(ModelAverager):
 
 
 _SCHEDULE = ("sync_every", "fragments", "fragment_sync_delay")
-_OUTER = ("outer_lr", "outer_momentum", "nesterov", "outer_optimizer")
 
 
 def _local_change(

@@ -253,26 +253,23 @@ class _Side:
         # On a CPU, the kernels' calls bound to this side's buffers (see bind_kernels).
         self.quantize: cpu_kernels.BoundQuantize | None = None
         self.owner: tuple[cpu_kernels.BoundDequantize, cpu_kernels.BoundQuantize] | None = None
-        self.keep_other: cpu_kernels.BoundDequantize | None = None  # see bind_keeping
+        self.keep_other: cpu_kernels.BoundDequantize | None = None
 
-    def bind_kernels(self, work: "Workspace", fmt: blocks.BlockFormat, keep: bool) -> None:
+    def bind_kernels(self, work: "Workspace", fmt: blocks.BlockFormat, other: "_Side") -> None:
         """Bind the CPU kernels' calls to this side's buffers and ``work``'s packets, checked
         once here rather than at every call (about 3 us a call): the rank's quantization (rows
-        into ``send``) and the owner's pass (``received`` summed into ``mine``, then quantized
-        into ``own_packet``)."""
-        bits, block, qmax = fmt.bits, fmt.block, fmt.qmax
+        into ``send``), the owner's pass (``received`` summed into ``mine``, then quantized
+        into ``own_packet``) and, with error feedback (``other``, the other side), the copy of
+        ``other`` over this side where the gathered scales show the step was not finite."""
+        bits, block, qmax, keep = fmt.bits, fmt.block, fmt.qmax, other is not self
         self.quantize = cpu_kernels.bound_quantize(self.rows, work.send, bits, block, keep, qmax)
         summed = cpu_kernels.bound_dequantize(work.received, bits, block, self.mine, add_rows=True)
         owned = cpu_kernels.bound_quantize(self.mine, work.own_packet, bits, block, keep, qmax)
         self.owner = (summed, owned) if summed is not None and owned is not None else None
-
-    def bind_keeping(self, work: "Workspace", other: "_Side", fmt: blocks.BlockFormat) -> None:
-        """Bind the CPU kernel that copies ``other`` (the memories before a step) over this
-        side where the gathered scales show the step was not finite."""
-        length = work.layout.length
-        self.keep_other = cpu_kernels.bound_keep_if_not_finite(
-            work.gathered, fmt.bits, fmt.block, length, self.both, other.both
-        )
+        if keep:
+            self.keep_other = cpu_kernels.bound_keep_if_not_finite(
+                work.gathered, bits, block, work.layout.length, self.both, other.both
+            )
 
     def keep_unless_finite(self, other: "_Side", scales: torch.Tensor) -> None:
         """Where the step's gathered ``scales`` are not all finite, this side takes ``other``'s
@@ -349,11 +346,9 @@ class Workspace:
         self._decoding: tuple[tuple[int, torch.dtype], list[cpu_kernels.BoundDequantize]] | None
         self._decoding = None
         if device.type == "cpu":  # the kernels' calls bound once (a GPU's are Triton's)
-            for side in (self.now, self.kept) if error_feedback else (self.now,):
-                side.bind_kernels(self, fmt, error_feedback)
+            self.now.bind_kernels(self, fmt, self.kept)
             if error_feedback:
-                self.now.bind_keeping(self, self.kept, fmt)
-                self.kept.bind_keeping(self, self.now, fmt)
+                self.kept.bind_kernels(self, fmt, self.now)
 
     @property
     def rows(self) -> torch.Tensor:
