@@ -1,15 +1,9 @@
 """Model averagers: average parameters (not gradients) across ranks every few steps.
 
-Used after ``optimizer.step()`` with :func:`commhooks.post_localSGD_hook`, or alone. Either
-call ``averager.average_parameters(model.parameters())`` after each step, as with PyTorch's
-averagers, or attach it once (``averager.attach(optimizer, model.named_parameters())``) and it
-runs after every ``optimizer.step()``.
-
-Each averager counts its steps in ``step`` and averages the parameters that have a gradient at
-the steps its schedule picks; ``step`` and the schedule are in :meth:`state_dict`, so a resumed
-run averages at the same steps. A loss scaler skips ``optimizer.step()`` (and the hook) where
-a rank's gradients are not finite: call ``averager.end_step()`` after every
-``scaler.step(optimizer)``, so that every rank counts every step.
+Called after each ``optimizer.step()`` (``averager.average_parameters(model.parameters())``, as
+PyTorch's) or attached to the optimizer once (:meth:`ModelAverager.attach`), with
+:func:`commhooks.post_localSGD_hook` or alone. Each counts its steps in ``step``, saved with its
+schedule, so a resumed run averages at the same steps.
 """
 
 import collections
@@ -74,9 +68,7 @@ OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 params_with_grads = get_params_to_average  # the name of earlier releases
 
 
-# ----------------------------------------------------------------------------------------------
-# Options
-# ----------------------------------------------------------------------------------------------
+# -- Options ---------------------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class AveragerOptions(Options):
     """The options every averager has."""
@@ -208,9 +200,7 @@ def default_outer_optimizer(
     ).factory()
 
 
-# ----------------------------------------------------------------------------------------------
-# A loaded outer optimizer: checked, and run with the settings the averager was built with
-# ----------------------------------------------------------------------------------------------
+# -- A loaded outer optimizer: checked, and run with the settings the averager was built with ------
 PLAUSIBLE_CHANGE = 1e3
 """How far a loaded outer gradient or momentum may reach: ``PLAUSIBLE_CHANGE * (s + 1)``, with
 ``s`` the largest magnitude among the global parameters it moves. An outer gradient is the
@@ -224,13 +214,8 @@ _OPTION_OF = {"lr": "outer_lr", "momentum": "outer_momentum", "nesterov": "neste
 
 @dataclass(frozen=True)
 class LoadedOuter:
-    """An outer optimizer built fresh and loaded with a saved state.
-
-    Attributes:
-        optimizer: the optimizer, its hyper-parameters those it was built with.
-        replaced: ``(name, saved, kept)`` for each saved hyper-parameter that differed from the
-            one the averager was built with, which was kept (:func:`warn_replaced` says so).
-    """
+    """An outer optimizer built fresh, its hyper-parameters its own, loaded with a saved state;
+    ``replaced``: ``(name, saved, kept)`` for each saved hyper-parameter that differed."""
 
     optimizer: torch.optim.Optimizer
     replaced: tuple[tuple[str, Any, Any], ...]
@@ -323,11 +308,8 @@ def _kind_wanted(saved: Any, own: Any) -> str:
 
 
 def check_plausible(where: str, value: torch.Tensor, scale: float) -> None:
-    """Refuse a loaded change (outer gradient, momentum) beyond :data:`PLAUSIBLE_CHANGE`.
-
-    Raises:
-        StateDictError: naming ``where``, its largest magnitude and the bound.
-    """
+    """Refuse a loaded change (outer gradient, momentum) beyond :data:`PLAUSIBLE_CHANGE`, with
+    a ``StateDictError`` naming ``where``, its largest magnitude and the bound."""
     bound = PLAUSIBLE_CHANGE * (scale + 1.0)
     largest = float(value.detach().abs().max()) if value.numel() else 0.0
     if largest > bound:
@@ -410,9 +392,7 @@ def _step_count(where: str, value: Any) -> int:
         raise StateDictError(f"{where} must be a non-negative integer, got {value!r}.") from None
 
 
-# ----------------------------------------------------------------------------------------------
-# The global parameters (the snapshot) of the outer averager and of DiLoCo
-# ----------------------------------------------------------------------------------------------
+# -- The global parameters (the snapshot) of the outer averager and of DiLoCo ----------------------
 Shape = tuple[int, ...]
 Layout = dict[str, tuple[Shape, torch.dtype]]  # a model's parameters: name -> shape, dtype
 
@@ -491,14 +471,11 @@ def parse_snapshot(
     return out
 
 
-# ----------------------------------------------------------------------------------------------
-# The averagers
-# ----------------------------------------------------------------------------------------------
+# -- The averagers ---------------------------------------------------------------------------------
 class ModelAverager(HookState):
     """Base of the averagers: the step counter, warm-up, the once-only check, attaching.
-
-    Subclasses decide at which steps to average (:meth:`_group_due`) and how
-    (:meth:`_average`). Both are pure functions of ``step``, identical on every rank.
+    Subclasses decide at which steps to average (:meth:`_group_due`, the same on every rank)
+    and how (:meth:`_average`).
 
     Args:
         warmup_steps: steps that never average.
@@ -529,9 +506,8 @@ class ModelAverager(HookState):
     def average_parameters(self, params: Params) -> None:
         """Average ``params`` if this step is due, then advance ``step``.
 
-        The parameters without a gradient are left out, as PyTorch's averagers do; the others
-        are known by their position among those (use :meth:`attach` for names that survive a
-        change of model or optimizer).
+        Those without a gradient are left out, as PyTorch's averagers do; the others are known
+        by their position (:meth:`attach` names them, which survives a rebuilt model).
 
         Args:
             params: ``model.parameters()`` or ``optimizer.param_groups``.
@@ -539,11 +515,8 @@ class ModelAverager(HookState):
         self.average_named(positional(get_params_to_average(params)))
 
     def average_named(self, named: Named) -> None:
-        """Average the named parameters if this step is due, then advance ``step``.
-
-        A collective at the steps that average (and, once, at the first call, to check that
-        every rank has the same schedule): call it on every rank at every step.
-        """
+        """Average the named parameters if this step is due, then advance ``step``: a
+        collective there (and at the first call, the schedule's check), on every rank."""
         if not self._checked:
             self.agree_with_ranks()
         due = self._group_due()
@@ -569,7 +542,7 @@ class ModelAverager(HookState):
             the hook's handle: ``handle.remove()`` detaches the averager.
         """
         names = None if named_parameters is None else {id(p): n for n, p in named_parameters}
-        self._attached = _AfterStep(self, names, optimizer)
+        self._attached = _AfterStep(self, names, weakref.ref(optimizer))
         return optimizer.register_step_post_hook(self._attached)
 
     def end_step(self) -> None:
@@ -583,8 +556,7 @@ class ModelAverager(HookState):
         would have done. Once per step, on every rank.
 
         Raises:
-            ValueError: the averager is not attached to an optimizer (call
-                :meth:`average_parameters` after every step, taken or skipped, instead).
+            ValueError: the averager is not attached to an optimizer.
         """
         attached = self._attached
         optimizer = None if attached is None else attached.optimizer()
@@ -606,15 +578,12 @@ class ModelAverager(HookState):
         return self._checked
 
     def agree_with_ranks(self, group: dist.ProcessGroup | None = None) -> None:
-        """Check that every rank of ``group`` (``None``: the averager's) shares the schedule.
-
-        One gather, on every rank at the same point, until a state dict is loaded. Run at the
-        first :meth:`average_named`, or earlier by whoever communicates first (DiLoCo's DDP
-        hook), so that options that differ are named before a collective they shape.
+        """Check that every rank of ``group`` (``None``: the averager's) shares the schedule:
+        one gather, on every rank at the same point, until a state dict is loaded; run by
+        whoever communicates first (DiLoCo's DDP hook), before a collective the options shape.
 
         Raises:
-            ValueError: on every rank alike, naming each differing field and its value on
-                every rank.
+            ValueError: on every rank alike, naming each differing field and its values.
         """
         if self._checked:
             return
@@ -689,19 +658,15 @@ class ModelAverager(HookState):
         self._checked = False
 
 
+@dataclass(eq=False)
 class _AfterStep:
     """The step post-hook :meth:`ModelAverager.attach` registers; ``taken`` says that it ran
     since the last :meth:`ModelAverager.end_step` (the optimizer took its step)."""
 
-    def __init__(
-        self,
-        averager: ModelAverager,
-        names: dict[int, str] | None,
-        optimizer: torch.optim.Optimizer,
-    ) -> None:
-        self.averager, self.names = averager, names
-        self.optimizer = weakref.ref(optimizer)  # the averager must not keep it alive
-        self.taken = False
+    averager: ModelAverager
+    names: dict[int, str] | None
+    optimizer: "weakref.ref[torch.optim.Optimizer]"  # the averager must not keep it alive
+    taken: bool = False
 
     def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.taken = True
@@ -805,12 +770,9 @@ class HierarchicalModelAverager(ModelAverager):
 
     @property
     def period_process_group_dict(self) -> "collections.OrderedDict[int, Any]":
-        """``{period: process group}``, as PyTorch's attribute: this rank's group per level.
-
-        A level of one rank maps to a group of that rank alone, as in PyTorch (``None`` would
-        mean the default group to ``torch.distributed``). Reading it after unpickling, before
-        the first average, creates the groups: a collective.
-        """
+        """``{period: process group}``, as PyTorch's attribute: this rank's group per level
+        (a level of one rank: a group of it alone, as in PyTorch). Read after unpickling, before
+        the first average, it creates the groups: a collective."""
         groups = self._groups_now()
         return collections.OrderedDict(
             (period, group) for (period, _), group in zip(self.levels, groups)
@@ -859,10 +821,8 @@ class HierarchicalModelAverager(ModelAverager):
         return {"period_group_sizes": [[period, size] for period, size in self.levels]}
 
     def bind(self, process_group: dist.ProcessGroup | None) -> "HierarchicalModelAverager":
-        """Average within ``process_group`` from now on; its subgroups are created on next use.
-
-        The new group must have the size the hierarchy was built for.
-        """
+        """Average within ``process_group`` (of the hierarchy's size) from now on; its
+        subgroups are created on next use."""
         super().bind(process_group)
         self._groups = None
         return self
@@ -904,13 +864,10 @@ class OuterOptimizerAverager(PeriodicModelAverager):
         period: steps between syncs.
         warmup_steps: steps before the first sync; the last of them takes the snapshot.
         process_group: the group to average over; ``None`` for the default group.
-        outer_lr: learning rate of the default outer SGD.
-        outer_momentum: momentum of the default outer SGD (0 for none).
-        nesterov: Nesterov momentum for the default outer SGD (ignored without momentum).
-        outer_optimizer: any ``factory(list_of_tensors) -> torch.optim.Optimizer``, replacing
-            the default SGD (and its three options), e.g.
-            ``functools.partial(torch.optim.AdamW, lr=1e-3)``. Make it picklable (a partial,
-            not a lambda) if you pickle the averager.
+        outer_lr, outer_momentum, nesterov: the default outer SGD's (momentum 0: none).
+        outer_optimizer: a ``factory(list_of_tensors) -> torch.optim.Optimizer`` replacing the
+            default SGD, e.g. ``functools.partial(torch.optim.AdamW, lr=1e-3)`` (a partial, not
+            a lambda, if you pickle the averager).
 
     The snapshot and the outer optimizer's state are in :meth:`state_dict`; loaded, the outer
     optimizer keeps the settings this averager was built with (:func:`load_outer`).

@@ -1,37 +1,12 @@
 """Streaming DiLoCo: inner steps alone, then an outer step on the averaged change, by fragment.
 
-DiLoCo (Douillard et al. 2023) lets every worker take ``sync_every`` steps of its own optimizer
-(the inner steps), then treats the change since the last sync, averaged over the workers, as a
-gradient for an outer optimizer (Nesterov SGD, lr 0.7, momentum 0.9 by default) that moves the
-shared (global) parameters. Streaming DiLoCo (arXiv 2501.18512) cuts the model into fragments
-synced at staggered steps, one in flight at a time: a fragment's average is issued without
-waiting and applied ``fragment_sync_delay`` inner steps later, hidden behind them, and may
-travel in 8 or 4 bits (the quantized hook's two-phase average, with error feedback on both
-sides; in 4 bits 13-level codes packed eight to 30 bits and a scale per 512 values, 3.8125 bits
-a value, :mod:`commhooks.compress.packing`). Use it as any averager::
-
-    diloco = StreamingDiLoCo(sync_every=32, fragments=4, fragment_sync_delay=4, bits=4)
-    diloco.attach(optimizer, model.named_parameters())
-
-Each rank is its own worker by default. A worker of several ranks (a DDP group in a machine)
-is given as ``worker_group`` with ``process_group`` the ranks holding the same place in every
-worker, or as a 2-D ``mesh`` (across workers, within a worker), as for HSDP;
-:func:`commhooks.register` with ``"diloco"`` or ``"streaming_diloco"`` registers the DDP hook
-of that layout. The warm-up's gradient averages may be quantized too (``warmup_bits``): on a
-slow link its few full-precision steps are a large share of a run whose syncs are hidden.
-
-Workers do not average gradients, so a loss scaler skips a step on one worker alone: call
-:meth:`~commhooks.averaging.averagers.ModelAverager.end_step` after every ``scaler.step``. A
-sync whose average is not finite leaves the global parameters and outer optimizers as they
-were, decided on the device, and every worker's parameters go back to the global ones.
-
-:meth:`state_dict` holds the step, the global parameters, the outer optimizers, the quantized
-averages' memories (the warm-up's with its last buckets,
-:class:`~commhooks.averaging.buckets.WarmupBuckets`) and a fragment in flight (its average),
-so a resumed run continues bit for bit. Loading refuses by name an entry that does not fit
-the model or is past any training step
-(:data:`commhooks.averaging.averagers.PLAUSIBLE_CHANGE`); the outer optimizers keep the
-settings the averager was built with, and a saved one that differs is named in a warning.
+:class:`StreamingDiLoCo` (DiLoCo, Douillard et al. 2023; its streaming form, arXiv 2501.18512)
+is a model averager attached to the inner optimizer: each fragment's outer gradient is averaged
+without waiting and applied ``fragment_sync_delay`` inner steps later, in float32 or by the
+quantized hook itself on the fragment (:mod:`commhooks.averaging.buckets`), with its error
+feedback. :func:`diloco_hook` is a worker's DDP hook. A sync whose average is not finite is
+undone on the device, nothing read back; a state dict resumes bit for bit, and loading refuses
+by name what does not fit the model (:data:`commhooks.averaging.averagers.PLAUSIBLE_CHANGE`).
 """
 
 import hashlib
@@ -342,16 +317,13 @@ class StreamingDiLoCo(ModelAverager):
 
     Args:
         sync_every: inner steps between two syncs of a fragment.
-        warmup_steps: steps before the first inner step (with the DDP hook of
-            :func:`commhooks.register`, gradients are averaged over every worker meanwhile,
-            in ``warmup_bits`` when given).
+        warmup_steps: steps before the first inner step (with :func:`diloco_hook`, gradients
+            are averaged over every worker meanwhile).
         process_group: the ranks averaging a fragment, one per worker (``None``: the default
             group, each rank its own worker).
         worker_group: this rank's worker, when it has several ranks (DDP's group).
         mesh: a 2-D device mesh ``(across workers, within a worker)``, instead of both groups.
-        **options: the other options of :class:`DiLoCoOptions` (``fragments``,
-            ``fragment_sync_delay``, ``fragment_update_alpha``, ``bits``, ``warmup_bits``, the
-            outer optimizer's).
+        **options: the other options of :class:`DiLoCoOptions`.
 
     Raises:
         ValueError: an option out of range or options that do not fit together, with the fix.
@@ -421,9 +393,8 @@ class StreamingDiLoCo(ModelAverager):
     def bind(
         self, process_group: dist.ProcessGroup | None, worker_group: Any = _KEEP
     ) -> "StreamingDiLoCo":
-        """Average fragments over ``process_group``, and be a worker of ``worker_group``
-        (``None``: this rank alone; left out: unchanged), from now on, e.g. after unpickling
-        (groups are not pickled)."""
+        """Average fragments over ``process_group`` as a worker of ``worker_group`` (``None``:
+        this rank alone; left out: unchanged) from now on, e.g. after unpickling."""
         if worker_group is _KEEP:
             worker_group = self._worker_group
         if worker_group is not None and not isinstance(worker_group, dist.ProcessGroup):
@@ -473,11 +444,9 @@ class StreamingDiLoCo(ModelAverager):
         optimizer: torch.optim.Optimizer,
         named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
     ) -> RemovableHandle:
-        """Run after every ``optimizer.step()`` (see :meth:`ModelAverager.attach` for names).
-
-        Attached before the first step of a run without warm-up, it takes the parameters as
-        the global ones (:meth:`start`). Their names, shapes and dtypes are kept, so that a
-        state dict loaded later is checked against them.
+        """Run after every ``optimizer.step()`` (:meth:`ModelAverager.attach`); before the first
+        step of a run without warm-up, take the parameters as the global ones (:meth:`start`).
+        Their names, shapes and dtypes are kept, to check a state dict loaded later.
 
         Raises:
             StateDictError: a state dict loaded before is not this model's; nothing attached.
@@ -494,11 +463,9 @@ class StreamingDiLoCo(ModelAverager):
         return super().attach(optimizer, named)
 
     def start(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Take these parameters as the global ones (no collective): call it on every rank
-        before the first inner step, when every rank holds the same parameters.
-
-        Parameters that turn out to have no gradient at the first sync are dropped.
-        """
+        """Take these parameters as the global ones (no collective): on every rank before the
+        first inner step, when every rank holds the same. Those without a gradient at the
+        first sync are dropped."""
         self.snapshot = {n: p.detach().clone() for n, p in named}
         self.plan, self.outer_optimizers, self.quantizers = None, [], []
         if self._layout is None:
@@ -615,8 +582,7 @@ class StreamingDiLoCo(ModelAverager):
         """Wait for the fragment in flight; its average is then in ``in_flight.flat``.
 
         Raises:
-            DiLoCoSyncError: the average failed; the fragment is dropped, the parameters and
-                the global parameters are left as they were.
+            DiLoCoSyncError: the average failed; the fragment is dropped, nothing changed.
         """
         future, self._in_flight_future = self._in_flight_future, None
         if future is None or self.in_flight is None:
@@ -682,12 +648,8 @@ class StreamingDiLoCo(ModelAverager):
 
     # -- the plan: fragments, global parameters, outer optimizers --------------------------------
     def _fit(self, named: Named, group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
-        """``{name: parameter}``, after making the fragments and outer optimizers if needed.
-
-        Raises:
-            ValueError: the parameters are not those of the global parameters (names, shapes,
-                dtypes); nothing was changed.
-        """
+        """``{name: parameter}``, after making the fragments and outer optimizers if needed;
+        ``ValueError`` if they are not the global parameters' (:func:`check_snapshot`)."""
         assert self.snapshot is not None
         lookup = dict(named)
         if self.plan is None:
@@ -749,20 +711,17 @@ class StreamingDiLoCo(ModelAverager):
         }
 
     def _warmup_buckets_saved(self) -> list[list[int]]:
-        """The buckets of the quantized warm-up's last step, which a resumed run's first step
-        is cut into (:class:`~commhooks.averaging.buckets.WarmupBuckets`); with a warning
-        where DDP had not settled on its buckets yet (saved after its first step)."""
+        """The quantized warm-up's last buckets, which a resumed run's first step is cut into
+        (:class:`~commhooks.averaging.buckets.WarmupBuckets`), if DDP had settled on them."""
         if self.warmup_quantizer is None:
             return []
         buckets = self.warmup_buckets
         if not buckets.settled and buckets.last:
             warnings.warn(
-                f"{OWNER}.state_dict: saved after the first step of its DDP model, whose "
-                "buckets DDP rebuilds after that step; which parameters those buckets hold "
-                "is not known yet, so a run resumed from this state averages its next warm-up "
-                "step in a fresh DDP model's first buckets, not in the rebuilt ones, and is "
-                "not bit for bit where the model fills several buckets. Save after a later "
-                "step (or with warmup_bits=None) for a bitwise resume.",
+                f"{OWNER}.state_dict: saved after the first step of its DDP model, before DDP "
+                "rebuilt its buckets, so a run resumed from it averages its next warm-up step "
+                "in other buckets: not bit for bit where the model fills several. Save after a "
+                "later step (or with warmup_bits=None) for a bitwise resume.",
                 CommHooksWarning,
                 stacklevel=4,
             )
@@ -881,15 +840,9 @@ def _local_change(
 
 
 def _agree_on_model(named: Named, group: dist.ProcessGroup) -> None:
-    """Raise on every rank of ``group`` unless all average the same parameters.
-
-    Between models of different sizes gloo aborts the process, and the quantized average pads
-    both to whole blocks and averages wrongly without a word. So one gather of a description
-    (count, elements, a digest of names, shapes and dtypes) at the first sync.
-
-    Raises:
-        ValueError: naming each rank's description, on every rank alike.
-    """
+    """Raise on every rank of ``group``, naming each rank's parameters, unless all average
+    the same: between models of different sizes gloo aborts, and the quantized average pads
+    both to whole blocks and averages wrongly without a word."""
     layout = layout_of(named)
     digest = hashlib.sha256(repr(list(layout.items())).encode()).hexdigest()[:12]
     elements = sum(math.prod(shape) for shape, _ in layout.values())
@@ -905,11 +858,7 @@ def _agree_on_model(named: Named, group: dist.ProcessGroup) -> None:
 
 
 def _check_fits(where: str, snapshot: Mapping[str, torch.Tensor], layout: Layout) -> None:
-    """Refuse global parameters that are not the model's: unknown names, shapes, dtypes.
-
-    Raises:
-        StateDictError: naming the first entry that does not fit.
-    """
+    """Refuse global parameters that are not the model's (``StateDictError``, by name)."""
     for name, saved in snapshot.items():
         if name not in layout:
             known = ", ".join(repr(n) for n in list(layout)[:4])
@@ -1010,16 +959,12 @@ def _fragment_tensor(
 def diloco_hook(state: StreamingDiLoCo, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
     """The DDP hook of a DiLoCo worker: average gradients within the worker, not across.
 
-    A worker of one rank sends nothing; one of several averages over ``state.worker_group``.
-    During the warm-up gradients are averaged over every worker, so that the workers start
-    DiLoCo alike: in float32, or by the quantized hook in ``warmup_bits`` (bit for bit the same
-    on every rank). Its first call checks that every rank built the averager alike
-    (:meth:`StreamingDiLoCo.agree_with_ranks`): options that differ would send different
-    collectives.
+    During the warm-up gradients are averaged over every worker (in float32, or in
+    ``warmup_bits``, bit for bit the same on every rank), so that the workers start alike.
 
     Raises:
-        ValueError: at the first call, on every rank alike, naming each differing option and
-            its value on every rank.
+        ValueError: at the first call, on every rank alike, naming each option that differs
+            between the ranks (:meth:`StreamingDiLoCo.agree_with_ranks`).
     """
     if not isinstance(state, StreamingDiLoCo):
         raise TypeError(
@@ -1044,11 +989,8 @@ def diloco_hook(state: StreamingDiLoCo, bucket: GradBucket) -> torch.futures.Fut
 
 def cross_worker_group(worker_group: dist.ProcessGroup) -> dist.ProcessGroup:
     """The ranks holding this rank's place in every worker: a collective over the default
-    group, at the same point on every rank.
-
-    Raises:
-        ValueError: the workers differ in size or overlap.
-    """
+    group, at the same point on every rank; ``ValueError`` if the workers differ in size or
+    overlap."""
     workers: list[list[int]] = []
     for ranks in comm.all_gather_objects(comm.global_ranks(worker_group)):
         if ranks not in workers:

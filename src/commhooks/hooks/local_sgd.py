@@ -58,9 +58,7 @@ class PostLocalSGDState(HookState):
             needs them, where every rank is at the same bucket with nothing in flight, or
             earlier by :meth:`ensure_subgroup` on every rank. With a custom ``process_group``,
             pass the subgroup explicitly.
-        start_localSGD_iter: number of optimizer steps with global gradient averaging.
-        post_local_gradient_allreduce: average gradients within ``subgroup`` after the
-            warm-up (``True``) or not at all (``False``).
+        start_localSGD_iter, post_local_gradient_allreduce: :class:`PostLocalSGDOptions`.
 
     Attributes:
         iter: optimizer steps seen so far, counted at each step's last bucket, also after the

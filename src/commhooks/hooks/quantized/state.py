@@ -291,17 +291,13 @@ class Wire:
 
 
 class Workspace:
-    """The buffers one bucket reuses from step to step (allocating them costs page faults),
-    and what the hook needs of the state for this bucket's step.
+    """The buffers one bucket reuses from step to step (allocating them costs page faults).
 
-    ``now`` is the side written this step (:class:`_Side`), ``kept`` the one holding the error
-    memories where the last step left them (:meth:`QuantizationState.commit` swaps them;
-    without error feedback both are one). ``levels`` is scratch; ``send``/``received`` the
-    all-to-all's packets, ``own_packet``/``gathered`` the all-gather's (with one rank, the same
-    tensors); ``wire`` what they travel as in a packed format (:class:`Wire`), else ``None``.
-    Set for each step by :meth:`QuantizationState.begin`: ``addition`` (what the quantizing
-    pass adds, ``None`` when ``rows`` is filled), ``first`` and ``second`` (the generators of
-    the two quantizations, ``None`` with nearest rounding).
+    ``now`` is the side written this step (:class:`_Side`), ``kept`` the one holding the
+    memories where the last step left them (without error feedback, the same); ``levels`` is
+    scratch; ``send``/``received``, ``own_packet``/``gathered`` the exchanges' packets (with
+    one rank, the same tensors), ``wire`` what they travel as when packed. Set each step by
+    :meth:`QuantizationState.begin`: ``addition``, ``first`` and ``second`` (the generators).
     """
 
     def __init__(
@@ -338,9 +334,8 @@ class Workspace:
         self.addition: tuple[torch.Tensor, torch.Tensor] | None = None
         self.first: torch.Generator | None = None
         self.second: torch.Generator | None = None
-        # Whether a step began on these buffers and has not committed: set by begin(),
-        # cleared by commit(). Still set at the next begin(), the step was abandoned or not
-        # finite, and may have left NaN in the rows' padding (see clear_padding).
+        # A step began on these buffers and has not committed (abandoned, or not finite: its
+        # padding may hold NaN, see clear_padding).
         self.unfinished = False
         self.fmt = fmt  # the block format the buffers were made for
         self._decoding: tuple[tuple[int, torch.dtype], list[cpu_kernels.BoundDequantize]] | None
@@ -404,9 +399,10 @@ class Workspace:
 class QuantizationState(HookState):
     """Options and error memories of :func:`~commhooks.hooks.quantized.hook.quantized_hook`.
 
-    Build it as ``QuantizationState(None, 4, block_size=128)``, the other options of
-    :class:`QuantizationOptions` as keywords. Each option reads as a read-only attribute
-    (``state.bits``); ``state.settings`` is the whole typed object.
+    Build it as ``QuantizationState(process_group, bits, **options)`` (e.g.
+    ``QuantizationState(None, 4, block_size=128)``; ``None``: the default group), the options
+    those of :class:`QuantizationOptions`, refused with the fix (``ValueError``) when out of
+    range. Each reads as a read-only attribute (``state.bits``); ``state.settings`` is all.
 
     Two error memories, both :class:`~commhooks.compress.error_feedback.ErrorFeedback`:
 
@@ -417,14 +413,6 @@ class QuantizationState(HookState):
       rank owns, keyed by the elements it covers (``"number:first-stop"``). A piece owned
       differently after a rebuild or restart is dropped (at most half a quantization step of
       the average); the others carry over.
-
-    Args:
-        process_group: the group to average over; ``None`` for the default group.
-        bits: 8 or 4 bits per element on the wire (see :class:`QuantizationOptions`).
-        **options: the other options of :class:`QuantizationOptions`.
-
-    Raises:
-        ValueError: an unknown option or a value out of range, with the fix in the message.
     """
 
     kind = "quantization"
@@ -499,13 +487,9 @@ class QuantizationState(HookState):
 
     # -- used by the hook, on DDP's thread ----------------------------------------------------
     def prepare(self) -> dist.ProcessGroup:
-        """The group to use; on first use (and after ``bind``), check the ranks agree.
-
-        The first call is collective on every rank of the group (the handshake of
-        :mod:`commhooks.handshake`, which gathers the hook's name, its wrapper's and
-        :meth:`handshake_fields`, and the creation of the follow-up group of :attr:`issuer`):
-        the hook makes it on its first bucket, the same point everywhere.
-        """
+        """The group to use; on first use (and after ``bind``), check the ranks agree: a
+        collective (:mod:`commhooks.handshake`, and the follow-up group of :attr:`issuer`) the
+        hook makes at its first bucket, the same point on every rank."""
         group = comm.resolve_group(self.process_group, owner=OWNER)
         if self._checked is not group:
             handshake.agree(group, HOOK, self, self._reloaded)
@@ -566,13 +550,9 @@ class QuantizationState(HookState):
         return {**here, **self.mesh_place, "topology": self._shape}
 
     def share_issuers(self, pool: comm.IssuerPool | None) -> None:
-        """Take the follow-ups' issuer from ``pool`` (``None``: an issuer of its own) when the
-        state next makes one: at its first use, or on a new group.
-
-        For states whose averages one thread starts one after another, as an averager's
-        fragments: they then share one follow-up group instead of making one each. Not
-        pickled: the owner shares again after unpickling.
-        """
+        """Take the follow-ups' issuer from ``pool`` (``None``: an issuer of its own) at the
+        next first use or new group: states whose averages one thread starts one after another
+        (an averager's fragments) share one follow-up group. Not pickled: shared again after."""
         self._pool = pool
 
     def handshake_fields(self) -> dict[str, Any]:
@@ -599,15 +579,10 @@ class QuantizationState(HookState):
         return self._numbering.numbers(params)
 
     def workspace(self, bucket: "GradBucket | Any", buffer: torch.Tensor) -> Workspace:
-        """What the hook needs of the state for ``bucket``'s step, once :meth:`prepare` has
-        given it the group: the bucket's :class:`Workspace` with its rows compensated (or the
-        addition the quantizing pass makes, :attr:`Workspace.addition`) and the step's
-        generators.
-
-        At the first step after a load, compares the loaded memories with the gradient
-        (:meth:`_check_loaded`). Raises ``ValueError`` if the bucket's gradients do not tile
-        its buffer.
-        """
+        """The bucket's :class:`Workspace` for this step, after :meth:`prepare`: its rows
+        compensated (or :attr:`Workspace.addition`), the step's generators, and after a load the
+        loaded memories checked against the gradient. ``ValueError`` if the bucket's gradients
+        do not tile its buffer."""
         work = self._workspaces.get(bucket.index())
         if work is None or not work.serves(bucket.parameters(), buffer):
             work = self._workspace(bucket, buffer)
@@ -622,9 +597,8 @@ class QuantizationState(HookState):
         return work
 
     def _workspace(self, bucket: "GradBucket | Any", buffer: torch.Tensor) -> Workspace:
-        """The buffers of ``bucket`` where last step's do not serve it (:meth:`Workspace.serves`):
-        last step's still, laid out again, when it holds the same parameters in another order;
-        made again when its layout or device changes."""
+        """The buffers of ``bucket`` where last step's do not serve it: laid out again for the
+        same parameters in another order, made again for another layout or device."""
         params = bucket.parameters()
         found = self._workspaces.get(bucket.index())
         numbers = self._numbering.numbers(params)
@@ -681,13 +655,9 @@ class QuantizationState(HookState):
     def _compensate(
         self, work: Workspace, buffer: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Fill ``work.rows`` with the gradient plus each parameter's remembered error, or
-        return the two tensors whose sum its start must become, for the quantizing pass to add.
-
-        Out of place: the bucket keeps the plain gradient, which a re-send needs. In the
-        bucket's order, the errors are first gathered where the last step leaves them (the
-        kept side, zeros for a parameter without one): then the usual step is one pass.
-        """
+        """Fill ``work.rows`` with the gradient plus each remembered error, or return the two
+        tensors the quantizing pass adds into them (the usual step: one pass). Out of place:
+        the bucket keeps the plain gradient, which a re-send needs."""
         layout = work.layout
         if not self.settings.error_feedback:
             if layout.in_order:
@@ -706,11 +676,9 @@ class QuantizationState(HookState):
         return None
 
     def owner_memory(self, work: Workspace) -> torch.Tensor | None:
-        """The owner's remembered error of this rank's row, as a row (gathered where the last
-        step leaves it, zeros for a piece without one and past the pieces), for the owner's
-        pass to add; ``None`` without error feedback or without pieces. Call in the step's
-        turn. (A loaded piece met its check in :meth:`begin`.)
-        """
+        """The owner's remembered error of this rank's row, as a row (zeros where there is
+        none) for the owner's pass to add, in the step's turn; ``None`` without error feedback
+        or pieces."""
         pieces = work.layout.pieces
         if not self.settings.error_feedback or not pieces:
             return None
@@ -723,10 +691,8 @@ class QuantizationState(HookState):
     def commit(self, work: Workspace) -> None:
         """Keep the errors this step left in ``work`` as the memories; swap the buffers.
 
-        Where the step's result was not finite (a gathered scale is inf or NaN), the errors are
-        replaced by the memories as they were before the step, on the device, so that inf or
-        NaN never enter a memory and no value is read back. Callbacks of several buckets may
-        commit at once (gloo's threads): one at a time here.
+        Where a gathered scale is inf or NaN the memories stay as before the step, decided on
+        the device. Callbacks of several buckets (gloo's threads) commit one at a time.
         """
         work.unfinished = False
         if not self.settings.error_feedback:
@@ -751,10 +717,8 @@ class QuantizationState(HookState):
         buffer: torch.Tensor,
         layout: BucketLayout,
     ) -> None:
-        """At the first step after a load, compare each loaded error with the gradient of its
-        elements: a parameter's with its gradient, a piece of the owner's with this rank's
-        gradient of the piece's elements (the average it is added to is of the same scale, and
-        the bound is a thousand times looser than quantization allows)."""
+        """At the first step after a load, compare each loaded error with this rank's gradient
+        of its elements (for an owner's piece, of the scale of the average it is added to)."""
         for number, gradient in zip(numbers, bucket.gradients()):
             self.error.check_loaded_(number, gradient)
         for (key, start, stop), source in zip(layout.pieces, layout.piece_sources):
@@ -781,8 +745,8 @@ class QuantizationState(HookState):
         mesh_here = {k: v for k, v in here.items() if k not in plain}
         where = f"rank {saved['rank']} of {saved['world_size']}"
         where_here = f"rank {here['rank']} of {here['world_size']}"
-        if saved.get("topology", FLAT) != here["topology"]:
-            where += f" on the path {saved.get('topology', FLAT)!r}"
+        if saved["topology"] != here["topology"]:
+            where += f" on the path {saved['topology']!r}"
             where_here += f" on the path {here['topology']!r}"
         if mesh != mesh_here:
             where += f", {place.describe(mesh)}"
@@ -813,7 +777,7 @@ class QuantizationState(HookState):
 
     def _load(self, state_dict: Mapping[str, Any]) -> None:
         where = f"{OWNER}.load_state_dict"
-        for key in ("iter", "world_size", "rank", "error", "owner_error", "generators"):
+        for key in ("iter", "world_size", "rank", "place", "error", "owner_error", "generators"):
             if key not in state_dict:
                 raise StateDictError(
                     f"{where}: missing entry {key!r}. Pass the unchanged output of state_dict()."
@@ -826,10 +790,7 @@ class QuantizationState(HookState):
         where_owner = f"{OWNER} 'owner_error'"
         owner_error.load_state_dict(state_dict["owner_error"], _checked_piece, where_owner)
         generators = _checked_generators(f"{OWNER} 'generators'", state_dict["generators"])
-        # Earlier releases saved no place: under FSDP2 such a file cannot show which shard it
-        # holds, and is treated as another shard's; under DDP only the rank is compared.
-        mesh = state_dict.get("place", {})
-        saved_mesh = place.checked(f"{OWNER} 'place'", mesh)
+        saved_mesh = place.checked(f"{OWNER} 'place'", state_dict["place"])
         agreed = self.handshake_fields()
         self.iter, self.error, self.owner_error = step, error, owner_error
         self._generator_states, self._generators = generators, []
