@@ -203,10 +203,9 @@ def default_outer_optimizer(
 # -- A loaded outer optimizer: checked, and run with the settings the averager was built with ------
 PLAUSIBLE_CHANGE = 1e3
 """How far a loaded outer gradient or momentum may reach: ``PLAUSIBLE_CHANGE * (s + 1)``, with
-``s`` the largest magnitude among the global parameters it moves. An outer gradient is the
-change of those parameters over one sync's inner steps (momentum, a sum of such changes that
-shrink geometrically); a thousand times the parameters themselves (or 1000 where they are near
-zero, freshly initialised biases) is no training step but a damaged or foreign file."""
+``s`` the largest magnitude among the global parameters it moves. An outer gradient is their
+change over one sync's inner steps: a thousand times the parameters themselves (or 1000 for
+biases near zero) is no training step but a damaged or foreign file."""
 
 # The default outer SGD's hyper-parameters, by the option that sets each.
 _OPTION_OF = {"lr": "outer_lr", "momentum": "outer_momentum", "nesterov": "nesterov"}
@@ -226,7 +225,6 @@ def load_outer(
     factory: OptimizerFactory,
     saved: Any,
     params: list[torch.Tensor],
-    scale: float,
 ) -> LoadedOuter:
     """A fresh outer optimizer over ``params`` holding the ``saved`` state, every entry checked.
 
@@ -234,7 +232,7 @@ def load_outer(
     for now, and what every rank's handshake compared. A saved one that is not a finite number
     (or a flag) is refused as damage; one that differs is replaced and reported in
     :attr:`LoadedOuter.replaced`. A ``momentum_buffer`` must stay within
-    :data:`PLAUSIBLE_CHANGE` of ``scale``, the largest magnitude among ``params``.
+    :data:`PLAUSIBLE_CHANGE` of ``params``.
 
     Raises:
         StateDictError: naming the entry; nothing is changed.
@@ -243,6 +241,7 @@ def load_outer(
     built = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     state = check_optimizer_state(where, saved, params)
     _check_groups(where, state["param_groups"], built)
+    scale = largest_magnitude(params)
     for key, entry in state["state"].items():
         buffer = entry.get("momentum_buffer")
         if isinstance(buffer, torch.Tensor):
@@ -351,8 +350,7 @@ def step_where_finite(
     grads: Iterable[torch.Tensor],
     finite: torch.Tensor,
 ) -> None:
-    """``optimizer.step()`` on ``params`` with ``grads``, undone on the device where ``finite``
-    is false.
+    """``optimizer.step()`` on ``params`` with ``grads``, undone where ``finite`` is false.
 
     A non-finite average (a worker's NaN) would put NaN in the global parameters and the outer
     momentum for good, on every rank; reading ``finite`` back would make the host wait for the
@@ -418,12 +416,9 @@ def check_snapshot(
     params: Mapping[str, torch.Tensor],
     exact: bool = True,
 ) -> None:
-    """Raise unless ``snapshot`` holds each of ``params`` in its shape and dtype (and no other,
-    if ``exact``), before an outer step mixes the two.
-
-    Raises:
-        ValueError: naming the first that differ; nothing was changed.
-    """
+    """Raise ``ValueError``, naming the first that differ, unless ``snapshot`` holds each of
+    ``params`` in its shape and dtype (and no other, if ``exact``): before an outer step mixes
+    the two."""
     want = layout_of(params.items())
     wrong = [f"{n!r} {w}" for n, shape in want.items() if (w := mismatch(snapshot.get(n), shape))]
     if wrong or (exact and len(params) != len(snapshot)):
@@ -475,11 +470,7 @@ def parse_snapshot(
 class ModelAverager(HookState):
     """Base of the averagers: the step counter, warm-up, the once-only check, attaching.
     Subclasses decide at which steps to average (:meth:`_group_due`, the same on every rank)
-    and how (:meth:`_average`).
-
-    Args:
-        warmup_steps: steps that never average.
-        process_group: the group to average over; ``None`` for the default group.
+    and how (:meth:`_average`), over ``process_group`` (``None``: the default group).
     """
 
     kind: ClassVar[str] = "model_averager"
@@ -506,11 +497,9 @@ class ModelAverager(HookState):
     def average_parameters(self, params: Params) -> None:
         """Average ``params`` if this step is due, then advance ``step``.
 
-        Those without a gradient are left out, as PyTorch's averagers do; the others are known
-        by their position (:meth:`attach` names them, which survives a rebuilt model).
-
-        Args:
-            params: ``model.parameters()`` or ``optimizer.param_groups``.
+        ``params``: ``model.parameters()`` or ``optimizer.param_groups``; those without a
+        gradient are left out, as PyTorch's averagers do, the others known by their position
+        (:meth:`attach` names them, which survives a rebuilt model).
         """
         self.average_named(positional(get_params_to_average(params)))
 
@@ -531,15 +520,10 @@ class ModelAverager(HookState):
         optimizer: torch.optim.Optimizer,
         named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
     ) -> RemovableHandle:
-        """Run this averager after every ``optimizer.step()``, through its step post-hook.
-
-        It averages the parameters of ``optimizer.param_groups`` that have a gradient, each
-        named by ``named_parameters`` (e.g. ``model.named_parameters()``), else by the
-        optimizer's parameter names, else by its place: state kept per parameter is keyed by
-        that name, so a checkpoint resumes after the model and optimizer are rebuilt.
-
-        Returns:
-            the hook's handle: ``handle.remove()`` detaches the averager.
+        """Run this averager after every ``optimizer.step()`` (a step post-hook, whose handle's
+        ``remove()`` detaches it) on the parameters that have a gradient, each named by
+        ``named_parameters`` (e.g. ``model.named_parameters()``), else by the optimizer's
+        names, else by place: state kept per parameter survives a rebuilt model by that name.
         """
         names = None if named_parameters is None else {id(p): n for n, p in named_parameters}
         self._attached = _AfterStep(self, names, weakref.ref(optimizer))
@@ -547,13 +531,11 @@ class ModelAverager(HookState):
 
     def end_step(self) -> None:
         """Count a step the attached optimizer skipped: call it after every
-        ``scaler.step(optimizer)``.
+        ``scaler.step(optimizer)``, on every rank.
 
-        A loss scaler skips ``optimizer.step()``, and this averager's post-hook, where this
+        A loss scaler skips ``optimizer.step()`` and this averager's post-hook where this
         rank's gradients are not finite. Where the ranks do not average gradients (post-local
-        SGD, DiLoCo's workers) a rank skips alone and, uncounted, would average at other steps
-        than the others. After a step taken this does nothing; after one skipped, what the hook
-        would have done. Once per step, on every rank.
+        SGD, DiLoCo) a rank skips alone, and uncounted would average at other steps.
 
         Raises:
             ValueError: the averager is not attached to an optimizer.
@@ -573,8 +555,7 @@ class ModelAverager(HookState):
 
     @property
     def ranks_agree(self) -> bool:
-        """Whether every rank was found to share :meth:`handshake_fields` (since the last
-        load): a plain attribute, asked where a collective may follow."""
+        """Whether every rank was found to share :meth:`handshake_fields` since the last load."""
         return self._checked
 
     def agree_with_ranks(self, group: dist.ProcessGroup | None = None) -> None:
@@ -603,8 +584,7 @@ class ModelAverager(HookState):
         average_parameters([p for _, p in named], group)
 
     def _between_syncs(self, named: Named) -> None:
-        """At the steps that do not average (on every rank alike, so it may communicate), a
-        subclass prepares the next sync. Default: nothing."""
+        """Prepare the next sync at a step that does not average (alike on every rank)."""
 
     def _restore_transient(self) -> None:
         self._checked = False
@@ -674,10 +654,8 @@ class _AfterStep:
 
 
 class PeriodicModelAverager(ModelAverager):
-    """Average across the group every ``period`` steps once ``warmup_steps`` have passed.
-
-    Averages at steps ``warmup_steps, warmup_steps + period, ...`` (counting from 0), as
-    PyTorch's averager of the same name does.
+    """Average across the group at steps ``warmup_steps, warmup_steps + period, ...``
+    (counting from 0), as PyTorch's averager of the same name does.
 
     Args:
         period: steps between averagings; 1 averages every step.
@@ -724,16 +702,14 @@ class HierarchicalModelAverager(ModelAverager):
     from 0, as PyTorch does); the smaller groups nest in it. Groups of size ``s`` are
     consecutive blocks of ``s`` ranks of ``process_group``, and inherit its timeout.
 
-    The groups are created at construction (and after unpickling, at the first average or read
-    of :attr:`period_process_group_dict`): a collective, at the same point on every rank.
+    The groups are created at construction (after unpickling, at the first average or read of
+    :attr:`period_process_group_dict`): a collective, at the same point on every rank.
 
     Args:
-        period_group_size_dict: ordered ``{period: group size}``, periods increasing; every
-            size divides the world size and the last (longest-period) group is the whole
-            ``process_group``. ``{2: 2, 4: 8}`` on 8 ranks: pairs every 2 steps, everyone
-            every 4.
-        warmup_steps: steps before the first averaging.
-        process_group: the whole group; ``None`` for the default group.
+        period_group_size_dict: ordered ``{period: group size}``, periods increasing, each size
+            dividing the world size, the last the whole group: ``{2: 2, 4: 8}`` on 8 ranks
+            averages pairs every 2 steps, everyone every 4.
+        warmup_steps, process_group: as :class:`PeriodicModelAverager`'s.
     """
 
     kind: ClassVar[str] = "hierarchical_model_averager"
@@ -861,9 +837,8 @@ class OuterOptimizerAverager(PeriodicModelAverager):
     version 1, whose snapshot is a list, loads by position.
 
     Args:
-        period: steps between syncs.
+        period, process_group: as :class:`PeriodicModelAverager`'s.
         warmup_steps: steps before the first sync; the last of them takes the snapshot.
-        process_group: the group to average over; ``None`` for the default group.
         outer_lr, outer_momentum, nesterov: the default outer SGD's (momentum 0: none).
         outer_optimizer: a ``factory(list_of_tensors) -> torch.optim.Optimizer`` replacing the
             default SGD, e.g. ``functools.partial(torch.optim.AdamW, lr=1e-3)`` (a partial, not
@@ -965,13 +940,11 @@ class OuterOptimizerAverager(PeriodicModelAverager):
             return {**values, "snapshot": None, "outer_optimizer": None}
         if not snapshot:
             raise StateDictError(f"{where} 'snapshot' must hold a tensor per parameter, got none.")
-        tensors = list(snapshot.values())
         outer = load_outer(
             f"{where} the outer optimizer state ('outer_optimizer')",
             self.outer_optimizer_factory,
             state_dict.get("outer_optimizer"),
-            tensors,
-            largest_magnitude(tensors),
+            list(snapshot.values()),
         )
         chosen = {"outer_optimizer": outer.optimizer, "replaced": outer.replaced}
         return {**values, "snapshot": snapshot, **chosen}

@@ -66,15 +66,11 @@ class FlatBucket:
 
 
 class WarmupBuckets:
-    """The buckets of the warm-up's quantized average: those of its last step, and, after a
-    load, the saved ones that the first step's buckets are cut into.
+    """The buckets of the warm-up's quantized average: those of its last step, and ``saved``
+    (a saved run's, :meth:`saved`'s output) that the next step's buckets are cut into.
 
     Only buckets DDP settled on are worth saving (:attr:`settled`: false after a fresh DDP
-    model's first step). Pickled as its saved form, so that an unpickled averager cuts its next
-    step as a loaded one does.
-
-    Args:
-        saved: the buckets of a saved run (:meth:`saved`'s output), cut into at the next step.
+    model's first step). Pickled as its saved form, as a loaded one cuts its next step.
     """
 
     def __init__(self, saved: Sequence[Numbers] = ()) -> None:
@@ -186,11 +182,8 @@ def split(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor
 
 
 def parse_buckets(where: str, raw: Any) -> list[Numbers]:
-    """Saved warm-up buckets: lists of parameter numbers, no number in two.
-
-    Raises:
-        StateDictError: naming the entry and what it must be.
-    """
+    """Saved warm-up buckets: lists of parameter numbers, no number in two (else
+    ``StateDictError``, naming the entry and what it must be)."""
     entry = f"{where} 'warmup_buckets'"
     if not isinstance(raw, list) or not all(isinstance(b, (list, tuple)) and b for b in raw):
         raise StateDictError(

@@ -187,8 +187,8 @@ def split_by_module(named: Named, fragments: Fragments) -> list[list[str]]:
     before it. Given fragments take each parameter listed by name or by a module containing it.
 
     Raises:
-        ValueError: a parameter in no fragment or in two, a fragment without a parameter or
-            without an element, or more fragments than modules holding elements.
+        ValueError: a parameter in no fragment or two, a fragment of no element, or more
+            fragments than modules.
     """
     if not isinstance(fragments, int):
         return _match(named, fragments)
@@ -270,19 +270,17 @@ class _InFlight:
 
 @dataclass
 class _Share:
-    """A worker's rank's share of a fragment: ``whole`` (padded to ``ranks`` equal shares),
-    ``part`` (this rank's, averaged across workers), the parameters it holds pieces of."""
+    """A worker's rank's share of a fragment: ``whole`` (padded to ``ranks`` equal shares) and
+    ``bucket``, this rank's part of it (averaged across workers), with the pieces it holds."""
 
     whole: torch.Tensor
-    part: torch.Tensor
-    params: list[torch.Tensor]
-    pieces: list[torch.Tensor]
+    bucket: FlatBucket
     ranks: int
 
 
-def _share_of(flat: torch.Tensor, params: list[torch.Tensor], rank: int, ranks: int) -> _Share:
-    """Rank ``rank``'s share of ``flat`` (the outer gradient of ``params``, in order) among a
-    worker's ``ranks``."""
+def _share_of(fragment: FlatBucket, rank: int, ranks: int) -> _Share:
+    """Rank ``rank``'s share of ``fragment`` among a worker's ``ranks``."""
+    flat = fragment.buffer()
     size = -(-flat.numel() // ranks)
     whole = flat if size * ranks == flat.numel() else flat.new_zeros(size * ranks)
     if whole is not flat:
@@ -290,30 +288,28 @@ def _share_of(flat: torch.Tensor, params: list[torch.Tensor], rank: int, ranks: 
     start = rank * size
     part = whole[start : start + size]
     held, pieces, offset = [], [], 0
-    for p in params:
+    for p in fragment.parameters():
         low, high = max(offset, start), min(offset + p.numel(), start + size)
         if low < high:
             held.append(p)
             pieces.append(part[low - start : high - start])
         offset += p.numel()
-    return _Share(whole, part, held, pieces, ranks)
+    return _Share(whole, FlatBucket(fragment.index(), part, held, pieces), ranks)
 
 
 class StreamingDiLoCo(ModelAverager):
     """Streaming DiLoCo as a model averager: attach it to the inner optimizer.
 
-    Inner steps count from the end of the warm-up. Fragment ``f`` (of ``n``) is applied after
-    inner steps ``(f + 1) * sync_every / n + k * sync_every``, and issued
-    ``fragment_sync_delay`` inner steps before: its outer gradient (global minus local
-    parameters) is averaged over ``process_group`` without waiting; at the apply, the
-    fragment's outer optimizer steps the global parameters with the average, and the local ones
-    become them, blended by ``fragment_update_alpha``. One fragment and no delay is DiLoCo.
+    Fragment ``f`` (of ``n``) is applied after inner steps (counted from the warm-up's end)
+    ``(f + 1) * sync_every / n + k * sync_every``, and issued ``fragment_sync_delay`` before:
+    its outer gradient (global minus local parameters) is averaged over ``process_group``
+    without waiting; at the apply, its outer optimizer steps the global parameters with the
+    average, and the local ones become them, blended by ``fragment_update_alpha``.
 
-    The global parameters start as the parameters before the first inner step, which every
-    rank holds alike: taken by :meth:`attach` (or :meth:`start`) before the first step, or after
-    the last warm-up step; else the first inner step's are averaged (one blocking allreduce).
-    After the last step, call :meth:`finish` on every rank, so that no fragment is left in
-    flight; with a loss scaler, :meth:`end_step` after every ``scaler.step(optimizer)``.
+    The global parameters start as the parameters every rank holds before the first inner step
+    (:meth:`attach` before the first step, or the last warm-up step), else as their average at
+    the first inner step. After the last step call :meth:`finish` on every rank; with a loss
+    scaler, :meth:`end_step` after every ``scaler.step(optimizer)``.
 
     Args:
         sync_every: inner steps between two syncs of a fragment.
@@ -377,12 +373,11 @@ class StreamingDiLoCo(ModelAverager):
         self._worker_group = None
         self._in_flight_future: torch.futures.Future[torch.Tensor] | None = None
         self._last_seen: dict[str, torch.Tensor] = {}  # the parameters of the last step
-        # One follow-up issuer per group for every quantized average, all started one after
-        # another on the training thread: one follow-up group, not one a fragment.
+        # One follow-up group for every quantized average (all started on the training thread).
         self._issuers = comm.IssuerPool()
-        # The model's parameters as attach() or the first step met them (a loaded state is
-        # checked against them); whether a step's were checked against the global ones since
-        # the last load; whether every rank was found to train the same model.
+        # The model's parameters as attach() or the first step met them (to check a loaded
+        # state); whether a step's were checked since the last load; whether every rank was
+        # found to train the same model.
         self._layout: Layout | None = None
         self._fitted = self._model_agreed = False
 
@@ -472,10 +467,8 @@ class StreamingDiLoCo(ModelAverager):
             self._layout = layout_of(self.snapshot.items())
 
     def finish(self) -> None:
-        """Apply the fragment in flight now: call it on every rank after the last step.
-
-        A rank that ends its run while a fragment's average is in flight leaves its peers'
-        collective without a partner. Nothing happens when nothing is in flight.
+        """Apply the fragment in flight, if any: on every rank after the last step, so that no
+        rank leaves its peers' collective without a partner.
 
         Raises:
             DiLoCoSyncError: the average failed (a peer was lost).
@@ -547,43 +540,25 @@ class StreamingDiLoCo(ModelAverager):
             )
         # The average is taken in place: this rank's own outer gradient is copied first.
         local = flat.clone() if self.options.keeps_inflight_change else None
-        worker, share = self._worker_group, None
+        bucket, share, worker = FlatBucket(fragment, flat, params), None, self._worker_group
         if worker is not None and comm.world_size(worker) > 1:  # this rank's share crosses
-            share = _share_of(flat, params, comm.group_rank(worker), comm.world_size(worker))
+            share = _share_of(bucket, comm.group_rank(worker), comm.world_size(worker))
+            bucket = share.bucket
         try:  # a peer already gone can fail the issue itself, not only the wait
-            future = self._start_average(fragment, flat, params, share, group)
+            if self.options.bits is None:
+                future = comm.average(bucket.buffer(), group)
+            else:  # the quantized hook itself, on the fragment as on a bucket
+                hook: Callable[[Any, Any], torch.futures.Future[torch.Tensor]] = quantized_hook
+                future = hook(self.quantizers[fragment], bucket)
         except RuntimeError as exc:
             raise _sync_error(fragment, exc) from exc
         apply_at = inner + self.options.fragment_sync_delay
         self.in_flight = _InFlight(fragment, apply_at, flat, local, share)
         self._in_flight_future = future
 
-    def _start_average(
-        self,
-        fragment: int,
-        flat: torch.Tensor,
-        params: list[torch.Tensor],
-        share: "_Share | None",
-        group: dist.ProcessGroup,
-    ) -> torch.futures.Future[torch.Tensor]:
-        """Start averaging ``flat`` (or this rank's ``share`` of it) across workers, in float32
-        or by the quantized hook itself, on the fragment as on a bucket."""
-        target = flat if share is None else share.part
-        if self.options.bits is None:
-            return comm.average(target, group)
-        hook: Callable[[Any, Any], torch.futures.Future[torch.Tensor]] = quantized_hook
-        if share is None:
-            bucket = FlatBucket(fragment, flat, params)
-        else:
-            bucket = FlatBucket(fragment, share.part, share.params, share.pieces)
-        return hook(self.quantizers[fragment], bucket)
-
     def _settle(self) -> None:
         """Wait for the fragment in flight; its average is then in ``in_flight.flat``.
-
-        Raises:
-            DiLoCoSyncError: the average failed; the fragment is dropped, nothing changed.
-        """
+        ``DiLoCoSyncError`` if it failed: the fragment is dropped, nothing changed."""
         future, self._in_flight_future = self._in_flight_future, None
         if future is None or self.in_flight is None:
             return
@@ -609,10 +584,9 @@ class StreamingDiLoCo(ModelAverager):
     def _finish(self, lookup: dict[str, torch.Tensor]) -> None:
         """The outer step of the fragment in flight, then local = blend of global and local.
 
-        A non-finite average (a worker's NaN, which every rank receives alike) must not reach
-        the global parameters or the outer optimizer, which would carry it to every later sync:
-        decided on the device, the outer step is undone (:func:`step_where_finite`) and every
-        parameter taken back to the global ones (:meth:`_back_to_global`).
+        A non-finite average (a worker's NaN, on every rank alike) would carry into every later
+        sync: decided on the device, the outer step is undone (:func:`step_where_finite`) and
+        every parameter taken back to the global ones (:meth:`_back_to_global`).
         """
         self._settle()
         flight, self.in_flight = self.in_flight, None
@@ -770,10 +744,9 @@ class StreamingDiLoCo(ModelAverager):
         made, replaced = [], []
         for i, (names, saved) in enumerate(zip(plan or [], raw)):
             assert snapshot is not None
-            tensors = [snapshot[n] for n in names]
             entry = f"{where} the outer optimizer of fragment {i}"
-            scale = largest_magnitude(tensors)
-            loaded = load_outer(entry, self.outer_optimizer_factory, saved, tensors, scale)
+            tensors = [snapshot[n] for n in names]
+            loaded = load_outer(entry, self.outer_optimizer_factory, saved, tensors)
             made.append(loaded.optimizer)
             replaced += [r for r in loaded.replaced if r not in replaced]
         return made, replaced
@@ -957,10 +930,8 @@ def _fragment_tensor(
 
 
 def diloco_hook(state: StreamingDiLoCo, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """The DDP hook of a DiLoCo worker: average gradients within the worker, not across.
-
-    During the warm-up gradients are averaged over every worker (in float32, or in
-    ``warmup_bits``, bit for bit the same on every rank), so that the workers start alike.
+    """The DDP hook of a DiLoCo worker: average gradients within the worker, not across; over
+    every worker during the warm-up (in ``warmup_bits`` if given), so that workers start alike.
 
     Raises:
         ValueError: at the first call, on every rank alike, naming each option that differs

@@ -1,11 +1,8 @@
-"""Post-local SGD: global gradient averaging for a warm-up, then local or none.
+"""Post-local SGD: global gradient averaging for a warm-up, then within a machine or none.
 
-After ``start_localSGD_iter`` optimizer steps, gradients are averaged only within a
-``subgroup`` (by default the ranks of one machine, whose links are fast) or not at all, and a
-model averager (:mod:`commhooks.averaging.averagers`) averages the *parameters* every few
-steps: slow links are used once a period instead of once a step. Unlike PyTorch's hook, the
-per-machine subgroup needs no CUDA: machines come from the launch environment
-(:mod:`commhooks.comm.topology`), and ``state.subgroup_source`` says how.
+A model averager (:mod:`commhooks.averaging.averagers`) then averages the *parameters* every
+few steps: slow links are used once a period instead of once a step. Unlike PyTorch's hook,
+the per-machine subgroup needs no CUDA (:mod:`commhooks.comm.topology`).
 
 Hook modules must not use ``from __future__ import annotations``: DDP rejects string ones.
 """
@@ -53,11 +50,9 @@ class PostLocalSGDState(HookState):
 
     Args:
         process_group: the global group; ``None`` for the default group.
-        subgroup: the group to average gradients in after the warm-up; ``None`` for one
-            subgroup per machine, created (a collective) at the first post-warm-up bucket that
-            needs them, where every rank is at the same bucket with nothing in flight, or
-            earlier by :meth:`ensure_subgroup` on every rank. With a custom ``process_group``,
-            pass the subgroup explicitly.
+        subgroup: the group to average gradients in after the warm-up; ``None`` for one per
+            machine, created (a collective) at the first bucket that needs them, or earlier by
+            :meth:`ensure_subgroup` on every rank; needed with a custom ``process_group``.
         start_localSGD_iter, post_local_gradient_allreduce: :class:`PostLocalSGDOptions`.
 
     Attributes:
@@ -115,8 +110,14 @@ class PostLocalSGDState(HookState):
                 f"machine), got {type(subgroup).__name__}."
             )
         explicit = subgroup is not None if given else self._subgroup_explicit
-        if not explicit:
-            _check_default_subgroup_allowed(process_group, self.post_local_gradient_allreduce)
+        # Per-machine groups are made by every rank of the default group: ranks outside a
+        # custom group would never join, so no guess for them.
+        if not explicit and self.post_local_gradient_allreduce and not _every_rank(process_group):
+            raise ValueError(
+                "PostLocalSGDState: subgroup=None (one subgroup per machine) needs a process "
+                "group of every rank. With a process_group of some ranks only, pass subgroup= "
+                "explicitly (or post_local_gradient_allreduce=False, which never uses one)."
+            )
         super().bind(process_group)
         if given or not explicit:  # per-machine groups are derived within the group: again
             self._subgroup: dist.ProcessGroup | None = subgroup if given else None
@@ -192,20 +193,10 @@ class PostLocalSGDState(HookState):
         self._checked = False
 
 
-def _check_default_subgroup_allowed(
-    process_group: dist.ProcessGroup | None, gradients_averaged: bool
-) -> None:
-    # Per-machine groups are created by every rank of the default group: ranks outside a
-    # custom group would never join, so no guess for them. Every rank in order is the default.
-    if not gradients_averaged or comm.is_default_group(process_group):
-        return
-    if comm.global_ranks(process_group) == list(range(dist.get_world_size())):
-        return
-    raise ValueError(
-        "PostLocalSGDState: subgroup=None (one subgroup per machine) needs a process group "
-        "of every rank. With a process_group of some ranks only, pass subgroup= explicitly "
-        "(or post_local_gradient_allreduce=False, which never uses one)."
-    )
+def _every_rank(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group`` holds every rank in order: the default group by another name."""
+    default = comm.is_default_group(group)
+    return default or comm.global_ranks(group) == list(range(dist.get_world_size()))
 
 
 def post_localSGD_hook(
@@ -214,10 +205,6 @@ def post_localSGD_hook(
     """Average globally during the warm-up (bitwise DDP's), then within the subgroup, or not
     at all; with a model averager of the parameters after ``optimizer.step()``
     (:class:`commhooks.PeriodicModelAverager`, or :class:`commhooks.PostLocalSGDOptimizer`).
-
-    Args:
-        state: a :class:`PostLocalSGDState`.
-        bucket: the gradient bucket DDP hands to the hook.
     """
     if not isinstance(state, PostLocalSGDState):
         raise TypeError(

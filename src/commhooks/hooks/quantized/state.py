@@ -149,15 +149,12 @@ class BucketLayout:
     and rows, so a restart resumes bit for bit.
 
     Attributes:
-        numbers: the parameters' stable numbers
-            (:class:`~commhooks.numbering.ParameterNumbering`), ascending.
+        numbers: the parameters' stable numbers (:mod:`commhooks.numbering`), ascending.
         offsets, sizes: each parameter's place in the rows (as one flat tensor).
-        sources: each parameter's offset in the bucket's buffer.
-        numel: the bucket's length.
+        sources: each parameter's offset in the bucket's buffer; numel: the bucket's length.
         length: elements per row, whole blocks; the rows together are the bucket zero-padded.
         pieces: this rank's row, as ``(key, start, stop)``: the parts of parameters it holds,
-            keyed ``"number:first-stop"`` by the elements of the parameter, at ``[start, stop)``
-            in the row. The second error memory is kept under those keys.
+            keyed ``"number:first-stop"`` (the owner's memory's keys), at ``[start, stop)``.
         piece_sources: where each piece's first element lies in the bucket's buffer.
     """
 
@@ -257,10 +254,9 @@ class _Side:
 
     def bind_kernels(self, work: "Workspace", fmt: blocks.BlockFormat, other: "_Side") -> None:
         """Bind the CPU kernels' calls to this side's buffers and ``work``'s packets, checked
-        once here rather than at every call (about 3 us a call): the rank's quantization (rows
-        into ``send``), the owner's pass (``received`` summed into ``mine``, then quantized
-        into ``own_packet``) and, with error feedback (``other``, the other side), the copy of
-        ``other`` over this side where the gathered scales show the step was not finite."""
+        once here rather than at every call (about 3 us a call): the rank's quantization, the
+        owner's pass and, with error feedback (``other``, the other side), the copy of ``other``
+        over this side where the gathered scales are not finite."""
         bits, block, qmax, keep = fmt.bits, fmt.block, fmt.qmax, other is not self
         self.quantize = cpu_kernels.bound_quantize(self.rows, work.send, bits, block, keep, qmax)
         summed = cpu_kernels.bound_dequantize(work.received, bits, block, self.mine, add_rows=True)
@@ -407,8 +403,7 @@ class QuantizationState(HookState):
     Two error memories, both :class:`~commhooks.compress.error_feedback.ErrorFeedback`:
 
     * ``error``: what this rank's quantization dropped from its own gradient, a float32 tensor
-      per parameter keyed by its number (counted from DDP's last parameter), so it follows the
-      parameter through DDP's bucket rebuild and a restart with other bucket sizes.
+      per parameter keyed by its number, so it follows the parameter through DDP's rebuilds.
     * ``owner_error``: what the second quantization dropped from the average of the row this
       rank owns, keyed by the elements it covers (``"number:first-stop"``). A piece owned
       differently after a rebuild or restart is dropped (at most half a quantization step of
@@ -880,11 +875,8 @@ def _scatter(
 
 
 def _piece_sizes(gradients: list[torch.Tensor], buffer: torch.Tensor) -> tuple[int, ...]:
-    """How many elements of ``buffer`` belong to each parameter's gradient.
-
-    In DDP's buckets the gradients tile the buffer. An FSDP2 shard (``commhooks.fsdp``) pads
-    each parameter's rows: there each piece runs from its gradient's first element to the next
-    gradient's (the padding, zeros, travels with the parameter it follows).
+    """How many elements of ``buffer`` belong to each parameter's gradient: its own in DDP's
+    buckets; in an FSDP2 shard, which pads each parameter's rows, up to the next gradient's.
 
     Raises:
         ValueError: the gradients are not consecutive views that cover ``buffer``.
