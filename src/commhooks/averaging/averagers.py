@@ -1,25 +1,9 @@
 """Model averagers: average parameters (not gradients) across ranks every few steps.
 
-Used after ``optimizer.step()`` with :func:`commhooks.post_localSGD_hook`, or alone. Either
-call one after each step, as with PyTorch's averagers::
-
-    averager = PeriodicModelAverager(period=4, warmup_steps=100)
-    for x, y in data:
-        ...
-        optimizer.step()
-        averager.average_parameters(model.parameters())
-
-or attach it to the optimizer once, and it runs after every ``optimizer.step()``::
-
-    averager.attach(optimizer, model.named_parameters())
-
-Each averager counts its steps in ``step``; averaging happens at the steps its schedule picks,
-over the parameters that have a gradient
-(:func:`commhooks.averaging.parameters.get_params_to_average`).
-``step`` and the schedule are in :meth:`state_dict`, so a resumed run averages at the same steps.
-With a loss scaler, which skips ``optimizer.step()`` (and the hook) where a rank's gradients are
-not finite, call ``averager.end_step()`` after every ``scaler.step(optimizer)``, so that every
-rank counts every step.
+Called after each ``optimizer.step()`` (``averager.average_parameters(model.parameters())``, as
+PyTorch's) or attached to the optimizer once (:meth:`ModelAverager.attach`), with
+:func:`commhooks.post_localSGD_hook` or alone. Each counts its steps in ``step``, saved with its
+schedule, so a resumed run averages at the same steps.
 """
 
 import collections
@@ -84,9 +68,7 @@ OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 params_with_grads = get_params_to_average  # the name of earlier releases
 
 
-# ----------------------------------------------------------------------------------------------
-# Options
-# ----------------------------------------------------------------------------------------------
+# -- Options ---------------------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class AveragerOptions(Options):
     """The options every averager has."""
@@ -190,12 +172,16 @@ class OuterOptions(AveragerOptions):
         )
 
     def described(self) -> dict[str, Any]:
-        """The options as every rank must agree on them (a factory by its name)."""
-        if self.outer_optimizer is None:
-            return {n: getattr(self, n) for n in ("outer_lr", "outer_momentum", "nesterov")}
-        given = self.outer_optimizer
-        name = repr(given) if isinstance(given, functools.partial) else _qualname(given)
-        return {"outer_optimizer": name}
+        """The options as every rank must agree on them: a factory by its name, in place of
+        the default SGD's three options."""
+        fields, given = self.as_dict(), self.outer_optimizer
+        if given is None:
+            del fields["outer_optimizer"]
+            return fields
+        for name in ("outer_lr", "outer_momentum", "nesterov"):
+            del fields[name]
+        named = repr(given) if isinstance(given, functools.partial) else _qualname(given)
+        return {**fields, "outer_optimizer": named}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -214,15 +200,12 @@ def default_outer_optimizer(
     ).factory()
 
 
-# ----------------------------------------------------------------------------------------------
-# A loaded outer optimizer: checked, and run with the settings the averager was built with
-# ----------------------------------------------------------------------------------------------
+# -- A loaded outer optimizer: checked, and run with the settings the averager was built with ------
 PLAUSIBLE_CHANGE = 1e3
 """How far a loaded outer gradient or momentum may reach: ``PLAUSIBLE_CHANGE * (s + 1)``, with
-``s`` the largest magnitude among the global parameters it moves. An outer gradient is the
-change of those parameters over one sync's inner steps (momentum, a sum of such changes that
-shrink geometrically); a thousand times the parameters themselves (or 1000 where they are near
-zero, freshly initialised biases) is no training step but a damaged or foreign file."""
+``s`` the largest magnitude among the global parameters it moves. An outer gradient is their
+change over one sync's inner steps: a thousand times the parameters themselves (or 1000 for
+biases near zero) is no training step but a damaged or foreign file."""
 
 # The default outer SGD's hyper-parameters, by the option that sets each.
 _OPTION_OF = {"lr": "outer_lr", "momentum": "outer_momentum", "nesterov": "nesterov"}
@@ -230,13 +213,8 @@ _OPTION_OF = {"lr": "outer_lr", "momentum": "outer_momentum", "nesterov": "neste
 
 @dataclass(frozen=True)
 class LoadedOuter:
-    """An outer optimizer built fresh and loaded with a saved state.
-
-    Attributes:
-        optimizer: the optimizer, its hyper-parameters those it was built with.
-        replaced: ``(name, saved, kept)`` for each saved hyper-parameter that differed from the
-            one the averager was built with, which was kept (:func:`warn_replaced` says so).
-    """
+    """An outer optimizer built fresh, its hyper-parameters its own, loaded with a saved state;
+    ``replaced``: ``(name, saved, kept)`` for each saved hyper-parameter that differed."""
 
     optimizer: torch.optim.Optimizer
     replaced: tuple[tuple[str, Any, Any], ...]
@@ -247,16 +225,14 @@ def load_outer(
     factory: OptimizerFactory,
     saved: Any,
     params: list[torch.Tensor],
-    scale: float,
 ) -> LoadedOuter:
     """A fresh outer optimizer over ``params`` holding the ``saved`` state, every entry checked.
 
-    The options an averager is built with win over the saved hyper-parameters: they are what
-    the user asked for now, and what every rank's handshake compares. A saved hyper-parameter
-    that is not a finite number (or a flag where a flag belongs) is refused as damage; a valid
-    one that differs is replaced, and reported in :attr:`LoadedOuter.replaced`. Each saved
-    ``momentum_buffer`` must have its parameter's shape and stay within the plausible reach
-    of :data:`PLAUSIBLE_CHANGE` given ``scale``, the largest magnitude among ``params``.
+    The averager's own hyper-parameters win over the saved ones: they are what the user asked
+    for now, and what every rank's handshake compared. A saved one that is not a finite number
+    (or a flag) is refused as damage; one that differs is replaced and reported in
+    :attr:`LoadedOuter.replaced`. A ``momentum_buffer`` must stay within
+    :data:`PLAUSIBLE_CHANGE` of ``params``.
 
     Raises:
         StateDictError: naming the entry; nothing is changed.
@@ -265,6 +241,7 @@ def load_outer(
     built = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     state = check_optimizer_state(where, saved, params)
     _check_groups(where, state["param_groups"], built)
+    scale = largest_magnitude(params)
     for key, entry in state["state"].items():
         buffer = entry.get("momentum_buffer")
         if isinstance(buffer, torch.Tensor):
@@ -302,48 +279,36 @@ def _check_groups(where: str, saved: Any, built: list[dict[str, Any]]) -> None:
         if not isinstance(group, Mapping):
             raise StateDictError(f"{where} 'param_groups'[{i}] must be a dict.")
         for name, value in own.items():
-            if name in group and not _same_kind(group[name], value):
+            wanted = _kind_wanted(group[name], value) if name in group else ""
+            if wanted:
                 raise StateDictError(
-                    f"{where} 'param_groups'[{i}][{name!r}] must be "
-                    f"{_kind_of(value)}, as this optimizer's {value!r} is; got "
-                    f"{group[name]!r:.80}. Load the unchanged output of state_dict()."
+                    f"{where} 'param_groups'[{i}][{name!r}] must be {wanted}, as this "
+                    f"optimizer's {value!r} is; got {group[name]!r:.80}. Load the unchanged "
+                    "output of state_dict()."
                 )
 
 
-def _is_real(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _same_kind(saved: Any, own: Any) -> bool:
-    """Whether ``saved`` may stand where the optimizer holds ``own``: a flag for a flag, a
-    finite number for a number, as many finite numbers for a tuple of them."""
+def _kind_wanted(saved: Any, own: Any) -> str:
+    """What ``saved`` must be to stand where the optimizer holds ``own`` ('' if it may): a flag
+    for a flag, a finite number for a number, as many for a tuple of them; anything for what no
+    step computes with (None, a string, a device)."""
     if isinstance(own, bool):
-        return isinstance(saved, bool)
-    if _is_real(own):
-        return _is_real(saved) and math.isfinite(saved)
-    if isinstance(own, tuple) and all(_is_real(v) for v in own):
-        return (
-            isinstance(saved, (tuple, list))
-            and len(saved) == len(own)
-            and all(_is_real(v) and math.isfinite(v) for v in saved)
-        )
-    return True  # None, a string, a device: nothing a step computes with
-
-
-def _kind_of(own: Any) -> str:
-    if isinstance(own, bool):
-        return "True or False"
-    if _is_real(own):
-        return "a finite number"
-    return "a list of finite numbers" if isinstance(own, tuple) else "of the same kind"
+        return "" if isinstance(saved, bool) else "True or False"
+    if _finite(own):
+        return "" if _finite(saved) else "a finite number"
+    if isinstance(own, tuple) and all(map(_finite, own)):
+        fits = isinstance(saved, (tuple, list)) and len(saved) == len(own)
+        return "" if fits and all(map(_finite, saved)) else "a list of finite numbers"
+    return ""
 
 
 def check_plausible(where: str, value: torch.Tensor, scale: float) -> None:
-    """Refuse a loaded change (outer gradient, momentum) beyond :data:`PLAUSIBLE_CHANGE`.
-
-    Raises:
-        StateDictError: naming ``where``, its largest magnitude and the bound.
-    """
+    """Refuse a loaded change (outer gradient, momentum) beyond :data:`PLAUSIBLE_CHANGE`, with
+    a ``StateDictError`` naming ``where``, its largest magnitude and the bound."""
     bound = PLAUSIBLE_CHANGE * (scale + 1.0)
     largest = float(value.detach().abs().max()) if value.numel() else 0.0
     if largest > bound:
@@ -380,23 +345,26 @@ def warn_replaced(owner: str, replaced: Iterable[tuple[str, Any, Any]], default_
 
 
 def step_where_finite(
-    optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], finite: torch.Tensor
+    optimizer: torch.optim.Optimizer,
+    params: Sequence[torch.Tensor],
+    grads: Iterable[torch.Tensor],
+    finite: torch.Tensor,
 ) -> None:
-    """``optimizer.step()`` on ``params``, undone on the device where ``finite`` is false.
+    """``optimizer.step()`` on ``params`` with ``grads``, undone where ``finite`` is false.
 
-    An outer step whose average is not finite (a worker's NaN) would put NaN in the global
-    parameters and the outer momentum for good, on every rank. Whether it is finite is a
-    tensor on the device (:func:`commhooks.compress.error_feedback.all_finite`), the same on
-    every rank; reading it back would make the host wait for the device at every sync. So the
-    parameters and their optimizer state are copied before the step and taken back after it
-    with ``torch.where``: one copy of them a sync, nothing read. A state the step made (a
-    first momentum) is zeros where it is undone, as a fresh one is; a state tensor on another
-    device than ``finite`` (a step count kept on the CPU) is left as the step made it.
+    A non-finite average (a worker's NaN) would put NaN in the global parameters and the outer
+    momentum for good, on every rank; reading ``finite`` back would make the host wait for the
+    device at every sync. So the parameters and their optimizer state are copied before the step
+    and taken back after it with ``torch.where``. A state the step made is zeros where it is
+    undone, as a fresh one is; one on another device (a step count on the CPU) is left as made.
     """
     before = [p.detach().clone() for p in params]
     held = [_state_on(optimizer, p, finite.device) for p in params]
     kept = [{key: value.clone() for key, value in state.items()} for state in held]
+    for p, grad in zip(params, grads):
+        p.grad = grad.to(p.dtype)
     optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
     with torch.no_grad():
         for p, was in zip(params, before):
             torch.where(finite, p, was, out=p)
@@ -422,18 +390,87 @@ def _step_count(where: str, value: Any) -> int:
         raise StateDictError(f"{where} must be a non-negative integer, got {value!r}.") from None
 
 
-# ----------------------------------------------------------------------------------------------
-# The averagers
-# ----------------------------------------------------------------------------------------------
+# -- The global parameters (the snapshot) of the outer averager and of DiLoCo ----------------------
+Shape = tuple[int, ...]
+Layout = dict[str, tuple[Shape, torch.dtype]]  # a model's parameters: name -> shape, dtype
+
+
+def layout_of(named: Iterable[tuple[str, torch.Tensor]]) -> Layout:
+    """Each parameter's shape and dtype, by name."""
+    return {n: (tuple(p.shape), p.dtype) for n, p in named}
+
+
+def mismatch(saved: torch.Tensor | None, wanted: tuple[Shape, torch.dtype]) -> str:
+    """How a global parameter differs from the model's, ``wanted`` ('' if it fits)."""
+    shape, dtype = wanted
+    if saved is None:
+        return "has no global parameter"
+    if tuple(saved.shape) == shape and saved.dtype == dtype:
+        return ""
+    return f"is {tuple(saved.shape)} {saved.dtype}, the model's parameter {shape} {dtype}"
+
+
+def check_snapshot(
+    owner: str,
+    snapshot: Mapping[str, torch.Tensor],
+    params: Mapping[str, torch.Tensor],
+    exact: bool = True,
+) -> None:
+    """Raise ``ValueError``, naming the first that differ, unless ``snapshot`` holds each of
+    ``params`` in its shape and dtype (and no other, if ``exact``): before an outer step mixes
+    the two."""
+    want = layout_of(params.items())
+    wrong = [f"{n!r} {w}" for n, shape in want.items() if (w := mismatch(snapshot.get(n), shape))]
+    if wrong or (exact and len(params) != len(snapshot)):
+        first = f"; first differing: {'; '.join(wrong[:3])}" if wrong else ""
+        raise ValueError(
+            f"{owner}: the parameters to average ({len(params)} tensors) do not match the "
+            f"snapshot from the last sync ({len(snapshot)} tensors{first}; names, shapes and "
+            "dtypes must match); the set of parameters with gradients changed, or a state dict "
+            "saved for another model was loaded. Nothing was changed; load the matching "
+            "checkpoint."
+        )
+
+
+def move_to(
+    device: torch.device,
+    snapshot: Mapping[str, torch.Tensor],
+    optimizers: Iterable[torch.optim.Optimizer],
+) -> None:
+    """Move the snapshot to ``device`` if it is elsewhere (a CPU checkpoint): in place, so that
+    the outer optimizers keep their references; then they move their own state."""
+    if next(iter(snapshot.values())).device == device:
+        return
+    for snap in snapshot.values():
+        snap.data = snap.data.to(device)
+    for outer in optimizers:
+        outer.load_state_dict(outer.state_dict())
+
+
+def parse_snapshot(
+    where: str, state_dict: Mapping[str, Any], flag: str
+) -> dict[str, torch.Tensor] | None:
+    """The saved snapshot as ``{name: tensor}``, each tensor checked and copied; ``None`` where
+    ``state_dict[flag]`` says there is none. A list (version 1) is keyed by position."""
+    taken, raw = state_dict.get(flag), state_dict.get("snapshot")
+    if not isinstance(taken, bool) or not isinstance(raw, (list, Mapping)):
+        raise StateDictError(f"{where} '{flag}' or 'snapshot' is missing or malformed.")
+    if not taken:
+        return None
+    out: dict[str, torch.Tensor] = {}
+    for name, t in enumerate(raw) if isinstance(raw, list) else raw.items():
+        if not isinstance(name, (str, int)) or isinstance(name, bool):
+            raise StateDictError(f"{where} 'snapshot' keys must be parameter names (strings).")
+        entry = f"{where} 'snapshot'[{str(name)!r}]"
+        out[str(name)] = check_tensor(entry, t, floating=True).detach().clone()
+    return out
+
+
+# -- The averagers ---------------------------------------------------------------------------------
 class ModelAverager(HookState):
     """Base of the averagers: the step counter, warm-up, the once-only check, attaching.
-
-    Subclasses decide at which steps to average (:meth:`_group_due`) and how
-    (:meth:`_average`). Both are pure functions of ``step``, identical on every rank.
-
-    Args:
-        warmup_steps: steps that never average.
-        process_group: the group to average over; ``None`` for the default group.
+    Subclasses decide at which steps to average (:meth:`_group_due`, the same on every rank)
+    and how (:meth:`_average`), over ``process_group`` (``None``: the default group).
     """
 
     kind: ClassVar[str] = "model_averager"
@@ -460,21 +497,15 @@ class ModelAverager(HookState):
     def average_parameters(self, params: Params) -> None:
         """Average ``params`` if this step is due, then advance ``step``.
 
-        The parameters without a gradient are left out, as PyTorch's averagers do; the others
-        are known by their position among those (use :meth:`attach` for names that survive a
-        change of model or optimizer).
-
-        Args:
-            params: ``model.parameters()`` or ``optimizer.param_groups``.
+        ``params``: ``model.parameters()`` or ``optimizer.param_groups``; those without a
+        gradient are left out, as PyTorch's averagers do, the others known by their position
+        (:meth:`attach` names them, which survives a rebuilt model).
         """
         self.average_named(positional(get_params_to_average(params)))
 
     def average_named(self, named: Named) -> None:
-        """Average the named parameters if this step is due, then advance ``step``.
-
-        A collective at the steps that average (and, once, at the first call, to check that
-        every rank has the same schedule): call it on every rank at every step.
-        """
+        """Average the named parameters if this step is due, then advance ``step``: a
+        collective there (and at the first call, the schedule's check), on every rank."""
         if not self._checked:
             self.agree_with_ranks()
         due = self._group_due()
@@ -489,36 +520,25 @@ class ModelAverager(HookState):
         optimizer: torch.optim.Optimizer,
         named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
     ) -> RemovableHandle:
-        """Run this averager after every ``optimizer.step()``, through its step post-hook.
-
-        The parameters averaged are those of ``optimizer.param_groups`` that have a gradient,
-        each known by its name in ``named_parameters`` (e.g. ``model.named_parameters()``),
-        else by the optimizer's own parameter names, else by its place in the groups. State kept
-        per parameter (:class:`OuterOptimizerAverager`'s snapshot) is keyed by that name, so a
-        checkpoint resumes after the model and optimizer are rebuilt.
-
-        Returns:
-            the hook's handle: ``handle.remove()`` detaches the averager.
+        """Run this averager after every ``optimizer.step()`` (a step post-hook, whose handle's
+        ``remove()`` detaches it) on the parameters that have a gradient, each named by
+        ``named_parameters`` (e.g. ``model.named_parameters()``), else by the optimizer's
+        names, else by place: state kept per parameter survives a rebuilt model by that name.
         """
         names = None if named_parameters is None else {id(p): n for n, p in named_parameters}
-        self._attached = _AfterStep(self, names, optimizer)
+        self._attached = _AfterStep(self, names, weakref.ref(optimizer))
         return optimizer.register_step_post_hook(self._attached)
 
     def end_step(self) -> None:
         """Count a step the attached optimizer skipped: call it after every
-        ``scaler.step(optimizer)``.
+        ``scaler.step(optimizer)``, on every rank.
 
-        A loss scaler (``torch.amp.GradScaler``) skips ``optimizer.step()`` where this rank's
-        gradients are not finite, and with it the step post-hook this averager runs in. Where
-        the ranks do not average gradients (after post-local SGD's warm-up, DiLoCo's workers)
-        a rank skips alone: uncounted, its steps would fall behind the others' and it would
-        average at other steps than they do. Called after a step the optimizer took, this does
-        nothing (the hook counted it); after one it skipped, it does what the hook would have
-        done, for parameters the skipped step left as they were. Once per step, on every rank.
+        A loss scaler skips ``optimizer.step()`` and this averager's post-hook where this
+        rank's gradients are not finite. Where the ranks do not average gradients (post-local
+        SGD, DiLoCo) a rank skips alone, and uncounted would average at other steps.
 
         Raises:
-            ValueError: the averager is not attached to an optimizer (call
-                :meth:`average_parameters` after every step, taken or skipped, instead).
+            ValueError: the averager is not attached to an optimizer.
         """
         attached = self._attached
         optimizer = None if attached is None else attached.optimizer()
@@ -535,21 +555,16 @@ class ModelAverager(HookState):
 
     @property
     def ranks_agree(self) -> bool:
-        """Whether every rank was found to share :meth:`handshake_fields` (since the last
-        load): a plain attribute, asked where a collective may follow."""
+        """Whether every rank was found to share :meth:`handshake_fields` since the last load."""
         return self._checked
 
     def agree_with_ranks(self, group: dist.ProcessGroup | None = None) -> None:
-        """Check that every rank of ``group`` (``None``: the averager's) shares the schedule.
-
-        One gather, on every rank of ``group`` at the same point; after it (until a state dict
-        is loaded) nothing. Run at the first :meth:`average_named`, or earlier by whoever
-        communicates first (DiLoCo's DDP hook), so that options that differ are named before
-        any collective whose kind or size they decide.
+        """Check that every rank of ``group`` (``None``: the averager's) shares the schedule:
+        one gather, on every rank at the same point, until a state dict is loaded; run by
+        whoever communicates first (DiLoCo's DDP hook), before a collective the options shape.
 
         Raises:
-            ValueError: on every rank alike, naming each differing field and its value on
-                every rank.
+            ValueError: on every rank alike, naming each differing field and its values.
         """
         if self._checked:
             return
@@ -569,29 +584,24 @@ class ModelAverager(HookState):
         average_parameters([p for _, p in named], group)
 
     def _between_syncs(self, named: Named) -> None:
-        """Called at the steps that do not average, so a subclass can prepare the next sync.
-
-        Runs after the schedule check and at the same steps on every rank, so it may
-        communicate. Default: nothing.
-        """
+        """Prepare the next sync at a step that does not average (alike on every rank)."""
 
     def _restore_transient(self) -> None:
-        if "options" not in self.__dict__:  # pickled by a release without options objects
-            names = self.options_class.names()
-            values = {n: self.__dict__.pop(n) for n in names if n in self.__dict__}
-            if "levels" in self.__dict__:
-                values["period_group_size_dict"] = dict(self.__dict__.pop("levels"))
-            self.options = self.options_class(**values)
         self._checked = False
         self._attached = None  # optimizers do not pickle their hooks: attach again
 
     # -- state dicts: parse (validate everything) then apply, so a bad dict changes nothing ---
-    # The schedule is saved with the step so that a counter is never resumed under another
-    # schedule, which would silently average at other steps than the saved run. The warm-up
-    # is restored from the state dict, as an optimizer restores its learning rate; the period
-    # (and a hierarchy) decide which groups average at all, so a different one is refused.
+    # The warm-up is restored from the state dict, as an optimizer restores its learning rate;
+    # the schedule (:meth:`_schedule`) decides which groups average at all, so another is refused.
+    _shown_as: ClassVar[dict[str, tuple[str, Callable[[Any], str]]]] = {}
+
+    def _schedule(self) -> dict[str, Any]:
+        """The options saved with the step, as saved: a counter resumed under another schedule
+        would silently average at other steps than the saved run."""
+        return {}
+
     def _save(self) -> dict[str, Any]:
-        return {"step": self.step, "warmup_steps": self.warmup_steps}
+        return {"step": self.step, "warmup_steps": self.warmup_steps, **self._schedule()}
 
     def _load(self, state_dict: Mapping[str, Any]) -> None:
         self._apply(self._parse(state_dict))
@@ -599,41 +609,19 @@ class ModelAverager(HookState):
     def _parse(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
         where = f"{type(self).__name__}.load_state_dict:"
         step = _step_count(f"{where} 'step'", state_dict.get("step"))
-        warmup = state_dict.get("warmup_steps", self.warmup_steps)
-        return {"step": step, "warmup_steps": _step_count(f"{where} 'warmup_steps'", warmup)}
-
-    def _check_saved_option(
-        self,
-        state_dict: Mapping[str, Any],
-        key: str,
-        current: Any,
-        name: str | None = None,
-        show: Callable[[Any], str] = repr,
-    ) -> None:
-        """Raise unless the saved ``key`` equals ``current``.
-
-        State dicts written before the options were saved lack the key; they load unchecked.
-
-        Args:
-            state_dict: the dict being loaded.
-            key: its entry for the option.
-            current: this averager's value, in the form :meth:`_save` writes it.
-            name: the option's constructor name, if it differs from ``key``.
-            show: how to write a value in the message, in the form the constructor takes.
-
-        Raises:
-            StateDictError: the saved value differs; the message names both.
-        """
-        if key not in state_dict or state_dict[key] == current:
-            return
-        name = name or key
-        saved = show(state_dict[key])
-        raise StateDictError(
-            f"{type(self).__name__}.load_state_dict: the state dict was saved by an averager "
-            f"with {name}={saved}, but this one has {name}={show(current)}, so its step counter "
-            f"would average at other steps. Build the averager with {name}={saved} to resume "
-            "from this state dict."
-        )
+        saved_warmup = state_dict.get("warmup_steps", self.warmup_steps)
+        warmup = _step_count(f"{where} 'warmup_steps'", saved_warmup)
+        for key, current in self._schedule().items():
+            if key not in state_dict or state_dict[key] == current:  # absent: saved before it was
+                continue
+            name, show = self._shown_as.get(key, (key, repr))
+            saved = show(state_dict[key])
+            raise StateDictError(
+                f"{where} the state dict was saved by an averager with {name}={saved}, but this "
+                f"one has {name}={show(current)}, so its step counter would average at other "
+                f"steps. Build the averager with {name}={saved} to resume from this state dict."
+            )
+        return {"step": step, "warmup_steps": warmup}
 
     def _apply(self, values: dict[str, Any]) -> None:
         warmup = values["warmup_steps"]
@@ -650,19 +638,15 @@ class ModelAverager(HookState):
         self._checked = False
 
 
+@dataclass(eq=False)
 class _AfterStep:
     """The step post-hook :meth:`ModelAverager.attach` registers; ``taken`` says that it ran
     since the last :meth:`ModelAverager.end_step` (the optimizer took its step)."""
 
-    def __init__(
-        self,
-        averager: ModelAverager,
-        names: dict[int, str] | None,
-        optimizer: torch.optim.Optimizer,
-    ) -> None:
-        self.averager, self.names = averager, names
-        self.optimizer = weakref.ref(optimizer)  # the averager must not keep it alive
-        self.taken = False
+    averager: ModelAverager
+    names: dict[int, str] | None
+    optimizer: "weakref.ref[torch.optim.Optimizer]"  # the averager must not keep it alive
+    taken: bool = False
 
     def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.taken = True
@@ -670,10 +654,8 @@ class _AfterStep:
 
 
 class PeriodicModelAverager(ModelAverager):
-    """Average across the group every ``period`` steps once ``warmup_steps`` have passed.
-
-    Averages at steps ``warmup_steps, warmup_steps + period, ...`` (counting from 0), as
-    PyTorch's averager of the same name does.
+    """Average across the group at steps ``warmup_steps, warmup_steps + period, ...``
+    (counting from 0), as PyTorch's averager of the same name does.
 
     Args:
         period: steps between averagings; 1 averages every step.
@@ -701,35 +683,33 @@ class PeriodicModelAverager(ModelAverager):
             return None
         return comm.resolve_group(self.process_group, owner=type(self).__name__)
 
-    def _save(self) -> dict[str, Any]:
-        return {**super()._save(), "period": self.period}
+    def _schedule(self) -> dict[str, Any]:
+        return {"period": self.period}
 
-    def _parse(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
-        values = super()._parse(state_dict)
-        self._check_saved_option(state_dict, "period", self.period)
-        return values
+
+def _pairs_as_dict(pairs: Any) -> str:
+    """Saved ``[period, size]`` pairs written as the ``{period: size}`` the constructor takes."""
+    try:
+        return repr({period: size for period, size in pairs})
+    except (TypeError, ValueError):
+        return repr(pairs)  # malformed: show it as it is
 
 
 class HierarchicalModelAverager(ModelAverager):
     """Average within groups of several sizes, each on its own period.
 
-    At a step past the warm-up, the averaging runs in the largest group whose period divides
-    the step (counting from 0, as PyTorch does); smaller groups are nested in it, so averaging
-    them as well would change nothing. Groups of size ``s`` are consecutive blocks of ``s``
-    ranks of ``process_group``, and inherit its timeout.
+    Past the warm-up, a step averages in the largest group whose period divides it (counting
+    from 0, as PyTorch does); the smaller groups nest in it. Groups of size ``s`` are
+    consecutive blocks of ``s`` ranks of ``process_group``, and inherit its timeout.
 
-    The groups are created at construction, a collective over the default group: build the
-    averager on every rank at the same point. After unpickling they are created again on the
-    first call to :meth:`average_parameters` (or the first read of
-    :attr:`period_process_group_dict`), which every rank must also make at the same step.
+    The groups are created at construction (after unpickling, at the first average or read of
+    :attr:`period_process_group_dict`): a collective, at the same point on every rank.
 
     Args:
-        period_group_size_dict: ordered ``{period: group size}``, periods increasing; every
-            size divides the world size and the last (longest-period) group is the whole
-            ``process_group``. ``{2: 2, 4: 8}`` on 8 ranks: pairs every 2 steps, everyone
-            every 4.
-        warmup_steps: steps before the first averaging.
-        process_group: the whole group; ``None`` for the default group.
+        period_group_size_dict: ordered ``{period: group size}``, periods increasing, each size
+            dividing the world size, the last the whole group: ``{2: 2, 4: 8}`` on 8 ranks
+            averages pairs every 2 steps, everyone every 4.
+        warmup_steps, process_group: as :class:`PeriodicModelAverager`'s.
     """
 
     kind: ClassVar[str] = "hierarchical_model_averager"
@@ -743,16 +723,13 @@ class HierarchicalModelAverager(ModelAverager):
         warmup_steps: int = 0,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
-        # The shape of the hierarchy first: its errors need no process group, and looking one
-        # up first would report a missing group instead of the mistake in the hierarchy.
+        # The hierarchy first: a missing group would hide its mistakes.
         given = period_group_size_dict
         options = HierarchicalAveragerOptions(
             period_group_size_dict=tuple(given.items()) if isinstance(given, Mapping) else given,
             warmup_steps=warmup_steps,
         )
         self._setup(options, process_group)
-        world = comm.world_size(comm.resolve_group(process_group, owner=type(self).__name__))
-        _check_fits_world(self.levels, world)
         self._groups: list[dist.ProcessGroup | None] | None = self._create_groups()
         for period, size in self.levels:
             logger.info("hierarchical averaging: groups of %d ranks every %d steps", size, period)
@@ -769,12 +746,9 @@ class HierarchicalModelAverager(ModelAverager):
 
     @property
     def period_process_group_dict(self) -> "collections.OrderedDict[int, Any]":
-        """``{period: process group}``, as PyTorch's attribute: this rank's group per level.
-
-        A level of one rank maps to a group of that rank alone, as in PyTorch (``None`` would
-        mean the default group to ``torch.distributed``). Reading it after unpickling, before
-        the first average, creates the groups: a collective.
-        """
+        """``{period: process group}``, as PyTorch's attribute: this rank's group per level
+        (a level of one rank: a group of it alone, as in PyTorch). Read after unpickling, before
+        the first average, it creates the groups: a collective."""
         groups = self._groups_now()
         return collections.OrderedDict(
             (period, group) for (period, _), group in zip(self.levels, groups)
@@ -788,11 +762,7 @@ class HierarchicalModelAverager(ModelAverager):
     def _create_groups(self) -> list[dist.ProcessGroup | None]:
         parent = comm.resolve_group(self.process_group, owner=type(self).__name__)
         ranks = comm.global_ranks(parent)
-        if len(ranks) != self.levels[-1][1]:
-            raise ValueError(
-                f"{type(self).__name__}: the hierarchy was built for {self.levels[-1][1]} "
-                f"ranks, but its process group has {len(ranks)}. Build a new averager for it."
-            )
+        _check_fits_world(self.levels, len(ranks))
         groups: list[dist.ProcessGroup | None] = []
         for _, size in self.levels:  # blocks of one rank too: each rank gets its own group
             if size == len(ranks):
@@ -821,28 +791,14 @@ class HierarchicalModelAverager(ModelAverager):
 
     # Saved as [period, size] pairs: a dict with integer keys does not survive every
     # checkpointing tool (torch.distributed.checkpoint turns the keys into strings).
-    def _save(self) -> dict[str, Any]:
-        return {**super()._save(), "period_group_sizes": self._level_pairs()}
+    _shown_as = {"period_group_sizes": ("period_group_size_dict", _pairs_as_dict)}
 
-    def _parse(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
-        values = super()._parse(state_dict)
-        self._check_saved_option(
-            state_dict,
-            "period_group_sizes",
-            self._level_pairs(),
-            name="period_group_size_dict",
-            show=_pairs_as_dict,
-        )
-        return values
-
-    def _level_pairs(self) -> list[list[int]]:
-        return [[period, size] for period, size in self.levels]
+    def _schedule(self) -> dict[str, Any]:
+        return {"period_group_sizes": [[period, size] for period, size in self.levels]}
 
     def bind(self, process_group: dist.ProcessGroup | None) -> "HierarchicalModelAverager":
-        """Average within ``process_group`` from now on; its subgroups are created on next use.
-
-        The new group must have the size the hierarchy was built for.
-        """
+        """Average within ``process_group`` (of the hierarchy's size) from now on; its
+        subgroups are created on next use."""
         super().bind(process_group)
         self._groups = None
         return self
@@ -865,52 +821,31 @@ def _check_fits_world(pairs: tuple[tuple[int, int], ...], world: int) -> None:
         )
 
 
-def _pairs_as_dict(pairs: Any) -> str:
-    """Saved ``[period, size]`` pairs written as the ``{period: size}`` the constructor takes."""
-    try:
-        return repr({period: size for period, size in pairs})
-    except (TypeError, ValueError):
-        return repr(pairs)  # malformed: show it as it is
-
-
 class OuterOptimizerAverager(PeriodicModelAverager):
     """Periodic averaging that applies an outer optimizer to the averaged change (DiLoCo).
 
-    Keeps the parameters as they were at the last sync (the snapshot), by parameter name. At
-    each sync, the change the ranks made since then, averaged (``last sync - average of
-    current``), is treated as a gradient: the parameters go back to their last-sync values and
-    the outer optimizer takes one step with that pseudo-gradient. With outer SGD at learning
-    rate 1 and no momentum this is plain periodic averaging; momentum lets the slow, infrequent
-    global updates build speed.
+    Keeps the parameters of the last sync (the snapshot), by name (:meth:`attach`) or else by
+    position. At each sync the averaged change since then (``last sync - average of current``)
+    is a gradient: the parameters go back to the snapshot and the outer optimizer takes one
+    step with it. Outer SGD at learning rate 1 without momentum is plain periodic averaging;
+    momentum lets the slow, infrequent global updates build speed.
 
-    The first snapshot is taken at the last warm-up step (``warmup_steps - 1``), as the
-    average over the group of the parameters then: DiLoCo steps from where the local phase
-    started, and the average is the same on every rank even if the warm-up did not keep the
-    parameters in sync (they are left as they are). That costs one more allreduce, at that
-    step. So the first sync already applies the outer optimizer. Without a snapshot at a sync
-    (``warmup_steps=0``, or a state dict saved without one) that sync is a plain average, which
-    becomes the snapshot; the outer optimizer starts at the next.
-
-    The snapshot is keyed by the parameters' names when the averager is attached with them
-    (:meth:`attach`), else by their positions. State dicts of earlier releases, whose
-    snapshot is a list, still load: their entries are matched to the parameters by position.
+    The first snapshot is the group's average of the parameters at the last warm-up step (one
+    more allreduce), the same on every rank even if the warm-up did not keep them in sync, so
+    the first sync already steps the outer optimizer. A sync without a snapshot
+    (``warmup_steps=0``) is a plain average, which becomes the snapshot. A state dict of
+    version 1, whose snapshot is a list, loads by position.
 
     Args:
-        period: steps between syncs.
+        period, process_group: as :class:`PeriodicModelAverager`'s.
         warmup_steps: steps before the first sync; the last of them takes the snapshot.
-        process_group: the group to average over; ``None`` for the default group.
-        outer_lr: learning rate of the default outer SGD.
-        outer_momentum: momentum of the default outer SGD (0 for none).
-        nesterov: Nesterov momentum for the default outer SGD (ignored without momentum).
-        outer_optimizer: any ``factory(list_of_tensors) -> torch.optim.Optimizer``, replacing
-            the default SGD (and its three options), e.g.
-            ``functools.partial(torch.optim.AdamW, lr=1e-3)``. Make it picklable (a partial,
-            not a lambda) if you pickle the averager.
+        outer_lr, outer_momentum, nesterov: the default outer SGD's (momentum 0: none).
+        outer_optimizer: a ``factory(list_of_tensors) -> torch.optim.Optimizer`` replacing the
+            default SGD, e.g. ``functools.partial(torch.optim.AdamW, lr=1e-3)`` (a partial, not
+            a lambda, if you pickle the averager).
 
-    The outer optimizer runs on the averager's own copy of the parameters (the snapshot), so
-    its state and the snapshot are in :meth:`state_dict`. Loaded, it keeps the settings this
-    averager was built with (:func:`load_outer`): a saved learning rate that differs is named
-    in a warning, one that is not a finite number refused.
+    The snapshot and the outer optimizer's state are in :meth:`state_dict`; loaded, the outer
+    optimizer keeps the settings this averager was built with (:func:`load_outer`).
     """
 
     kind: ClassVar[str] = "outer_optimizer_averager"
@@ -945,9 +880,7 @@ class OuterOptimizerAverager(PeriodicModelAverager):
 
     def handshake_fields(self) -> dict[str, Any]:
         """The schedule, the outer optimizer's options and whether a snapshot exists."""
-        opts = self.options
-        schedule = {"warmup_steps": opts.warmup_steps, "period": opts.period, "step": self.step}
-        return {**schedule, **opts.described(), "synced": self.snapshot is not None}
+        return {**self.options.described(), "step": self.step, "synced": self.snapshot is not None}
 
     def _between_syncs(self, named: Named) -> None:
         if self.step != self.warmup_steps - 1 or not named:
@@ -972,48 +905,22 @@ class OuterOptimizerAverager(PeriodicModelAverager):
         snapshot = self._fit_snapshot(named)  # before the collective, so no rank waits alone
         avg = averaged_views(tensors, group)
         finite = all_finite(*avg)  # the same on every rank: a NaN anywhere is everyone's
-        with torch.no_grad():
-            for snap, a in zip(snapshot, avg):
-                # In place in the flat buffer: it is not needed after this.
-                snap.grad = a.neg_().add_(snap).to(snap.dtype)
-        step_where_finite(self.outer_optimizer, snapshot, finite)
-        self.outer_optimizer.zero_grad(set_to_none=True)
-        with torch.no_grad():
+        with torch.no_grad():  # in place in the flat buffer: it is not needed after this
+            grads = [a.neg_().add_(snap) for snap, a in zip(snapshot, avg)]
+            step_where_finite(self.outer_optimizer, snapshot, grads, finite)
             for p, snap in zip(tensors, snapshot):
                 p.copy_(snap)
 
     def _fit_snapshot(self, named: Named) -> list[torch.Tensor]:
         """The snapshot's tensors in the order of ``named``, or ``ValueError`` if they differ."""
-        assert self.snapshot is not None
+        assert self.snapshot is not None and self.outer_optimizer is not None
         names = [n for n, _ in named]
         if set(names) != set(self.snapshot) and _is_positional(self.snapshot, len(names)):
             # Saved by position (an earlier release, or average_parameters): same order.
             self.snapshot = dict(zip(names, self.snapshot.values()))
-        found = [self.snapshot.get(n) for n in names]
-        fits = [
-            s is not None and s.shape == p.shape and s.dtype == p.dtype
-            for s, (_, p) in zip(found, named)
-        ]
-        if len(names) != len(self.snapshot) or not all(fits):
-            raise ValueError(
-                f"{type(self).__name__}: the parameters to average ({len(names)} tensors) do "
-                f"not match the snapshot from the last sync ({len(self.snapshot)} tensors; "
-                "names, shapes and dtypes must match); the set of parameters with gradients "
-                "changed, or a state dict saved for another model was loaded. Nothing was "
-                "changed; load the matching checkpoint."
-            )
-        snapshot = [s for s in found if s is not None]
-        if snapshot[0].device != named[0][1].device:
-            self._move_snapshot(named[0][1].device)
-        return snapshot
-
-    def _move_snapshot(self, device: torch.device) -> None:
-        # Loaded on another device (e.g. a CPU checkpoint): move in place so that the outer
-        # optimizer keeps its references, then let it move its own state.
-        assert self.snapshot is not None and self.outer_optimizer is not None
-        for snap in self.snapshot.values():
-            snap.data = snap.data.to(device)
-        self.outer_optimizer.load_state_dict(self.outer_optimizer.state_dict())
+        check_snapshot(type(self).__name__, self.snapshot, dict(named))
+        move_to(named[0][1].device, self.snapshot, [self.outer_optimizer])
+        return [self.snapshot[n] for n in names]
 
     def _save(self) -> dict[str, Any]:
         # "synced": there is a snapshot, from the last warm-up step or from a sync.
@@ -1028,19 +935,16 @@ class OuterOptimizerAverager(PeriodicModelAverager):
     def _parse(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
         values = super()._parse(state_dict)
         where = f"{type(self).__name__}.load_state_dict:"
-        synced, raw = state_dict.get("synced"), state_dict.get("snapshot")
-        if not isinstance(synced, bool) or not isinstance(raw, (list, Mapping)):
-            raise StateDictError(f"{where} 'synced' or 'snapshot' is missing or malformed.")
-        if not synced:
+        snapshot = parse_snapshot(where, state_dict, "synced")
+        if snapshot is None:
             return {**values, "snapshot": None, "outer_optimizer": None}
-        snapshot = _parse_snapshot(where, raw)
-        tensors = list(snapshot.values())
+        if not snapshot:
+            raise StateDictError(f"{where} 'snapshot' must hold a tensor per parameter, got none.")
         outer = load_outer(
             f"{where} the outer optimizer state ('outer_optimizer')",
             self.outer_optimizer_factory,
             state_dict.get("outer_optimizer"),
-            tensors,
-            largest_magnitude(tensors),
+            list(snapshot.values()),
         )
         chosen = {"outer_optimizer": outer.optimizer, "replaced": outer.replaced}
         return {**values, "snapshot": snapshot, **chosen}
@@ -1052,28 +956,9 @@ class OuterOptimizerAverager(PeriodicModelAverager):
         self.snapshot = values["snapshot"]
         self.outer_optimizer = values["outer_optimizer"]
 
-    def _restore_transient(self) -> None:
-        super()._restore_transient()
-        if isinstance(self.snapshot, list):  # pickled by a release that kept it by position
-            self.snapshot = dict(zip(map(str, range(len(self.snapshot))), self.snapshot))
-
 
 def _is_positional(snapshot: Mapping[str, torch.Tensor], size: int) -> bool:
     return len(snapshot) == size and list(snapshot) == [str(i) for i in range(size)]
-
-
-def _parse_snapshot(where: str, raw: Any) -> dict[str, torch.Tensor]:
-    """The saved snapshot as ``{name: tensor}``, each tensor checked and copied."""
-    items = list(enumerate(raw)) if isinstance(raw, list) else list(raw.items())
-    if not items:
-        raise StateDictError(f"{where} 'snapshot' must hold a tensor per parameter, got none.")
-    out: dict[str, torch.Tensor] = {}
-    for name, t in items:
-        if not isinstance(name, (str, int)) or isinstance(name, bool):
-            raise StateDictError(f"{where} 'snapshot' keys must be parameter names (strings).")
-        entry = f"{where} 'snapshot'[{str(name)!r}]"
-        out[str(name)] = check_tensor(entry, t, floating=True).detach().clone()
-    return out
 
 
 def _qualname(obj: Any) -> str:

@@ -1,15 +1,11 @@
 """Buckets that DiLoCo hands the quantized hook: a fragment's outer gradient, and the warm-up's
 gradients cut as a saved run's buckets were.
 
-The quantized average cuts a bucket into blocks and one row per rank by the parameters the
-bucket holds, so its bits depend on which parameters share a bucket. A fresh DDP model hands
-its hook the first step in buckets of its own (one holding every parameter, unless it looks
-for unused ones) and rebuilds them after that step. A run resumed inside a quantized warm-up
-would therefore average its first step in other blocks than the uninterrupted run did, and
-the owner's error memory, kept per piece of a row, would not find its pieces: not bit for bit.
-:class:`WarmupBuckets` remembers the parameters of each bucket of the warm-up's last step;
-saved with the warm-up's memories, they cut the first step after a load into the saved
-run's buckets, each averaged as a bucket of its own.
+The quantized average's bits depend on which parameters share a bucket, and a fresh DDP model
+hands its hook the first step in buckets of its own, rebuilt after that step: a run resumed
+inside a quantized warm-up would average its first step in other blocks than the uninterrupted
+run. :class:`WarmupBuckets` remembers the buckets of the warm-up's last step; saved with the
+warm-up's memories, they cut the first step after a load into the saved run's buckets.
 
 Hook modules must not use ``from __future__ import annotations``: DDP rejects string annotations.
 """
@@ -25,20 +21,18 @@ from commhooks.hooks._bucket import GradBucket
 from commhooks.hooks.quantized import QuantizationState, quantized_hook
 from commhooks.state import StateDictError, check_count
 
-__all__ = ["FlatBucket", "WarmupBuckets", "parse_buckets"]
+__all__ = ["FlatBucket", "WarmupBuckets", "parse_buckets", "split"]
 
 Numbers = tuple[int, ...]
 """The parameters of a bucket, by the quantizer's numbers, in the bucket's order."""
 
 
 class FlatBucket:
-    """A flat tensor with a gradient bucket's methods, for the quantized hook.
+    """A flat tensor with a gradient bucket's methods, for the quantized hook, which keys its
+    memories by the parameters it is handed: a fragment keeps them from sync to sync.
 
-    The hook keys its error memories by the parameters it is handed, so a fragment keeps its
-    memories from one sync to the next, as a bucket does from step to step. ``parts``: the
-    gradients where they are not each parameter's elements of ``flat`` in order (a worker's
-    share holds parts of its parameters). ``last``: whether it ends its step (the hook counts
-    steps on the last bucket).
+    ``parts``: the gradients, where they are not ``flat`` cut by ``params`` (a worker's share);
+    ``last``: whether it ends its step (the hook counts steps on the last bucket).
     """
 
     def __init__(
@@ -59,13 +53,7 @@ class FlatBucket:
         return self._buffer
 
     def gradients(self) -> list[torch.Tensor]:
-        if self._parts is not None:
-            return self._parts
-        views, offset = [], 0
-        for p in self._params:
-            views.append(self._buffer[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
-        return views
+        return split(self._buffer, self._params) if self._parts is None else self._parts
 
     def parameters(self) -> list[torch.Tensor]:
         return self._params
@@ -78,16 +66,11 @@ class FlatBucket:
 
 
 class WarmupBuckets:
-    """The buckets of the warm-up's quantized average: those of its last step, and, after a
-    load, the saved ones that the first step's buckets are cut into.
+    """The buckets of the warm-up's quantized average: those of its last step, and ``saved``
+    (a saved run's, :meth:`saved`'s output) that the next step's buckets are cut into.
 
-    Only the layout DDP settled on is worth saving: a fresh DDP model's first step comes in
-    buckets it drops after that step (:attr:`settled` is false until a later step, or a step
-    cut as a saved run's). Pickled as its saved form, so that an unpickled averager cuts its
-    next step as a loaded one does.
-
-    Args:
-        saved: the buckets of a saved run (:meth:`saved`'s output), cut into at the next step.
+    Only buckets DDP settled on are worth saving (:attr:`settled`: false after a fresh DDP
+    model's first step). Pickled as its saved form, as a loaded one cuts its next step.
     """
 
     def __init__(self, saved: Sequence[Numbers] = ()) -> None:
@@ -183,19 +166,24 @@ def _put_back(
 ) -> torch.Tensor:
     """Each part's average into its gradients' places in ``buffer``."""
     for future, grads in zip(done.value(), targets):
-        averaged, offset = future.wait(), 0  # raises if it failed; on a GPU, orders the streams
-        for grad in grads:
-            grad.copy_(averaged[offset : offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
+        averaged = future.wait()  # raises if it failed; on a GPU, orders the streams
+        for grad, average in zip(grads, split(averaged, grads)):
+            grad.copy_(average)
     return buffer
 
 
-def parse_buckets(where: str, raw: Any) -> list[Numbers]:
-    """Saved warm-up buckets: lists of parameter numbers, no number in two.
+def split(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of ``flat``, one shaped as each of ``like``, in order."""
+    out, offset = [], 0
+    for t in like:
+        out.append(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+    return out
 
-    Raises:
-        StateDictError: naming the entry and what it must be.
-    """
+
+def parse_buckets(where: str, raw: Any) -> list[Numbers]:
+    """Saved warm-up buckets: lists of parameter numbers, no number in two (else
+    ``StateDictError``, naming the entry and what it must be)."""
     entry = f"{where} 'warmup_buckets'"
     if not isinstance(raw, list) or not all(isinstance(b, (list, tuple)) and b for b in raw):
         raise StateDictError(

@@ -1,48 +1,12 @@
 """Streaming DiLoCo: inner steps alone, then an outer step on the averaged change, by fragment.
 
-DiLoCo (Douillard et al. 2023) lets every worker take ``sync_every`` steps of its own optimizer
-(the inner steps) and then treats the change since the last sync, averaged over the workers,
-as a gradient for an outer optimizer (Nesterov SGD, lr 0.7, momentum 0.9 by default), which
-moves the shared (global) parameters. Streaming DiLoCo (arXiv 2501.18512) cuts the model into
-fragments, each synced every ``sync_every`` steps but at staggered steps, so that one fragment
-is in flight at a time; a fragment's collective is issued without waiting and applied
-``fragment_sync_delay`` inner steps later, hidden behind them, and its outer gradient may
-travel in 8 or 4 bits (the two-phase quantized average of :mod:`commhooks.hooks.quantized`,
-with error feedback on both sides, so what one sync leaves out is sent in the next). In 4
-bits the codes have 13 levels, packed eight to 30 bits (:mod:`commhooks.compress.packing`),
-with a float32 scale per 512 values: 3.8125 bits a value, so that a run sends at most
-``1 / (8 sync_every)`` of what a float32 allreduce of every step's gradients sends.
-
-Use it as any averager, attached to the inner optimizer::
-
-    diloco = StreamingDiLoCo(sync_every=32, fragments=4, fragment_sync_delay=4, bits=4)
-    diloco.attach(optimizer, model.named_parameters())
-
-Each rank is its own worker by default (its gradients are not averaged with the others'). A
-worker of several ranks (a DDP group inside a machine) is given as ``worker_group`` (DDP's
-group, which averages gradients within it) with ``process_group`` the ranks that hold the same
-place in every worker, or as a 2-D ``mesh`` (across workers, within a worker), as for HSDP.
-:func:`commhooks.register` with ``"diloco"`` or ``"streaming_diloco"`` registers the DDP hook of
-that layout and returns the averager to attach.
-
-The warm-up's gradient averages may travel quantized too (``warmup_bits``): on a slow link
-its few steps of full-precision allreduce are a large share of a run whose syncs are hidden.
-
-Workers do not average gradients, so a loss scaler skips a step on one worker alone: call
-:meth:`~commhooks.averaging.averagers.ModelAverager.end_step` after every ``scaler.step``, so
-that the skipped step is counted and every worker syncs at the same steps. A sync whose average
-is not finite (a worker's NaN) leaves the global parameters and the outer optimizers as they
-were, decided on the device, and every worker's parameters go back to the global ones.
-
-Checkpoints: :meth:`state_dict` holds the step, the global parameters, every outer optimizer,
-the quantized averages' error memories (the warm-up's while it lasts, with the buckets of its
-last step: :class:`~commhooks.averaging.buckets.WarmupBuckets`) and a fragment in flight
-(its average, waited for), so a run resumed from it continues bit for bit. Loading checks each
-entry against the model and the averager: a global parameter of another shape or dtype, an
-outer setting that is not a number, an outer gradient or momentum past any training step
-(:data:`commhooks.averaging.averagers.PLAUSIBLE_CHANGE`) is refused by name; the outer optimizers
-keep the settings the averager was built with (``outer_lr``...), which the ranks' handshake agreed
-on, and a saved one that differs is named in a warning.
+:class:`StreamingDiLoCo` (DiLoCo, Douillard et al. 2023; its streaming form, arXiv 2501.18512)
+is a model averager attached to the inner optimizer: each fragment's outer gradient is averaged
+without waiting and applied ``fragment_sync_delay`` inner steps later, in float32 or by the
+quantized hook itself on the fragment (:mod:`commhooks.averaging.buckets`), with its error
+feedback. :func:`diloco_hook` is a worker's DDP hook. A sync whose average is not finite is
+undone on the device, nothing read back; a state dict resumes bit for bit, and loading refuses
+by name what does not fit the model (:data:`commhooks.averaging.averagers.PLAUSIBLE_CHANGE`).
 """
 
 import hashlib
@@ -59,17 +23,23 @@ from torch.utils.hooks import RemovableHandle
 from commhooks import comm
 from commhooks._warnings import CommHooksWarning
 from commhooks.averaging.averagers import (
+    Layout,
     ModelAverager,
     OuterOptions,
     check_plausible,
+    check_snapshot,
     default_outer_optimizer,
     largest_magnitude,
+    layout_of,
     load_outer,
+    mismatch,
+    move_to,
+    parse_snapshot,
     step_where_finite,
     warn_replaced,
 )
-from commhooks.averaging.buckets import FlatBucket, WarmupBuckets, parse_buckets
-from commhooks.averaging.parameters import Named, averaged_views, named_in_groups
+from commhooks.averaging.buckets import FlatBucket, WarmupBuckets, parse_buckets, split
+from commhooks.averaging.parameters import Named, average_parameters, named_in_groups
 from commhooks.compress.error_feedback import all_finite
 from commhooks.hooks._bucket import GradBucket, gradient_buffer
 from commhooks.hooks.quantized import QuantizationState, quantized_hook
@@ -92,8 +62,6 @@ HOOK = "diloco_hook"
 Fragments = int | tuple[tuple[str, ...], ...]
 _KEEP: Any = object()
 _OUTER_BLOCK = 512  # values per scale of packed 4-bit outer gradients (see _quantizer)
-Shape = tuple[int, ...]
-Layout = dict[str, tuple[Shape, torch.dtype]]  # a model's parameters: name -> shape, dtype
 
 
 def _check_fragments(owner: str, name: str, value: Any) -> Fragments:
@@ -214,15 +182,13 @@ def _sync_error(fragment: int, exc: BaseException) -> "DiLoCoSyncError":
 def split_by_module(named: Named, fragments: Fragments) -> list[list[str]]:
     """The parameter names of each fragment.
 
-    A number cuts the modules (a parameter's name without its last part), in order, into that
-    many runs of about equal size; a module is never split, and a module of no elements joins
-    the fragment of the module before it (the first fragment if none), so that no fragment is
-    made of nothing. Given fragments match each parameter to the one listing its name or a
-    module containing it.
+    A number cuts the modules (a name without its last part), in order, into that many runs of
+    about equal size, never splitting a module; a module of no elements joins the fragment
+    before it. Given fragments take each parameter listed by name or by a module containing it.
 
     Raises:
-        ValueError: a parameter in no fragment or in two, a fragment without a parameter or
-            without an element, or more fragments than modules holding elements.
+        ValueError: a parameter in no fragment or two, a fragment of no element, or more
+            fragments than modules.
     """
     if not isinstance(fragments, int):
         return _match(named, fragments)
@@ -296,30 +262,25 @@ class _InFlight:
     fragment: int
     apply_at: int
     flat: torch.Tensor
-    # With ``keep_inflight_steps`` and a delay: the fragment's own outer gradient at the issue
-    # (its snapshot minus its local parameters then), from which its local change since follows.
+    # With keep_inflight_steps and a delay: the fragment's own outer gradient at the issue.
     local: torch.Tensor | None = None
-    # A worker of several ranks: the share this rank averages across workers, gathered within
-    # the worker before the fragment is applied.
+    # A worker of several ranks: the share this rank averages, gathered before the apply.
     share: "_Share | None" = None
 
 
 @dataclass
 class _Share:
-    """A worker's rank's share of a fragment: ``whole`` (the fragment, padded to ``ranks``
-    shares of one size where it does not split evenly), ``part`` (this rank's share of it,
-    averaged across workers), and the parameters the part holds pieces of, with those pieces."""
+    """A worker's rank's share of a fragment: ``whole`` (padded to ``ranks`` equal shares) and
+    ``bucket``, this rank's part of it (averaged across workers), with the pieces it holds."""
 
     whole: torch.Tensor
-    part: torch.Tensor
-    params: list[torch.Tensor]
-    pieces: list[torch.Tensor]
+    bucket: FlatBucket
     ranks: int
 
 
-def _share_of(flat: torch.Tensor, params: list[torch.Tensor], rank: int, ranks: int) -> _Share:
-    """Rank ``rank``'s share of ``flat`` (the outer gradient of ``params``, in order) among a
-    worker's ``ranks``."""
+def _share_of(fragment: FlatBucket, rank: int, ranks: int) -> _Share:
+    """Rank ``rank``'s share of ``fragment`` among a worker's ``ranks``."""
+    flat = fragment.buffer()
     size = -(-flat.numel() // ranks)
     whole = flat if size * ranks == flat.numel() else flat.new_zeros(size * ranks)
     if whole is not flat:
@@ -327,47 +288,38 @@ def _share_of(flat: torch.Tensor, params: list[torch.Tensor], rank: int, ranks: 
     start = rank * size
     part = whole[start : start + size]
     held, pieces, offset = [], [], 0
-    for p in params:
+    for p in fragment.parameters():
         low, high = max(offset, start), min(offset + p.numel(), start + size)
         if low < high:
             held.append(p)
             pieces.append(part[low - start : high - start])
         offset += p.numel()
-    return _Share(whole, part, held, pieces, ranks)
+    return _Share(whole, FlatBucket(fragment.index(), part, held, pieces), ranks)
 
 
 class StreamingDiLoCo(ModelAverager):
     """Streaming DiLoCo as a model averager: attach it to the inner optimizer.
 
-    Inner steps are counted from the end of the warm-up. Fragment ``f`` (of ``n``) is applied
-    after inner steps ``(f + 1) * sync_every / n + k * sync_every`` and issued
-    ``fragment_sync_delay`` inner steps before, at the end of an inner step: its outer
-    gradient (the global parameters minus the local ones) is averaged over ``process_group``
-    by a collective that is not waited for; when it is applied, the local parameters of the
-    fragment go back to the global ones, the fragment's outer optimizer steps them with the
-    average, and they become the new global parameters, blended with the local ones by
-    ``fragment_update_alpha``. With one fragment and no delay this is DiLoCo.
+    Fragment ``f`` (of ``n``) is applied after inner steps (counted from the warm-up's end)
+    ``(f + 1) * sync_every / n + k * sync_every``, and issued ``fragment_sync_delay`` before:
+    its outer gradient (global minus local parameters) is averaged over ``process_group``
+    without waiting; at the apply, its outer optimizer steps the global parameters with the
+    average, and the local ones become them, blended by ``fragment_update_alpha``.
 
-    The global parameters start as the parameters before the first inner step: taken by
-    :meth:`attach` (or :meth:`start`) before the first step, or after the last warm-up step,
-    when every rank holds the same (DDP makes them equal at construction, and the warm-up
-    averages gradients over every worker). Otherwise the first inner step's parameters are
-    averaged (one blocking allreduce) and start from there. After the last step, call
-    :meth:`finish` on every rank, so that no fragment is left in flight; with a loss scaler,
-    :meth:`end_step` after every ``scaler.step(optimizer)``.
+    The global parameters start as the parameters every rank holds before the first inner step
+    (:meth:`attach` before the first step, or the last warm-up step), else as their average at
+    the first inner step. After the last step call :meth:`finish` on every rank; with a loss
+    scaler, :meth:`end_step` after every ``scaler.step(optimizer)``.
 
     Args:
         sync_every: inner steps between two syncs of a fragment.
-        warmup_steps: steps before the first inner step (with the DDP hook of
-            :func:`commhooks.register`, gradients are averaged over every worker meanwhile,
-            in ``warmup_bits`` when given).
+        warmup_steps: steps before the first inner step (with :func:`diloco_hook`, gradients
+            are averaged over every worker meanwhile).
         process_group: the ranks averaging a fragment, one per worker (``None``: the default
             group, each rank its own worker).
         worker_group: this rank's worker, when it has several ranks (DDP's group).
         mesh: a 2-D device mesh ``(across workers, within a worker)``, instead of both groups.
-        **options: the other options of :class:`DiLoCoOptions` (``fragments``,
-            ``fragment_sync_delay``, ``fragment_update_alpha``, ``bits``, ``warmup_bits``, the
-            outer optimizer's).
+        **options: the other options of :class:`DiLoCoOptions`.
 
     Raises:
         ValueError: an option out of range or options that do not fit together, with the fix.
@@ -405,7 +357,6 @@ class StreamingDiLoCo(ModelAverager):
         if mesh is not None:
             process_group, worker_group = _mesh_groups(mesh, process_group, worker_group)
         self._setup(settings, process_group)
-        self._worker_group = worker_group
         self.outer_optimizer_factory = settings.factory()
         self.snapshot: dict[str, torch.Tensor] | None = None
         self.plan: list[list[str]] | None = None
@@ -414,25 +365,21 @@ class StreamingDiLoCo(ModelAverager):
         self.warmup_quantizer: QuantizationState | None = None  # made by the hook's first use
         self.warmup_buckets = WarmupBuckets()  # the buckets it averaged (saved with it)
         self.in_flight: _InFlight | None = None
-        self._in_flight_future: torch.futures.Future[torch.Tensor] | None = None
-        self._last_seen: dict[str, torch.Tensor] = {}  # the parameters of the last step
-        # The model's parameters, as attach() or the first step met them, so that a loaded
-        # state is checked against them; and whether the parameters of a step were checked
-        # against the global ones since the last load.
-        self._layout: Layout | None = None
-        self._fitted = False
-        self._model_agreed = False  # every rank of the group was found to train the same model
-        # One follow-up issuer per group for every quantized average this averager starts,
-        # one after another on the training thread: one follow-up group, not one a fragment.
-        self._issuers = comm.IssuerPool()
+        self._restore_transient()
+        self._worker_group = worker_group
 
     def _restore_transient(self) -> None:
         super()._restore_transient()
         self._worker_group = None
-        self._in_flight_future = None
-        self._last_seen = {}
+        self._in_flight_future: torch.futures.Future[torch.Tensor] | None = None
+        self._last_seen: dict[str, torch.Tensor] = {}  # the parameters of the last step
+        # One follow-up group for every quantized average (all started on the training thread).
         self._issuers = comm.IssuerPool()
-        self._layout, self._fitted, self._model_agreed = None, False, False
+        # The model's parameters as attach() or the first step met them (to check a loaded
+        # state); whether a step's were checked since the last load; whether every rank was
+        # found to train the same model.
+        self._layout: Layout | None = None
+        self._fitted = self._model_agreed = False
 
     def __getstate__(self) -> dict[str, Any]:
         self._settle()  # a pickle holds the fragment in flight as its average
@@ -441,9 +388,8 @@ class StreamingDiLoCo(ModelAverager):
     def bind(
         self, process_group: dist.ProcessGroup | None, worker_group: Any = _KEEP
     ) -> "StreamingDiLoCo":
-        """Average fragments over ``process_group``, and be a worker of ``worker_group``
-        (``None``: this rank alone; left out: unchanged), from now on, e.g. after unpickling
-        (groups are not pickled)."""
+        """Average fragments over ``process_group`` as a worker of ``worker_group`` (``None``:
+        this rank alone; left out: unchanged) from now on, e.g. after unpickling."""
         if worker_group is _KEEP:
             worker_group = self._worker_group
         if worker_group is not None and not isinstance(worker_group, dist.ProcessGroup):
@@ -493,20 +439,17 @@ class StreamingDiLoCo(ModelAverager):
         optimizer: torch.optim.Optimizer,
         named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
     ) -> RemovableHandle:
-        """Run after every ``optimizer.step()`` (see :meth:`ModelAverager.attach` for names).
-
-        Attached before the first step of a run without warm-up, it takes the optimizer's
-        parameters as they are now as the global parameters (:meth:`start`). Their names,
-        shapes and dtypes are kept, so that a state dict loaded later is checked against them.
+        """Run after every ``optimizer.step()`` (:meth:`ModelAverager.attach`); before the first
+        step of a run without warm-up, take the parameters as the global ones (:meth:`start`).
+        Their names, shapes and dtypes are kept, to check a state dict loaded later.
 
         Raises:
-            StateDictError: a state dict loaded before holds global parameters that are not
-                this model's (a name it lacks, another shape or dtype); nothing is attached.
+            StateDictError: a state dict loaded before is not this model's; nothing attached.
         """
         named = None if named_parameters is None else list(named_parameters)
         names = None if named is None else {id(p): n for n, p in named}
         every = named_in_groups(optimizer.param_groups, names, with_grad_only=False)
-        layout = _layout_of(every)
+        layout = layout_of(every)
         if self.snapshot is not None:
             _check_fits(f"{OWNER}.attach: the loaded state's", self.snapshot, layout)
         self._layout = layout
@@ -515,23 +458,17 @@ class StreamingDiLoCo(ModelAverager):
         return super().attach(optimizer, named)
 
     def start(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Take these parameters as the global ones (no collective): call it on every rank
-        before the first inner step, when every rank holds the same parameters.
-
-        Parameters that turn out to have no gradient at the first sync are dropped.
-        """
+        """Take these parameters as the global ones (no collective): on every rank before the
+        first inner step, when every rank holds the same. Those without a gradient at the
+        first sync are dropped."""
         self.snapshot = {n: p.detach().clone() for n, p in named}
         self.plan, self.outer_optimizers, self.quantizers = None, [], []
         if self._layout is None:
-            self._layout = _layout_of(self.snapshot.items())
+            self._layout = layout_of(self.snapshot.items())
 
     def finish(self) -> None:
-        """Apply the fragment in flight now: call it on every rank after the last step.
-
-        A rank that ends its run (or destroys its process group) while a fragment's average
-        is in flight leaves its peers' collective without a partner. After this, every rank
-        holds the same global parameters of that fragment. Nothing happens when nothing is in
-        flight.
+        """Apply the fragment in flight, if any: on every rank after the last step, so that no
+        rank leaves its peers' collective without a partner.
 
         Raises:
             DiLoCoSyncError: the average failed (a peer was lost).
@@ -543,12 +480,9 @@ class StreamingDiLoCo(ModelAverager):
     # -- the schedule, on every rank at the same steps -------------------------------------------
     def handshake_fields(self) -> dict[str, Any]:
         """The schedule, the outer optimizer, the step and what is started or in flight."""
-        opts = self.options
-        fields = {n: getattr(opts, n) for n in DiLoCoOptions.names() if n not in _OUTER}
         flight = self.in_flight
         return {
-            **fields,
-            **opts.described(),
+            **self.options.described(),
             "step": self.step,
             "started": self.snapshot is not None,
             "in_flight": None if flight is None else [flight.fragment, flight.apply_at],
@@ -581,9 +515,7 @@ class StreamingDiLoCo(ModelAverager):
             _agree_on_model(named, group)
             self._model_agreed = True
         if self.snapshot is None:  # neither attached before the first step nor started
-            for p, avg in zip([p for _, p in named], averaged_views([p for _, p in named], group)):
-                with torch.no_grad():
-                    p.copy_(avg)
+            average_parameters([p for _, p in named], group)
             self.start(named)
         lookup = self._last_seen = self._fit(named, group)
         fragment = self._issue_due(inner)
@@ -608,44 +540,25 @@ class StreamingDiLoCo(ModelAverager):
             )
         # The average is taken in place: this rank's own outer gradient is copied first.
         local = flat.clone() if self.options.keeps_inflight_change else None
-        worker, share = self._worker_group, None
+        bucket, share, worker = FlatBucket(fragment, flat, params), None, self._worker_group
         if worker is not None and comm.world_size(worker) > 1:  # this rank's share crosses
-            share = _share_of(flat, params, comm.group_rank(worker), comm.world_size(worker))
+            share = _share_of(bucket, comm.group_rank(worker), comm.world_size(worker))
+            bucket = share.bucket
         try:  # a peer already gone can fail the issue itself, not only the wait
-            future = self._start_average(fragment, flat, params, share, group)
+            if self.options.bits is None:
+                future = comm.average(bucket.buffer(), group)
+            else:  # the quantized hook itself, on the fragment as on a bucket
+                hook: Callable[[Any, Any], torch.futures.Future[torch.Tensor]] = quantized_hook
+                future = hook(self.quantizers[fragment], bucket)
         except RuntimeError as exc:
             raise _sync_error(fragment, exc) from exc
         apply_at = inner + self.options.fragment_sync_delay
         self.in_flight = _InFlight(fragment, apply_at, flat, local, share)
         self._in_flight_future = future
 
-    def _start_average(
-        self,
-        fragment: int,
-        flat: torch.Tensor,
-        params: list[torch.Tensor],
-        share: "_Share | None",
-        group: dist.ProcessGroup,
-    ) -> torch.futures.Future[torch.Tensor]:
-        """Start averaging ``flat`` (or this rank's ``share`` of it) across workers, in float32
-        or by the quantized hook itself, on the fragment as on a bucket."""
-        target = flat if share is None else share.part
-        if self.options.bits is None:
-            return comm.average(target, group)
-        hook: Callable[[Any, Any], torch.futures.Future[torch.Tensor]] = quantized_hook
-        if share is None:
-            bucket = FlatBucket(fragment, flat, params)
-        else:
-            bucket = FlatBucket(fragment, share.part, share.params, share.pieces)
-        return hook(self.quantizers[fragment], bucket)
-
     def _settle(self) -> None:
         """Wait for the fragment in flight; its average is then in ``in_flight.flat``.
-
-        Raises:
-            DiLoCoSyncError: the average failed; the fragment is dropped, the parameters and
-                the global parameters are left as they were.
-        """
+        ``DiLoCoSyncError`` if it failed: the fragment is dropped, nothing changed."""
         future, self._in_flight_future = self._in_flight_future, None
         if future is None or self.in_flight is None:
             return
@@ -671,11 +584,9 @@ class StreamingDiLoCo(ModelAverager):
     def _finish(self, lookup: dict[str, torch.Tensor]) -> None:
         """The outer step of the fragment in flight, then local = blend of global and local.
 
-        An average that is not finite (a worker's NaN, which every rank receives alike) must
-        not reach the global parameters or the outer optimizer, which would carry it to every
-        later sync: whether it is finite is decided on the device, nothing read back, the outer
-        step undone where it is not (:func:`step_where_finite`) and every parameter of the
-        model taken back to the global ones (:meth:`_back_to_global`), so the run goes on.
+        A non-finite average (a worker's NaN, on every rank alike) would carry into every later
+        sync: decided on the device, the outer step is undone (:func:`step_where_finite`) and
+        every parameter taken back to the global ones (:meth:`_back_to_global`).
         """
         self._settle()
         flight, self.in_flight = self.in_flight, None
@@ -687,10 +598,7 @@ class StreamingDiLoCo(ModelAverager):
         finite = all_finite(flight.flat)
         with torch.no_grad():
             kept = _local_change(flight, snaps, params)
-            for snap, grad in zip(snaps, _split(flight.flat, snaps)):
-                snap.grad = grad.to(snap.dtype)
-            step_where_finite(outer, snaps, finite)
-            outer.zero_grad(set_to_none=True)
+            step_where_finite(outer, snaps, split(flight.flat, snaps), finite)
             for i, (p, snap) in enumerate(zip(params, snaps)):
                 if kept is None and alpha == 0:  # the global parameters, finite or not
                     p.copy_(snap)
@@ -704,14 +612,8 @@ class StreamingDiLoCo(ModelAverager):
         self, finite: torch.Tensor, lookup: Mapping[str, torch.Tensor], done: Sequence[str]
     ) -> None:
         """Where ``finite`` is false, the parameters of every fragment but ``done`` become the
-        global ones.
-
-        A worker whose parameters turned NaN holds NaN in every fragment after one more inner
-        step (its forward pass spreads it): reset one fragment at a sync, each would poison the
-        others again before its own sync came. One ``torch.where`` a parameter (none with one
-        fragment), nothing read back; the inner steps since each fragment's last sync are
-        dropped with it, on every worker alike.
-        """
+        global ones: a worker's NaN spreads to every fragment in one forward pass, so reset one
+        fragment at a time, each would poison the others again before its own sync."""
         assert self.snapshot is not None
         synced = set(done)
         for name, p in lookup.items():
@@ -720,17 +622,13 @@ class StreamingDiLoCo(ModelAverager):
 
     # -- the plan: fragments, global parameters, outer optimizers --------------------------------
     def _fit(self, named: Named, group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
-        """``{name: parameter}``, after making the fragments and outer optimizers if needed.
-
-        Raises:
-            ValueError: the parameters are not those of the global parameters (names, shapes,
-                dtypes); nothing was changed.
-        """
+        """``{name: parameter}``, after making the fragments and outer optimizers if needed;
+        ``ValueError`` if they are not the global parameters' (:func:`check_snapshot`)."""
         assert self.snapshot is not None
         lookup = dict(named)
         if self.plan is None:
             plan = split_by_module(named, self.options.fragments)
-            self._check_snapshot(lookup, self.snapshot)
+            check_snapshot(OWNER, self.snapshot, lookup, exact=False)
             self.snapshot = {n: self.snapshot[n] for n in lookup}
             self.plan = plan
             self.outer_optimizers = [
@@ -738,12 +636,10 @@ class StreamingDiLoCo(ModelAverager):
             ]
             self.quantizers = self._new_quantizers(group, len(plan))
         elif not self._fitted or set(lookup) != set(self.snapshot):
-            self._check_snapshot(lookup, self.snapshot)  # loaded since the last step, or changed
-        first = next(iter(lookup.values()))
-        if next(iter(self.snapshot.values())).device != first.device:
-            self._move_to(first.device)
+            check_snapshot(OWNER, self.snapshot, lookup)  # loaded since the last step, or changed
+        move_to(named[0][1].device, self.snapshot, self.outer_optimizers)
         if self._layout is None:
-            self._layout = _layout_of(named)
+            self._layout = layout_of(named)
         self._fitted = True
         return lookup
 
@@ -756,11 +652,8 @@ class StreamingDiLoCo(ModelAverager):
     def _quantizer(
         self, group: dist.ProcessGroup | None, bits: int, outer: bool = False
     ) -> QuantizationState:
-        # Outer gradients in 4 bits travel packed, 13 levels eight to 30 bits, with a scale
-        # per 512 values: 3.8125 bits a value with the scales (commhooks.compress.packing).
-        # Outer gradients are changes over several inner steps, smoother than one step's
-        # gradient: on the bench's default task 512-value blocks train as 256 did (43 steps to
-        # allreduce's loss, the same held-out loss), 1024 took 45.
+        # Outer gradients in 4 bits travel packed, a scale per 512 values: smoother than one
+        # step's gradient, on the bench's task they train as in 256-value blocks (1024: slower).
         packed = outer and bits == 4
         made = QuantizationState(
             group, bits=bits, packed=packed, block_size=_OUTER_BLOCK if packed else 256
@@ -768,30 +661,10 @@ class StreamingDiLoCo(ModelAverager):
         made.share_issuers(self._issuers)
         return made
 
-    def _check_snapshot(
-        self, lookup: Mapping[str, torch.Tensor], snapshot: Mapping[str, torch.Tensor]
-    ) -> None:
-        layout = _layout_of(lookup.items())
-        wrong = [
-            f"{n!r} {w}" for n, want in layout.items() if (w := _differs(snapshot.get(n), want))
-        ]
-        if wrong or (self.plan is not None and len(lookup) != len(snapshot)):
-            raise ValueError(
-                f"{OWNER}: the parameters with gradients ({len(lookup)}) do not match the global "
-                f"parameters ({len(snapshot)}; first differing: {'; '.join(wrong[:3])}); the "
-                "set of trained parameters changed, or a state dict of another model was loaded. "
-                "Nothing was changed; load the matching checkpoint."
-            )
-
-    def _move_to(self, device: torch.device) -> None:
-        # In place, so that each outer optimizer keeps its references; then its own state.
-        assert self.snapshot is not None
-        for snap in self.snapshot.values():
-            snap.data = snap.data.to(device)
-        for outer in self.outer_optimizers:
-            outer.load_state_dict(outer.state_dict())
-
     # -- checkpoints: parse everything, then apply ----------------------------------------------
+    def _schedule(self) -> dict[str, Any]:
+        return {n: _fragments_saved(getattr(self.options, n)) for n in _SCHEDULE}
+
     # Saved between two steps. A fragment in flight is waited for and saved as its average, to
     # be applied at the same inner step after a resume: the collective's result does not
     # depend on when it is read, so the resumed run is the uninterrupted one, bit for bit.
@@ -800,7 +673,6 @@ class StreamingDiLoCo(ModelAverager):
         flight = self.in_flight
         return {
             **super()._save(),
-            **{n: _fragments_saved(getattr(self.options, n)) for n in _SCHEDULE},
             "bits": self.options.bits,
             "started": self.snapshot is not None,
             "snapshot": {n: t.detach().clone() for n, t in (self.snapshot or {}).items()},
@@ -813,20 +685,17 @@ class StreamingDiLoCo(ModelAverager):
         }
 
     def _warmup_buckets_saved(self) -> list[list[int]]:
-        """The buckets of the quantized warm-up's last step, which a resumed run's first step
-        is cut into (:class:`~commhooks.averaging.buckets.WarmupBuckets`); with a warning
-        where DDP had not settled on its buckets yet (saved after its first step)."""
+        """The quantized warm-up's last buckets, which a resumed run's first step is cut into
+        (:class:`~commhooks.averaging.buckets.WarmupBuckets`), if DDP had settled on them."""
         if self.warmup_quantizer is None:
             return []
         buckets = self.warmup_buckets
         if not buckets.settled and buckets.last:
             warnings.warn(
-                f"{OWNER}.state_dict: saved after the first step of its DDP model, whose "
-                "buckets DDP rebuilds after that step; which parameters those buckets hold "
-                "is not known yet, so a run resumed from this state averages its next warm-up "
-                "step in a fresh DDP model's first buckets, not in the rebuilt ones, and is "
-                "not bit for bit where the model fills several buckets. Save after a later "
-                "step (or with warmup_bits=None) for a bitwise resume.",
+                f"{OWNER}.state_dict: saved after the first step of its DDP model, before DDP "
+                "rebuilt its buckets, so a run resumed from it averages its next warm-up step "
+                "in other buckets: not bit for bit where the model fills several. Save after a "
+                "later step (or with warmup_bits=None) for a bitwise resume.",
                 CommHooksWarning,
                 stacklevel=4,
             )
@@ -834,22 +703,8 @@ class StreamingDiLoCo(ModelAverager):
 
     def _parse(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
         values = super()._parse(state_dict)
-        for name in _SCHEDULE:
-            self._check_saved_option(
-                state_dict, name, _fragments_saved(getattr(self.options, name))
-            )
         where = f"{OWNER}.load_state_dict:"
-        started, raw = state_dict.get("started"), state_dict.get("snapshot")
-        if not isinstance(started, bool) or not isinstance(raw, Mapping):
-            raise StateDictError(f"{where} 'started' or 'snapshot' is missing or malformed.")
-        snapshot = (
-            {
-                str(n): check_tensor(f"{where} 'snapshot'[{n!r}]", t, floating=True).clone()
-                for n, t in raw.items()
-            }
-            if started
-            else None
-        )
+        snapshot = parse_snapshot(where, state_dict, "started")
         if snapshot is not None and self._layout is not None:
             _check_fits(where, snapshot, self._layout)  # else checked by attach() or a step
         plan = _parse_plan(where, state_dict.get("plan"), snapshot)
@@ -889,10 +744,9 @@ class StreamingDiLoCo(ModelAverager):
         made, replaced = [], []
         for i, (names, saved) in enumerate(zip(plan or [], raw)):
             assert snapshot is not None
-            tensors = [snapshot[n] for n in names]
             entry = f"{where} the outer optimizer of fragment {i}"
-            scale = largest_magnitude(tensors)
-            loaded = load_outer(entry, self.outer_optimizer_factory, saved, tensors, scale)
+            tensors = [snapshot[n] for n in names]
+            loaded = load_outer(entry, self.outer_optimizer_factory, saved, tensors)
             made.append(loaded.optimizer)
             replaced += [r for r in loaded.replaced if r not in replaced]
         return made, replaced
@@ -944,39 +798,25 @@ class StreamingDiLoCo(ModelAverager):
 
 
 _SCHEDULE = ("sync_every", "fragments", "fragment_sync_delay")
-_OUTER = ("outer_lr", "outer_momentum", "nesterov", "outer_optimizer")
 
 
 def _local_change(
     flight: _InFlight, snaps: Sequence[torch.Tensor], params: Sequence[torch.Tensor]
 ) -> list[torch.Tensor] | None:
     """What the inner steps taken while ``flight`` travelled changed in its parameters (with
-    ``keep_inflight_steps``), read before the outer step moves the snapshots: the parameters
-    now less those at the issue, which were the snapshots less the fragment's own outer
-    gradient then. ``None`` when that change is not kept."""
+    ``keep_inflight_steps``; else ``None``), read before the outer step moves the snapshots:
+    the parameters now less those at the issue (the snapshots less the outer gradient then)."""
     if flight.local is None:
         return None
-    issued = _split(flight.local, snaps)
+    issued = split(flight.local, snaps)
     return [p.float() - s.float() + g for p, s, g in zip(params, snaps, issued)]
 
 
-def _layout_of(named: Iterable[tuple[str, torch.Tensor]]) -> Layout:
-    return {n: (tuple(p.shape), p.dtype) for n, p in named}
-
-
 def _agree_on_model(named: Named, group: dist.ProcessGroup) -> None:
-    """Raise on every rank of ``group`` unless all average the same parameters.
-
-    The fragments' averages are collectives whose sizes are the model's: between models of
-    different sizes gloo aborts the process, and the quantized average pads both to whole
-    blocks and returns wrong averages without a word. So, as the ranks' handshake does for
-    the options, one gather of a short description of the parameters (count, elements, and
-    a digest of their names, shapes and dtypes, in order) at the first sync.
-
-    Raises:
-        ValueError: naming each rank's description, on every rank alike.
-    """
-    layout = _layout_of(named)
+    """Raise on every rank of ``group``, naming each rank's parameters, unless all average
+    the same: between models of different sizes gloo aborts, and the quantized average pads
+    both to whole blocks and averages wrongly without a word."""
+    layout = layout_of(named)
     digest = hashlib.sha256(repr(list(layout.items())).encode()).hexdigest()[:12]
     elements = sum(math.prod(shape) for shape, _ in layout.values())
     mine = f"{len(layout)} tensors, {elements} elements, layout {digest}"
@@ -990,22 +830,8 @@ def _agree_on_model(named: Named, group: dist.ProcessGroup) -> None:
         )
 
 
-def _differs(saved: torch.Tensor | None, wanted: tuple[Shape, torch.dtype]) -> str:
-    """How a global parameter differs from the model's, ``wanted`` ('' if it fits)."""
-    shape, dtype = wanted
-    if saved is None:
-        return "has no global parameter"
-    if tuple(saved.shape) == shape and saved.dtype == dtype:
-        return ""
-    return f"is {tuple(saved.shape)} {saved.dtype}, the model's parameter {shape} {dtype}"
-
-
 def _check_fits(where: str, snapshot: Mapping[str, torch.Tensor], layout: Layout) -> None:
-    """Refuse global parameters that are not the model's: unknown names, shapes, dtypes.
-
-    Raises:
-        StateDictError: naming the first entry that does not fit.
-    """
+    """Refuse global parameters that are not the model's (``StateDictError``, by name)."""
     for name, saved in snapshot.items():
         if name not in layout:
             known = ", ".join(repr(n) for n in list(layout)[:4])
@@ -1014,20 +840,12 @@ def _check_fits(where: str, snapshot: Mapping[str, torch.Tensor], layout: Layout
                 f"{len(layout)}: {known}...); it was saved for another model. Nothing was "
                 "changed; load the checkpoint saved with this model."
             )
-        differs = _differs(saved, layout[name])
+        differs = mismatch(saved, layout[name])
         if differs:
             raise StateDictError(
                 f"{where} 'snapshot'[{name!r}] {differs}; it was saved for another model. "
                 "Nothing was changed; load the checkpoint saved with this model."
             )
-
-
-def _split(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    out, offset = [], 0
-    for t in like:
-        out.append(flat[offset : offset + t.numel()].view_as(t))
-        offset += t.numel()
-    return out
 
 
 def _mesh_groups(
@@ -1112,21 +930,12 @@ def _fragment_tensor(
 
 
 def diloco_hook(state: StreamingDiLoCo, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """The DDP hook of a DiLoCo worker: average gradients within the worker, not across.
-
-    A worker of one rank sends nothing; a worker of several ranks averages over
-    ``state.worker_group``. During the warm-up (``state.step < warmup_steps``) gradients are
-    averaged over every worker, so that the workers start DiLoCo with the same parameters: in
-    float32, or with the quantized hook in ``warmup_bits`` (whose result every rank shares
-    bit for bit, so the parameters stay equal).
-
-    Its first call checks that every rank (of every worker) built the averager alike
-    (:meth:`StreamingDiLoCo.agree_with_ranks`, one gather): options that differ, as
-    ``warmup_steps`` or ``warmup_bits``, would make the ranks send different collectives.
+    """The DDP hook of a DiLoCo worker: average gradients within the worker, not across; over
+    every worker during the warm-up (in ``warmup_bits`` if given), so that workers start alike.
 
     Raises:
-        ValueError: at the first call, on every rank alike, naming each differing option and
-            its value on every rank.
+        ValueError: at the first call, on every rank alike, naming each option that differs
+            between the ranks (:meth:`StreamingDiLoCo.agree_with_ranks`).
     """
     if not isinstance(state, StreamingDiLoCo):
         raise TypeError(
@@ -1150,14 +959,9 @@ def diloco_hook(state: StreamingDiLoCo, bucket: GradBucket) -> torch.futures.Fut
 
 
 def cross_worker_group(worker_group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """The ranks holding this rank's place in every worker, given this rank's worker.
-
-    A collective over the default group (one gather, one group creation per place): call it on
-    every rank at the same point.
-
-    Raises:
-        ValueError: the workers differ in size or overlap.
-    """
+    """The ranks holding this rank's place in every worker: a collective over the default
+    group, at the same point on every rank; ``ValueError`` if the workers differ in size or
+    overlap."""
     workers: list[list[int]] = []
     for ranks in comm.all_gather_objects(comm.global_ranks(worker_group)):
         if ranks not in workers:
@@ -1176,12 +980,9 @@ def cross_worker_group(worker_group: dist.ProcessGroup) -> dist.ProcessGroup:
 def state_from_options(
     group: dist.ProcessGroup | None, options: Mapping[str, Any]
 ) -> StreamingDiLoCo:
-    """The averager :func:`commhooks.register` builds for a DDP model on ``group``.
-
-    DDP on the default group (``None``): each rank is its own worker. DDP on a smaller group:
-    that group is the worker, and the fragments are averaged with the ranks holding the same
-    place in every other worker (:func:`cross_worker_group`, a collective).
-    """
+    """The averager :func:`commhooks.register` builds for a DDP model on ``group``: each rank
+    its own worker on the default group, else ``group`` the worker (:func:`cross_worker_group`,
+    a collective)."""
     if group is None or comm.is_default_group(group):
         return StreamingDiLoCo(process_group=group, **options)
     return StreamingDiLoCo(process_group=cross_worker_group(group), worker_group=group, **options)

@@ -1,17 +1,10 @@
-"""Post-local SGD: global gradient averaging for a warm-up, then local or none.
+"""Post-local SGD: global gradient averaging for a warm-up, then within a machine or none.
 
-After ``start_localSGD_iter`` optimizer steps, gradients are averaged only within a
-``subgroup`` (by default, the ranks on the same machine, whose links are fast) or not at all;
-a model averager (:mod:`commhooks.averaging.averagers`) then averages the *parameters* across
-the world every few steps. Slow inter-machine links are used once per period instead of once
-per step.
+A model averager (:mod:`commhooks.averaging.averagers`) then averages the *parameters* every
+few steps: slow links are used once a period instead of once a step. Unlike PyTorch's hook,
+the per-machine subgroup needs no CUDA (:mod:`commhooks.comm.topology`).
 
-Unlike PyTorch's hook, the default per-machine subgroup works without CUDA: machine membership
-comes from the launch environment (see :mod:`commhooks.comm.topology`), and
-``state.subgroup_source`` says how it was derived.
-
-Note for maintainers: hook modules must not use ``from __future__ import annotations``. DDP
-inspects a hook's annotations and rejects them when they are strings.
+Hook modules must not use ``from __future__ import annotations``: DDP rejects string ones.
 """
 
 import logging
@@ -22,13 +15,9 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-# The class ``dist.GradBucket`` names, imported from where type checkers can see it. DDP
-# compares a hook's ``bucket`` annotation with that class, so it must be the very object.
-from torch._C._distributed_c10d import GradBucket
-
 from commhooks import comm, handshake
 from commhooks.comm.topology import MACHINE_ID_VAR, local_launch_info, machine_rank_lists
-from commhooks.hooks._bucket import gradient_buffer
+from commhooks.hooks._bucket import GradBucket, gradient_buffer
 from commhooks.options import Options, count, flag, option
 from commhooks.state import HookState, check_count
 
@@ -61,22 +50,14 @@ class PostLocalSGDState(HookState):
 
     Args:
         process_group: the global group; ``None`` for the default group.
-        subgroup: the group to average gradients in after the warm-up; ``None`` for one
-            subgroup per machine. The per-machine groups are created lazily, on the first
-            post-warm-up bucket that needs them: creating a group is a collective, and at that
-            point every rank is at the same bucket of the same step with nothing in flight (DDP
-            waited for the previous step). Nothing is created when
-            ``post_local_gradient_allreduce`` is ``False`` or training ends within the warm-up.
-            Call :meth:`ensure_subgroup` on every rank to create it earlier. With a custom
-            ``process_group``, pass the subgroup explicitly.
-        start_localSGD_iter: number of optimizer steps with global gradient averaging.
-        post_local_gradient_allreduce: average gradients within ``subgroup`` after the
-            warm-up (``True``) or not at all (``False``).
+        subgroup: the group to average gradients in after the warm-up; ``None`` for one per
+            machine, created (a collective) at the first bucket that needs them, or earlier by
+            :meth:`ensure_subgroup` on every rank; needed with a custom ``process_group``.
+        start_localSGD_iter, post_local_gradient_allreduce: :class:`PostLocalSGDOptions`.
 
     Attributes:
-        iter: optimizer steps seen so far. It advances once per step, on the bucket whose
-            ``is_last()`` is true, and keeps counting after the warm-up (PyTorch's stops at
-            ``start_localSGD_iter``), so it always equals the number of backward passes.
+        iter: optimizer steps seen so far, counted at each step's last bucket, also after the
+            warm-up (PyTorch's stops at ``start_localSGD_iter``).
         subgroup_source: how the subgroup was obtained (``None`` until it is).
     """
 
@@ -94,18 +75,11 @@ class PostLocalSGDState(HookState):
             start_localSGD_iter=start_localSGD_iter,
             post_local_gradient_allreduce=post_local_gradient_allreduce,
         )
-        if subgroup is not None and not isinstance(subgroup, dist.ProcessGroup):
-            raise TypeError(
-                f"{type(self).__name__}: subgroup must be a ProcessGroup or None (one per "
-                f"machine), got {type(subgroup).__name__}."
-            )
         super().__init__(process_group)
-        _check_default_subgroup_allowed(process_group, subgroup, post_local_gradient_allreduce)
         self.iter = 0
-        self._subgroup = subgroup
-        self._subgroup_explicit = subgroup is not None
-        self.subgroup_source: str | None = "given by the caller" if subgroup is not None else None
         self._checked = False
+        self._subgroup_explicit = False
+        self.bind(process_group, subgroup)
         logger.info("post-local SGD: global gradient averaging for %d steps", start_localSGD_iter)
 
     @property
@@ -126,33 +100,34 @@ class PostLocalSGDState(HookState):
     def bind(
         self, process_group: dist.ProcessGroup | None, subgroup: Any = _UNCHANGED
     ) -> "PostLocalSGDState":
-        """Communicate on ``process_group`` (and ``subgroup``, if given) from now on.
-
-        After unpickling, a state whose subgroup was given explicitly must be re-bound with
-        ``state.bind(process_group, subgroup=...)``; a state using per-machine subgroups
-        derives them again on first use.
-        """
-        given = subgroup is not _UNCHANGED and subgroup is not None
-        if given and not isinstance(subgroup, dist.ProcessGroup):
-            raise TypeError(f"subgroup must be a ProcessGroup, got {type(subgroup).__name__}")
-        explicit = self._subgroup_explicit if subgroup is _UNCHANGED else subgroup is not None
-        if not explicit:
-            _check_default_subgroup_allowed(process_group, None, self.post_local_gradient_allreduce)
+        """Communicate on ``process_group`` (and ``subgroup``, if given) from now on: after
+        unpickling, a state given its subgroup must be bound again with it; per-machine
+        subgroups are derived again on first use."""
+        given = subgroup is not _UNCHANGED
+        if given and subgroup is not None and not isinstance(subgroup, dist.ProcessGroup):
+            raise TypeError(
+                f"{type(self).__name__}: subgroup must be a ProcessGroup or None (one per "
+                f"machine), got {type(subgroup).__name__}."
+            )
+        explicit = subgroup is not None if given else self._subgroup_explicit
+        # Per-machine groups are made by every rank of the default group: ranks outside a
+        # custom group would never join, so no guess for them.
+        if not explicit and self.post_local_gradient_allreduce and not _every_rank(process_group):
+            raise ValueError(
+                "PostLocalSGDState: subgroup=None (one subgroup per machine) needs a process "
+                "group of every rank. With a process_group of some ranks only, pass subgroup= "
+                "explicitly (or post_local_gradient_allreduce=False, which never uses one)."
+            )
         super().bind(process_group)
-        if subgroup is not _UNCHANGED:
-            self._subgroup = subgroup
-            self._subgroup_explicit = subgroup is not None
-            self.subgroup_source = "given by the caller" if subgroup is not None else None
-        elif not self._subgroup_explicit:
-            self._subgroup = None  # machines are derived within the group: derive them again
-            self.subgroup_source = None
+        if given or not explicit:  # per-machine groups are derived within the group: again
+            self._subgroup: dist.ProcessGroup | None = subgroup if given else None
+            self._subgroup_explicit = explicit
+            self.subgroup_source: str | None = "given by the caller" if explicit else None
         return self
 
     def ensure_subgroup(self) -> dist.ProcessGroup:
-        """The post-warm-up group, creating the per-machine groups now if needed.
-
-        A collective over the default group when it creates groups: call it on every rank
-        at the same point, or leave it to the hook.
+        """The post-warm-up group, creating the per-machine groups now if needed (a collective
+        over the default group: on every rank at the same point, or left to the hook).
 
         Raises:
             RuntimeError: the state was unpickled and its explicit subgroup must be re-bound.
@@ -189,9 +164,8 @@ class PostLocalSGDState(HookState):
         }
 
     def begin(self, bucket: GradBucket) -> tuple[dist.ProcessGroup, bool]:
-        """What the hook asks first, on DDP's thread: the group (checked with the other ranks
-        at the first call, collectively) and whether this step is still in the warm-up; counts
-        the step at its last bucket."""
+        """The group (checked with the other ranks at the first call, a collective) and whether
+        this step is in the warm-up; counts the step at its last bucket."""
         group = comm.resolve_group(self.process_group, owner=OWNER)
         if not self._checked:
             handshake.agree(group, OWNER, self)
@@ -219,38 +193,18 @@ class PostLocalSGDState(HookState):
         self._checked = False
 
 
-def _check_default_subgroup_allowed(
-    process_group: dist.ProcessGroup | None,
-    subgroup: dist.ProcessGroup | None,
-    gradients_averaged: bool,
-) -> None:
-    # Per-machine groups are created by every rank of the default group; ranks outside a
-    # custom group would never join that collective, so we do not guess for them. Without
-    # gradient averaging after the warm-up no subgroup is ever made, and a group of every
-    # rank in order is the default group under another name.
-    if subgroup is not None or not gradients_averaged or comm.is_default_group(process_group):
-        return
-    if comm.global_ranks(process_group) == list(range(dist.get_world_size())):
-        return
-    raise ValueError(
-        "PostLocalSGDState: subgroup=None (one subgroup per machine) needs a process group "
-        "of every rank. With a process_group of some ranks only, pass subgroup= explicitly "
-        "(or post_local_gradient_allreduce=False, which never uses one)."
-    )
+def _every_rank(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group`` holds every rank in order: the default group by another name."""
+    default = comm.is_default_group(group)
+    return default or comm.global_ranks(group) == list(range(dist.get_world_size()))
 
 
 def post_localSGD_hook(
     state: PostLocalSGDState, bucket: GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    """Average globally during the warm-up, then within the subgroup, or not at all.
-
-    Use it with a model averager that averages parameters after ``optimizer.step()``
+    """Average globally during the warm-up (bitwise DDP's), then within the subgroup, or not
+    at all; with a model averager of the parameters after ``optimizer.step()``
     (:class:`commhooks.PeriodicModelAverager`, or :class:`commhooks.PostLocalSGDOptimizer`).
-    During the warm-up the result is bitwise that of DDP without a hook.
-
-    Args:
-        state: a :class:`PostLocalSGDState`.
-        bucket: the gradient bucket DDP hands to the hook.
     """
     if not isinstance(state, PostLocalSGDState):
         raise TypeError(
@@ -273,10 +227,8 @@ def post_localSGD_hook(
 def state_from_options(
     process_group: dist.ProcessGroup | None, options: Mapping[str, Any]
 ) -> PostLocalSGDState:
-    """Build the state for ``commhooks.register(ddp, "post_local_sgd", ...)``.
-
-    ``options`` are :class:`PostLocalSGDOptions`'s, plus ``subgroup``.
-    """
+    """The state of ``commhooks.register(ddp, "post_local_sgd", ...)``: ``options`` are
+    :class:`PostLocalSGDOptions`'s, plus ``subgroup``."""
     rest = {k: v for k, v in options.items() if k != "subgroup"}
     checked = PostLocalSGDOptions.from_mapping(rest)
     return PostLocalSGDState(process_group, options.get("subgroup"), **checked.as_dict())

@@ -144,21 +144,17 @@ _OPTION_NAMES = frozenset(QuantizationOptions.names())  # read-only attributes o
 class BucketLayout:
     """Where each parameter of a bucket goes, and how the bucket is cut into one row per rank.
 
-    The parameters are laid out by their number, whatever their order in the bucket: DDP's
-    first step hands them over in another order than the rebuilt buckets of the later steps,
-    and a fresh DDP after a restart does that again; laid out by number, the same parameters
-    make the same blocks and rows either way, so a restart resumes bit for bit.
+    Laid out by number, whatever their order in the bucket (DDP's first step and a fresh DDP
+    after a restart hand them over in another order), the same parameters make the same blocks
+    and rows, so a restart resumes bit for bit.
 
     Attributes:
-        numbers: the parameters' stable numbers
-            (:class:`~commhooks.numbering.ParameterNumbering`), ascending.
+        numbers: the parameters' stable numbers (:mod:`commhooks.numbering`), ascending.
         offsets, sizes: each parameter's place in the rows (as one flat tensor).
-        sources: each parameter's offset in the bucket's buffer.
-        numel: the bucket's length.
+        sources: each parameter's offset in the bucket's buffer; numel: the bucket's length.
         length: elements per row, whole blocks; the rows together are the bucket zero-padded.
         pieces: this rank's row, as ``(key, start, stop)``: the parts of parameters it holds,
-            keyed ``"number:first-stop"`` by the elements of the parameter, at ``[start, stop)``
-            in the row. The second error memory is kept under those keys.
+            keyed ``"number:first-stop"`` (the owner's memory's keys), at ``[start, stop)``.
         piece_sources: where each piece's first element lies in the bucket's buffer.
     """
 
@@ -241,9 +237,8 @@ def _describe(key: Key) -> str:
 
 class _Side:
     """One of a workspace's two error buffers: the rows (the compensated gradient, then its
-    error) and this rank's averaged row (then its error), with a view of each parameter's
-    elements in the rows and of each piece's in the row, made once (slicing on every step
-    costs host time per bucket)."""
+    error) and this rank's averaged row (then its error), with views of each parameter and
+    piece made once (slicing at every step costs host time per bucket)."""
 
     def __init__(self, both: torch.Tensor, layout: BucketLayout) -> None:
         self.both = both  # the rows, then this rank's row: one tensor, kept or not at once
@@ -255,31 +250,26 @@ class _Side:
         # On a CPU, the kernels' calls bound to this side's buffers (see bind_kernels).
         self.quantize: cpu_kernels.BoundQuantize | None = None
         self.owner: tuple[cpu_kernels.BoundDequantize, cpu_kernels.BoundQuantize] | None = None
+        self.keep_other: cpu_kernels.BoundDequantize | None = None
 
-    def bind_kernels(self, work: "Workspace", fmt: blocks.BlockFormat, keep: bool) -> None:
-        """Bind the CPU kernels' calls to this side's buffers and ``work``'s packets: the
-        rank's quantization (rows into ``send``) and the owner's pass (``received`` summed
-        into ``mine``, then ``mine`` into ``own_packet``), checked once here rather than at
-        every call (about 3 us a call on a CPU's host)."""
-        bits, block, qmax = fmt.bits, fmt.block, fmt.qmax
+    def bind_kernels(self, work: "Workspace", fmt: blocks.BlockFormat, other: "_Side") -> None:
+        """Bind the CPU kernels' calls to this side's buffers and ``work``'s packets, checked
+        once here rather than at every call (about 3 us a call): the rank's quantization, the
+        owner's pass and, with error feedback (``other``, the other side), the copy of ``other``
+        over this side where the gathered scales are not finite."""
+        bits, block, qmax, keep = fmt.bits, fmt.block, fmt.qmax, other is not self
         self.quantize = cpu_kernels.bound_quantize(self.rows, work.send, bits, block, keep, qmax)
         summed = cpu_kernels.bound_dequantize(work.received, bits, block, self.mine, add_rows=True)
         owned = cpu_kernels.bound_quantize(self.mine, work.own_packet, bits, block, keep, qmax)
         self.owner = (summed, owned) if summed is not None and owned is not None else None
-        self.keep_other: cpu_kernels.BoundDequantize | None = None  # see bind_keeping
-
-    def bind_keeping(self, work: "Workspace", other: "_Side", fmt: blocks.BlockFormat) -> None:
-        """Bind the CPU kernel that copies ``other`` (the memories before a step) over this
-        side where the gathered scales show the step was not finite."""
-        length = work.layout.length
-        self.keep_other = cpu_kernels.bound_keep_if_not_finite(
-            work.gathered, fmt.bits, fmt.block, length, self.both, other.both
-        )
+        if keep:
+            self.keep_other = cpu_kernels.bound_keep_if_not_finite(
+                work.gathered, bits, block, work.layout.length, self.both, other.both
+            )
 
     def keep_unless_finite(self, other: "_Side", scales: torch.Tensor) -> None:
         """Where the step's gathered ``scales`` are not all finite, this side takes ``other``'s
-        values (the memories before the step): on the device, with nothing read back (on a
-        CPU one kernel pass over the scales)."""
+        values (the memories before the step), with nothing read back."""
         if self.keep_other is None or not self.keep_other():
             torch.where(all_finite(scales), self.both, other.both, out=self.both)
 
@@ -297,24 +287,13 @@ class Wire:
 
 
 class Workspace:
-    """The buffers one bucket reuses from step to step (allocating them costs page faults),
-    and what the hook needs of the state for this bucket's step.
+    """The buffers one bucket reuses from step to step (allocating them costs page faults).
 
-    ``rows`` is the compensated gradient cut into one row per rank, then its error; ``mine``
-    this rank's averaged row, then its error; both belong to ``now``, the side written this
-    step, while ``kept`` holds the error memories when they are where the last step left them
-    (:meth:`QuantizationState.commit` swaps the sides). ``levels`` is scratch;
-    ``send``/``received`` the packets of the all-to-all, ``own_packet``/``gathered`` those of
-    the all-gather: with one rank, the same tensors, since nothing travels. Without error
-    feedback there is no error to keep, and both sides are one. ``wire``: with a packed
-    format and several ranks, what those four travel as (:class:`Wire`); ``None`` otherwise.
-
-    ``fmt`` is the block format the buffers were made for; ``alone`` whether the group has
-    one rank; ``params`` the bucket's parameters, held weakly (:meth:`serves`).
-
-    Set by :meth:`QuantizationState.begin` for each step: ``addition``
-    (what the quantizing pass adds, or ``None`` when ``rows`` is filled already), ``first``
-    and ``second`` (the generators of the two quantizations, ``None`` with nearest rounding).
+    ``now`` is the side written this step (:class:`_Side`), ``kept`` the one holding the
+    memories where the last step left them (without error feedback, the same); ``levels`` is
+    scratch; ``send``/``received``, ``own_packet``/``gathered`` the exchanges' packets (with
+    one rank, the same tensors), ``wire`` what they travel as when packed. Set each step by
+    :meth:`QuantizationState.begin`: ``addition``, ``first`` and ``second`` (the generators).
     """
 
     def __init__(
@@ -351,19 +330,16 @@ class Workspace:
         self.addition: tuple[torch.Tensor, torch.Tensor] | None = None
         self.first: torch.Generator | None = None
         self.second: torch.Generator | None = None
-        # Whether a step began on these buffers and has not committed: set by begin(),
-        # cleared by commit(). Still set at the next begin(), the step was abandoned or not
-        # finite, and may have left NaN in the rows' padding (see clear_padding).
+        # A step began on these buffers and has not committed (abandoned, or not finite: its
+        # padding may hold NaN, see clear_padding).
         self.unfinished = False
         self.fmt = fmt  # the block format the buffers were made for
         self._decoding: tuple[tuple[int, torch.dtype], list[cpu_kernels.BoundDequantize]] | None
         self._decoding = None
         if device.type == "cpu":  # the kernels' calls bound once (a GPU's are Triton's)
-            for side in (self.now, self.kept) if error_feedback else (self.now,):
-                side.bind_kernels(self, fmt, error_feedback)
+            self.now.bind_kernels(self, fmt, self.kept)
             if error_feedback:
-                self.now.bind_keeping(self, self.kept, fmt)
-                self.kept.bind_keeping(self, self.now, fmt)
+                self.kept.bind_kernels(self, fmt, self.now)
 
     @property
     def rows(self) -> torch.Tensor:
@@ -419,30 +395,19 @@ class Workspace:
 class QuantizationState(HookState):
     """Options and error memories of :func:`~commhooks.hooks.quantized.hook.quantized_hook`.
 
-    Build it as ``QuantizationState(process_group=None, bits=8, ...)``, the other options of
-    :class:`QuantizationOptions` as keywords, e.g. ``QuantizationState(None, 4,
-    block_size=128)``. Each option reads as an attribute (``state.bits``),
-    read-only; ``state.settings`` is the whole typed object.
+    Build it as ``QuantizationState(process_group, bits, **options)`` (e.g.
+    ``QuantizationState(None, 4, block_size=128)``; ``None``: the default group), the options
+    those of :class:`QuantizationOptions`, refused with the fix (``ValueError``) when out of
+    range. Each reads as a read-only attribute (``state.bits``); ``state.settings`` is all.
 
     Two error memories, both :class:`~commhooks.compress.error_feedback.ErrorFeedback`:
 
-    * ``error``: what this rank's quantization dropped from its own gradient, one float32
-      tensor per parameter, keyed by the parameter's number (counted from DDP's last
-      parameter), so it follows each parameter through DDP's bucket rebuild after the first
-      step and through a restart with other bucket sizes.
+    * ``error``: what this rank's quantization dropped from its own gradient, a float32 tensor
+      per parameter keyed by its number, so it follows the parameter through DDP's rebuilds.
     * ``owner_error``: what the second quantization dropped from the average of the row this
-      rank owns, keyed by the parameter elements it covers (``"number:first-stop"``). Which
-      elements a rank owns depends on the bucket layout and the world size: a piece whose
-      elements are owned differently after a rebuild or restart is dropped (it is at most half
-      a quantization step of the average), the others carry over.
-
-    Args:
-        process_group: the group to average over; ``None`` for the default group.
-        bits: 8 or 4 bits per element on the wire (see :class:`QuantizationOptions`).
-        **options: the other options of :class:`QuantizationOptions`.
-
-    Raises:
-        ValueError: an unknown option or a value out of range, with the fix in the message.
+      rank owns, keyed by the elements it covers (``"number:first-stop"``). A piece owned
+      differently after a rebuild or restart is dropped (at most half a quantization step of
+      the average); the others carry over.
     """
 
     kind = "quantization"
@@ -517,13 +482,9 @@ class QuantizationState(HookState):
 
     # -- used by the hook, on DDP's thread ----------------------------------------------------
     def prepare(self) -> dist.ProcessGroup:
-        """The group to use; on first use (and after ``bind``), check the ranks agree.
-
-        The first call is collective on every rank of the group (the handshake of
-        :mod:`commhooks.handshake`, which gathers the hook's name, its wrapper's and
-        :meth:`handshake_fields`, and the creation of the follow-up group of :attr:`issuer`):
-        the hook makes it on its first bucket, the same point everywhere.
-        """
+        """The group to use; on first use (and after ``bind``), check the ranks agree: a
+        collective (:mod:`commhooks.handshake`, and the follow-up group of :attr:`issuer`) the
+        hook makes at its first bucket, the same point on every rank."""
         group = comm.resolve_group(self.process_group, owner=OWNER)
         if self._checked is not group:
             handshake.agree(group, HOOK, self, self._reloaded)
@@ -584,13 +545,9 @@ class QuantizationState(HookState):
         return {**here, **self.mesh_place, "topology": self._shape}
 
     def share_issuers(self, pool: comm.IssuerPool | None) -> None:
-        """Take the follow-ups' issuer from ``pool`` (``None``: an issuer of its own) when the
-        state next makes one: at its first use, or on a new group.
-
-        For states whose averages one thread starts one after another, as an averager's
-        fragments: they then share one follow-up group instead of making one each. Not
-        pickled: the owner shares again after unpickling.
-        """
+        """Take the follow-ups' issuer from ``pool`` (``None``: an issuer of its own) at the
+        next first use or new group: states whose averages one thread starts one after another
+        (an averager's fragments) share one follow-up group. Not pickled: shared again after."""
         self._pool = pool
 
     def handshake_fields(self) -> dict[str, Any]:
@@ -617,22 +574,17 @@ class QuantizationState(HookState):
         return self._numbering.numbers(params)
 
     def workspace(self, bucket: "GradBucket | Any", buffer: torch.Tensor) -> Workspace:
-        """What the hook needs of the state for ``bucket``'s step, once :meth:`prepare` has
-        given it the group: the bucket's :class:`Workspace` with its rows compensated (or the
-        addition the quantizing pass makes, :attr:`Workspace.addition`) and the step's
-        generators.
-
-        At the first step after a load, compares the loaded memories with the gradient
-        (:meth:`_check_loaded`). Raises ``ValueError`` if the bucket's gradients do not tile
-        its buffer.
-        """
+        """The bucket's :class:`Workspace` for this step, after :meth:`prepare`: its rows
+        compensated (or :attr:`Workspace.addition`), the step's generators, and after a load the
+        loaded memories checked against the gradient. ``ValueError`` if the bucket's gradients
+        do not tile its buffer."""
         work = self._workspaces.get(bucket.index())
         if work is None or not work.serves(bucket.parameters(), buffer):
             work = self._workspace(bucket, buffer)
         if work.unfinished:  # the last step on these buffers never committed
             work.clear_padding()
         work.unfinished = True
-        if self.settings.rounding != blocks.NEAREST:  # (nearest rounding draws nothing)
+        if self.settings.rounding == blocks.STOCHASTIC:  # (nearest rounding draws nothing)
             work.first, work.second = self._generators_on(buffer.device)
         if self.error.awaits_check or self.owner_error.awaits_check:  # after a load only
             self._check_loaded(work.order, bucket, buffer, work.layout)
@@ -640,9 +592,8 @@ class QuantizationState(HookState):
         return work
 
     def _workspace(self, bucket: "GradBucket | Any", buffer: torch.Tensor) -> Workspace:
-        """The buffers of ``bucket`` where last step's do not serve it (:meth:`Workspace.serves`):
-        last step's still, laid out again, when it holds the same parameters in another order;
-        made again when its layout or device changes."""
+        """The buffers of ``bucket`` where last step's do not serve it: laid out again for the
+        same parameters in another order, made again for another layout or device."""
         params = bucket.parameters()
         found = self._workspaces.get(bucket.index())
         numbers = self._numbering.numbers(params)
@@ -667,52 +618,41 @@ class QuantizationState(HookState):
             self._layouts[(numbers, sizes)] = found
         return found
 
-    def _generators_on(
-        self, device: torch.device
-    ) -> tuple[torch.Generator | None, torch.Generator | None]:
-        """The random numbers of stochastic rounding (``None`` with nearest rounding).
-
-        One generator per quantization (a rank's own gradient, on DDP's thread; the average of
-        its row, in the order the issuer runs follow-ups), so that each is drawn from in the
-        same order in every run, seeded ``random_seed + 2 rank`` and ``+ 2 rank + 1``.
+    def _generators_on(self, device: torch.device) -> tuple[torch.Generator, torch.Generator]:
+        """The random numbers of stochastic rounding: one generator per quantization (a rank's
+        own gradient, on DDP's thread; the average of its row, in the issuer's order), so that
+        each is drawn from in the same order in every run, seeded ``random_seed + 2 rank + i``.
         """
-        if self.settings.rounding != blocks.STOCHASTIC:
-            return None, None
         if not self._generators or self._generators[0].device != device:
             self._generators = [torch.Generator(device=device) for _ in _PHASES]
-            for i, made in enumerate(self._generators):
-                made.manual_seed(self.settings.random_seed + 2 * self._rank + i)
-            if self._generator_states is not None:
-                self._resume_generators(self._generator_states, device, self._rank)
-            self._generator_states = None
+            states, self._generator_states = self._generator_states, None
+            if states is None or not self._resumed(states, device):
+                for i, made in enumerate(self._generators):
+                    made.manual_seed(self.settings.random_seed + 2 * self._rank + i)
         return self._generators[0], self._generators[1]
 
-    def _resume_generators(self, states: torch.Tensor, device: torch.device, rank: int) -> None:
-        """Set the loaded generator states; where they are another device's (a CUDA run's
-        states on CPU), keep the fresh seeds with a warning rather than fail in the backward."""
+    def _resumed(self, states: torch.Tensor, device: torch.device) -> bool:
+        """Whether the loaded generator states were set: another device's (a CUDA run's on a
+        CPU) give way to fresh seeds, with a warning, rather than fail in the backward."""
         try:
             for made, saved in zip(self._generators, states):
                 made.set_state(saved.clone())
+            return True
         except RuntimeError:
-            for i, made in enumerate(self._generators):
-                made.manual_seed(self.settings.random_seed + 2 * rank + i)
             warn_once(
                 f"quantization-generators-{device.type}",
                 f"{OWNER}: the loaded 'generators' are the states of another device's generators "
                 f"({states.shape[1]} bytes each), not {device.type}'s; stochastic rounding starts "
                 "again from its seeds.",
             )
+            return False
 
     def _compensate(
         self, work: Workspace, buffer: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Fill ``work.rows`` with the gradient plus each parameter's remembered error, or
-        return the two tensors whose sum its start must become, for the quantizing pass to add.
-
-        Out of place: the bucket keeps the plain gradient, which a re-send needs. In the
-        bucket's order, the errors are first gathered where the last step leaves them (the
-        kept side, zeros for a parameter without one): then the usual step is one pass.
-        """
+        """Fill ``work.rows`` with the gradient plus each remembered error, or return the two
+        tensors the quantizing pass adds into them (the usual step: one pass). Out of place:
+        the bucket keeps the plain gradient, which a re-send needs."""
         layout = work.layout
         if not self.settings.error_feedback:
             if layout.in_order:
@@ -731,11 +671,9 @@ class QuantizationState(HookState):
         return None
 
     def owner_memory(self, work: Workspace) -> torch.Tensor | None:
-        """The owner's remembered error of this rank's row, as a row (gathered where the last
-        step leaves it, zeros for a piece without one and past the pieces), for the owner's
-        pass to add; ``None`` without error feedback or without pieces. Call in the step's
-        turn. (A loaded piece met its check in :meth:`begin`.)
-        """
+        """The owner's remembered error of this rank's row, as a row (zeros where there is
+        none) for the owner's pass to add, in the step's turn; ``None`` without error feedback
+        or pieces."""
         pieces = work.layout.pieces
         if not self.settings.error_feedback or not pieces:
             return None
@@ -748,10 +686,8 @@ class QuantizationState(HookState):
     def commit(self, work: Workspace) -> None:
         """Keep the errors this step left in ``work`` as the memories; swap the buffers.
 
-        Where the step's result was not finite (a gathered scale is inf or NaN), the errors are
-        replaced by the memories as they were before the step, on the device, so that inf or
-        NaN never enter a memory and no value is read back. Callbacks of several buckets may
-        commit at once (gloo's threads): one at a time here.
+        Where a gathered scale is inf or NaN the memories stay as before the step, decided on
+        the device. Callbacks of several buckets (gloo's threads) commit one at a time.
         """
         work.unfinished = False
         if not self.settings.error_feedback:
@@ -776,10 +712,8 @@ class QuantizationState(HookState):
         buffer: torch.Tensor,
         layout: BucketLayout,
     ) -> None:
-        """At the first step after a load, compare each loaded error with the gradient of its
-        elements: a parameter's with its gradient, a piece of the owner's with this rank's
-        gradient of the piece's elements (the average it is added to is of the same scale, and
-        the bound is a thousand times looser than quantization allows)."""
+        """At the first step after a load, compare each loaded error with this rank's gradient
+        of its elements (for an owner's piece, of the scale of the average it is added to)."""
         for number, gradient in zip(numbers, bucket.gradients()):
             self.error.check_loaded_(number, gradient)
         for (key, start, stop), source in zip(layout.pieces, layout.piece_sources):
@@ -806,8 +740,8 @@ class QuantizationState(HookState):
         mesh_here = {k: v for k, v in here.items() if k not in plain}
         where = f"rank {saved['rank']} of {saved['world_size']}"
         where_here = f"rank {here['rank']} of {here['world_size']}"
-        if saved.get("topology", FLAT) != here["topology"]:
-            where += f" on the path {saved.get('topology', FLAT)!r}"
+        if saved["topology"] != here["topology"]:
+            where += f" on the path {saved['topology']!r}"
             where_here += f" on the path {here['topology']!r}"
         if mesh != mesh_here:
             where += f", {place.describe(mesh)}"
@@ -838,34 +772,25 @@ class QuantizationState(HookState):
 
     def _load(self, state_dict: Mapping[str, Any]) -> None:
         where = f"{OWNER}.load_state_dict"
-        try:
-            entries = {k: state_dict[k] for k in ("iter", "world_size", "rank", "error")}
-            entries.update(
-                owner_error=state_dict["owner_error"], generators=state_dict["generators"]
-            )
-        except KeyError as exc:
-            raise StateDictError(
-                f"{where}: missing entry {exc}. Pass the unchanged output of state_dict()."
-            ) from exc
-        step = check_count(f"{where} 'iter'", entries["iter"])
-        world = check_count(f"{where} 'world_size'", entries["world_size"], minimum=-1)
-        rank = check_count(f"{where} 'rank'", entries["rank"], minimum=-1)
+        for key in ("iter", "world_size", "rank", "place", "error", "owner_error", "generators"):
+            if key not in state_dict:
+                raise StateDictError(
+                    f"{where}: missing entry {key!r}. Pass the unchanged output of state_dict()."
+                )
+        step = check_count(f"{where} 'iter'", state_dict["iter"])
+        world = check_count(f"{where} 'world_size'", state_dict["world_size"], minimum=-1)
+        rank = check_count(f"{where} 'rank'", state_dict["rank"], minimum=-1)
         error, owner_error = self._memory(), self._memory()
-        error.load_state_dict(entries["error"], int, f"{OWNER} 'error'")
+        error.load_state_dict(state_dict["error"], int, f"{OWNER} 'error'")
         where_owner = f"{OWNER} 'owner_error'"
-        owner_error.load_state_dict(entries["owner_error"], _checked_piece, where_owner)
-        generators = _checked_generators(f"{OWNER} 'generators'", entries["generators"])
-        # Earlier releases saved no place: under FSDP2 such a file cannot show which shard it
-        # holds, and is treated as another shard's; under DDP only the rank is compared.
-        mesh = state_dict.get("place", {})
-        saved_mesh = place.checked(f"{OWNER} 'place'", mesh)
+        owner_error.load_state_dict(state_dict["owner_error"], _checked_piece, where_owner)
+        generators = _checked_generators(f"{OWNER} 'generators'", state_dict["generators"])
+        saved_mesh = place.checked(f"{OWNER} 'place'", state_dict["place"])
         agreed = self.handshake_fields()
         self.iter, self.error, self.owner_error = step, error, owner_error
         self._generator_states, self._generators = generators, []
-        known = world > 0 and rank >= 0
-        self._saved_place = {"world_size": world, "rank": rank} if known else None
-        if self._saved_place is not None:
-            self._saved_place.update({"topology": FLAT, **saved_mesh})
+        saved = {"world_size": world, "rank": rank, "topology": FLAT, **saved_mesh}
+        self._saved_place = saved if world > 0 and rank >= 0 else None
         self._layouts.clear()  # pieces of the loaded second memory are sorted out anew
         if self.handshake_fields() != agreed:
             # Another step count: the ranks must agree on it again (a reload of the same step
@@ -950,11 +875,8 @@ def _scatter(
 
 
 def _piece_sizes(gradients: list[torch.Tensor], buffer: torch.Tensor) -> tuple[int, ...]:
-    """How many elements of ``buffer`` belong to each parameter's gradient.
-
-    In DDP's buckets the gradients tile the buffer. An FSDP2 shard (``commhooks.fsdp``) pads
-    each parameter's rows: there each piece runs from its gradient's first element to the next
-    gradient's (the padding, zeros, travels with the parameter it follows).
+    """How many elements of ``buffer`` belong to each parameter's gradient: its own in DDP's
+    buckets; in an FSDP2 shard, which pads each parameter's rows, up to the next gradient's.
 
     Raises:
         ValueError: the gradients are not consecutive views that cover ``buffer``.
