@@ -1,11 +1,12 @@
-"""Two hops for the hooks that do not take them: should allreduce, fp16 and PowerSGD sum within
-the machine first, send only the machine's share across, and gather within?
+"""Two hops against the flat path on 2 machines of 2 ranks: what crosses the machines' link.
 
-The quantized hooks do (``commhooks.Topology``): their flat path sends every rank's codes
-across, G times what a machine needs to. This script measures the same two-hop form for the
-other hooks against their flat form, on 4 gloo ranks as 2 machines of 2 (``--bandwidth``: two
-network namespaces joined by a rate-limited link, bytes read from the link's counters; root),
-the model of issue 61 (1.05M float32 parameters, ``bucket_cap_mb=1``, batch 16 a rank):
+The quantized hooks take two hops by default on such a cluster (``commhooks.Topology``): sum
+within the machine, only the machine's share across, gather within. This script measures them
+against their flat form (``topology="flat"``), the same two-hop form written here for the hooks
+that do not take it (allreduce, fp16, PowerSGD) against theirs, and streaming DiLoCo with each
+machine a worker of two ranks; on 4 gloo ranks as 2 machines of 2 (``--bandwidth``: two network
+namespaces joined by a rate-limited link, bytes read from the link's counters; root), a model of
+1.05M float32 parameters, ``bucket_cap_mb=1``, batch 16 a rank. The prototypes:
 
 * ``allreduce`` and ``fp16``: reduce-scatter within the machine (float32), the share averaged
   across machines by the hook itself (fp16: cast, divide, sum, cast back), all-gather within;
@@ -17,7 +18,9 @@ It prints, per hook and form, the step time, the bytes a machine sent over its l
 and the held-out loss::
 
     sudo python examples/two_hop_forms.py --bandwidth 100mbit
-    python examples/two_hop_forms.py          # no link: step times on loopback, no bytes
+    python examples/two_hop_forms.py --steps 8
+
+Without ``--bandwidth`` the ranks talk over loopback: step times only, no bytes counted.
 """
 
 import argparse
@@ -38,15 +41,17 @@ import commhooks
 from commhooks import comm
 from commhooks.testing import run_on_ranks
 
-HOOKS = ("allreduce", "fp16", "power_sgd")
-WIDTHS = (256, 1024, 768, 64)  # 1.10M float32 parameters
+HOOKS = ("allreduce", "fp16", "power_sgd", "int8", "int4")
+WIDTHS = (256, 512, 512, 512, 512, 256)  # 1.05M float32 parameters in 5 layers
 
 
 class Share:
     """A bucket-like view of some of a bucket's gradients, for PowerSGD across machines."""
 
-    def __init__(self, index: int, grads: list[torch.Tensor], params: list[Any]) -> None:
-        self._index, self._params = index, params
+    def __init__(
+        self, index: int, grads: list[torch.Tensor], params: list[Any], last: bool = False
+    ) -> None:
+        self._index, self._params, self._last = index, params, last
         self._buffer = torch.cat([g.reshape(-1) for g in grads]) if grads else torch.zeros(0)
         self._shapes = [g.shape for g in grads]
 
@@ -70,7 +75,7 @@ class Share:
         return self._params
 
     def is_last(self) -> bool:
-        return False
+        return self._last  # PowerSGD counts its steps at the last bucket
 
 
 class TwoHopState:
@@ -118,7 +123,9 @@ def _power_two_hops(
     buffer.div_(g)
     grads, params = bucket.gradients(), bucket.parameters()
     mine = [i for i in range(len(grads)) if i % g == local]
-    share = Share(bucket.index() * g + local, [grads[i] for i in mine], [params[i] for i in mine])
+    share = Share(
+        bucket.index(), [grads[i] for i in mine], [params[i] for i in mine], bucket.is_last()
+    )
     averaged = commhooks.powerSGD_hook(state.power, share).wait()  # type: ignore[arg-type]
     out = torch.zeros_like(buffer)
     views = Share(0, [torch.zeros_like(gr) for gr in grads], params)
@@ -155,7 +162,9 @@ def _model() -> nn.Module:
 
 
 def _attach(ddp: DDP, name: str, form: str) -> None:
-    if form == "flat":
+    if name in ("int8", "int4"):  # the package's own choice: two hops unless told flat
+        commhooks.register(ddp, name, topology="flat" if form == "flat" else "auto")
+    elif form == "flat":
         options = {"start_powerSGD_iter": 2} if name == "power_sgd" else {}
         commhooks.register(ddp, name, **options)
     else:
@@ -172,6 +181,47 @@ def _counters(host_end: str | None) -> int:
     return 0 if found is None else int(found.get("tx_bytes", 0))
 
 
+def _train(
+    ddp: DDP, opt: torch.optim.Optimizer, data: list[Any], host_end: str | None
+) -> tuple[list[float], list[int]]:
+    """Each step's time and the bytes this machine's link sent during it."""
+    times, sent = [], []
+    for x, y in data:
+        dist.barrier()
+        before, start = _counters(host_end), time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+        times.append(time.perf_counter() - start)
+        sent.append(_counters(host_end) - before)
+    return times, sent
+
+
+def _row(ddp: DDP, times: list[float], sent: list[int], held_out: list[Any]) -> dict[str, Any]:
+    with torch.no_grad():
+        loss = sum(float(nn.functional.mse_loss(ddp.module(x), y)) for x, y in held_out)
+    later = sorted(times[3:])
+    return {
+        "ms": 1000 * later[len(later) // 2],
+        "bytes_per_step": sorted(sent[3:])[len(later) // 2],
+        "held_out": loss / len(held_out),
+    }
+
+
+def _diloco(rank: int, data: list[Any], host_end: str | None) -> dict[str, Any]:
+    """Streaming DiLoCo, each machine a worker of 2 ranks (DDP inside it): the mean bytes a
+    machine sends a step over 8 steps, one whole round of its 4 fragments."""
+    workers = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    ddp = DDP(_model(), bucket_cap_mb=1, process_group=workers[rank // 2])
+    diloco = commhooks.register(
+        ddp, "streaming_diloco", sync_every=8, fragments=4, fragment_sync_delay=1, bits=4
+    )
+    inner = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    diloco.attach(inner, ddp.module.named_parameters())
+    times, sent = _train(ddp, inner, data, host_end)
+    return {"bytes_per_step": sum(sent[8:16]) // 8, "ms": 1000 * sorted(times[8:16])[4]}
+
+
 def run_rank(rank: int, world_size: int, steps: int, host_end: str | None) -> dict[str, Any]:
     """Every hook in both forms: step time (median), link bytes a step, held-out loss."""
     out: dict[str, Any] = {}
@@ -181,23 +231,8 @@ def run_rank(rank: int, world_size: int, steps: int, host_end: str | None) -> di
             ddp = DDP(_model(), bucket_cap_mb=1)
             _attach(ddp, name, form)
             opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
-            times, sent = [], []
-            for x, y in train:
-                dist.barrier()
-                before, start = _counters(host_end), time.perf_counter()
-                opt.zero_grad(set_to_none=True)
-                nn.functional.mse_loss(ddp(x), y).backward()
-                opt.step()
-                times.append(time.perf_counter() - start)
-                sent.append(_counters(host_end) - before)
-            with torch.no_grad():
-                loss = sum(float(nn.functional.mse_loss(ddp.module(x), y)) for x, y in held_out)
-            later = sorted(times[3:])
-            out[f"{name}, {form}"] = {
-                "ms": 1000 * later[len(later) // 2],
-                "bytes_per_step": sorted(sent[3:])[len(later) // 2],
-                "held_out": loss / len(held_out),
-            }
+            out[f"{name}, {form}"] = _row(ddp, *_train(ddp, opt, train, host_end), held_out)
+    out["streaming_diloco, 2 workers of 2"] = _diloco(rank, _data(rank, 16), host_end)
     return out
 
 
@@ -238,9 +273,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     rows = measure(args.steps, args.bandwidth)
-    print(f"{'hook, form':<22} {'ms/step':>8} {'link bytes/step':>16} {'held-out':>9}")
+    print(f"{'hook, form':<33} {'ms/step':>8} {'link bytes/step':>16} {'held-out':>9}")
     for label, row in rows.items():
-        print(f"{label:<22} {row['ms']:8.1f} {row['bytes_per_step']:16,d} {row['held_out']:9.4f}")
+        loss = f"{row['held_out']:9.4f}" if "held_out" in row else f"{'-':>9}"
+        print(f"{label:<33} {row['ms']:8.1f} {row['bytes_per_step']:16,d} {loss}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0
