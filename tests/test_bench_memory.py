@@ -6,6 +6,7 @@ import torch
 
 from commhooks.bench import footprint, hookset
 from commhooks.bench.launcher import run_hook
+from commhooks.bench.shape import Shape
 from commhooks.bench.records import RunSpec
 from commhooks.bench.rows import pool_memory_runs
 from commhooks.testing import run_on_ranks
@@ -60,7 +61,7 @@ def _spec(hook):
 
 def _peaks(hook, runs=3):
     """Each rank's median peak over ``runs`` memory runs, as the bench pools its rounds."""
-    outcomes = [run_hook(_spec(hook), 2, timeout=240.0) for _ in range(runs)]
+    outcomes = [run_hook(_spec(hook), Shape(2), timeout=240.0) for _ in range(runs)]
     assert all(o.ok for o in outcomes), [o.error for o in outcomes]
     per_run = [[r.peak_memory_bytes for r in o.ranks] for o in outcomes]
     return [r.peak_memory_bytes for r in pool_memory_runs(outcomes).ranks], per_run

@@ -709,7 +709,8 @@ class HierarchicalModelAverager(ModelAverager):
         period_group_size_dict: ordered ``{period: group size}``, periods increasing, each size
             dividing the world size, the last the whole group: ``{2: 2, 4: 8}`` on 8 ranks
             averages pairs every 2 steps, everyone every 4.
-        warmup_steps, process_group: as :class:`PeriodicModelAverager`'s.
+        warmup_steps: as :class:`PeriodicModelAverager`'s.
+        process_group: as :class:`PeriodicModelAverager`'s.
     """
 
     kind: ClassVar[str] = "hierarchical_model_averager"
@@ -837,9 +838,12 @@ class OuterOptimizerAverager(PeriodicModelAverager):
     version 1, whose snapshot is a list, loads by position.
 
     Args:
-        period, process_group: as :class:`PeriodicModelAverager`'s.
+        period: as :class:`PeriodicModelAverager`'s.
+        process_group: as :class:`PeriodicModelAverager`'s.
         warmup_steps: steps before the first sync; the last of them takes the snapshot.
-        outer_lr, outer_momentum, nesterov: the default outer SGD's (momentum 0: none).
+        outer_lr: the default outer SGD's learning rate.
+        outer_momentum: the default outer SGD's momentum (0: none).
+        nesterov: whether the default outer SGD uses Nesterov momentum.
         outer_optimizer: a ``factory(list_of_tensors) -> torch.optim.Optimizer`` replacing the
             default SGD, e.g. ``functools.partial(torch.optim.AdamW, lr=1e-3)`` (a partial, not
             a lambda, if you pickle the averager).

@@ -53,7 +53,8 @@ class PostLocalSGDState(HookState):
         subgroup: the group to average gradients in after the warm-up; ``None`` for one per
             machine, created (a collective) at the first bucket that needs them, or earlier by
             :meth:`ensure_subgroup` on every rank; needed with a custom ``process_group``.
-        start_localSGD_iter, post_local_gradient_allreduce: :class:`PostLocalSGDOptions`.
+        start_localSGD_iter: as in :class:`PostLocalSGDOptions`.
+        post_local_gradient_allreduce: as in :class:`PostLocalSGDOptions`.
 
     Attributes:
         iter: optimizer steps seen so far, counted at each step's last bucket, also after the

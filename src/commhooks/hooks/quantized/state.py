@@ -150,8 +150,10 @@ class BucketLayout:
 
     Attributes:
         numbers: the parameters' stable numbers (:mod:`commhooks.numbering`), ascending.
-        offsets, sizes: each parameter's place in the rows (as one flat tensor).
-        sources: each parameter's offset in the bucket's buffer; numel: the bucket's length.
+        offsets: where each parameter starts in the rows (as one flat tensor).
+        sizes: each parameter's element count.
+        sources: each parameter's offset in the bucket's buffer.
+        numel: the bucket's length.
         length: elements per row, whole blocks; the rows together are the bucket zero-padded.
         pieces: this rank's row, as ``(key, start, stop)``: the parts of parameters it holds,
             keyed ``"number:first-stop"`` (the owner's memory's keys), at ``[start, stop)``.
