@@ -62,7 +62,8 @@ def test_the_launchers_variables_give_the_shape_and_a_rank_its_machine(monkeypat
     assert Shape(1, 2).text() == "1 machine x 2 ranks"
     # A local rank learns its machine as from a launcher (the hooks group ranks by it).
     for name in ("COMMHOOKS_MACHINE_ID", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")  # recorded, so the test's end removes what place_rank sets
+        monkeypatch.delenv(name)
     place_rank(Shape(2, 2), ["ns-a", "ns-b"], 3)
     assert os.environ["COMMHOOKS_MACHINE_ID"] == "ns-b"
     assert (os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"]) == ("1", "2")
