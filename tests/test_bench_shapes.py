@@ -160,6 +160,18 @@ def test_two_hops_where_the_options_and_the_shape_allow(monkeypatch):
     assert choice is not None and choice(Shape(2, 8)) and not choice(Shape(2, 1))
 
 
+def test_diloco_hops_where_its_syncs_or_warmup_are_quantized():
+    # Its syncs and warm-up are the quantized hook's average where bits are set (topology
+    # "auto"), so on machines of several ranks they hop; float32 syncs are flat allreduces.
+    assert paths.two_hops("streaming_diloco", {"bits": 4}, Shape(2, 2))
+    assert paths.two_hops("diloco", {"warmup_bits": 8}, Shape(2, 2))
+    assert not paths.two_hops("streaming_diloco", {"bits": 4}, Shape(2, 1))
+    assert not paths.two_hops("diloco", {}, Shape(2, 2))
+    hops = paths.two_hops_for("streaming_diloco", {"bits": 4})
+    assert hops is not None and not paths.sums_gradients("streaming_diloco", hops)
+    assert paths.sums_gradients("int8", paths.two_hops_for("int8", {}))
+
+
 def _rows():
     """Two ranks on loopback: allreduce 60 ms for 4 MB, noop 40 ms, int8 62 ms."""
     losses = [3.0 - 0.1 * i for i in range(10)]

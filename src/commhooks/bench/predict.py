@@ -134,7 +134,9 @@ def _as_shape(shape: "int | Shape") -> Shape:
 def _measured_step(row: Row, shape: Shape) -> costmodel.LoopbackStep:
     """The row's mean step and collectives on ``shape``, with the path its average takes."""
     hops = paths.two_hops_for(row.hook, row.options)
-    summed = float(row.gradient_bytes or 0) if hops is not None else 0.0
+    # What a machine sums inside before the quantized hook's hop across: the gradients; a
+    # DiLoCo sync sums a fragment now and then, left unpriced inside (free by default).
+    summed = float(row.gradient_bytes or 0) if paths.sums_gradients(row.hook, hops) else 0.0
     return costmodel.LoopbackStep(
         row.step_ms_mean / 1e3 if row.step_ms_mean else 0.0,
         row.collectives(),
