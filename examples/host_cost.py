@@ -118,10 +118,11 @@ ROWS = [
     Row("power_sgd_single_round", "torch_power_sgd", ONE_BUCKET_MB, 1.0),
 ]
 # Where collectives complete as they are queued PyTorch's PowerSGD runs with many buckets too.
-# On gloo PyTorch's bf16 hook does not run, so bf16 is measured against its fp16 hook; where
-# collectives complete inline (a GPU's control flow) against its bf16 hook, ours attached
-# directly as register() would (register() accepts bf16 on gloo and NCCL only).
-BF16_INLINE = Row("bf16_hook", "torch_bf16", MANY_BUCKETS_MB, 1.0)
+# PyTorch's bf16 hook runs only on CUDA with NCCL: elsewhere bf16 is measured against its fp16
+# hook. Where collectives complete inline (a GPU's control flow), ours is attached directly, as
+# register() would (register() accepts bf16 on gloo and NCCL only).
+BF16_INLINE = Row("bf16_hook", "torch_fp16", MANY_BUCKETS_MB, 1.0)
+BF16_NCCL = Row("bf16", "torch_bf16", MANY_BUCKETS_MB, 1.0)
 MANY_POWERSGD = [
     Row("power_sgd", "torch_power_sgd", MANY_BUCKETS_MB, 1.5),
     Row("power_sgd_single_round", "torch_power_sgd", MANY_BUCKETS_MB, 1.5),
@@ -129,7 +130,7 @@ MANY_POWERSGD = [
 ROWS_OF = {
     "gloo": ROWS,
     "inline": [BF16_INLINE if r.ours == "bf16" else r for r in ROWS] + MANY_POWERSGD,
-    "nccl": [BF16_INLINE if r.ours == "bf16" else r for r in ROWS] + MANY_POWERSGD,
+    "nccl": [BF16_NCCL if r.ours == "bf16" else r for r in ROWS] + MANY_POWERSGD,
 }
 
 

@@ -6,9 +6,9 @@ import torch
 
 from commhooks.bench import footprint, hookset
 from commhooks.bench.launcher import run_hook
-from commhooks.bench.shape import Shape
 from commhooks.bench.records import RunSpec
 from commhooks.bench.rows import pool_memory_runs
+from commhooks.bench.shape import Shape
 from commhooks.testing import run_on_ranks
 
 MiB = 1 << 20

@@ -107,7 +107,9 @@ def test_the_bench_sample_shows_the_tables_and_the_answer() -> None:
     sample = bench_sample().splitlines()
     header = [name for name, _ in report.LOOPBACK_COLUMNS]
     assert re.split(r"\s{2,}", sample[sample.index("measured on loopback:") + 1]) == header
-    assert "Which hook on which link (predicted time to reach allreduce's loss):" in sample
+    # The answer for the two ranks run, and for the usual cluster: 2 machines of 8 GPUs.
+    assert "Which hook on which link, 2 machines x 1 rank (predicted time to loss):" in sample
+    assert "Which hook on which link, 2 machines x 8 ranks (predicted time to loss):" in sample
     assert all(len(line) <= report.WIDTH for line in sample)
     assert (DOCS / "assets" / "bench-speedup.png").stat().st_size < 200_000
 

@@ -376,7 +376,7 @@ def test_host_cost_on_the_inline_backend_adds_powersgd_with_many_buckets(tmp_pat
     found = json.loads(out.read_text())
     rows = [(r["hook"], r["bucket_cap_mb"]) for r in found["rows"]]
     assert found["args"]["backend"] == "inline" and ("bf16", 0.004) not in rows
-    assert ("bf16_hook", "torch_bf16") in [(r["hook"], r["against"]) for r in found["rows"]]
+    assert ("bf16_hook", "torch_fp16") in [(r["hook"], r["against"]) for r in found["rows"]]
     assert ("power_sgd", 0.004) in rows and ("power_sgd", 4096.0) in rows
     assert all(r["met"] == (r["ratio"] <= r["goal"]) for r in found["rows"])
     buckets = {r["bucket_cap_mb"]: r["buckets"] for r in found["rows"]}
