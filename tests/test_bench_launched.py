@@ -4,6 +4,7 @@ hangs on one rank, and rank 0 alone prints the tables, the answer and the JSON."
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -233,14 +234,19 @@ def test_cpu_clock_and_deadline():
     time.sleep(1.2)  # no alarm left behind
 
 
+def _torchrun_commands(text: str) -> list[str]:
+    """The ``torchrun`` lines of ``text``'s bash blocks, continuation lines joined."""
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
+    lines = "\n".join(blocks).replace("\\\n", " ").splitlines()
+    return [line.split("  #")[0] for line in lines if line.startswith("torchrun")]
+
+
 def test_readme_cluster_commands_use_real_flags():
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("### Measure your own cluster") :]
-    code = section[section.index("```bash") : section.index("```", section.index("```bash") + 3)]
-    commands = [c for c in code.replace("\\\n", " ").splitlines() if c.startswith("torchrun")]
-    assert len(commands) == 2 and "--nnodes 2" in commands[1]
+    readme = _torchrun_commands((ROOT / "README.md").read_text())
+    guide = _torchrun_commands((ROOT / "docs" / "choosing-a-hook.md").read_text())
+    assert len(readme) == 1 and any("--nnodes 2" in c for c in guide)
     parser = args.build_parser()
-    for command in commands:
+    for command in readme + guide:
         words = command.split()
         bench = words[words.index("bench") + 1 :]
         assert words[words.index("bench") - 2 : words.index("bench")] == ["-m", "commhooks"]

@@ -137,6 +137,13 @@ def test_gloo_takes_turns_and_a_token_bucket_starts_each_turn():
     assert costmodel.predicted_step_s(four, 4, wire, 0.0) == pytest.approx(
         0.010 + 3 / 4 * 8 * 4 * row / 1e8
     )
+    # Two hops on 2 x 2: each rank exchanges its share with its counterpart, two pairs at
+    # once on the machine's link, whose turns fill each other's idle direction: no turns.
+    hopping = costmodel.LoopbackStep(0.010, c, Shape(2, 1), lambda shape: shape.per_node > 1)
+    two_by_two = costmodel.predicted_step_s(hopping, Shape(2, 2), wire, 0.0)
+    # A machine sends its share across (N - 1) / N in each phase, one quantized row in all,
+    # 2 * one_way, where the same bytes alone with turns would take 3.5 * one_way.
+    assert two_by_two == pytest.approx(0.010 + 2 * one_way)
     # The inside of a machine, priced: the ring's intra-machine edges carry it too.
     ring = costmodel.LoopbackStep(0.0, _counted({"all_reduce": 4 * MB}), 2)
     inside = costmodel.Cluster(Shape(2, 2), "gloo", intra_bps=1e9)
