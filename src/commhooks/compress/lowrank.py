@@ -138,28 +138,27 @@ def _column_norms(stack: torch.Tensor) -> torch.Tensor:
 
 
 def _safe_norm(col: torch.Tensor, epsilon: float) -> torch.Tensor:
-    # Half precision is measured in float32: its squares overflow long before the norm does.
-    wide = torch.float32 if col.dtype in _HALF else None
-    norm = torch.linalg.vector_norm(col, dim=1, keepdim=True, dtype=wide)
     # Squares of very small or very large values underflow to 0 or overflow to inf; only there
     # is another norm used, so ordinary columns are divided exactly as PyTorch divides them.
     # That norm is NaN only for a column holding inf or NaN, which stays non-finite; a zero
-    # column is divided by the smallest normal value (or epsilon), and stays zero. Seven
+    # column is divided by the smallest normal value (or epsilon), and stays zero. Six
     # operations a column in float32, where each is a kernel launch on a GPU.
+    norm = torch.linalg.vector_norm(col, dim=1, keepdim=True)
     if norm.dtype == torch.float32:
         # float64 holds the square of every float32 value, and float32 its norm when finite.
+        # The choice stays in float64: float32's norm is exact there, and a float32 column
+        # divided by it in float64, then rounded, gets float32's quotient bit for bit.
         safe = torch.linalg.vector_norm(col, dim=1, keepdim=True, dtype=torch.float64)
-        safe = safe.to(torch.float32)
     else:  # nothing wider: the norm of the column scaled by its peak
         peak = torch.linalg.vector_norm(col, math.inf, dim=1, keepdim=True)
         safe = torch.linalg.vector_norm(col / peak, dim=1, keepdim=True).mul_(peak)
         safe = safe.nan_to_num_(nan=0.0, posinf=math.inf)  # a zero column's 0/0
     norm = torch.where(norm.nan_to_num(posinf=0.0) > 0, norm, safe)
-    if epsilon > 0:
-        return norm.add_(epsilon)
+    if epsilon > 0:  # PyTorch's sum, in the column's precision
+        return norm.to(col.dtype).add_(epsilon)
     # Not a subnormal divisor: where denormals are flushed to zero (torch.set_flush_denormal)
     # it would be 0, and a zero column NaN. A column of subnormal values only comes out shorter.
-    return norm.clamp_min_(torch.finfo(norm.dtype).smallest_normal)
+    return norm.clamp_min_(torch.finfo(col.dtype).smallest_normal)
 
 
 def _householder_(stack: torch.Tensor) -> None:

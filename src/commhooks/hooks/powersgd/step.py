@@ -90,9 +90,10 @@ class Layout:
     batches: list[Batch]
     vectors: list[torch.Tensor]
     vector_keys: list[Key]
+    whole: torch.Tensor  # ``send`` then ``known``, one flat buffer
     send: torch.Tensor
     known: torch.Tensor
-    starts: torch.Tensor
+    starts: torch.Tensor = field(init=False)
     unc: int = field(init=False)  # elements sent as they are, at the front of ``send``
     averages: list[torch.Tensor] = field(init=False)  # ``send``'s views shaped as the vectors
     known_runs: list[torch.Tensor] = field(init=False)  # stacks orthogonalised at once
@@ -100,6 +101,7 @@ class Layout:
     sent_runs: list[torch.Tensor] = field(init=False)
 
     def __post_init__(self) -> None:
+        self.starts = torch.empty_like(self.known)
         self.unc = unc = sum(v.numel() for v in self.vectors)
         known_shapes = [b.shapes()[0] for b in self.batches]
         sent_shapes = [b.shapes()[1] for b in self.batches]
@@ -135,8 +137,10 @@ def lay_out(
     known_numel = sum(math.prod(b.shapes()[0]) for b in batches)
     sent_numel = sum(math.prod(b.shapes()[1]) for b in batches)
     unc = sum(v.numel() for v in vectors)
-    send, known = like.new_empty(unc + sent_numel), like.new_zeros(known_numel)
-    return Layout(signature, batches, vectors, vector_keys, send, known, torch.empty_like(known))
+    # One buffer, ``send`` then ``known``: the step's finiteness is one sum of it.
+    whole = like.new_zeros(unc + sent_numel + known_numel)
+    send, known = whole[: unc + sent_numel], whole[unc + sent_numel :]
+    return Layout(signature, batches, vectors, vector_keys, whole, send, known)
 
 
 def _views(flat: torch.Tensor, shapes: list[Shape]) -> list[torch.Tensor]:
@@ -178,7 +182,7 @@ class BucketStep:
         if self.writeback is not None:
             self.writeback()
         layout = self.layout
-        comm.used_on_current_stream([layout.send, layout.known, layout.starts])
+        comm.used_on_current_stream([layout.whole, layout.starts])
         return self.buffer
 
 
@@ -213,7 +217,7 @@ def _finish_two(step: BucketStep, done: "Future[torch.Tensor]") -> torch.Tensor:
     q.div_(world)
     vectors = layout.send[: layout.unc]
     vectors.div_(world)
-    finite = all_finite(vectors, q)
+    finite = all_finite(layout.whole)  # P is finite where Q = Mᵀ P is
     _take_vectors(step, finite)
     _approximate(step, finite)
     if step.state.settings.warm_start:
