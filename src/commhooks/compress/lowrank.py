@@ -98,6 +98,9 @@ def orthogonalize_(
 
 def _gram_schmidt_(stack: torch.Tensor, epsilon: float) -> None:
     cols = stack.shape[2]
+    if cols == 1:  # rank 1, the default: the column's norm alone (no view, no projection)
+        stack.div_(_safe_norm(stack, epsilon))
+        return
     # A column that loses nearly all of its norm (all but sqrt(eps) of it) to the projections on
     # earlier columns keeps mostly rounding error, no longer orthogonal to them; normalised as
     # it is, P Pᵀ stops being a projection and the gradient comes back badly wrong (PyTorch's
@@ -107,18 +110,17 @@ def _gram_schmidt_(stack: torch.Tensor, epsilon: float) -> None:
     # take exactly the steps of PyTorch's Gram-Schmidt, so ordinary inputs keep its numerics.
     eps = torch.finfo(stack.dtype).eps
     collapse = math.sqrt(eps)
-    original = _column_norms(stack) if cols > 1 else None
+    original = _column_norms(stack)
     for i in range(cols):
         col = stack[:, :, i : i + 1]
         if i > 0:
-            assert original is not None  # computed whenever there is a second column
             earlier = stack[:, :, :i]
             again = col - earlier @ (earlier.transpose(1, 2) @ col)
             before = original[:, :, i : i + 1]
             collapsed = _column_norms(col) <= collapse * before
             col.copy_(torch.where(collapsed, again, col))
             col.masked_fill_(collapsed & (_column_norms(col) <= eps * before), 0.0)
-        col /= _safe_norm(col, epsilon)
+        col.div_(_safe_norm(col, epsilon))
         if i + 1 < cols:
             rest = stack[:, :, i + 1 :]
             rest -= torch.sum(col * rest, dim=1, keepdim=True) * col
