@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from commhooks import comm
 from commhooks.bench import args, costmodel, paths, predict, report, summary, world
 from commhooks.bench.rows import Row
 from commhooks.bench.shape import Shape, place_rank
@@ -131,6 +132,16 @@ def test_gloo_takes_turns_and_a_token_bucket_starts_each_turn():
     saved = 4 * 8 * 25_000 / 1e8
     assert costmodel.predicted_step_s(step, 2, bucket, 0.0) == pytest.approx(
         0.010 + 3.5 * one_way - saved
+    )
+    # A large exchange goes as eight collectives at once: only the first piece takes turns.
+    big = 3e6
+    large = costmodel.LoopbackStep(
+        0.010, _counted({"all_to_all_single": 2 * big, "all_gather_into_tensor": big}), 2
+    )
+    assert comm.exchange_pieces(big, "gloo") == 8
+    big_way = 8 * big / 1e8
+    assert costmodel.predicted_step_s(large, 2, wire, 0.0) == pytest.approx(
+        0.010 + (2 / 8 + 7 / 8) * big_way + (1.5 / 8 + 7 / 8) * big_way
     )
     # Four ranks: every exchange has other peers, so both directions run at once.
     four = costmodel.LoopbackStep(0.010, _counted({"all_to_all_single": 4 * row}), 4)

@@ -231,6 +231,10 @@ def _exchanges(rank, world_size):
 
 
 def test_rows_land_where_one_collective_puts_them():
+    # The long rows go as several collectives at once (gloo's turns), the short ones whole.
+    assert comm.exchange_pieces(_LONG, "gloo") == comm.EXCHANGE_PIECES
+    assert comm.exchange_pieces(3 * _SHORT, "gloo") == 1
+    assert comm.exchange_pieces(3 * _LONG, "nccl") == 1
     for out in run_on_ranks(_exchanges, 3):
         for length, (exchanged, gathered, calls, sent) in out.items():
             assert exchanged and gathered, length

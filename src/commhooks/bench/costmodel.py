@@ -32,7 +32,8 @@ A step on a cluster is the step measured on loopback plus the time the machines'
   patterns; with more ranks the peers differ and both directions run at once, as they do
   when the G ranks of a machine each exchange their share with their counterparts on two
   hops (on two machines of two ranks: int8's step predicted 39% over the measured one with
-  turns, within 15% without).
+  turns, within 15% without). A large exchange on gloo is issued as several collectives at
+  once (:func:`commhooks.comm.exchange_pieces`): only its first piece takes turns.
 * A token-bucket link (``tc tbf``, a cloud's rate limit) lets ``burst_bytes`` through at once
   each time a direction starts after being idle: each turn of such a pattern starts afresh.
   The bench's own links have a 2 ms bucket; a wire has none (``burst_bytes=0``).
@@ -51,6 +52,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from commhooks import comm
 from commhooks.bench.shape import Shape
 
 __all__ = [
@@ -154,6 +156,8 @@ class Transfer:
         streams: exchanges of this kind that share the machine's link at once (on two hops,
             each of the machine's ranks with its counterparts); with several, one exchange's
             turns fill the other's idle direction, and the link runs both ways.
+        pieces: the collectives a call is issued as (:func:`commhooks.comm.exchange_pieces`):
+            only the first piece takes turns.
     """
 
     kind: str
@@ -162,6 +166,7 @@ class Transfer:
     members: int
     intra_bytes: float = 0.0
     streams: int = 1
+    pieces: int = 1
 
 
 def _shape(world: "int | Shape") -> Shape:
@@ -216,8 +221,15 @@ def transfers(
             out.append(_across(kind, calls, each, after, summed / calls))
             continue
         cross, intra = _flat_bytes(kind, each, after, backend)
-        out.append(Transfer(kind, calls, cross, after.ranks, intra))
+        pieces = _pieces(kind, each / after.ranks if kind in _ALL_GATHERS else each, backend)
+        out.append(Transfer(kind, calls, cross, after.ranks, intra, pieces=pieces))
     return out
+
+
+def _pieces(kind: str, rank_bytes: float, backend: str) -> int:
+    """The collectives a call of ``kind``, handed ``rank_bytes`` by a rank, is issued as."""
+    split = kind in (_ALL_TO_ALL, "all_gather_into_tensor")
+    return comm.exchange_pieces(rank_bytes, backend) if split else 1
 
 
 def _as_flat(c: Collectives, measured: Shape) -> tuple[Collectives, float]:
@@ -284,14 +296,12 @@ def wire_bytes(c: Collectives, world_size: "int | Shape", wire_factor: float = 1
 def _call_s(t: Transfer, link: Link, backend: str) -> float:
     """Seconds one call of ``t`` keeps the machine's link busy, turn by turn."""
     alone = backend == "gloo" and t.members == 2 and t.streams == 1
-    turns = GLOO_TURNS.get(t.kind, _ONE_TURN) if alone else None
-    seconds = 0.0
-    for share, idle in turns or _ONE_TURN:
-        nbytes = share * t.machine_bytes
-        if idle:
-            nbytes = max(0.0, nbytes - link.burst_bytes)
-        seconds += 8 * nbytes * link.wire_factor / link.bandwidth_bps
-    return seconds
+    turns = GLOO_TURNS.get(t.kind, _ONE_TURN) if alone else _ONE_TURN
+    first = t.machine_bytes / t.pieces  # the rest of the pieces run both ways at once
+    nbytes = t.machine_bytes - first
+    for share, idle in turns:
+        nbytes += max(0.0, share * first - link.burst_bytes) if idle else share * first
+    return 8 * nbytes * link.wire_factor / link.bandwidth_bps
 
 
 def _rounds(t: Transfer) -> float:
