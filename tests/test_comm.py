@@ -203,6 +203,8 @@ _SHORT = 1000
 
 def _exchanges(rank, world_size):
     group = dist.group.WORLD
+    comm.crosses_machines(group)  # as if on three machines: long exchanges go in pieces
+    assert comm.pieces_for(torch.empty(_LONG, dtype=torch.uint8), group) == comm.EXCHANGE_PIECES
     out = {}
     for length in (_LONG, _SHORT):
         # Every byte says who sent it, to whom, and where it was in the row.

@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
 from ddp_utils import batches, flat_grads, flat_params, make_ddp, make_mlp, train
 
 import commhooks
@@ -52,6 +53,32 @@ def _steps(rank, world_size, bits, topology):
 
 def _both_paths(rank, world_size, bits):
     return {topology: _steps(rank, world_size, bits, topology) for topology in ("auto", "flat")}
+
+
+def _pieces_after_a_step(rank, world_size, machines):
+    """The pieces a 1 MB exchange goes in on each group int8 exchanges on, after one step."""
+    _machines(machines, rank)
+    ddp = make_ddp(make_mlp(), bucket_cap_mb=0.004)
+    state = commhooks.register(ddp, "int8")
+    x, y = batches(rank, 1)[0]
+    torch.nn.functional.mse_loss(ddp(x), y).backward()
+    big = torch.empty(1 << 20, dtype=torch.uint8)
+    if state.hops is None:
+        return {"flat": comm.pieces_for(big, dist.group.WORLD)}
+    return {g: comm.pieces_for(big, getattr(state.hops, g)) for g in ("peers", "intra")}
+
+
+@pytest.mark.parametrize(
+    "machines, pieces",
+    [
+        ([2], {"flat": 1}),  # one machine: no slow link, exchanges whole
+        ([1, 1], {"flat": comm.EXCHANGE_PIECES}),  # two machines: gloo's turns, in pieces
+        ([2, 2], {"peers": comm.EXCHANGE_PIECES, "intra": 1}),
+    ],
+)
+def test_exchanges_across_machines_go_in_pieces_and_within_one_whole(machines, pieces):
+    for found in run_on_ranks(_pieces_after_a_step, sum(machines), machines):
+        assert found == pieces
 
 
 def _exact_second_step_gradient(rank, world_size):

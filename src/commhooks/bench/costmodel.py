@@ -221,7 +221,8 @@ def transfers(
             out.append(_across(kind, calls, each, after, summed / calls))
             continue
         cross, intra = _flat_bytes(kind, each, after, backend)
-        pieces = _pieces(kind, each / after.ranks if kind in _ALL_GATHERS else each, backend)
+        rank_bytes = each / after.ranks if kind in _ALL_GATHERS else each
+        pieces = _pieces(kind, rank_bytes, backend) if after.nodes > 1 else 1
         out.append(Transfer(kind, calls, cross, after.ranks, intra, pieces=pieces))
     return out
 

@@ -505,7 +505,10 @@ class QuantizationState(HookState):
             pool = self._pool if self._pool is not None else comm.IssuerPool()
             self.hops, self.issuer = pool.two_hops(group, topology)
             self._world, self._rank = self.hops.nnodes, self.hops.machine
+            comm.crosses_machines(self.hops.peers)
         else:
+            if self._spans_machines(group):
+                comm.crosses_machines(group)
             if self._pool is not None:
                 self.issuer = self._pool.issuer(group)
             else:
@@ -515,6 +518,16 @@ class QuantizationState(HookState):
         self._workspaces.clear()
         self.shares.clear()
         self._checked = group
+
+    def _spans_machines(self, group: dist.ProcessGroup) -> bool:
+        """Whether the flat path's ``group`` holds ranks of several machines (the topology
+        given, or found: one blocking gather at the first step, shared with the two-hop
+        choice)."""
+        if comm.world_size(group) < 2:
+            return False
+        chosen = self.settings.topology
+        topology = chosen if isinstance(chosen, comm.Topology) else comm.topology_of(group)
+        return topology.nnodes > 1
 
     def _two_hop_topology(self, group: dist.ProcessGroup) -> comm.Topology | None:
         """The topology of a two-hop average over ``group``, or ``None`` for the flat path."""
