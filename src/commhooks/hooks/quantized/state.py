@@ -507,12 +507,13 @@ class QuantizationState(HookState):
             self._world, self._rank = self.hops.nnodes, self.hops.machine
             comm.crosses_machines(self.hops.peers)
         else:
-            if self._spans_machines(group):
-                comm.crosses_machines(group)
             if self._pool is not None:
                 self.issuer = self._pool.issuer(group)
             else:
                 self.issuer = comm.OrderedIssuer(comm.follow_up_group(group))
+            if self._spans_machines(group):  # the exchange, and the gather that follows it
+                comm.crosses_machines(group)
+                comm.crosses_machines(self.issuer.group)
             self._world, self._rank = comm.world_size(group), comm.group_rank(group)
         self._layouts.clear()
         self._workspaces.clear()
