@@ -420,3 +420,12 @@ def test_host_cost_counts_operations_and_multi_tensor_time_where_asked(tmp_path)
     else:  # three steps on a busy machine can time PyTorch's hook at no cost over none
         assert row["ratio_fused"] == float("inf")
     assert "ratio without" in printed
+
+
+def test_exchange_pieces_times_each_exchange_whole_and_in_pieces():
+    script = str(EXAMPLES / "exchange_pieces.py")
+    printed = run([sys.executable, script, "--mb", "0.2", "--repeat", "1"], ROOT)
+    header, *rows = printed.strip().splitlines()
+    assert header.split()[-4:] == ["k=1", "k=2", "k=4", "k=8"], printed
+    assert [r.split()[1] for r in rows] == ["all-to-all", "all-gather"], printed
+    assert all(len(re.findall(r"\d+\.\dms", r)) == 4 for r in rows), printed
