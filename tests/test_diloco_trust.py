@@ -378,9 +378,9 @@ def test_a_non_finite_outer_gradient_leaves_the_outer_state_and_training_goes_on
     assert moved  # later syncs were finite and moved the global parameters
     assert _finite([params, other_params])
     # The reads are one-off gathers (4 each: the model's description at the first sync, each
-    # int4 fragment's handshake at its first average); no sync reads a value back, the one
-    # undone included.
-    first_uses = [4, 0, 0, 0] if bits is None else [4, 4, 0, 4]
+    # int4 fragment's handshake at its first average, and the group's machines at the first
+    # quantized average); no sync reads a value back, the one undone included.
+    first_uses = [4, 0, 0, 0] if bits is None else [4, 8, 0, 4]
     assert reads == first_uses + [0] * 8
 
 

@@ -8,17 +8,19 @@ counted from the signal. All scenarios run at once (see ``fault_harness``).
 """
 
 import functools
+import os
 import re
 import signal
 
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_utils import batches, make_ddp, make_mlp
+from ddp_utils import IN, OUT, batches, make_ddp, make_mlp
 from fault_harness import Scenario, run_scenarios
 from torch import nn
 
 import commhooks
+from commhooks import comm
 
 TIMEOUT = 20.0
 SLACK = 10.0  # scheduling on a loaded machine; a hang would take 30 minutes
@@ -93,6 +95,18 @@ def int8_all_gather(rank, world_size, fault):
     _train(make_ddp(make_mlp(), commhooks.quantized_hook, state), rank)
 
 
+def int8_all_gather_in_pieces(rank, world_size, fault):
+    """The same on two machines, with a model of 1M parameters: each exchange goes in pieces
+    (the all-gather's 512 KiB a rank, eight collectives), and the victim goes at the first."""
+    os.environ[comm.topology.MACHINE_ID_VAR] = f"machine{rank}"
+    for name in ("all_gather_into_tensor", "all_gather_single"):
+        if hasattr(dist, name):
+            fault.strike_on_call(rank, dist, name, _on_follow_up_group)
+    state = commhooks.QuantizationState(None, bits=8, warmup_steps=1)
+    model = make_mlp(widths=(IN, 1024, 1024, OUT))
+    _train(make_ddp(model, commhooks.quantized_hook, state, bucket_cap_mb=25), rank)
+
+
 def post_local_sgd_local_phase(rank, world_size, fault):
     """The victim goes as the local phase begins (the per-machine groups are made then)."""
     state = commhooks.PostLocalSGDState(None, None, start_localSGD_iter=2)
@@ -159,6 +173,7 @@ POINTS = [
     (powersgd_first_compressed_step, 2),
     (powersgd_second_round, 2),
     (int8_all_gather, 2),
+    (int8_all_gather_in_pieces, 2),
     (post_local_sgd_local_phase, 2),
     (hierarchical_averaging, 4),
     (hierarchical_group_creation, 4),

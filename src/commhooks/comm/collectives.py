@@ -315,8 +315,8 @@ def exchange_pieces(nbytes: float, backend: str) -> int:
     payload before its notice, and the link's two directions take turns. Issued as
     :data:`EXCHANGE_PIECES` collectives at once, only the first piece waits so, and the rest
     run both ways: at 100 Mbit/s between two network namespaces, an exchange of 3-6 MB a rank
-    took 1.35-1.83x its bytes' time whole and 1.06-1.18x in eight pieces. Small exchanges,
-    and every other backend, stay whole.
+    took up to 1.6-1.8x its bytes' time whole and 1.06-1.2x in eight pieces
+    (``examples/exchange_pieces.py``). Small exchanges, and every other backend, stay whole.
     """
     if backend != "gloo" or nbytes < EXCHANGE_PIECES * PIECE_MIN_BYTES:
         return 1
