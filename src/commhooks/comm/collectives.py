@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 __all__ = [
     "EXCHANGE_PIECES",
-    "PIECE_MIN_BYTES",
     "CollectiveCounter",
     "all_gather_into",
     "all_to_all",
@@ -343,6 +342,8 @@ def _exchange(
     if pieces == 1:
         work = group.alltoall_base(out, tensor, [], [], _EXCHANGE)
         return _issued(work).then(lambda fut: _checked(fut, out))
+    # A piece is a slice of every row: copied out of the rows and back (the exchange's bytes
+    # once more on the host, small beside what the turns cost on a slow link).
     rows = out.view(size(group), -1)
     sent = [part.contiguous() for part in tensor.view(rows.shape).tensor_split(pieces, dim=1)]
     got = [torch.empty_like(part) for part in sent]
