@@ -52,17 +52,22 @@ SAME_SHAPES = (32, 48, 48, 48, 8)
 
 
 def _against_pytorch(rank, world_size, steps):
-    data = batches(rank, steps)
     out = []
     for options in CONFIGS:
+        # Rank 1 in float32, bit for bit. At higher ranks the products run with the factors'
+        # columns contiguous (faster on a CPU), which rounds otherwise; warm start and error
+        # feedback carry that rounding from step to step, so float64 is where the two are
+        # compared: a difference in the algorithm still shows, rounding no longer does.
+        dtype = torch.float32 if options["matrix_approximation_rank"] == 1 else torch.float64
+        data = [(x.to(dtype), y.to(dtype)) for x, y in batches(rank, steps)]
         ours = PowerSGDState(None, start_powerSGD_iter=2, **options)
         theirs = torch_powersgd.PowerSGDState(None, start_powerSGD_iter=2, **options)
         widths = SAME_SHAPES if options.get("batch_tensors_with_same_shape") else None
         model = make_mlp(widths=widths) if widths else make_mlp()
-        a = _grads_per_step(make_ddp(model, powerSGD_hook, ours, ONE_BUCKET), data)
+        a = _grads_per_step(make_ddp(model.to(dtype), powerSGD_hook, ours, ONE_BUCKET), data)
         model = make_mlp(widths=widths) if widths else make_mlp()
         hook = torch_powersgd.powerSGD_hook
-        b = _grads_per_step(make_ddp(model, hook, theirs, ONE_BUCKET), data)
+        b = _grads_per_step(make_ddp(model.to(dtype), hook, theirs, ONE_BUCKET), data)
         out.append((a, b, ours.compression_stats(), theirs.compression_stats()))
     return out
 
@@ -70,8 +75,10 @@ def _against_pytorch(rank, world_size, steps):
 def test_same_numerics_as_pytorch_on_one_bucket():
     for per_rank in run_on_ranks(_against_pytorch, 2, 20):
         for options, (ours, theirs, our_stats, their_stats) in zip(CONFIGS, per_rank):
+            if options["matrix_approximation_rank"] == 1:
+                assert torch.equal(ours, theirs), options
             relative = (ours - theirs).norm(dim=1) / theirs.norm(dim=1)
-            assert float(relative.max()) <= 1e-5, (options, relative)
+            assert float(relative.max()) <= 1e-9, (options, relative)
             assert our_stats == their_stats, options
             assert our_stats[0] > 1.5, options  # compression really ran
 

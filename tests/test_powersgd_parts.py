@@ -73,6 +73,24 @@ def test_a_memory_keeps_the_new_errors_only_where_the_step_was_finite():
     assert torch.equal(memory.get(0, old), new) and memory.get(0, old) is kept  # in place
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_a_memorys_choice_is_exact_for_every_value_and_leaves_the_errors_alone(dtype):
+    # A large residual on a CPU is chosen on its bits: every value, the sign of zero included,
+    # must come out as torch.where gives it, and the errors handed in must stay as they were.
+    special = [math.inf, -math.inf, math.nan, -0.0, 0.0, 1e-40, -3.5, 65504.0, 1.0, 2.0]
+    old = torch.tensor(special * 8000, dtype=dtype).view(400, 200)  # 80,000 elements
+    new = old.roll(3).neg().t().contiguous().t()  # not contiguous: a column view of a stack
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[old.element_size()]
+    for finite in (True, False):
+        memory = ErrorFeedback("DemoState")
+        memory.record(0, old.clone())
+        errors = new.clone()
+        memory.record_where(torch.tensor(finite), [0], [errors])
+        want = torch.where(torch.tensor(finite), new, old)
+        assert torch.equal(memory.get(0, old).view(bits), want.view(bits)), finite
+        assert torch.equal(errors.view(bits), new.view(bits))
+
+
 def test_factor_memory_warm_start_alternation_and_state_dict():
     factors = FactorMemory("DemoState", describe=lambda key: f"matrix {key}")
     assert factors.next_step(0) == "p"

@@ -144,11 +144,13 @@ def lay_out(
 
 
 def _views(flat: torch.Tensor, shapes: list[Shape]) -> list[torch.Tensor]:
-    """Consecutive views of ``flat`` of the given shapes."""
+    """Consecutive views of ``flat``, ``(batch, rows, rank)`` each, stored a column after
+    another (``(batch, rank, rows)`` in memory). A CPU's BLAS forms ``M Q`` and ``Mᵀ P`` five
+    to ten times faster when the thin factor's columns are contiguous; a GPU's takes either."""
     out, at = [], 0
-    for shape in shapes:
-        size = math.prod(shape)
-        out.append(flat[at : at + size].view(shape))
+    for count, rows, rank in shapes:
+        size = count * rows * rank
+        out.append(flat[at : at + size].view(count, rank, rows).transpose(1, 2))
         at += size
     return out
 
@@ -330,18 +332,17 @@ def _take_vectors(step: BucketStep, finite: torch.Tensor) -> None:
 
 def _approximate(step: BucketStep, finite: torch.Tensor) -> None:
     """``P Qᵀ`` into each matrix; ``M - P Qᵀ`` remembered as its error where the step was
-    finite (the memory as it was otherwise)."""
+    finite (the memory as it was otherwise). The error is formed in ``M``'s own place and the
+    approximation written over it: three passes over the bucket and no buffer of its size."""
     memory = step.state.memory if step.state.settings.use_error_feedback else None
     for b in step.layout.batches:
         p, q = b.factors()
-        approx = torch.bmm(p, q.transpose(1, 2))
         if memory is not None:
-            errors = (b.stack - approx).unbind(0)
-            memory.record_where(finite, [m.key for m in b.matrices], errors)
+            b.stack.baddbmm_(p, q.transpose(1, 2), alpha=-1)
+            memory.record_where(finite, [m.key for m in b.matrices], b.stack.unbind(0))
+        torch.bmm(p, q.transpose(1, 2), out=b.stack)
         if b.stacked:
-            torch._foreach_copy_([m.view for m in b.matrices], list(approx.unbind(0)))
-        else:
-            b.stack.copy_(approx)
+            torch._foreach_copy_([m.view for m in b.matrices], list(b.stack.unbind(0)))
 
 
 def _keep_known(step: BucketStep, finite: torch.Tensor) -> None:
