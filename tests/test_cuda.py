@@ -54,8 +54,16 @@ def _data(rank: int, device: torch.device, steps: int = STEPS) -> list:
     ]
 
 
-def _ddp(device, hook=None, state=None, bucket_cap_mb=SMALL_BUCKETS, widths=None, register=None):
-    model = (make_mlp(widths=widths) if widths else make_mlp()).to(device)
+def _ddp(
+    device,
+    hook=None,
+    state=None,
+    bucket_cap_mb=SMALL_BUCKETS,
+    widths=None,
+    register=None,
+    dtype=torch.float32,
+):
+    model = (make_mlp(widths=widths) if widths else make_mlp()).to(device, dtype)
     ids = [device.index] if device.type == "cuda" else None
     ddp = DDP(model, device_ids=ids, bucket_cap_mb=bucket_cap_mb)
     if register is not None:
@@ -222,7 +230,6 @@ def test_half_precision_hooks_never_wait_for_the_device_and_give_the_cpus_result
 
 def _powersgd_against_pytorch(rank: int, world_size: int) -> list:
     device = _device(rank)
-    data = _data(rank, device, 20)
     out = []
     for options in (
         dict(matrix_approximation_rank=1),
@@ -230,25 +237,31 @@ def _powersgd_against_pytorch(rank: int, world_size: int) -> list:
         dict(matrix_approximation_rank=3),  # QR
         dict(matrix_approximation_rank=3, warm_start=False),
     ):
+        # Above rank 1 the products are formed on another layout of the factors, rounded
+        # otherwise, and warm start carries rounding from step to step: compared in float64.
+        wide = options["matrix_approximation_rank"] > 1
+        dtype, tolerance = (torch.float64, 1e-9) if wide else (torch.float32, 1e-5)
+        data = [(x.to(dtype), y.to(dtype)) for x, y in _data(rank, device, 20)]
         ours = commhooks.PowerSGDState(None, start_powerSGD_iter=2, **options)
         theirs = torch_powersgd.PowerSGDState(None, start_powerSGD_iter=2, **options)
-        a = _grads(_ddp(device, commhooks.powerSGD_hook, ours, ONE_BUCKET)[0], data)
-        b = _grads(_ddp(device, torch_powersgd.powerSGD_hook, theirs, ONE_BUCKET)[0], data)
-        out.append((options, _relative(a, b), ours.compression_stats()[0]))
+        hooks = commhooks.powerSGD_hook, torch_powersgd.powerSGD_hook
+        a = _grads(_ddp(device, hooks[0], ours, ONE_BUCKET, dtype=dtype)[0], data)
+        b = _grads(_ddp(device, hooks[1], theirs, ONE_BUCKET, dtype=dtype)[0], data)
+        out.append((options, _relative(a, b), tolerance, ours.compression_stats()[0]))
     return out
 
 
 def test_powersgd_matches_pytorch_on_nccl():
     for per_rank in run_on_ranks(_powersgd_against_pytorch, _nccl_world(), backend="nccl"):
-        for options, relative, rate in per_rank:
-            assert relative <= 1e-5, (options, relative)
+        for options, relative, tolerance, rate in per_rank:
+            assert relative <= tolerance, (options, relative)
             assert rate > 1.5, options
 
 
 def test_powersgd_matches_pytorch_on_cuda_tensors_with_gloo():
     for per_rank in run_on_ranks(_powersgd_against_pytorch, 2, backend="gloo"):
-        for options, relative, rate in per_rank:
-            assert relative <= 1e-5, (options, relative)
+        for options, relative, tolerance, rate in per_rank:
+            assert relative <= tolerance, (options, relative)
             assert rate > 1.5, options
 
 
