@@ -1,6 +1,7 @@
 """examples/gpu_check.py end to end on the CPU (its dry mode), and how it judges its goals."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -55,7 +56,10 @@ def test_every_section_runs_on_the_cpu_and_reports_a_verdict(tmp_path):
     assert "host waits in a step: int4, non-finite" in proc.stdout
     hosts = sections["host_cost"]["parts"]["table"]["rows"]
     assert [r["hook"] for r in hosts] == ["allreduce", "fp16", "int8"], hosts
-    assert all(r["buckets"] == 8 and r["ours_ms"] > 0 and r["theirs_ms"] > 0 for r in hosts)
+    # The costs over no hook are timings of a few microseconds on a shared machine: the
+    # section must measure them, not find them above zero.
+    timed = (math.isfinite(r["ours_ms"]) and math.isfinite(r["theirs_ms"]) for r in hosts)
+    assert all(r["buckets"] == 8 for r in hosts) and all(timed), hosts
     assert verdicts["host time int8 / torch_fp16, 8 buckets"] in ("met", "missed")
     met = sum(v == "met" for v in verdicts.values())
     assert f"goals: {met} met" in proc.stdout
