@@ -82,13 +82,11 @@ def test_readme_quick_start_runs_with_torchrun(tmp_path):
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     assert len(code.strip().splitlines()) <= 10
     (tmp_path / "train.py").write_text(code)
-    # Ends right after its last step: commhooks.comm.then keeps torch's gloo teardown from
-    # aborting the process then (see test_callbacks.py).
-    out = run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         str(tmp_path / "train.py")],
-        tmp_path,
-    )  # fmt: skip
+    # It ends right after its last step, where torch's gloo backend can abort the interpreter's
+    # shutdown (_EXIT_ABORT): this script with PyTorch's own powerSGD_hook did in 3 of 12
+    # launches here, ours in about 1 of 10, plain DDP in none of 14. Once is run again.
+    command = ["torchrun", "--standalone", "--nproc_per_node", "2", str(tmp_path / "train.py")]
+    (out,) = _finish_retrying_exit_aborts([command])
     assert "terminate called" not in out
 
 

@@ -249,7 +249,8 @@ def _take_where(finite: torch.Tensor, new: torch.Tensor, into: torch.Tensor) -> 
     time, where a residual the size of the gradients costs more than the step's products: there
     the same choice is made on the bits in place (``into ^ new``, kept only where not finite,
     then ``^ new`` again), three vectorised passes that give every value exactly, inf, NaN and
-    the sign of zero included. (A small tensor's cost is the operations' dispatch: one is less.)
+    the sign of zero included. A small tensor keeps ``torch.where``: there what counts is
+    the number of operations dispatched, and one is fewer than three.
     """
     bits = _BITS.get(into.dtype)
     cpu = into.device.type == "cpu" and into.numel() >= _BITWISE_FROM
