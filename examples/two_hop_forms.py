@@ -227,11 +227,13 @@ def _diloco(rank: int, data: list[Any], host_end: str | None) -> dict[str, Any]:
     return {"bytes_per_step": (_counters(host_end) - before) // 8, "ms": 1000 * sorted(times)[4]}
 
 
-def run_rank(rank: int, world_size: int, steps: int, host_end: str | None) -> dict[str, Any]:
-    """Every hook in both forms: step time (median), link bytes a step, held-out loss."""
+def run_rank(
+    rank: int, world_size: int, steps: int, host_end: str | None, hooks: tuple[str, ...] = HOOKS
+) -> dict[str, Any]:
+    """Each hook in both forms: step time (median), link bytes a step, held-out loss."""
     out: dict[str, Any] = {}
     train, held_out = _data(rank, steps), _data(10_000, 4)
-    for name in HOOKS:
+    for name in hooks:
         for form in ("flat", "two hops"):
             ddp = DDP(_model(), bucket_cap_mb=1)
             _attach(ddp, name, form)
@@ -250,11 +252,11 @@ def _machine(namespaces: list[str] | None, rank: int) -> None:
         netns.enter_namespace(namespaces, rank)
 
 
-def measure(steps: int, bandwidth: str | None) -> dict[str, Any]:
+def measure(steps: int, bandwidth: str | None, hooks: tuple[str, ...] = HOOKS) -> dict[str, Any]:
     """Rank 0's rows (machine 0's link), on loopback or on 2 namespaces joined at ``bandwidth``."""
     if bandwidth is None:
         prepare = functools.partial(_machine, None)
-        return run_on_ranks(run_rank, 4, steps, None, prepare=prepare, timeout=600)[0]
+        return run_on_ranks(run_rank, 4, steps, None, hooks, prepare=prepare, timeout=600)[0]
     from commhooks.bench import netns
     from commhooks.bench.units import parse_rate
 
@@ -262,22 +264,31 @@ def measure(steps: int, bandwidth: str | None) -> dict[str, Any]:
         prepare = functools.partial(_machine, net.rank_namespaces())
         ends = net.rank_host_ends()
         results = run_on_ranks(
-            run_rank_on, 4, steps, ends, prepare=prepare, env=net.env(), timeout=600
+            run_rank_on, 4, steps, ends, hooks, prepare=prepare, env=net.env(), timeout=600
         )
     return results[0]
 
 
-def run_rank_on(rank: int, world_size: int, steps: int, ends: list[str]) -> dict[str, Any]:
-    return run_rank(rank, world_size, steps, ends[rank])
+def run_rank_on(
+    rank: int, world_size: int, steps: int, ends: list[str], hooks: tuple[str, ...]
+) -> dict[str, Any]:
+    return run_rank(rank, world_size, steps, ends[rank], hooks)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--bandwidth", help="the link between the machines, e.g. 100mbit (root)")
+    parser.add_argument(
+        "--hooks", default=",".join(HOOKS), help=f"some of {','.join(HOOKS)} (default: all)"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    rows = measure(args.steps, args.bandwidth)
+    hooks = tuple(h for h in args.hooks.split(",") if h)
+    unknown = sorted(set(hooks) - set(HOOKS))
+    if unknown:
+        parser.error(f"--hooks: unknown {unknown}; choose from {','.join(HOOKS)}")
+    rows = measure(args.steps, args.bandwidth, hooks)
     print(f"{'hook, form':<33} {'ms/step':>8} {'link bytes/step':>16} {'held-out':>9}")
     for label, row in rows.items():
         loss = f"{row['held_out']:9.4f}" if "held_out" in row else f"{'-':>9}"

@@ -4,6 +4,7 @@ machine's share quantized across, gather within) against the flat path, on 4 glo
 
 import functools
 import os
+import threading
 import warnings
 
 import pytest
@@ -16,6 +17,7 @@ from commhooks import QuantizationState, comm
 from commhooks.testing import run_on_ranks
 
 pytestmark = pytest.mark.timeout(150)
+PIECES = comm.EXCHANGE_PIECES
 
 
 def _machines(per_machine: list[int], rank: int) -> None:
@@ -66,7 +68,8 @@ def _pieces_after_a_step(rank, world_size, machines):
     if state.hops is None:
         found = {comm.pieces_for(big, g) for g in (dist.group.WORLD, state.issuer.group)}
         return {"flat": found.pop() if len(found) == 1 else found}
-    return {g: comm.pieces_for(big, getattr(state.hops, g)) for g in ("peers", "intra")}
+    groups = ("peers", "peers_follow", "intra", "intra_follow")
+    return {g: comm.pieces_for(big, getattr(state.hops, g)) for g in groups}
 
 
 @pytest.mark.parametrize(
@@ -74,12 +77,69 @@ def _pieces_after_a_step(rank, world_size, machines):
     [
         ([2], {"flat": 1}),  # one machine: no slow link, exchanges whole
         ([1, 1], {"flat": comm.EXCHANGE_PIECES}),  # two machines: gloo's turns, in pieces
-        ([2, 2], {"peers": comm.EXCHANGE_PIECES, "intra": 1}),
+        ([2, 2], {"peers": PIECES, "peers_follow": PIECES, "intra": 1, "intra_follow": 1}),
     ],
 )
 def test_exchanges_across_machines_go_in_pieces_and_within_one_whole(machines, pieces):
     for found in run_on_ranks(_pieces_after_a_step, sum(machines), machines):
         assert found == pieces
+
+
+def _held_first_gather(rank, world_size):
+    """Three steps of int8 on two hops, the third step's first all-gather across machines held
+    back (on a thread of its own) until every bucket's all-to-all across has been issued, or
+    5 s: whether it was let go by the all-to-alls, and the parameters after. (The first step
+    has one bucket; DDP rebuilds them after it.)"""
+    from commhooks.hooks.quantized import two_hops
+
+    across, second_phase = two_hops._across, two_hops._second_phase
+    issued, every, held = [], threading.Event(), []
+    plan = {"hold": False, "buckets": 0}  # the last step holds; the one before counts
+
+    def counted_across(state, share, hops):
+        issued.append(share.bucket.index())
+        if plan["hold"] and len(issued) == plan["buckets"]:
+            every.set()
+        return across(state, share, hops)
+
+    def held_second_phase(state, share, hops):
+        sent = second_phase(state, share, hops)
+        if not plan["hold"] or held:
+            return sent
+        out = torch.futures.Future()
+        held.append(False)
+
+        def release():
+            held[0] = every.wait(5)
+            sent.then(lambda f: out.set_result(f.value()))
+
+        sent.add_done_callback(lambda _: threading.Thread(target=release).start())
+        return out
+
+    two_hops._across, two_hops._second_phase = counted_across, held_second_phase
+    try:
+        ddp = make_ddp(make_mlp(), bucket_cap_mb=0.004)
+        commhooks.register(ddp, "int8")
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        for step, (x, y) in enumerate(batches(rank, 3)):
+            plan["hold"], plan["buckets"] = step == 2, len(issued)
+            issued.clear()
+            opt.zero_grad(set_to_none=True)
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+    finally:
+        two_hops._across, two_hops._second_phase = across, second_phase
+    return {"held": held, "buckets": plan["buckets"], "params": flat_params(ddp.module)}
+
+
+def test_a_buckets_exchange_across_does_not_wait_for_an_earlier_buckets_gathers():
+    """The all-to-alls across machines go one after another on the link while earlier buckets'
+    all-gathers are under way: each group's follow-ups keep their own order."""
+    ranks = run_on_ranks(_held_first_gather, 4, prepare=_two_by_two, timeout=140)
+    for out in ranks:
+        assert out["buckets"] >= 3
+        assert out["held"] == [True]  # let go by the last all-to-all, not by the 5 s
+        assert torch.equal(out["params"], ranks[0]["params"])
 
 
 def _exact_second_step_gradient(rank, world_size):

@@ -11,6 +11,7 @@ its own (with NCCL, whose callbacks run in order on DDP's thread, the hook's gro
 import threading
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -20,7 +21,7 @@ from commhooks.comm.collectives import chain, fail, new_future
 from commhooks.comm.groups import follow_up_group
 from commhooks.comm.topology import Topology, TwoHops, two_hops
 
-__all__ = ["IssuerPool", "OrderedIssuer", "issuer_for"]
+__all__ = ["HopIssuers", "IssuerPool", "OrderedIssuer", "issuer_for"]
 
 T = TypeVar("T")
 Future = torch.futures.Future
@@ -114,6 +115,20 @@ def _run(step: Callable[[Any], "Future[T]"], done: "Future[Any]", out: "Future[T
     chain(sent, out)
 
 
+@dataclass(frozen=True)
+class HopIssuers:
+    """The follow-ups of a two-hop average, an issuer for each group they go on, so that a
+    bucket's exchange across machines waits only for the earlier buckets' exchanges, not for
+    their all-gathers: ``across`` the all-to-all (on the peers), ``gather`` the all-gather after
+    it (on the peers' follow-up group), ``within`` the all-gather inside the machine. With NCCL
+    ``across`` and ``gather`` are one issuer, its follow-ups running in order as they are
+    queued."""
+
+    across: OrderedIssuer
+    gather: OrderedIssuer
+    within: OrderedIssuer
+
+
 class IssuerPool:
     """One :class:`OrderedIssuer` per group (kept weakly), for the hooks or states sharing it.
 
@@ -131,19 +146,18 @@ class IssuerPool:
         )
         self._lock = threading.Lock()
 
-    def two_hops(
-        self, group: dist.ProcessGroup, topology: Topology
-    ) -> tuple[TwoHops, OrderedIssuer]:
+    def two_hops(self, group: dist.ProcessGroup, topology: Topology) -> tuple[TwoHops, HopIssuers]:
         """The groups of a two-hop average over ``group`` (made at the first call: collective)
-        and the issuer of their follow-ups, shared, so follow-ups on the peers keep one order."""
+        and the issuers of their follow-ups, shared, so that each group's keep one order."""
         hops = self._hops.get(group)
         if hops is None:
             hops = self._hops[group] = two_hops(group, topology)
         with self._lock:
-            issuer = self._issuers.get(hops.peers)
-            if issuer is None:
-                issuer = self._issuers[hops.peers] = OrderedIssuer(hops.peers)
-        return hops, issuer
+            across, gather, within = (
+                self._issuers.get(g) or self._issuers.setdefault(g, OrderedIssuer(g))
+                for g in (hops.peers, hops.peers_follow, hops.intra_follow)
+            )
+        return hops, HopIssuers(across, gather, within)
 
     def issuer(self, group: dist.ProcessGroup) -> OrderedIssuer:
         """The issuer of ``group``'s follow-ups (the first call makes a group: collective)."""

@@ -180,12 +180,14 @@ def find(group: dist.ProcessGroup) -> Topology:
 class TwoHops:
     """The groups of a two-hop average, from one rank's view: ``intra`` (its machine's ranks),
     ``intra_follow`` (theirs again, for the follow-ups; NCCL's is ``intra`` itself), ``peers``
-    (the ranks holding the same share on every machine), this rank's ``machine`` and its
+    (the ranks holding the same share on every machine), ``peers_follow`` (theirs again, for the
+    all-gather after their all-to-all; NCCL's is ``peers``), this rank's ``machine`` and its
     ``local`` index, and the topology's shape."""
 
     intra: dist.ProcessGroup
     intra_follow: dist.ProcessGroup
     peers: dist.ProcessGroup
+    peers_follow: dist.ProcessGroup
     machine: int
     local: int
     nnodes: int
@@ -195,13 +197,13 @@ class TwoHops:
 def two_hops(group: dist.ProcessGroup, topology: Topology) -> TwoHops:
     """The groups of a two-hop average over ``group`` on ``topology`` (even, two machines or
     more), made now, each by its members only, in the same order on every rank: this rank's
-    machine, the ranks of its share on every machine, its machine's again for follow-ups."""
+    machine, the ranks of its share on every machine, each again for follow-ups."""
     me = dist.get_rank()
     machine = next(i for i, m in enumerate(topology.machines) if me in m)
     local = topology.machines[machine].index(me)
     intra = subgroup(list(topology.machines[machine]), group)
     peers = subgroup([m[local] for m in topology.machines], group)
     return TwoHops(
-        intra, follow_up_group(intra), peers, machine, local, topology.nnodes,
-        topology.nproc_per_node,
+        intra, follow_up_group(intra), peers, follow_up_group(peers), machine, local,
+        topology.nnodes, topology.nproc_per_node,
     )  # fmt: skip

@@ -427,6 +427,7 @@ class QuantizationState(HookState):
         "_rank",
         "_committing",
         "hops",
+        "hop_issuers",
         "shares",
         "_shape",
     )
@@ -453,6 +454,7 @@ class QuantizationState(HookState):
         self._generators: list[torch.Generator] = []
         self._world, self._rank = 1, 0  # the checked group's, set by prepare()
         self.hops: comm.TwoHops | None = None  # the groups of a two-hop average, if any
+        self.hop_issuers: comm.HopIssuers | None = None  # and the issuers of its follow-ups
         self.shares: dict[int, Any] = {}  # by bucket index: this rank's share of a two-hop
         self._shape = FLAT  # words for the path taken (saved with the place)
         self._committing = threading.Lock()
@@ -497,15 +499,16 @@ class QuantizationState(HookState):
         return group
 
     def _on(self, group: dist.ProcessGroup) -> None:
-        """Set up on ``group``: the path (two hops where the topology allows), its issuer,
+        """Set up on ``group``: the path (two hops where the topology allows), its issuers,
         and fresh workspaces."""
         topology = self._two_hop_topology(group)
-        self.hops = None
+        self.hops, self.hop_issuers, self.issuer = None, None, None
         if topology is not None:  # the peers' group carries follow-ups alone
             pool = self._pool if self._pool is not None else comm.IssuerPool()
-            self.hops, self.issuer = pool.two_hops(group, topology)
+            self.hops, self.hop_issuers = pool.two_hops(group, topology)
             self._world, self._rank = self.hops.nnodes, self.hops.machine
             comm.crosses_machines(self.hops.peers)
+            comm.crosses_machines(self.hops.peers_follow)
         else:
             if self._pool is not None:
                 self.issuer = self._pool.issuer(group)

@@ -9,7 +9,7 @@ rank the whole bucket: G times fewer bytes across, the same bits on every rank.
 
 The share is a bucket of its own (:class:`ShareBucket`), whose gradients are the parts of the
 bucket's parameters it holds, so the memories are kept per parameter as on the flat path. The
-exchanges after the first are follow-ups, run in the state's issuer.
+exchanges after the reduce-scatter are follow-ups, each group's in its issuer's order.
 
 Hook modules must not use ``from __future__ import annotations``: DDP rejects string annotations.
 """
@@ -116,9 +116,11 @@ def average_two_hops(
     state: QuantizationState, bucket: GradBucket, buffer: torch.Tensor, group: dist.ProcessGroup
 ) -> "Future[torch.Tensor]":
     """The hook's step on the two-hop path: the reduce-scatter issued here, on DDP's thread; the
-    quantized phases across machines and the all-gather within in the state's issuer."""
-    hops, issuer = state.hops, state.issuer
-    assert hops is not None and issuer is not None, "prepare() made them"
+    quantized phases across machines and the all-gather within in the issuers' turns, each
+    group's in bucket order (so a bucket's exchange across need not wait for an earlier
+    bucket's all-gathers)."""
+    hops, issuers = state.hops, state.hop_issuers
+    assert hops is not None and issuers is not None, "prepare() made them"
     if not state.compressing(bucket.is_last()) or buffer.numel() == 0:
         return comm.average(buffer, group)
     state.number(bucket.parameters())  # on DDP's thread, as on the flat path
@@ -128,11 +130,13 @@ def average_two_hops(
     summed = comm.reduce_scatter(share.chunk, share.whole, hops.intra)
     devices = comm.future_devices(buffer)
     if share.valid:
-        exchanged = issuer.then(summed, lambda _: _across(state, share, hops), devices)
-        gathered = issuer.then(exchanged, lambda _: _second_phase(state, share, hops), devices)
-        averaged = issuer.then(gathered, lambda _: _within(state, share, hops), devices)
+        exchanged = issuers.across.then(summed, lambda _: _across(state, share, hops), devices)
+        gathered = issuers.gather.then(
+            exchanged, lambda _: _second_phase(state, share, hops), devices
+        )
+        averaged = issuers.within.then(gathered, lambda _: _within(state, share, hops), devices)
     else:  # shares of padding only, on every machine alike: nothing crosses
-        averaged = issuer.then(summed, lambda _: _gather(share, hops), devices)
+        averaged = issuers.within.then(summed, lambda _: _gather(share, hops), devices)
     return comm.then(averaged, lambda fut: _finished(fut, share, buffer))
 
 
@@ -147,7 +151,7 @@ def _across(state: QuantizationState, share: Share, hops: comm.TwoHops) -> "Futu
 
 def _second_phase(state: QuantizationState, share: Share, hops: comm.TwoHops) -> "Future[Any]":
     assert share.work is not None, "the first phase set it"
-    return phases.reduce_and_gather(state, share.work, hops.peers)
+    return phases.reduce_and_gather(state, share.work, hops.peers_follow)
 
 
 def _within(state: QuantizationState, share: Share, hops: comm.TwoHops) -> "Future[torch.Tensor]":
