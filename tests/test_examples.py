@@ -427,3 +427,16 @@ def test_exchange_pieces_times_each_exchange_whole_and_in_pieces():
     assert header.split()[-4:] == ["k=1", "k=2", "k=4", "k=8"], printed
     assert [r.split()[1] for r in rows] == ["all-to-all", "all-gather"], printed
     assert all(len(re.findall(r"\d+\.\dms", r)) == 4 for r in rows), printed
+
+
+def test_two_hop_forms_times_the_hooks_asked_for_in_both_forms(tmp_path):
+    script, out = str(EXAMPLES / "two_hop_forms.py"), tmp_path / "rows.json"
+    run([sys.executable, script, "--steps", "5", "--hooks", "int4", "--json", str(out)], ROOT)
+    rows = json.loads(out.read_text())
+    assert sorted(rows) == ["int4, flat", "int4, two hops", "streaming_diloco, 2 workers of 2"]
+    assert all(r["ms"] > 0 and r["bytes_per_step"] == 0 for r in rows.values())  # loopback
+    assert rows["int4, flat"]["held_out"] == pytest.approx(rows["int4, two hops"]["held_out"], 0.05)
+    refused = subprocess.run(
+        [sys.executable, script, "--hooks", "int3"], env=env(), capture_output=True, text=True
+    )
+    assert refused.returncode == 2 and "unknown ['int3']" in refused.stderr
