@@ -111,7 +111,10 @@ def _held_first_gather(rank, world_size):
 
         def release():
             held[0] = every.wait(5)
-            sent.then(lambda f: out.set_result(f.value()))
+            try:
+                out.set_result(sent.value())
+            except Exception as exc:  # a failed all-gather fails the step, as it would have
+                out.set_exception(exc)
 
         sent.add_done_callback(lambda _: threading.Thread(target=release).start())
         return out
