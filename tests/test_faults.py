@@ -107,6 +107,25 @@ def int8_all_gather_in_pieces(rank, world_size, fault):
     _train(make_ddp(model, commhooks.quantized_hook, state, bucket_cap_mb=25), rank)
 
 
+def _across_machines(*args, **kwargs):
+    group = kwargs.get("group", args[2] if len(args) > 2 else None)
+    if group is None or group is dist.group.WORLD:
+        return False
+    return len({r // 2 for r in dist.get_process_group_ranks(group)}) > 1
+
+
+def int8_two_hops_across(rank, world_size, fault):
+    """On two machines of two ranks (two hops), the victim goes as it sends its share's average
+    across machines (the all-gather with its counterpart); its machine's other rank waits for
+    it in the all-gather within, the other machine's in the exchanges across."""
+    os.environ[comm.topology.MACHINE_ID_VAR] = f"machine{rank // 2}"
+    for name in ("all_gather_into_tensor", "all_gather_single"):
+        if hasattr(dist, name):
+            fault.strike_on_call(rank, dist, name, _across_machines)
+    state = commhooks.QuantizationState(None, bits=8, warmup_steps=1)
+    _train(make_ddp(make_mlp(), commhooks.quantized_hook, state), rank)
+
+
 def post_local_sgd_local_phase(rank, world_size, fault):
     """The victim goes as the local phase begins (the per-machine groups are made then)."""
     state = commhooks.PostLocalSGDState(None, None, start_localSGD_iter=2)
@@ -174,6 +193,7 @@ POINTS = [
     (powersgd_second_round, 2),
     (int8_all_gather, 2),
     (int8_all_gather_in_pieces, 2),
+    (int8_two_hops_across, 4),
     (post_local_sgd_local_phase, 2),
     (hierarchical_averaging, 4),
     (hierarchical_group_creation, 4),
