@@ -1,5 +1,8 @@
 """The default hooks against plain DDP and PyTorch's own hooks, on gloo with 2 ranks."""
 
+import os
+import signal
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -187,6 +190,18 @@ def _fails(rank, world_size):
 def test_harness_surfaces_failing_rank_traceback():
     with pytest.raises(RankError, match="(?s)rank 1 raised.*boom from rank one"):
         run_on_ranks(_fails, 2, timeout=60)
+
+
+def _crashes(rank, world_size):
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSEGV)  # as a crash in native code would
+    dist.barrier()  # rank 0 finds its peer gone and raises
+    return rank
+
+
+def test_harness_shows_the_stacks_of_a_rank_that_crashed():
+    with pytest.raises(RankError, match="(?s)rank 1.*Segmentation fault.*in _crashes"):
+        run_on_ranks(_crashes, 2, timeout=60, pg_timeout=10)
 
 
 def _hangs(rank, world_size):

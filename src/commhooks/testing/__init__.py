@@ -16,6 +16,7 @@ seconds; every rank is gone when the call returns.
 """
 
 import datetime
+import faulthandler
 import io
 import multiprocessing
 import os
@@ -154,7 +155,11 @@ def _collect(
             _raise_if_dead(procs, done, results, logs)
             continue
         if status == "error":
-            raise RankError(rank, summary, f"rank {rank} raised:\n{payload}")
+            killed = _killed_by_signal(procs, done)
+            details = f"rank {rank} raised:\n{payload}"
+            if killed:  # the cause, where another rank's crash made this one raise
+                details += f"\nranks {killed} died by a signal:\n{_tails(logs, killed)}"
+            raise RankError(rank, summary, details)
         done[rank] = torch.load(io.BytesIO(payload), weights_only=False)
     return [done[r] for r in range(len(procs))]
 
@@ -171,6 +176,11 @@ def _raise_if_dead(
     if results.empty():
         code = procs[dead[0]].exitcode
         raise RankError(dead[0], f"rank {dead[0]} died with exit code {code}", _tails(logs, dead))
+
+
+def _killed_by_signal(procs: list[ForkServerProcess], done: dict[int, Any]) -> list[int]:
+    """The ranks a signal ended (a crash's SIGSEGV, say)."""
+    return [r for r, p in enumerate(procs) if r not in done and (p.exitcode or 0) < 0]
 
 
 def _tails(logs: list[str], ranks: list[int], chars: int = 3000) -> str:
@@ -202,6 +212,7 @@ def _rank_main(rank: int, world_size: int, setup: _Setup, results: Any, log: str
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
+    faulthandler.enable()  # a crash's Python stacks in the log, which a RankError quotes
     os.environ.update(
         {
             "RANK": str(rank),
