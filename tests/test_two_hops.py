@@ -76,7 +76,7 @@ def _pieces_after_a_step(rank, world_size, machines):
     "machines, pieces",
     [
         ([2], {"flat": 1}),  # one machine: no slow link, exchanges whole
-        ([1, 1], {"flat": comm.EXCHANGE_PIECES}),  # two machines: gloo's turns, in pieces
+        ([1, 1], {"flat": PIECES}),  # two machines: gloo's turns, in pieces
         ([2, 2], {"peers": PIECES, "peers_follow": PIECES, "intra": 1, "intra_follow": 1}),
     ],
 )
