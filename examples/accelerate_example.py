@@ -77,6 +77,9 @@ def main() -> None:
         ok = same(saved, snapshot(model, state))
         accelerator.print(f"restored {'ok' if ok else 'MISMATCH'}  state {type(state).__name__}")
     accelerator.end_training()
+    if torch.distributed.is_initialized():  # Accelerate leaves it open; a clean exit closes it
+        del model, optimizer, state
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
