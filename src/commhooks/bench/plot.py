@@ -221,7 +221,9 @@ def write_plot(path: str, rows: list[Row], answer: dict[str, Any], title: str) -
         )
         fig.suptitle(f"{title}\n{subtitle}", fontsize=12)
         handles, labels = left.get_legend_handles_labels()
-        fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=10)
-        fig.tight_layout(rect=(0, 0.1 if len(labels) > 4 else 0.06, 1, 1))
+        columns = min(6, len(labels))
+        fig.legend(handles, labels, loc="lower center", ncol=columns, fontsize=10)
+        rows_of_legend = -(-len(labels) // columns)  # below the panels' axis labels, not on them
+        fig.tight_layout(rect=(0, 0.02 + 0.055 * rows_of_legend, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
