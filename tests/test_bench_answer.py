@@ -238,6 +238,26 @@ def test_plot_draws_the_prediction_and_the_measured_links(tmp_path):
     assert path.read_bytes()[:4] == b"\x89PNG" and path.stat().st_size > 20_000
 
 
+def test_the_plots_legend_leaves_every_panels_axis_label_readable():
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from commhooks.bench.plot import draw
+
+    names = ["noop", "allreduce", "fp16", "bf16", "power_sgd", "power_sgd_single_round"]
+    names += ["post_local_sgd", "int8", "int4", "diloco", "streaming_diloco"]
+    rows = [_row(name, 60.0 + i, MB // (i + 1), _falling(3.0, 0.1)) for i, name in enumerate(names)]
+    fig = draw(rows, _answer(rows, _plan()), "title")
+    fig.canvas.draw()  # where the axis labels go is settled when drawn
+    renderer = fig.canvas.get_renderer()
+    legend = fig.legends[0].get_window_extent(renderer)
+    assert len(fig.legends[0].get_texts()) == len(names)
+    for ax in fig.axes:
+        label = ax.xaxis.label.get_window_extent(renderer)
+        assert legend.y1 < label.y0, f"the legend covers {ax.get_xlabel()!r}"
+    plt.close(fig)
+
+
 def _timed(row, step_s):
     row.losses = [[i, loss, step_s * (i + 1)] for i, (_, loss, _) in enumerate(row.losses)]
     return row

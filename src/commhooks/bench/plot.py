@@ -18,7 +18,7 @@ from commhooks.bench.shape import Shape
 from commhooks.bench.summary import by_network
 from commhooks.bench.units import format_rate
 
-__all__ = ["write_plot"]
+__all__ = ["draw", "write_plot"]
 
 _STYLES = ("-", "--", "-.", ":")
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
@@ -202,6 +202,15 @@ def _styles(rows: list[Row]) -> dict[str, Any]:
 
 def write_plot(path: str, rows: list[Row], answer: dict[str, Any], title: str) -> None:
     """Write the PNG to ``path``; nothing is drawn without a successful loopback run."""
+    import matplotlib.pyplot as plt
+
+    fig = draw(rows, answer, title)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def draw(rows: list[Row], answer: dict[str, Any], title: str) -> Any:
+    """The figure :func:`write_plot` saves: three panels and, below them, one legend."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -225,5 +234,4 @@ def write_plot(path: str, rows: list[Row], answer: dict[str, Any], title: str) -
         fig.legend(handles, labels, loc="lower center", ncol=columns, fontsize=10)
         rows_of_legend = -(-len(labels) // columns)  # below the panels' axis labels, not on them
         fig.tight_layout(rect=(0, 0.02 + 0.055 * rows_of_legend, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
