@@ -202,9 +202,9 @@ def _styles(rows: list[Row]) -> dict[str, Any]:
 
 def write_plot(path: str, rows: list[Row], answer: dict[str, Any], title: str) -> None:
     """Write the PNG to ``path``; nothing is drawn without a successful loopback run."""
+    fig = draw(rows, answer, title)  # chooses the Agg backend before pyplot is imported
     import matplotlib.pyplot as plt
 
-    fig = draw(rows, answer, title)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
