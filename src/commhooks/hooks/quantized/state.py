@@ -503,7 +503,7 @@ class QuantizationState(HookState):
         and fresh workspaces."""
         topology = self._two_hop_topology(group)
         self.hops, self.hop_issuers, self.issuer = None, None, None
-        if topology is not None:  # the peers' group carries follow-ups alone
+        if topology is not None:  # each hop's group has an issuer of its own
             pool = self._pool if self._pool is not None else comm.IssuerPool()
             self.hops, self.hop_issuers = pool.two_hops(group, topology)
             self._world, self._rank = self.hops.nnodes, self.hops.machine
