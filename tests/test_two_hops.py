@@ -220,6 +220,27 @@ def test_a_topology_is_given_as_ranks_or_a_mesh_and_checked_when_built():
     }
 
 
+def _given(rank, world_size, machines):
+    """One step with the topology ``machines`` given: what the step raised, if anything."""
+    ddp = make_ddp(make_mlp(), bucket_cap_mb=0.004)
+    commhooks.register(ddp, "int8", topology=commhooks.Topology(machines))
+    try:
+        train(ddp, batches(rank, 1))
+    except Exception as exc:
+        return str(exc)
+    return None
+
+
+def test_a_topology_of_other_ranks_than_the_groups_is_refused_at_the_first_step():
+    # Two ranks take one hop whatever the topology says, but one naming ranks the group does
+    # not hold is a mistake (a launcher's shape for another job), refused rather than ignored.
+    for error in run_on_ranks(_given, 2, [[0, 1], [2, 3]]):
+        assert (
+            error and "holds ranks [0, 1, 2, 3]" in error and "hook's group holds [0, 1]" in error
+        )
+    assert run_on_ranks(_given, 2, [[0], [1]]) == [None, None]
+
+
 def _saved_then_loaded(rank, world_size, folder):
     """Save a two-hop state after training, then load it into the flat path of the same
     ranks: the memories, a machine's share, are reset with a warning naming both shapes."""

@@ -157,7 +157,8 @@ class Topology:
             raise ValueError(
                 f"{owner}: the topology {self.describe()} holds ranks "
                 f"{sorted(r for m in self.machines for r in m)}, but the hook's group holds "
-                f"{sorted(ranks)}; give a Topology of the group's ranks."
+                f"{sorted(ranks)}; give a Topology of the group's ranks, or "
+                "topology='auto' to find it from the launcher."
             )
 
 

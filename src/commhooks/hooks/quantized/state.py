@@ -537,13 +537,11 @@ class QuantizationState(HookState):
         """The topology of a two-hop average over ``group``, or ``None`` for the flat path."""
         chosen = self.settings.topology
         self._shape = FLAT
+        if isinstance(chosen, comm.Topology):  # a topology of other ranks is a mistake anywhere
+            chosen.check_covers(comm.global_ranks(group), OWNER)
         if chosen == FLAT or comm.world_size(group) < 3:  # two ranks: never uneven, one hop
             return None
-        if isinstance(chosen, comm.Topology):
-            chosen.check_covers(comm.global_ranks(group), OWNER)
-            topology = chosen
-        else:
-            topology = comm.topology_of(group)
+        topology = chosen if isinstance(chosen, comm.Topology) else comm.topology_of(group)
         if not topology.two_hops():
             if not topology.even:
                 warn_once(
