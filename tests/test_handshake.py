@@ -115,6 +115,41 @@ def test_a_wrapper_checks_its_inner_state_too():
         assert "matrix_approximation_rank: rank 0=1, rank 1=2" in error, error
 
 
+def _policies(rank, world_size):
+    """Stateless hooks registered with each rank's own ``on_nonfinite``, or in two equivalent
+    ways: what one step raised on this rank, case by case."""
+
+    def run(register):
+        ddp = DDP(make_mlp(), bucket_cap_mb=0.004)
+        register(ddp)
+        _step(ddp, *batches(rank, 1)[0])
+        return "no error"
+
+    repair = {"on_nonfinite": "repair"} if rank == 0 else {}
+    cases = {
+        "fp16": lambda ddp: commhooks.register(ddp, "fp16", **repair),
+        "wrapped": lambda ddp: ddp.register_comm_hook(
+            commhooks.StatelessState(None, **repair),
+            commhooks.bf16_compress_wrapper(commhooks.allreduce_hook),
+        ),
+        "equivalent": lambda ddp: (
+            commhooks.register(ddp, "allreduce")
+            if rank == 0
+            else ddp.register_comm_hook(None, commhooks.allreduce_hook)
+        ),
+    }
+    return {name: outcome(lambda r=register: run(r)) for name, register in cases.items()}
+
+
+def test_ranks_that_would_repair_differently_are_told_before_a_bucket_is_sent():
+    # One rank repairing non-finite buckets sends them again, alone: a hang on NCCL.
+    for errors in run_on_ranks(_policies, 2, timeout=120, pg_timeout=30):
+        for name in ("fp16", "wrapped"):
+            assert errors[name].startswith("ValueError"), errors[name]
+            assert "on_nonfinite" in errors[name] and "'repair'" in errors[name], errors[name]
+        assert errors["equivalent"] == "no error"
+
+
 HOOK_KINDS = {
     "allreduce": lambda: (None, commhooks.allreduce_hook),
     "fp16": lambda: (None, commhooks.fp16_compress_hook),

@@ -3,15 +3,16 @@
 Ranks that registered different hooks, wrappers or options issue collectives of different
 kinds or sizes: gloo aborts ("Received data size doesn't match"), NCCL hangs, and neither names
 the hook. So before its first collective on a group every hook gathers one small record from
-every rank (its name, its wrapper's, its state's :meth:`handshake_fields`), and if any differs
-every rank raises the same ``ValueError`` naming what each runs. It is one ``all_gather_object``
-whatever the hook, so ranks running different hooks still meet in it instead of deadlocking.
+every rank (its name, its wrapper's, its state's :meth:`handshake_fields` and
+``on_nonfinite``), and if any differs every rank raises the same ``ValueError`` naming what
+each runs. It is one ``all_gather_object`` whatever the hook, so ranks running different
+hooks still meet in it instead of deadlocking.
 
 On DDP's thread, before the hook's first collective: a stateless hook calls :func:`once`
-(remembered per group, weakly, and per hook and wrapper); a stateful one :func:`agree`
-whenever its state has not been checked on that group (the state forgets it when it loads a
-state dict or is bound anew); a wrapper runs its inner hook inside :func:`wrapping`, which
-checks for both.
+(remembered per group, weakly, and per hook, wrapper and ``on_nonfinite``); a stateful one
+:func:`agree` whenever its state has not been checked on that group (the state forgets it
+when it is bound anew, or loads a state dict that changes what it agreed on); a wrapper runs
+its inner hook inside :func:`wrapping`, which checks for both.
 """
 
 import contextlib
@@ -37,29 +38,34 @@ class _Wrapping:
     checked: dist.ProcessGroup | None
 
 
+# What a group was checked for: the hook, its wrapper (if any) and its on_nonfinite.
+_Identity = tuple[str, str | None, str]
 _inside: ContextVar[_Wrapping | None] = ContextVar("commhooks_wrapping", default=None)
 _lock = threading.Lock()
 # Stateless hooks have nowhere else to remember that a group was checked. Keyed by the group's
 # id, with a weak reference to the group (a plain dictionary answers in a fraction of a
 # weak-keyed one's host time, asked once a bucket); the entry goes when the group does. The
 # value is each (hook, wrapper) checked.
-_checked: "dict[int, tuple[weakref.ref[dist.ProcessGroup], set[tuple[str, str | None]]]]" = {}
+_checked: "dict[int, tuple[weakref.ref[dist.ProcessGroup], set[_Identity]]]" = {}
 
 
-def once(group: dist.ProcessGroup, hook: str) -> None:
-    """For a hook without a state: check, the first time ``hook`` runs on ``group``, that
-    every rank runs the same (one blocking gather, none where a wrapper just checked).
+def once(group: dist.ProcessGroup, hook: str, on_nonfinite: str = "propagate") -> None:
+    """For a hook without a state: check, the first time ``hook`` runs on ``group`` with
+    ``on_nonfinite``, that every rank runs the same (one blocking gather, none where a wrapper
+    just checked). A rank that repairs non-finite buckets sends them again, so the ranks
+    must agree on it as on the hook.
 
     Raises:
-        ValueError: on every rank, when any rank of ``group`` runs another hook or wrapper.
+        ValueError: on every rank, when any rank of ``group`` runs another hook or wrapper,
+            or another ``on_nonfinite``.
     """
     context = _inside.get()
     if context is not None and context.checked is group:
         return
-    identity = (hook, context.wrapper if context is not None else None)
+    identity = (hook, context.wrapper if context is not None else None, on_nonfinite)
     if _seen(group, identity):
         return
-    _gather_and_compare(group, _record(hook, identity[1], None))
+    _gather_and_compare(group, _record(hook, identity[1], None, on_nonfinite))
     _remember(group, identity)
 
 
@@ -108,9 +114,9 @@ def wrapping(wrapper: str, hook: Any, state: Any, group: dist.ProcessGroup) -> I
     checked: dist.ProcessGroup | None = None
     if context is not None and context.checked is group:
         checked = group  # an outer wrapper has checked this call already
-    elif not _seen(group, (name, wrapper)):
+    elif not _seen(group, identity := (name, wrapper, _policy(state))):
         _gather_and_compare(group, _record(name, wrapper, state))
-        _remember(group, (name, wrapper))
+        _remember(group, identity)
         checked = group
     token = _inside.set(_Wrapping(wrapper, checked))
     try:
@@ -141,18 +147,26 @@ def fields_of(state: Any) -> dict[str, Any]:
     return dict(method()) if callable(method) else {}
 
 
-def _record(hook: str, wrapper: str | None, state: Any) -> dict[str, Any]:
+def _record(
+    hook: str, wrapper: str | None, state: Any, on_nonfinite: str | None = None
+) -> dict[str, Any]:
     owner = type(state).__name__ if state is not None else None
-    return {"hook": hook, "wrapper": wrapper, "state": owner, "fields": fields_of(state)}
+    fields = {**fields_of(state), "on_nonfinite": on_nonfinite or _policy(state)}
+    return {"hook": hook, "wrapper": wrapper, "state": owner, "fields": fields}
 
 
-def _seen(group: dist.ProcessGroup, identity: tuple[str, str | None]) -> bool:
+def _policy(state: Any) -> str:
+    """``state``'s ``on_nonfinite``; a process group's (or nothing's) is ``"propagate"``."""
+    return str(getattr(state, "on_nonfinite", "propagate"))
+
+
+def _seen(group: dist.ProcessGroup, identity: _Identity) -> bool:
     # No lock (asked once a bucket): each lookup is atomic, and a stale answer checks again.
     entry = _checked.get(id(group))
     return entry is not None and entry[0]() is group and identity in entry[1]
 
 
-def _remember(group: dist.ProcessGroup, identity: tuple[str, str | None]) -> None:
+def _remember(group: dist.ProcessGroup, identity: _Identity) -> None:
     key = id(group)
 
     def forget(gone: "weakref.ref[dist.ProcessGroup]") -> None:

@@ -25,8 +25,9 @@ def group_state(state: Any, owner: str) -> dist.ProcessGroup:
     """The group of a stateless hook's ``state``: a process group, ``None``, or the
     :class:`~commhooks.state.StatelessState` ``commhooks.register`` gives it; checked once by
     :mod:`commhooks.handshake`. ``TypeError`` for another hook's state."""
+    policy = "propagate"
     if isinstance(state, StatelessState):
-        state = state.process_group
+        state, policy = state.process_group, state.on_nonfinite
     # The usual cases first, without resolve_group's checks: they cannot fail for a group that
     # exists (a GPU's host pays every call here once a bucket, while the device waits).
     if state is None:
@@ -35,11 +36,11 @@ def group_state(state: Any, owner: str) -> dist.ProcessGroup:
     # (about 0.2 us a bucket, 0.5 for a subclass).
     if type(state) in _GROUP_TYPES:
         known: dist.ProcessGroup = state
-        handshake.once(known, owner)
+        handshake.once(known, owner, policy)
         return known
     if isinstance(state, dist.ProcessGroup):
         _GROUP_TYPES.add(type(state))
-        handshake.once(state, owner)
+        handshake.once(state, owner, policy)
         return state
     if state is not None and not isinstance(state, int):
         raise TypeError(
@@ -48,7 +49,7 @@ def group_state(state: Any, owner: str) -> dist.ProcessGroup:
             "state objects such as PowerSGDState belong to their own hooks."
         )
     group = comm.resolve_group(state, owner=owner)
-    handshake.once(group, owner)
+    handshake.once(group, owner, policy)
     return group
 
 
