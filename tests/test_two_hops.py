@@ -184,6 +184,33 @@ def test_two_hops_average_within_the_quantization_bound(bits):
             assert error <= 3 * exact.abs().max() / qmax, (path, float(error))
 
 
+def _in_order(rank, world_size, machines):
+    """Two steps with the machines given as ``machines``: the second step's gradient, and the
+    parameters after."""
+    ddp = make_ddp(make_mlp(), bucket_cap_mb=0.004)
+    state = commhooks.register(ddp, "int8", topology=commhooks.Topology(machines))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    for x, y in batches(rank, 2):
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+    hops = state.hops
+    places = (hops.local, hops.machine) == (dist.get_rank(hops.intra), dist.get_rank(hops.peers))
+    return places, flat_grads(ddp.module), flat_params(ddp.module)
+
+
+@pytest.mark.parametrize("machines", [[[1, 0], [3, 2]], [[2, 3], [0, 1]], [[0, 3], [1, 2]]])
+def test_a_topology_in_any_order_averages_the_same_shares_everywhere(machines):
+    # Ranks listed out of order, machines out of order, a machine of ranks 0 and 3: the
+    # process groups order their ranks, so a rank's share and row are its places in them.
+    ranks = run_on_ranks(_in_order, 4, machines, timeout=140)
+    exact = run_on_ranks(_exact_second_step_gradient, 4)[0]
+    for places, grads, params in ranks:
+        assert places and torch.equal(params, ranks[0][2])
+        assert (grads - exact).abs().max() <= 3 * exact.abs().max() / 127
+    assert commhooks.Topology(machines) == commhooks.Topology(sorted(map(sorted, machines)))
+
+
 def _uneven(rank, world_size):
     ddp = make_ddp(make_mlp(), bucket_cap_mb=0.004)
     with warnings.catch_warnings(record=True) as caught:

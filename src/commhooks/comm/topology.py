@@ -24,7 +24,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from commhooks.comm.groups import all_gather_objects, follow_up_group, global_ranks, subgroup
+from commhooks.comm.groups import (
+    all_gather_objects,
+    follow_up_group,
+    global_ranks,
+    group_rank,
+    subgroup,
+)
 
 __all__ = [
     "MACHINE_ID_VAR",
@@ -95,7 +101,9 @@ def _split_host(infos: list[LaunchInfo], ranks: list[int]) -> list[list[int]]:
 
 @dataclass(frozen=True)
 class Topology:
-    """Which ranks share a machine: ``machines``, each the global ranks of one machine.
+    """Which ranks share a machine: ``machines``, each the global ranks of one machine, kept in
+    order (each machine's ranks ascending, the machines by their lowest rank), as the process
+    groups made from them order their ranks, whatever order they were given in.
 
     Build it from the rank lists (``Topology([[0, 1], [2, 3]])``), from a 2-D ``DeviceMesh``
     whose first dimension runs across machines and second within one
@@ -105,7 +113,7 @@ class Topology:
     machines: tuple[tuple[int, ...], ...]
 
     def __init__(self, machines: Sequence[Sequence[int]]) -> None:
-        lists = tuple(tuple(int(r) for r in ranks) for ranks in machines)
+        lists = tuple(sorted(tuple(sorted(int(r) for r in ranks)) for ranks in machines))
         ranks = [r for m in lists for r in m]
         if not lists or not all(lists) or len(set(ranks)) != len(ranks) or min(ranks) < 0:
             raise ValueError(
@@ -182,8 +190,9 @@ class TwoHops:
     """The groups of a two-hop average, from one rank's view: ``intra`` (its machine's ranks),
     ``intra_follow`` (theirs again, for the follow-ups; NCCL's is ``intra`` itself), ``peers``
     (the ranks holding the same share on every machine), ``peers_follow`` (theirs again, for the
-    all-gather after their all-to-all; NCCL's is ``peers``), this rank's ``machine`` and its
-    ``local`` index, and the topology's shape."""
+    all-gather after their all-to-all; NCCL's is ``peers``), this rank's place among its peers
+    (``machine``) and within its machine (``local``: the share it holds), and the topology's
+    shape."""
 
     intra: dist.ProcessGroup
     intra_follow: dist.ProcessGroup
@@ -204,6 +213,9 @@ def two_hops(group: dist.ProcessGroup, topology: Topology) -> TwoHops:
     local = topology.machines[machine].index(me)
     intra = subgroup(list(topology.machines[machine]), group)
     peers = subgroup([m[local] for m in topology.machines], group)
+    # A rank's places are its ranks in the groups (which order their ranks), not its indices
+    # in the lists: the counterparts of ranks [0, 3] and [1, 2] are [0, 1] and [2, 3].
+    local, machine = group_rank(intra), group_rank(peers)
     return TwoHops(
         intra, follow_up_group(intra), peers, follow_up_group(peers), machine, local,
         topology.nnodes, topology.nproc_per_node,
