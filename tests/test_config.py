@@ -240,6 +240,21 @@ def test_backend_for_device_reads_per_device_backends(monkeypatch):
     assert comm.backend_for_device(None, "cuda") == "gloo"
 
 
+def _bf16_steps(rank, world_size):
+    ddp = make_ddp(make_mlp())
+    commhooks.register(ddp, "bf16")
+    train(ddp, batches(rank, 2))
+    return str(dist.get_backend()), flat_params(ddp.module)
+
+
+def test_a_group_initialised_without_a_backend_is_read_by_its_devices_backends():
+    # init_process_group() with no backend reports "undefined"; its CPU backend is gloo,
+    # which allreduces bfloat16: the hook is taken, with gloo's bits.
+    (name, unnamed), _ = run_on_ranks(_bf16_steps, 2, backend=None)
+    (_, named), _ = run_on_ranks(_bf16_steps, 2)
+    assert name == "undefined" and torch.equal(unnamed, named)
+
+
 # -- registration on 2 ranks -----------------------------------------------------------------
 def _every_combination(rank, world_size):
     initial = flat_params(make_mlp())

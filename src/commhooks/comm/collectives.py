@@ -422,10 +422,13 @@ def reduce_scatter(
 def backend_for_device(group: dist.ProcessGroup | None, device_type: str) -> str:
     """The backend ``group`` uses for tensors on ``device_type`` (``"gloo"``, ``"nccl"``...).
 
-    A group initialised as ``"cpu:gloo,cuda:nccl"`` (PyTorch's default with CUDA) reports
-    each device's backend; a plain ``"gloo"`` group serves every device.
+    A group initialised as ``"cpu:gloo,cuda:nccl"`` reports each device's backend, as does one
+    initialised without a backend (``init_process_group()``, whose backend is ``"undefined"``:
+    its devices' backends are in its config); a plain ``"gloo"`` group serves every device.
     """
     name = str(dist.get_backend(group)).lower()
+    if name == "undefined" and hasattr(dist, "get_backend_config"):
+        name = str(dist.get_backend_config(group)).lower()
     if ":" not in name:
         return name
     pairs = dict(part.split(":", 1) for part in name.split(",") if ":" in part)

@@ -66,7 +66,7 @@ def run_on_ranks(
     world_size: int = 2,
     *args: Any,
     timeout: float = 120.0,
-    backend: str = "gloo",
+    backend: str | None = "gloo",
     pg_timeout: float = 60.0,
     env: dict[str, str] | None = None,
     prepare: Callable[[int], None] | None = None,
@@ -79,6 +79,7 @@ def run_on_ranks(
     (module-level, or partials of such); ``fn`` returns something picklable.
 
     Args:
+        backend: the default group's; ``None`` names none, as ``init_process_group()`` does.
         prepare: called as ``prepare(rank)`` in each rank before its process group is set up,
             for what must precede any connection (entering a network namespace, say).
 
@@ -124,7 +125,7 @@ class _Setup:
     """What every rank is to do: where and how to meet, what to do first, what to call."""
 
     store: str
-    backend: str
+    backend: str | None
     pg_timeout: float
     env: dict[str, str]
     prepare: Callable[[int], None] | None
