@@ -445,6 +445,36 @@ def _diloco_worker(delay):
     return ddp.module, diloco
 
 
+def _finish_after_a_reload(rank, world_size):
+    """A fragment in flight saved, two more steps, the save loaded back into the same averager
+    and finish() at once: whether the parameters were left alone."""
+    ddp = make_ddp(make_mlp())
+    diloco = commhooks.register(
+        ddp, "streaming_diloco", sync_every=4, fragments=2, fragment_sync_delay=1
+    )
+    inner = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
+    diloco.attach(inner, ddp.module.named_parameters())
+    saved, later = None, 0
+    for x, y in batches(rank, 12):
+        _train(ddp, inner, [(x, y)])
+        if saved is None and diloco.in_flight is not None:
+            saved = copy.deepcopy(diloco.state_dict())
+        elif saved is not None:
+            later += 1
+            if later == 2:
+                break
+    diloco.load_state_dict(saved)
+    before = flat_params(ddp.module)
+    diloco.finish()
+    return torch.equal(flat_params(ddp.module), before)
+
+
+def test_finish_right_after_a_load_applies_the_loaded_fragment_to_nothing():
+    # The loaded fragment belongs to the parameters of the step it was saved at; until a step
+    # shows which tensors are those, finish() must not write it into the last ones it saw.
+    assert run_on_ranks(_finish_after_a_reload, 2) == [True, True]
+
+
 def _periodic():
     return make_mlp(), commhooks.PeriodicModelAverager(period=2, warmup_steps=1)
 
@@ -533,6 +563,38 @@ def test_a_resume_inside_a_quantized_warmup_of_several_buckets_is_bitwise():
     for bad in ([[0, 1], [1, 2]], [[0, -1]], "0,1", [[]]):
         with pytest.raises(commhooks.StateDictError, match="'warmup_buckets'"):
             averager.load_state_dict({**state, "warmup_buckets": bad})
+
+
+def _groups_made_after_unpickling(rank, world_size):
+    """Quantized syncs of 4 fragments, then the averager pickled and unpickled onto a new DDP
+    model: the groups its next round of syncs makes, and whether the three runs agree."""
+    from commhooks.comm import groups
+
+    data = batches(rank, 12)
+    ddp = make_ddp(make_mlp(), bucket_cap_mb=0.004)
+    diloco = commhooks.register(ddp, "streaming_diloco", sync_every=4, fragments=4, bits=4)
+    inner = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
+    diloco.attach(inner, ddp.module.named_parameters())
+    _train(ddp, inner, data[:6])
+    model, optimizer = copy.deepcopy(ddp.module.state_dict()), copy.deepcopy(inner.state_dict())
+    again, inner_again, resumed = _build_warmup(pickle.loads(pickle.dumps(diloco)))
+    again.module.load_state_dict(model)
+    inner_again.load_state_dict(optimizer)
+    made, subgroup = [], groups.subgroup
+    groups.subgroup = lambda ranks, parent: made.append(ranks) or subgroup(ranks, parent)
+    try:
+        _train(again, inner_again, data[6:])
+    finally:
+        groups.subgroup = subgroup
+    _train(ddp, inner, data[6:])
+    return len(made), torch.equal(flat_params(again.module), flat_params(ddp.module))
+
+
+def test_an_unpickled_averagers_quantized_syncs_share_one_follow_up_group():
+    # Each quantized fragment would otherwise make a group of its own (gloo: connections and
+    # threads) on its first sync after unpickling.
+    for made, same in run_on_ranks(_groups_made_after_unpickling, 2):
+        assert made == 1 and same
 
 
 def test_a_save_after_ddps_first_step_warns_that_the_resume_is_not_bitwise():

@@ -373,8 +373,12 @@ class StreamingDiLoCo(ModelAverager):
         self._worker_group = None
         self._in_flight_future: torch.futures.Future[torch.Tensor] | None = None
         self._last_seen: dict[str, torch.Tensor] = {}  # the parameters of the last step
-        # One follow-up group for every quantized average (all started on the training thread).
+        # One follow-up group for every quantized average (all started on the training thread),
+        # shared again by those an unpickled averager holds.
         self._issuers = comm.IssuerPool()
+        for state in [*self.quantizers, self.warmup_quantizer]:
+            if state is not None:
+                state.share_issuers(self._issuers)
         # The model's parameters as attach() or the first step met them (to check a loaded
         # state); whether a step's were checked since the last load; whether every rank was
         # found to train the same model.
@@ -795,6 +799,7 @@ class StreamingDiLoCo(ModelAverager):
         self.warmup_quantizer = values["warmup_quantizer"]
         self.warmup_buckets = values["warmup_buckets"]
         self.in_flight, self._in_flight_future = values["in_flight"], None
+        self._last_seen = {}  # finish() with no step since has nothing to apply the loaded to
 
 
 _SCHEDULE = ("sync_every", "fragments", "fragment_sync_delay")
