@@ -154,3 +154,32 @@ def test_the_custom_hook_example_agrees_with_allreduce() -> None:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "agrees with allreduce_hook on every rank" in done.stdout
+
+
+def _resolves(name: str) -> bool:
+    """Whether ``name`` (``commhooks.a.b``) is a module, or a module's attribute, that exists."""
+    import importlib
+
+    parts = name.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            found: Any = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            if not hasattr(found, attr):
+                return False
+            found = getattr(found, attr)
+        return True
+    return False
+
+
+def test_every_commhooks_name_the_package_writes_can_be_imported():
+    # Error messages and docstrings tell users what to import: a name that moved must not
+    # stay in a message (as commhooks.integrations.PerRankState once did).
+    names = set()
+    for path in (ROOT / "src" / "commhooks").rglob("*.py"):
+        names |= set(re.findall(r"\bcommhooks(?:\.[A-Za-z_]\w*)+", path.read_text()))
+    assert len(names) > 50
+    assert [n for n in sorted(names) if not _resolves(n)] == []
+    assert not _resolves("commhooks.integrations.PerRankState")

@@ -320,7 +320,7 @@ class PowerSGDState(HookState):
                 f"it was saved by rank {rank} and loaded by rank {here}: a checkpoint written "
                 "by one rank for all (Accelerate's save_state does that with a registered "
                 "object) holds that rank's memory only. Wrap the state in "
-                "commhooks.integrations.PerRankState to save every rank's."
+                "commhooks.integrations.checkpoint.PerRankState to save every rank's."
             )
             self._forget_memory(f"powersgd-rank-{rank}-{here}", why)
 
@@ -377,7 +377,8 @@ class PowerSGDState(HookState):
                 f"start_powerSGD_iter={start}, but holds no error-feedback "
                 "memory, so training resumes without it. A checkpoint that keeps one copy of "
                 "each key for all ranks (torch.distributed.checkpoint with a plain state_dict) "
-                "loses it: save commhooks.integrations.DistributedCheckpointState(state).",
+                "loses it: save "
+                "commhooks.integrations.checkpoint.DistributedCheckpointState(state).",
                 CommHooksWarning,
                 stacklevel=4,
             )

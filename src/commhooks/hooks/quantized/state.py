@@ -767,8 +767,9 @@ class QuantizationState(HookState):
             f"quantization-moved-{sorted(saved.items())}-{sorted(here.items())}",
             f"{OWNER}: the error memories ({count} tensors) were saved by {where} and are used "
             f"by {where_here}: each rank's memory describes its own elements, so they were "
-            "reset. Save every rank's state (commhooks.integrations.PerRankState) and load each "
-            "rank's own file, with the same world size, mesh and machines, to keep them.",
+            "reset. Save every rank's state (commhooks.integrations.checkpoint.PerRankState) "
+            "and load each rank's own file, with the same world size, mesh and machines, to "
+            "keep them.",
         )
 
     # -- checkpointing --------------------------------------------------------------------------
