@@ -412,3 +412,27 @@ def test_yaml_refuses_deep_nesting_with_the_file_name_and_line(tmp_path, opening
     path.write_text("hook: fp16\nx: " + opening * 5000 + "\n")
     with open(path) as f, pytest.raises(ValueError, match=r"deep.yaml, line 2: .*nested"):
         HookConfig.from_yaml(f)
+
+
+def test_post_local_sgds_values_are_checked_when_the_config_is_built():
+    def built(**options):
+        return HookConfig("post_local_sgd", options={"start_localSGD_iter": 2, **options})
+
+    assert built(subgroup=None).options == {"start_localSGD_iter": 2, "subgroup": None}
+    with pytest.raises(ValueError, match="start_localSGD_iter must be >= 0"):
+        built(start_localSGD_iter=-5)
+    with pytest.raises(ValueError, match="post_local_gradient_allreduce must be True or False"):
+        built(post_local_gradient_allreduce="yes")
+    with pytest.raises(TypeError, match="'subgroup' must be a ProcessGroup or None.*got str"):
+        built(subgroup="machine")
+
+
+def test_yaml_reads_a_bare_no_as_the_hook_no_and_refuses_options_that_are_not_a_mapping():
+    assert HookConfig.from_yaml("hook: no\n").hook is CommHookType.NO
+    assert HookConfig.from_yaml("hook: fp16\nwrapper: no\n").wrapper is CommHookType.NO
+    assert HookConfig.from_yaml("hook: fp16\noptions:\n").options == {}
+    for text in ("hook: fp16\noptions: []\n", "hook: fp16\noptions: ''\n"):
+        with pytest.raises(TypeError, match="'options' must be a mapping"):
+            HookConfig.from_yaml(text)
+    with pytest.raises(TypeError, match="wrapper must be a CommHookType or its name"):
+        HookConfig.from_yaml("hook: fp16\nwrapper: 0\n")

@@ -144,6 +144,7 @@ def _specs() -> dict[CommHookType, HookSpec]:
             frozenset({*PostLocalSGDOptions.names(), "subgroup"}),
             required=PostLocalSGDOptions.required(),
             notes={_NONFINITE: f"with hook 'post_local_sgd' {local}. {_DROP}"},
+            settings=PostLocalSGDOptions,
         ),
         **_powersgd_specs(),
         **_quantized_specs(),
@@ -251,6 +252,8 @@ def parse_name(
     valid = allowed or tuple(_specs())
     if isinstance(value, Enum) and not isinstance(value, CommHookType):
         value = value.value  # another library's names, e.g. Accelerate's DDPCommunicationHookType
+    if value is False:  # YAML reads a bare ``no`` as false
+        value = CommHookType.NO.value
     name: CommHookType | None = None
     if isinstance(value, CommHookType):
         name = value
@@ -338,7 +341,8 @@ class HookConfig:
 
     def __post_init__(self) -> None:
         self.hook = parse_name(self.hook, "hook")
-        self.wrapper = parse_name(self.wrapper or CommHookType.NO, "wrapper", WRAPPERS)
+        wrapper = CommHookType.NO if self.wrapper is None else self.wrapper
+        self.wrapper = parse_name(wrapper, "wrapper", WRAPPERS)
         if not isinstance(self.options, Mapping):
             raise TypeError(
                 f"HookConfig options must be a mapping of option names to values, got "
@@ -371,7 +375,10 @@ class HookConfig:
                 f"(or simply hook='{self.wrapper}')."
             )
         if spec.settings is not None:  # the values, and how they go together
-            spec.settings.from_mapping({**spec.fixed, **self.options})
+            names = spec.settings.names()  # the rest are groups (post_local_sgd's subgroup)
+            given = {k: v for k, v in self.options.items() if k in names}
+            spec.settings.from_mapping({**spec.fixed, **given})
+        _check_groups(self.options)
 
     @property
     def stateful(self) -> bool:
@@ -399,7 +406,8 @@ class HookConfig:
         if "hook" not in flat:
             valid = ", ".join(hook_names())
             raise ValueError(f"the hook configuration has no 'hook' entry; valid hooks: {valid}.")
-        nested = flat.pop("options", None) or {}
+        nested = flat.pop("options", None)
+        nested = {} if nested is None else nested
         if not isinstance(nested, Mapping):
             raise TypeError(f"'options' must be a mapping, got {type(nested).__name__}.")
         hook, wrapper = flat.pop("hook"), flat.pop("wrapper", None)
@@ -599,6 +607,17 @@ def _check_same_ranks(group: dist.ProcessGroup, ddp_group: dist.ProcessGroup | N
             "ranks: pass process_group=None (the DDP model's own group) or a group of those "
             "ranks."
         )
+
+
+def _check_groups(options: Mapping[str, Any]) -> None:
+    """A group given as an option is a process group, or ``None``."""
+    for name, value in options.items():
+        if name == "subgroup" and value is not None and not isinstance(value, dist.ProcessGroup):
+            raise TypeError(
+                f"option 'subgroup' must be a ProcessGroup or None (one group per machine), got "
+                f"{type(value).__name__}; a config file leaves it out, and register(..., "
+                "subgroup=group) gives one."
+            )
 
 
 def _check_bf16(group: dist.ProcessGroup, device_type: str) -> None:
