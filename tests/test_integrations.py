@@ -467,6 +467,11 @@ def test_lightning_strategy_validates_at_construction():
         CommHookDDPStrategy("powersgd")
     with pytest.raises(ValueError, match="not both"):
         CommHookDDPStrategy("fp16", ddp_comm_hook=lambda s, b: None)
+    with pytest.raises(ValueError, match="hook_process_group=.*not both"):
+        CommHookDDPStrategy(hook_process_group=object(), ddp_comm_hook=lambda s, b: None)
+    named = CommHookDDPStrategy(ddp_comm_hook=commhooks.powerSGD_hook)
+    assert named.hook_name == "powerSGD_hook"  # what its errors name, not 'allreduce'
+    assert CommHookDDPStrategy("int8").hook_name == "int8"
     with pytest.raises(ValueError, match="need ddp_comm_hook"):
         CommHookDDPStrategy(ddp_comm_state=object())
     assert CommHookDDPStrategy("FP16", "bf16").hook_config.to_dict() == {

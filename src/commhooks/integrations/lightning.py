@@ -71,7 +71,9 @@ class CommHookDDPStrategy(DDPStrategy):
         hook_process_group: dist.ProcessGroup | None = None,
         **kwargs: Any,
     ) -> None:
-        self._lightning_hook = _lightning_hook_args(kwargs, hook, wrapper, hook_options)
+        self._lightning_hook = _lightning_hook_args(
+            kwargs, hook, wrapper, hook_options, hook_process_group
+        )
         hook = CommHookType.ALLREDUCE if hook is None else hook
         if isinstance(hook, HookConfig):
             if wrapper is not None or hook_options:
@@ -100,10 +102,18 @@ class CommHookDDPStrategy(DDPStrategy):
             per_rank = self._per_rank()
             if per_rank is None:
                 raise ValueError(
-                    f"the checkpoint holds hook state, but hook '{self.hook_config.hook}' keeps "
+                    f"the checkpoint holds hook state, but hook '{self.hook_name}' keeps "
                     "none. Resume with the hook the checkpoint was trained with."
                 )
             per_rank.load_state_dict(pending)
+
+    @property
+    def hook_name(self) -> str:
+        """The hook this strategy registers: a ``ddp_comm_hook`` function's name, or the
+        config's hook."""
+        if self._lightning_hook is not None:
+            return str(getattr(self._lightning_hook[0], "__name__", self._lightning_hook[0]))
+        return str(self.hook_config.hook)
 
     def setup(self, trainer: Any) -> None:
         """Set up as ``DDPStrategy`` does, then attach a model averager that is the hook's
@@ -120,7 +130,7 @@ class CommHookDDPStrategy(DDPStrategy):
         optimizers = list(self.optimizers)
         if len(optimizers) != 1:
             raise ValueError(
-                f"hook '{self.hook_config.hook}' runs a model averager after each step of one "
+                f"hook '{self.hook_name}' runs a model averager after each step of one "
                 f"optimizer, but the LightningModule configures {len(optimizers)}. Return one "
                 "optimizer from configure_optimizers."
             )
@@ -169,7 +179,7 @@ class CommHookDDPStrategy(DDPStrategy):
 
 
 def _lightning_hook_args(
-    kwargs: dict[str, Any], hook: Any, wrapper: Any, hook_options: Any
+    kwargs: dict[str, Any], hook: Any, wrapper: Any, hook_options: Any, group: Any
 ) -> tuple[Any, Any, Any] | None:
     """Take ``DDPStrategy``'s hook arguments out of ``kwargs`` (it registers them only on CUDA;
     this strategy registers them itself): ``(hook, state, wrapper)``."""
@@ -182,9 +192,10 @@ def _lightning_hook_args(
             "ddp_comm_state and ddp_comm_wrapper need ddp_comm_hook: pass the hook function too, "
             "or choose a hook by name with hook=..."
         )
-    if hook is not None or wrapper is not None or hook_options:
+    if hook is not None or wrapper is not None or hook_options or group is not None:
         raise ValueError(
-            "pass either hook=..., wrapper=..., hook_options=... or DDPStrategy's "
-            "ddp_comm_hook=..., ddp_comm_state=..., ddp_comm_wrapper=..., not both."
+            "pass either hook=..., wrapper=..., hook_options=..., hook_process_group=... or "
+            "DDPStrategy's ddp_comm_hook=..., ddp_comm_state=..., ddp_comm_wrapper=..., not "
+            "both (a ddp_comm_hook's group is its ddp_comm_state's)."
         )
     return given["ddp_comm_hook"], given["ddp_comm_state"], given["ddp_comm_wrapper"]
