@@ -138,8 +138,10 @@ def test_per_rank_state_rejects_a_foreign_dict():
         PerRankState(state).load_state_dict({"error": torch.zeros(4)})
     with pytest.raises(StateDictError, match="'test_tally' state, not 'per_rank'"):
         PerRankState(state).load_state_dict(state.state_dict())
+    with pytest.raises(TypeError, match="got None: no hook is registered"):
+        PerRankState(None)  # hook_state(model) in a single process
     with pytest.raises(TypeError, match="Stateless hooks"):
-        PerRankState(None)
+        PerRankState(object())
     assert state.steps == 7
 
 

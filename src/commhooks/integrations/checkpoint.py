@@ -128,6 +128,12 @@ class DistributedCheckpointState:
 
 
 def _check_stateful(state: Any, owner: str) -> None:
+    if state is None:
+        raise TypeError(
+            f"{owner} wraps a hook state, got None: no hook is registered on the model (in a "
+            "single process Accelerate does not wrap it in DDP, so hook_state(model) is None; "
+            "or the model is not prepared yet). Wrap the state once a hook is registered."
+        )
     if not (callable(getattr(state, "state_dict", None)) and hasattr(state, "load_state_dict")):
         raise TypeError(
             f"{owner} wraps a hook state with state_dict()/load_state_dict(), got "
