@@ -6,6 +6,7 @@ import random
 import subprocess
 import sys
 import threading
+import warnings
 
 import pytest
 import torch
@@ -174,6 +175,11 @@ def _observed(rank, world_size):
             wrapped = dist.all_reduce is not plain
             comm.allreduce(t.clone(), group).wait()  # torch's own call inside: counted once
             dist.all_gather_into_tensor(torch.empty(20), t)  # what this rank hands over
+            newer = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+            newer(torch.empty(20), t)  # recent PyTorch's name for it: the same kind
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                comm.all_gather_into(torch.empty(2, 10), t, group).wait()  # the newer name
             # follow-ups are issued from the backend's threads: counted there too
             thread = threading.Thread(target=lambda: comm.allreduce(t.clone(), group).wait())
             thread.start()
@@ -183,17 +189,21 @@ def _observed(rank, world_size):
         "everything": (everything.calls, everything.bytes),
         "wrapped": wrapped,
         "restored": dist.all_reduce is plain,
+        "deprecated": [str(w.message) for w in caught if "deprecated" in str(w.message)],
     }
 
 
 def test_observers_count_what_each_collective_hands_over():
     for out in run_on_ranks(_observed, 2):
-        assert out["ours"] == ({"all_reduce": 3}, {"all_reduce": 120})
-        assert out["everything"] == (
-            {"all_reduce": 2, "all_gather_into_tensor": 1},
-            {"all_reduce": 80, "all_gather_into_tensor": 40},
+        assert out["ours"] == (
+            {"all_reduce": 3, "all_gather_into_tensor": 1},
+            {"all_reduce": 120, "all_gather_into_tensor": 40},
         )
-        assert out["wrapped"] and out["restored"]
+        assert out["everything"] == (
+            {"all_reduce": 2, "all_gather_into_tensor": 3},
+            {"all_reduce": 80, "all_gather_into_tensor": 120},
+        )
+        assert out["wrapped"] and out["restored"] and out["deprecated"] == []
 
 
 # Rows of a few MB and of a few bytes.

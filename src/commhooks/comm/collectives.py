@@ -160,14 +160,17 @@ class CollectiveCounter:
 
 
 # torch.distributed's collectives that ``observe_collectives(torch_calls=True)`` counts: the
-# argument (position, name) holding what this rank hands over.
-_TORCH_COLLECTIVES: dict[str, tuple[int, str]] = {
-    "all_reduce": (0, "tensor"),
-    "broadcast": (0, "tensor"),
-    "all_gather": (1, "tensor"),
-    "all_gather_into_tensor": (1, "input_tensor"),
-    "reduce_scatter_tensor": (1, "input"),
-    "all_to_all_single": (1, "input"),
+# kind counted, and the argument (position, name) holding what this rank hands over. Recent
+# PyTorch renames two (``*_single``; the old names warn), counted as the same kinds.
+_TORCH_COLLECTIVES: dict[str, tuple[str, int, str]] = {
+    "all_reduce": ("all_reduce", 0, "tensor"),
+    "broadcast": ("broadcast", 0, "tensor"),
+    "all_gather": ("all_gather", 1, "tensor"),
+    "all_gather_into_tensor": ("all_gather_into_tensor", 1, "input_tensor"),
+    "all_gather_single": ("all_gather_into_tensor", 1, "input_tensor"),
+    "reduce_scatter_tensor": ("reduce_scatter_tensor", 1, "input"),
+    "reduce_scatter_single": ("reduce_scatter_tensor", 1, "input"),
+    "all_to_all_single": ("all_to_all_single", 1, "input"),
 }
 _counters: list[CollectiveCounter] = []
 _originals: dict[str, Callable[..., Any]] = {}
@@ -203,19 +206,19 @@ def observe_collectives(*, torch_calls: bool = False) -> Iterator[CollectiveCoun
 
 
 def _wrap_torch() -> None:
-    for name, (position, keyword) in _TORCH_COLLECTIVES.items():
+    for name, (kind, position, keyword) in _TORCH_COLLECTIVES.items():
         original = getattr(dist, name, None)
         if original is not None:
             _originals[name] = original
-            setattr(dist, name, _counting(name, position, keyword, original))
+            setattr(dist, name, _counting(kind, position, keyword, original))
 
 
 def _counting(
-    name: str, position: int, keyword: str, original: Callable[..., Any]
+    kind: str, position: int, keyword: str, original: Callable[..., Any]
 ) -> Callable[..., Any]:
     def counted(*args: Any, **kwargs: Any) -> Any:
         given = args[position] if len(args) > position else kwargs.get(keyword)
-        _observed(name, given, direct=True)
+        _observed(kind, given, direct=True)
         return original(*args, **kwargs)
 
     counted.__wrapped__ = original  # type: ignore[attr-defined]
@@ -230,9 +233,13 @@ def _observed(kind: str, handed: Any, direct: bool = False) -> None:
             counter.record(kind, nbytes)
 
 
-def _torch(name: str) -> Callable[..., Any]:
-    """torch.distributed's ``name`` unwrapped: what this module issues it counts itself."""
-    return _originals.get(name) or getattr(dist, name)
+def _torch(name: str, older: str | None = None) -> Callable[..., Any]:
+    """torch.distributed's ``name`` unwrapped (what this module issues it counts itself), or
+    ``older`` where this torch has no ``name`` yet."""
+    for found in (name, older):
+        if found is not None and hasattr(dist, found):
+            return _originals.get(found) or getattr(dist, found)
+    raise AttributeError(f"torch.distributed has neither {name} nor {older}")
 
 
 def _options(kind: Callable[[], Opts]) -> Opts:
@@ -362,8 +369,7 @@ def all_gather_into(
     if _counters:
         _observed("all_gather_into_tensor", tensor)
     # all_gather_single: the name of recent PyTorch, where the old one warns at every call.
-    gather = _originals.get("all_gather_into_tensor") or getattr(dist, "all_gather_single", None)
-    gather = gather or dist.all_gather_into_tensor
+    gather = _torch("all_gather_single", "all_gather_into_tensor")
     pieces = pieces_for(tensor, group)
     if pieces == 1:
         work = gather(out.view(-1), tensor.view(-1), group=group, async_op=True)
@@ -412,7 +418,8 @@ def reduce_scatter(
     if _counters:
         _observed("reduce_scatter_tensor", tensor)
     if backend_for_device(group, tensor.device.type) != "gloo":
-        work = _torch("reduce_scatter_tensor")(out, tensor, group=group, async_op=True)
+        scatter = _torch("reduce_scatter_single", "reduce_scatter_tensor")
+        work = scatter(out, tensor, group=group, async_op=True)
         return _issued(work).then(lambda fut: _checked(fut, out))
     parts = torch.empty_like(tensor).view(world, -1)
     exchanged = _exchange(parts, tensor.view(world, -1), group)
