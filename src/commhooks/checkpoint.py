@@ -157,7 +157,8 @@ def _fsync_directory(folder: str) -> None:
 
 
 def read(path: PathLike) -> dict[str, Any]:
-    """Read ``path`` safely and return its entries, or raise :class:`CheckpointError`."""
+    """Read ``path`` safely and return its entries, or raise :class:`CheckpointError`
+    (``FileNotFoundError`` where there is no file)."""
     payload = read_weights_only(path, what="checkpoint")
     shown = os.fspath(path)
     if not isinstance(payload, Mapping) or payload.get("format") != FORMAT:
@@ -191,6 +192,7 @@ def load(path: PathLike, **objects: Stateful) -> list[str]:
     Raises:
         CheckpointError: the file is unreadable, foreign, lacks an entry, or an object rejects
             its entry. Every object is then as it was before the call.
+        FileNotFoundError: there is no file at ``path``.
     """
     entries = read(path)
     missing = sorted(set(objects) - set(entries))

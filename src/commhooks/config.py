@@ -222,8 +222,8 @@ def _diloco_specs() -> dict[CommHookType, HookSpec]:
         "keep_inflight_steps": False,
     }
     outer = (
-        "a DiLoCo worker averages in full precision, and a sync whose average is not finite "
-        f"leaves the outer state as it was. {_DROP}"
+        "a DiLoCo sync whose average is not finite (quantized or not) leaves the outer state as "
+        f"it was, so nothing is sent again. {_DROP}"
     )
     return {
         CommHookType.DILOCO: HookSpec.of(
@@ -548,8 +548,7 @@ def register_from_config(
         spec.make_state(group, dict(config.options)) if spec.make_state else StatelessState(group)
     )
     fn = spec.hook
-    if fn is None:  # only hook 'no', returned above
-        raise ValueError(f"hook '{kind}' registers no hook.")
+    assert fn is not None, "only hook 'no' has none, returned above"
     if wrap is not CommHookType.NO:
         from commhooks.hooks import bf16_compress_wrapper, fp16_compress_wrapper
 

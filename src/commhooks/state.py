@@ -13,7 +13,6 @@ Two ways to persist one, both safe:
 """
 
 import dataclasses
-import math
 import numbers
 import os
 from collections.abc import Mapping, Sequence
@@ -119,8 +118,6 @@ def check_count(where: str, value: Any, minimum: int = 0) -> int:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         shown = value if isinstance(value, (int, float, str)) else type(value).__name__
-        if isinstance(value, float) and not math.isfinite(value):
-            shown = value
         raise StateDictError(f"{where} must be an integer >= {minimum}, got {shown!r}.")
     if int(value) < minimum:
         raise StateDictError(f"{where} must be an integer >= {minimum}, got {int(value)}.")

@@ -191,15 +191,6 @@ class OuterOptimizerOptions(OuterOptions, PeriodicAveragerOptions):
     owner: ClassVar[str] = "OuterOptimizerAverager"
 
 
-def default_outer_optimizer(
-    lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True
-) -> OptimizerFactory:
-    """SGD factory for :class:`OuterOptimizerAverager` (DiLoCo's choice by default)."""
-    return OuterOptimizerOptions(
-        period=1, outer_lr=lr, outer_momentum=momentum, nesterov=nesterov
-    ).factory()
-
-
 # -- A loaded outer optimizer: checked, and run with the settings the averager was built with ------
 PLAUSIBLE_CHANGE = 1e3
 """How far a loaded outer gradient or momentum may reach: ``PLAUSIBLE_CHANGE * (s + 1)``, with

@@ -28,7 +28,6 @@ from commhooks.averaging.averagers import (
     OuterOptions,
     check_plausible,
     check_snapshot,
-    default_outer_optimizer,
     largest_magnitude,
     layout_of,
     load_outer,
@@ -52,7 +51,6 @@ __all__ = [
     "diloco_hook",
     "DiLoCoSyncError",
     "StreamingDiLoCo",
-    "default_outer_optimizer",
     "split_by_module",
     "state_from_options",
 ]

@@ -1,4 +1,5 @@
-"""Every call into ``torch.distributed`` the package makes lives in this package.
+"""Every collective the hooks and averagers issue, and every group they make, lives here (the
+bench and the test harness, which start their own runs, set up their own groups).
 
 Hooks and averagers say *what* to communicate; this package says *how* it is issued, the same
 on every backend and device: the backend's own collectives (:mod:`.collectives`), the groups

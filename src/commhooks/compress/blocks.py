@@ -106,7 +106,8 @@ class BlockFormat:
 
         A residual is at most a step (``absmax / qmax``) of its block, which also holds the
         previous residual: in a steady state below ``max|gradient| / (qmax - 1)``. A loaded
-        memory is refused past :data:`RESIDUAL_SLACK` times that, loose enough for a gradient
+        memory is refused past :data:`RESIDUAL_SLACK` times ``max|gradient| / qmax`` (the
+        slack covers the difference), loose enough for a gradient
         smaller after a restart, far below one that would swamp it. Synchronises with the device.
         """
         if residual.numel() == 0 or gradient.numel() == 0:

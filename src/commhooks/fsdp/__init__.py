@@ -85,9 +85,8 @@ def register(
         **options: the hook's options, as for :func:`commhooks.register`.
 
     Returns:
-        the hook's state (keep it to checkpoint it): a
-        :class:`~commhooks.state.StatelessState` holding the replicate group for the hooks that
-        keep none.
+        the hook's state (keep it to checkpoint it), or for the hooks that keep none
+        (``noop``) the replicate group itself.
 
     Raises:
         ValueError: an unknown or unfit hook or option, no FSDP module, not exactly one fitting

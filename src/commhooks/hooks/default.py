@@ -1,6 +1,7 @@
 """Plain averaging, reduced-precision averaging, and wrappers that run any hook in low precision.
 
-Every hook here takes a ``ProcessGroup`` or ``None`` (the default group) as its state.
+The hooks take a ``ProcessGroup``, ``None`` (the default group) or the ``StatelessState``
+``commhooks.register`` makes as their state; a wrapper takes whatever its hook takes.
 Hook modules must not use ``from __future__ import annotations``: DDP rejects string annotations.
 """
 

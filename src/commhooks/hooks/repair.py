@@ -24,10 +24,9 @@ from commhooks import comm
 from commhooks._warnings import warn_once
 from commhooks.state import HookState
 
-__all__ = ["POLICIES", "PROPAGATE", "REPAIR", "deciding_each_bucket", "policy_of", "repaired"]
+__all__ = ["PROPAGATE", "REPAIR", "deciding_each_bucket", "policy_of", "repaired"]
 
 PROPAGATE, REPAIR = "propagate", "repair"
-POLICIES = (PROPAGATE, REPAIR)
 
 Future = torch.futures.Future
 

@@ -48,7 +48,6 @@ __all__ = [
     "DistributedDataParallelKwargs",
     "find_ddp",
     "hook_state",
-    "prepare_with_hook",
     "register_hook",
 ]
 
@@ -118,23 +117,6 @@ def register_hook(
     if not isinstance(state, StatelessState):  # nothing to save for a stateless hook
         accelerator.register_for_checkpointing(PerRankState(state, process_group))
     return state
-
-
-def prepare_with_hook(
-    accelerator: Any,
-    model: nn.Module,
-    hook: CommHookType | str,
-    wrapper: CommHookType | str | None = None,
-    process_group: dist.ProcessGroup | None = None,
-    **options: Any,
-) -> tuple[nn.Module, Any]:
-    """``accelerator.prepare(model)``, then :func:`register_hook`; returns ``(model, state)``.
-
-    Prepare the optimizer and data loaders afterwards (or together, then use
-    :func:`register_hook`).
-    """
-    prepared = accelerator.prepare(model)
-    return prepared, register_hook(accelerator, prepared, hook, wrapper, process_group, **options)
 
 
 def DistributedDataParallelKwargs(  # noqa: N802  # stands in for Accelerate's class of that name

@@ -8,7 +8,8 @@ orthogonalise, form the other, sum it, approximate, remember the error.
 Factors live in flat buffers, one batch after another, so that one collective carries them
 all; a batch's factor is a ``(batch, rows, rank)`` view, and consecutive batches of one shape
 are orthogonalised with one call. A layout is kept while the bucket's buffer, parameters and
-steps stay the same, so a step makes no buffer and no view (a GPU's host pays each).
+steps stay the same, so a step does not rebuild its buffers and views (a GPU's host pays each);
+what a step makes is its few results' own tensors.
 
 Nothing is read back: the result is what the collectives give (inf or NaN spread over a matrix,
 as PyTorch's), and the memories and factors are updated with ``torch.where`` on one flag
@@ -245,7 +246,7 @@ def _finish_one(step: BucketStep, done: "Future[torch.Tensor]") -> torch.Tensor:
     finite = all_finite(sent)
     _take_vectors(step, finite)
     _approximate(step, finite)
-    kept_sent = _kept(finite, sent[layout.unc :], _old_sent(step), layout.batches, known=False)
+    kept_sent = _kept(finite, sent[layout.unc :], _old_sent(step), layout.batches)
     kept_known = torch.where(finite, layout.known, layout.starts)
     factors = step.state.factors
     shapes = [b.shapes() for b in layout.batches]
@@ -359,11 +360,12 @@ def _keep_known(step: BucketStep, finite: torch.Tensor) -> None:
 
 
 def _kept(
-    finite: torch.Tensor, new: torch.Tensor, old: torch.Tensor, batches: list[Batch], known: bool
+    finite: torch.Tensor, new: torch.Tensor, old: torch.Tensor, batches: list[Batch]
 ) -> torch.Tensor:
-    """:func:`_keep_known` for factors laid out as ``new`` and ``old``, into a new tensor."""
+    """:func:`_keep_known` for the sent factors laid out as ``new`` and ``old``, into a new
+    tensor."""
     out = torch.empty_like(new)
-    shapes = _runs([b.shapes()[0 if known else 1] for b in batches])
+    shapes = _runs([b.shapes()[1] for b in batches])
     for fresh, before, into in zip(_views(new, shapes), _views(old, shapes), _views(out, shapes)):
         torch.where(finite, lowrank.keep_nonzero_columns(fresh, before), before, out=into)
     return out

@@ -92,7 +92,7 @@ class QuantizationOptions(Options):
     )
     random_seed: int = option(
         0,
-        "seed of stochastic rounding (each rank adds its rank to it)",
+        "seed of stochastic rounding (each rank's generators add its place in the exchange)",
         check=integer(0, 2**62),
     )
     on_nonfinite: str = nonfinite_option()
@@ -308,7 +308,7 @@ class Workspace:
     ) -> None:
         self.layout, self.device, self.world = layout, device, world
         self.alone = world == 1  # one rank: the exchanges are then the packets themselves
-        self.order = layout.numbers  # the parameters' numbers in the bucket's order
+        self.order = layout.numbers  # the parameters' numbers; the bucket's order once bound
         # The parameters themselves, in that order, held weakly (see serves).
         self.params: tuple[weakref.ref[torch.Tensor], ...] = ()
         length, packet = layout.length, fmt.packet_bytes(layout.length)
