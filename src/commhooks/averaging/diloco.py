@@ -430,11 +430,6 @@ class StreamingDiLoCo(ModelAverager):
         """This rank's worker (``None``: the rank alone)."""
         return self._worker_group
 
-    @property
-    def inner_step(self) -> int:
-        """Inner steps taken since the warm-up."""
-        return max(0, self.step - self.warmup_steps)
-
     # -- attaching and starting -----------------------------------------------------------------
     def attach(
         self,

@@ -148,16 +148,6 @@ class ErrorFeedback:
             torch._foreach_add_([t for t, _ in pairs], [r for _, r in pairs])
         return [r is not None for r in residuals]
 
-    def slot(self, key: Key, like: torch.Tensor) -> torch.Tensor:
-        """Storage for the next residual of ``key`` (the old one's, if it fits), kept as its
-        residual: write it completely."""
-        if self._unchecked:  # overwritten whole: a new residual
-            self._checked(key)
-        residual = self._residuals.get(key)
-        if residual is None or not _fits(residual, like):
-            residual = self._residuals[key] = torch.empty_like(like)
-        return residual
-
     def record_where(
         self, finite: torch.Tensor, keys: Sequence[Key], errors: Sequence[torch.Tensor]
     ) -> None:
