@@ -201,13 +201,18 @@ def test_records_round_trip_through_json():
         RankResult.from_dict({"rank": 0})
 
 
-def test_predictions_are_noted_only_when_asked_for():
-    assert _plan_notes("--hooks", "fp16") == []
+def test_the_hooks_predictions_need_are_added_with_a_note():
+    # Every run predicts for 2 machines of 8 ranks, which takes noop's step; speedups over
+    # allreduce only where asked for.
+    noop = "added hook 'noop': predictions for another shape need it"
+    assert _plan_notes("--hooks", "fp16") == [noop]
+    assert _plan_notes("--hooks", "noop,fp16") == []
     assert _plan_notes("--hooks", "fp16", "--sweep", "1gbit") == [
-        "added hook 'allreduce': speedups are over it"
+        noop,
+        "added hook 'allreduce': speedups are over it",
     ]
     notes = _plan_notes("--hooks", "fp16", "--link", "1gbit", "--world-size", "8")
-    assert len(notes) == 2 and "another world size" in notes[0]
+    assert len(notes) == 2 and "another shape" in notes[0]
     plan = args.parse(["--link", "3gbit"])
     assert plan.links == [10**8, 10**9, 3 * 10**9, 10**10, 25 * 10**9]
     assert plan.recommend_bps == [3 * 10**9] and plan.predict_world == plan.ranks == 2

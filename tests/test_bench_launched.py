@@ -184,7 +184,9 @@ def test_local_ranks_train_a_users_model_too(tmp_path, monkeypatch):
     path = tmp_path / "m.json"
     argv = ["--model", "bench_models:model_and_batch", "--hooks", "allreduce", "--steps", "3"]
     assert cli.main([*argv, "--warmup", "1", "--memory", "rss", "--json", str(path)]) == 0
-    (row,) = json.loads(path.read_text())["results"]
+    rows = {r["hook"]: r for r in json.loads(path.read_text())["results"]}
+    assert sorted(rows) == ["allreduce", "noop"]  # noop: for the prediction for 2 x 8
+    row = rows["allreduce"]
     assert row["ok"], row["error"]
     assert row["gradient_bytes"] == 4 * (32 * 64 + 64 + 64 * 4 + 4)
 

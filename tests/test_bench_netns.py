@@ -255,8 +255,10 @@ def link_run(tmp_path_factory):
 def test_prediction_from_loopback_holds_on_a_100mbit_link(link_run):
     """Each hook's mean step on the link within 15% of what its loopback run predicted."""
     rows = link_run["results"]
-    checked = [r for r in rows if r["bandwidth"] == 10**8]
-    assert {r["hook"] for r in checked} == {"allreduce", "fp16", "int8"}
+    on_link = {r["hook"] for r in rows if r["bandwidth"] == 10**8}
+    assert on_link == {"noop", "allreduce", "fp16", "int8"}  # noop: for the 2 x 8 prediction
+    # noop's step holds no link time: its error is the machine's drift between the two runs.
+    checked = [r for r in rows if r["bandwidth"] == 10**8 and r["hook"] != "noop"]
     for row in checked:
         assert row["ok"], row["error"]
         prediction = row["prediction"]
@@ -330,8 +332,10 @@ def test_torchrun_across_namespaces_matches_the_loopback_prediction(link_run, tm
     doc = json.loads(link_json.read_text())
     assert doc["environment"]["launcher"]["world_size"] == 2
     measured = {r["hook"]: r for r in doc["results"]}
-    assert set(measured) == {"allreduce", "fp16", "int8"}
+    assert set(measured) == {"noop", "allreduce", "fp16", "int8"}  # noop: for 2 x 8
     for hook, row in measured.items():
+        if hook == "noop":  # no link time: only the machine's drift between the runs
+            continue
         assert row["ok"], row["error"]
         # These hooks send the same bytes every step, so their steady step is their mean one;
         # the median leaves out a step stalled by other work on the machine (one such step

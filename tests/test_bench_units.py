@@ -141,6 +141,16 @@ def test_other_collectives_and_single_rank(kind):
     assert costmodel.comm_time_s(_coll(1, 10**6), 1, 1e9) == 0.0
 
 
+def test_an_all_gather_counted_on_two_ranks_keeps_its_whole_on_sixteen():
+    # The quantized hooks gather one whole bucket: on 16 ranks each hands over a sixteenth of
+    # what each handed over on 2, so the backend's per-byte work is the link's bytes, not 8x.
+    c = costmodel.Collectives({"all_gather_into_tensor": 1}, {"all_gather_into_tensor": 1000})
+    there = costmodel.wire_bytes(c, 16, measured=2)
+    assert there == pytest.approx(15 / 16 * 2000)
+    assert there == pytest.approx(costmodel.machine_bytes(costmodel.transfers(c, 2, 16)))
+    assert costmodel.wire_bytes(c, 2, measured=2) == costmodel.wire_bytes(c, 2) == 1000
+
+
 def test_break_even_bandwidth_by_hand():
     # hook: 0.2 s + 1 MB/B, allreduce: 0.1 s + 8 MB/B (B in bytes... here bit/s units cancel):
     # equal where 0.1 = 7e6 / B, i.e. B = 7e7; the hook sends less, so it wins below that.
@@ -349,3 +359,10 @@ def test_the_loss_timeline_is_training_time_without_the_heldout_evaluation():
     times = [t for _, _, t in run.losses]
     assert run.heldout_loss == 1.5
     assert max(b - a for a, b in zip(times, times[1:])) < 0.2, times
+
+
+def test_rates_just_under_a_unit_are_said_in_the_next_one():
+    assert format_rate(999.6e6) == "1gbit"  # not 1e+03mbit
+    assert format_rate(999.4e6) == "999mbit"
+    assert format_rate(1.23456e9) == "1.23gbit"
+    assert format_rate(25e9) == "25gbit" and format_rate(None) == "loopback"

@@ -2,6 +2,7 @@
 
 import argparse
 import importlib.util
+import math
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -231,8 +232,9 @@ def _prediction_flags(p: argparse.ArgumentParser) -> None:
         "--world-size",
         type=int,
         default=None,
-        help="the number of ranks to predict for, each a machine of its own (the same as "
-        "--nnodes N --nproc-per-node 1; default: the ranks run, and 2 machines of 8 ranks)",
+        help="the number of ranks to predict for, each a machine of its own (the prediction "
+        "of --nnodes N --nproc-per-node 1, but only a prediction: with --bandwidth the links "
+        "still run --ranks; default: the ranks run, and 2 machines of 8 ranks)",
     )
 
 
@@ -464,6 +466,8 @@ def _shape_run(a: argparse.Namespace, launched: LauncherWorld | None, linked: bo
     """The machines the ranks run as: the launcher's; on rate-limited links, the shape of
     ``--nnodes``/``--nproc-per-node`` (a namespace per machine); otherwise ``--ranks``
     (default 2) machines of one rank, as with ``--world-size``, which only predicts."""
+    if launched is not None:
+        _check_launched(a)  # first: a flag that does not apply there is named as such
     for flag, value in (("--world-size", a.world_size), ("--ranks", a.ranks)):
         if value is not None and value < 2:
             raise ValueError(f"{flag} must be at least 2 (a single rank communicates nothing).")
@@ -471,7 +475,6 @@ def _shape_run(a: argparse.Namespace, launched: LauncherWorld | None, linked: bo
     if a.world_size is not None:
         asked = None  # machines of one rank to predict for, from the ranks run
     if launched is not None:
-        _check_launched(a)
         if launched.world_size < 2:
             raise ValueError(
                 "the launcher started a single process, which communicates nothing: start at "
@@ -572,6 +575,11 @@ def _check_model(a: argparse.Namespace) -> None:
     ``--params``. Whether the factory imports and trains is checked once the run starts
     (:func:`commhooks.bench.usermodel.check_factory`), where every error is one line."""
     if a.model is None:
+        if a.params is not None and a.task != "synthetic":
+            raise ValueError(
+                "--params sizes the synthetic task's model; add --task synthetic, or drop "
+                "--params for the default task."
+            )
         return
     for flag, value in (("--task", a.task), ("--params", a.params)):
         if value is not None:
@@ -621,10 +629,10 @@ def _budget(a: argparse.Namespace) -> tuple[int, int]:
             f"--warmup {warmup} must be between 0 and --steps - 1 ({a.steps - 1}): at least one "
             "step has to be timed."
         )
-    if a.bucket_cap_mb <= 0:
-        raise ValueError("--bucket-cap-mb must be positive.")
-    if a.timeout <= 0:
-        raise ValueError("--timeout must be positive.")
+    if not 0 < a.bucket_cap_mb < math.inf:
+        raise ValueError("--bucket-cap-mb must be a positive number.")
+    if not 0 < a.timeout < math.inf:
+        raise ValueError("--timeout must be a positive number of seconds.")
     if not 1 <= a.repeat <= 100:
         raise ValueError("--repeat must be between 1 and 100.")
     return a.steps, warmup
@@ -657,8 +665,8 @@ def _reach_steps(a: argparse.Namespace, steps: int) -> int:
 def _lr(a: argparse.Namespace) -> float:
     builtin = a.model is None and a.task in (None, "stdlib-lm")
     lr: float = a.lr if a.lr is not None else (3e-3 if builtin else 1e-3)
-    if lr <= 0:
-        raise ValueError("--lr must be positive.")
+    if not 0 < lr < math.inf:
+        raise ValueError("--lr must be a positive number.")
     return lr
 
 
@@ -707,13 +715,14 @@ def _check_writable(flag: str, path: str) -> None:
 def _add_references(hooks: list[str], sweep: bool, predict: bool, other_world: bool) -> list[str]:
     """Add, in place, the hooks a sweep or an asked-for prediction is computed against.
 
-    A sweep and a prediction report each hook's speedup over ``allreduce``; a prediction for
-    another world size needs ``noop`` too, to tell the backend's per-byte work from the rest.
+    A sweep and a prediction report each hook's speedup over ``allreduce``; the predictions for
+    another shape than the one run (2 machines of 8 ranks, always) need ``noop``, to tell the
+    backend's per-byte work from the rest.
     Returns one note per hook added, saying why.
     """
     notes = []
     for needed, wanted, why in (
-        ("noop", predict and other_world, "predictions for another world size need it"),
+        ("noop", other_world, "predictions for another shape need it"),
         ("allreduce", sweep or predict, "speedups are over it"),
     ):
         if wanted and needed not in hooks:

@@ -275,18 +275,25 @@ def machine_bytes(steps: list[Transfer]) -> float:
     return sum(t.calls * t.machine_bytes for t in steps)
 
 
-def wire_bytes(c: Collectives, world_size: "int | Shape", wire_factor: float = 1.0) -> float:
-    """Bytes one rank hands the network per step for collectives ``c`` over every rank (ring
-    algorithms), wherever they go: what the backend's per-byte work is counted on."""
+def wire_bytes(
+    c: Collectives,
+    world_size: "int | Shape",
+    wire_factor: float = 1.0,
+    measured: "int | Shape | None" = None,
+) -> float:
+    """Bytes one rank hands the network per step for collectives ``c``, counted in a rank of a
+    run on ``measured`` ranks (``world_size``'s where not given), over ``world_size`` ranks
+    (ring algorithms), wherever they go: what the backend's per-byte work is counted on."""
     p = _shape(world_size).ranks
     if p < 2:
         return 0.0
+    counted_on = p if measured is None else _shape(measured).ranks
     total = 0.0
     for kind, n in c.payload_bytes.items():
         if kind == "all_reduce":
             total += 2 * (p - 1) / p * n
-        elif kind in _ALL_GATHERS:  # n: what this rank contributes
-            total += (p - 1) * n
+        elif kind in _ALL_GATHERS:  # n: this rank's share of a whole that stays (see _total)
+            total += (p - 1) / p * _total(kind, n, counted_on)
         elif kind == "broadcast":  # pipelined along a chain: each rank forwards it once
             total += n
         else:  # reduce-scatter, all-to-all: each rank sends (p - 1) / p of its input
@@ -400,7 +407,7 @@ def predicted_step_s(
     each rank sends there, and the links' time."""
     cluster = _cluster(target)
     measured = s_per_byte * wire_bytes(m.collectives, m.world_size)
-    there = s_per_byte * wire_bytes(m.collectives, cluster.shape)
+    there = s_per_byte * wire_bytes(m.collectives, cluster.shape, measured=m.world_size)
     compute = max(0.0, m.step_s - measured)
     links = link_time_s(step_transfers(m, cluster), link, cluster.backend, cluster.intra_bps)
     return compute + there + links

@@ -153,7 +153,7 @@ def torch_counterparts(names: Iterable[str]) -> list[str]:
     return out
 
 
-def settings_for(name: str, available: Iterable[str] | None = None) -> dict[str, Any]:
+def settings_for(name: str) -> dict[str, Any]:
     """The state options the bench passes to ``name``, limited to those its spec accepts."""
     wanted = dict(HOOK_SETTINGS.get(name, {}))
     if name.startswith(("torch_", "floor_")) or not wanted:

@@ -12,7 +12,7 @@ import math
 from typing import Any
 
 from commhooks.bench import hookset
-from commhooks.bench.predict import Model
+from commhooks.bench.predict import Model, network_of
 from commhooks.bench.rows import Row
 from commhooks.bench.shape import Shape
 from commhooks.bench.summary import by_network
@@ -63,6 +63,7 @@ def _speedup_panel(
         by_network(rows)[None],
         measured,
         answer["latency_s"],
+        network_of(answer),  # under a launcher: its time taken out of each step, as predicted
         backend=answer.get("backend", "gloo"),
         intra_bps=answer.get("intra_link_bps"),
     )

@@ -155,11 +155,14 @@ def _off_link(step: costmodel.LoopbackStep, backend: str, network: costmodel.Lin
     return max(0.0, step.step_s - comm)
 
 
-def _measured_network(link: LinkMeasure | None) -> costmodel.Link | None:
-    """The measured network as the cost model's link: its rate is of payload, so no headers."""
-    if link is None or link.rate_bps is None:
+def network_of(answer: dict[str, Any]) -> costmodel.Link | None:
+    """The network an answer's rows ran on (its ``link``, measured under a launcher) as the
+    cost model's link, whose time the predictions take out of each step; its rate is of
+    payload, so no headers."""
+    link = answer.get("link") or {}
+    if link.get("rate_bps") is None:
         return None
-    return costmodel.Link(link.rate_bps, link.latency_s, wire_factor=1.0)
+    return costmodel.Link(link["rate_bps"], link["latency_s"], wire_factor=1.0)
 
 
 def predict(rows: list[Row], plan: Plan, link: LinkMeasure | None = None) -> dict[str, Any]:
@@ -175,7 +178,7 @@ def predict(rows: list[Row], plan: Plan, link: LinkMeasure | None = None) -> dic
     """
     loopback = by_network(rows).get(None, {})
     latency = link.latency_s if link is not None else plan.latency_s
-    network = _measured_network(link)
+    network = network_of({"link": link.to_dict()} if link is not None else {})
     model = Model.from_rows(
         loopback, plan.shape, latency, network, plan.backend, plan.intra_link_bps
     )
@@ -248,10 +251,6 @@ def _shape_answer(
         "machine_bytes_per_step": {h: model.machine_bytes(h, shape) for h in model.measured},
         "recommendations": [_recommend(model, loopback, bps, shape) for bps in plan.recommend_bps],
     }
-
-
-def _s(seconds: float) -> str:
-    return f"{seconds:.3g}s"
 
 
 def _measured_best(measured: dict[str, Row], lead: str = "On it, measured") -> dict[str, Any]:

@@ -62,13 +62,6 @@ class Shape:
         """``ranks`` machines of one rank: how ``--world-size`` and ``--ranks`` count."""
         return cls(ranks, 1)
 
-    @classmethod
-    def from_lists(cls, machines: list[list[int]]) -> "Shape | None":
-        """The shape of ``machines`` (each a list of ranks); ``None`` where they hold unequal
-        numbers of ranks, which no shape describes."""
-        sizes = {len(ranks) for ranks in machines}
-        return cls(len(machines), sizes.pop()) if len(sizes) == 1 else None
-
 
 def place_rank(shape: Shape, machine_names: list[str], rank: int) -> None:
     """Tell rank ``rank``'s process which machine it is on, as a launcher would.

@@ -26,7 +26,8 @@ def parse_rate(text: str) -> int:
     unit = match.group(2) if match else None
     if not match or unit not in _RATE_UNITS:
         hint = (
-            " ('bps' is ambiguous: tc reads it as bytes/s; write mbit)"
+            " ('bps' is ambiguous: tc reads it as bytes/s; write bits, e.g. 100mbit for "
+            "100 Mbit/s, or 800mbit for 100 MByte/s)"
             if unit and "bps" in unit
             else ""
         )
@@ -55,9 +56,10 @@ def format_rate(bits_per_s: float | None) -> str:
         return "loopback"
     for unit in ("tbit", "gbit", "mbit", "kbit"):
         scale = _RATE_UNITS[unit]
-        if bits_per_s >= scale:
-            return f"{bits_per_s / scale:.3g}{unit}"
-    return f"{bits_per_s:g}bit"
+        # Three digits: 999.6 mbit rounds to 1000, which is said as 1gbit.
+        if float(f"{bits_per_s / scale:.3g}") >= 1:
+            return f"{float(f'{bits_per_s / scale:.3g}'):g}{unit}"
+    return f"{bits_per_s:.3g}bit"
 
 
 def format_bytes(n: float | None) -> str:
