@@ -366,3 +366,18 @@ def test_rates_just_under_a_unit_are_said_in_the_next_one():
     assert format_rate(999.4e6) == "999mbit"
     assert format_rate(1.23456e9) == "1.23gbit"
     assert format_rate(25e9) == "25gbit" and format_rate(None) == "loopback"
+
+
+@pytest.mark.parametrize("flag", ["--link", "--links", "--bandwidth", "--sweep", "--intra-link"])
+def test_an_empty_or_bad_rate_is_refused_naming_its_flag(capsys, flag):
+    # An empty value was once read as no flag at all: --link '' ran the whole default bench.
+    assert f"{flag} needs at least one rate" in _parse_error(capsys, [flag, ""])
+    assert f"{flag}: bad rate 'fast'" in _parse_error(capsys, [flag, "fast"])
+
+
+def test_numbers_that_are_not_finite_and_a_stray_params_are_refused(capsys):
+    for flag in ("--timeout", "--lr", "--bucket-cap-mb"):
+        for value in ("nan", "inf"):
+            assert f"{flag} must be a positive number" in _parse_error(capsys, [flag, value])
+    assert "add --task synthetic" in _parse_error(capsys, ["--params", "1M"])
+    assert args.parse(["--task", "synthetic", "--params", "1M"]).params == 10**6

@@ -343,7 +343,7 @@ def _plan(a: argparse.Namespace) -> Plan:
         recommend_bps=recommend,
         predict_bps=predict_bps,
         shapes=shapes,
-        intra_link_bps=parse_rate(a.intra_link) if a.intra_link else None,
+        intra_link_bps=_rate(a.intra_link, "--intra-link"),
         shape=shape,
         sweep=bool(a.sweep),
         repeat=a.repeat,
@@ -425,21 +425,34 @@ def _rates(text: str, flag: str) -> list[int]:
     items = [t for t in (s.strip() for s in text.split(",")) if t]
     if not items:
         raise ValueError(f"{flag} needs at least one rate: use {RATE_FORM}.")
-    return [parse_rate(t) for t in items]
+    try:
+        return [parse_rate(t) for t in items]
+    except ValueError as exc:
+        raise ValueError(f"{flag}: {exc}") from exc
+
+
+def _rate(text: str | None, flag: str) -> int | None:
+    """The one rate of ``flag``, or ``None`` where it was not given (an empty one is refused)."""
+    if text is None:
+        return None
+    rates = _rates(text, flag)
+    if len(rates) > 1:
+        raise ValueError(f"{flag} takes one rate, got {len(rates)}.")
+    return rates[0]
 
 
 def _links_measured(a: argparse.Namespace) -> tuple[list[int | None], float]:
     """The rate-limited links to measure on (``[None]``: none), and their latency."""
-    if a.bandwidth and a.sweep:
+    if a.bandwidth is not None and a.sweep is not None:
         raise ValueError("give --bandwidth or --sweep, not both (a sweep lists every rate).")
     bandwidths: list[int | None] = [None]
-    if a.bandwidth:
+    if a.bandwidth is not None:
         bandwidths = list(_rates(a.bandwidth, "--bandwidth"))
         if len(bandwidths) > 1:
             raise ValueError("--bandwidth takes one rate; use --sweep for several.")
-    if a.sweep:
+    if a.sweep is not None:
         bandwidths = list(sorted(set(_rates(a.sweep, "--sweep"))))
-    latency = parse_duration(a.latency) if a.latency else 0.0
+    latency = parse_duration(a.latency) if a.latency is not None else 0.0
     if latency and bandwidths == [None]:
         raise ValueError("--latency needs --bandwidth or --sweep (loopback has no link to delay).")
     if not a.offload and bandwidths == [None]:
@@ -453,11 +466,10 @@ def _links_measured(a: argparse.Namespace) -> tuple[list[int | None], float]:
 
 def _ladder(a: argparse.Namespace) -> tuple[list[int], list[int], int | None]:
     """The rates to predict for, the rates to recommend for, and the user's own link."""
-    if a.link and a.predict:
+    if a.link is not None and a.predict is not None:
         raise ValueError("give --link or --predict (its older name), not both.")
     links = _rates(a.links if a.links is not None else DEFAULT_LADDER, "--links")
-    given = a.link or a.predict
-    own = parse_rate(given) if given else None
+    own = _rate(a.link, "--link") if a.predict is None else _rate(a.predict, "--predict")
     ladder = sorted(set(links) | ({own} if own else set()))
     return ladder, [own] if own else ladder, own
 
@@ -541,9 +553,9 @@ def _check_launched(a: argparse.Namespace) -> None:
     """Refuse what has no meaning when the launcher made the ranks and the network is real."""
     refused = [
         ("--ranks", a.ranks is not None, "the launcher decides the ranks (--nproc_per_node)"),
-        ("--bandwidth", bool(a.bandwidth), "the network measured is your own"),
-        ("--sweep", bool(a.sweep), "the network measured is your own"),
-        ("--latency", bool(a.latency), "the network measured is your own"),
+        ("--bandwidth", a.bandwidth is not None, "the network measured is your own"),
+        ("--sweep", a.sweep is not None, "the network measured is your own"),
+        ("--latency", a.latency is not None, "the network measured is your own"),
         ("--no-offload", not a.offload, "the network measured is your own"),
         ("--fsdp", a.fsdp, "--fsdp runs on the local ranks the bench starts itself"),
     ]
