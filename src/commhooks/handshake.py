@@ -45,7 +45,7 @@ _lock = threading.Lock()
 # Stateless hooks have nowhere else to remember that a group was checked. Keyed by the group's
 # id, with a weak reference to the group (a plain dictionary answers in a fraction of a
 # weak-keyed one's host time, asked once a bucket); the entry goes when the group does. The
-# value is each (hook, wrapper) checked.
+# value is each (hook, wrapper, on_nonfinite) checked.
 _checked: "dict[int, tuple[weakref.ref[dist.ProcessGroup], set[_Identity]]]" = {}
 
 
