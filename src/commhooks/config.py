@@ -378,7 +378,10 @@ class HookConfig:
             names = spec.settings.names()  # the rest are groups (post_local_sgd's subgroup)
             given = {k: v for k, v in self.options.items() if k in names}
             spec.settings.from_mapping({**spec.fixed, **given})
-        _check_groups(self.options)
+        if "subgroup" in self.options:  # post_local_sgd's group, not an option of its settings
+            from commhooks.hooks.local_sgd import check_subgroup
+
+            check_subgroup(self.options["subgroup"], "HookConfig")
 
     @property
     def stateful(self) -> bool:
@@ -606,17 +609,6 @@ def _check_same_ranks(group: dist.ProcessGroup, ddp_group: dist.ProcessGroup | N
             "ranks: pass process_group=None (the DDP model's own group) or a group of those "
             "ranks."
         )
-
-
-def _check_groups(options: Mapping[str, Any]) -> None:
-    """A group given as an option is a process group, or ``None``."""
-    for name, value in options.items():
-        if name == "subgroup" and value is not None and not isinstance(value, dist.ProcessGroup):
-            raise TypeError(
-                f"option 'subgroup' must be a ProcessGroup or None (one group per machine), got "
-                f"{type(value).__name__}; a config file leaves it out, and register(..., "
-                "subgroup=group) gives one."
-            )
 
 
 def _check_bf16(group: dist.ProcessGroup, device_type: str) -> None:

@@ -374,9 +374,7 @@ class StreamingDiLoCo(ModelAverager):
         # One follow-up group for every quantized average (all started on the training thread),
         # shared again by those an unpickled averager holds.
         self._issuers = comm.IssuerPool()
-        for state in [*self.quantizers, self.warmup_quantizer]:
-            if state is not None:
-                state.share_issuers(self._issuers)
+        self._share_issuers()
         # The model's parameters as attach() or the first step met them (to check a loaded
         # state); whether a step's were checked since the last load; whether every rank was
         # found to train the same model.
@@ -403,11 +401,16 @@ class StreamingDiLoCo(ModelAverager):
         self._worker_group = worker_group
         for state in self.quantizers:
             state.bind(process_group)
-            state.share_issuers(self._issuers)
         if self.warmup_quantizer is not None:
             self.warmup_quantizer.bind(self.warmup_group)
-            self.warmup_quantizer.share_issuers(self._issuers)
+        self._share_issuers()
         return self
+
+    def _share_issuers(self) -> None:
+        """Hand this averager's issuer pool to every quantized state it holds."""
+        for state in [*self.quantizers, self.warmup_quantizer]:
+            if state is not None:
+                state.share_issuers(self._issuers)
 
     def quantizer_for_warmup(self) -> QuantizationState | None:
         """The quantized average of this warm-up step's gradients (``warmup_bits``), made on

@@ -56,9 +56,9 @@ def format_rate(bits_per_s: float | None) -> str:
         return "loopback"
     for unit in ("tbit", "gbit", "mbit", "kbit"):
         scale = _RATE_UNITS[unit]
-        # Three digits: 999.6 mbit rounds to 1000, which is said as 1gbit.
-        if float(f"{bits_per_s / scale:.3g}") >= 1:
-            return f"{float(f'{bits_per_s / scale:.3g}'):g}{unit}"
+        shown = float(f"{bits_per_s / scale:.3g}")  # 999.6 mbit shows as 1000: said as 1gbit
+        if shown >= 1:
+            return f"{shown:g}{unit}"
     return f"{bits_per_s:.3g}bit"
 
 

@@ -105,11 +105,8 @@ class PostLocalSGDState(HookState):
         unpickling, a state given its subgroup must be bound again with it; per-machine
         subgroups are derived again on first use."""
         given = subgroup is not _UNCHANGED
-        if given and subgroup is not None and not isinstance(subgroup, dist.ProcessGroup):
-            raise TypeError(
-                f"{type(self).__name__}: subgroup must be a ProcessGroup or None (one per "
-                f"machine), got {type(subgroup).__name__}."
-            )
+        if given:
+            check_subgroup(subgroup, type(self).__name__)
         explicit = subgroup is not None if given else self._subgroup_explicit
         # Per-machine groups are made by every rank of the default group: ranks outside a
         # custom group would never join, so no guess for them.
@@ -223,6 +220,16 @@ def post_localSGD_hook(
     if comm.world_size(subgroup) == 1:
         return comm.completed(buffer)
     return comm.average(buffer, subgroup)
+
+
+def check_subgroup(subgroup: Any, owner: str) -> None:
+    """``TypeError`` unless ``subgroup`` is a process group or ``None`` (one per machine)."""
+    if subgroup is not None and not isinstance(subgroup, dist.ProcessGroup):
+        raise TypeError(
+            f"{owner}: option 'subgroup' must be a ProcessGroup or None (one group per "
+            f"machine), got {type(subgroup).__name__}; a config file leaves it out, and "
+            "register(..., subgroup=group) gives one."
+        )
 
 
 def state_from_options(
