@@ -171,3 +171,11 @@ def test_memory_holds_only_the_very_tensors_recorded_and_records_many_at_once() 
     assert not memory.holds([1, 2], loaded)  # held, but awaiting its check: looked up
     memory.record_all([1, 2], views)  # recorded since the load: checked, held again
     assert not memory.awaits_check and memory.holds([1, 2], views)
+
+
+def test_memories_that_met_no_gradient_are_dropped_and_the_rest_kept() -> None:
+    memory = ErrorFeedback("DemoState", plausible=lambda residual, gradient: True)
+    memory.load_state_dict({"1": torch.ones(2), "2": torch.ones(2)}, int, "'error'")
+    memory.compensate_all_([1], [torch.zeros(2)])  # 1 meets its gradient, 2 never does
+    assert memory.awaits_check and memory.drop_unchecked() == [2]
+    assert list(memory) == [1] and not memory.awaits_check and memory.drop_unchecked() == []

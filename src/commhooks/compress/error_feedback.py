@@ -136,6 +136,17 @@ class ErrorFeedback:
             stacklevel=3,
         )
 
+    def drop_unchecked(self) -> list[Key]:
+        """Forget the loaded residuals that have met no gradient and return their keys: called
+        once a whole step has passed since the load, they belong to no tensor compressed now
+        (a layer frozen since the save, another model's file), and while any awaits its check
+        every step takes the per-key path."""
+        with _UNCHECKED_LOCK:
+            unmet, self._unchecked = self._unchecked, frozenset()
+        for key in unmet:
+            self._residuals.pop(key, None)
+        return sorted(unmet, key=str)
+
     def compensate_all_(self, keys: Sequence[Key], tensors: Sequence[torch.Tensor]) -> list[bool]:
         """``tensor += residual`` for each pair, in one batched addition (a bucket holds many
         small tensors); whether each had a residual. Loaded ones are checked first."""
