@@ -254,6 +254,36 @@ def resume_with_absurd_memory(
     }
 
 
+def resume_with_the_first_layer_frozen(
+    rank: int, world_size: int, hook: str, options: dict[str, Any]
+) -> dict[str, Any]:
+    """Train 3 steps with ``hook``, save its state; load it into the same model with its first
+    layer frozen (parameters #6 and #7, counted from DDP's last) and train 3 steps."""
+    import warnings
+
+    import commhooks
+
+    ddp = make_ddp(make_mlp())
+    state = commhooks.register(ddp, hook, **options)
+    train(ddp, batches(rank, 3))
+    saved = state.state_dict()
+    model = make_mlp()
+    model[0].requires_grad_(False)
+    ddp = make_ddp(model)
+    state = commhooks.register(ddp, hook, **options)
+    state.load_state_dict(saved)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(ddp, batches(rank, 3))
+    parts = [getattr(state, n) for n in ("error", "owner_error", "memory") if hasattr(state, n)]
+    return {
+        "saved": sorted(saved["error"]),
+        "kept": sorted(state.state_dict()["error"]),
+        "checking": any(part.awaits_check for part in parts),
+        "warnings": [str(w.message) for w in caught],
+    }
+
+
 def resume_each_with_absurd_memory(
     rank: int, world_size: int, cases: Sequence[tuple[str, dict[str, Any]]]
 ) -> list[dict[str, Any]]:

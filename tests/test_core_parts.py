@@ -173,9 +173,16 @@ def test_memory_holds_only_the_very_tensors_recorded_and_records_many_at_once() 
     assert not memory.awaits_check and memory.holds([1, 2], views)
 
 
-def test_memories_that_met_no_gradient_are_dropped_and_the_rest_kept() -> None:
+def test_memories_that_met_no_gradient_in_a_whole_step_are_dropped_and_the_rest_kept() -> None:
     memory = ErrorFeedback("DemoState", plausible=lambda residual, gradient: True)
     memory.load_state_dict({"1": torch.ones(2), "2": torch.ones(2)}, int, "'error'")
-    memory.compensate_all_([1], [torch.zeros(2)])  # 1 meets its gradient, 2 never does
-    assert memory.awaits_check and memory.drop_unchecked() == [2]
-    assert list(memory) == [1] and not memory.awaits_check and memory.drop_unchecked() == []
+    for step in (5, 6):  # the first step after the load, its last bucket counted
+        memory.forget_unmet(step)
+        memory.compensate_all_([1], [torch.zeros(2)])  # 1 meets its gradient, 2 never does
+    assert memory.awaits_check and sorted(memory) == [1, 2]
+    with pytest.warns(
+        UserWarning,
+        match=r"DemoState: 1 loaded error-feedback memory met .* whole step \(2; keys \[2\]\)",
+    ):
+        memory.forget_unmet(7)
+    assert list(memory) == [1] and not memory.awaits_check

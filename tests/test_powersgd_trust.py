@@ -80,6 +80,17 @@ ABSURD = tuple(
 )
 
 
+def test_loaded_memories_of_parameters_no_longer_trained_are_dropped_after_a_step():
+    from ddp_utils import resume_with_the_first_layer_frozen
+
+    options = {"start_powerSGD_iter": 2}
+    for r in run_on_ranks(resume_with_the_first_layer_frozen, 2, "power_sgd", options):
+        assert r["saved"] == [str(n) for n in range(8)]
+        assert r["kept"] == [str(n) for n in range(6)] and not r["checking"]
+        dropped = [w for w in r["warnings"] if "met no gradient in a whole step" in w]
+        assert len(dropped) == 1 and "keys [6, 7])" in dropped[0], r["warnings"]
+
+
 @pytest.fixture(scope="module")
 def absurd():
     from ddp_utils import resume_each_with_absurd_memory

@@ -458,38 +458,19 @@ def test_options_differing_between_ranks_raise_on_every_rank():
 ABSURD = (("int8", {"block_size": BLOCK}), ("int4", {"block_size": BLOCK}))
 
 
-def _resume_with_the_first_layer_frozen(rank, world_size):
-    """Train 3 steps, save; load into the same model with its first layer frozen, train 3."""
-    import commhooks
-
-    ddp = make_ddp(make_mlp())
-    state = commhooks.register(ddp, "int8", block_size=BLOCK)
-    train(ddp, batches(rank, 3))
-    saved = state.state_dict()
-    model = make_mlp()
-    model[0].requires_grad_(False)  # parameters #6 and #7, counted from DDP's last
-    ddp = make_ddp(model)
-    state = commhooks.register(ddp, "int8", block_size=BLOCK)
-    state.load_state_dict(saved)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        train(ddp, batches(rank, 3))
-    return {
-        "saved": sorted(saved["error"]),
-        "kept": sorted(state.state_dict()["error"]),
-        "checking": state.error.awaits_check or state.owner_error.awaits_check,
-        "warnings": [str(w.message) for w in caught],
-    }
-
-
 def test_loaded_memories_of_parameters_no_longer_trained_are_dropped_after_a_step():
     # Left awaiting their check, they kept every later step on the per-key path and were
     # saved again in every checkpoint.
-    for r in run_on_ranks(_resume_with_the_first_layer_frozen, 2, env=ENV):
+    from ddp_utils import resume_with_the_first_layer_frozen
+
+    ranks = run_on_ranks(resume_with_the_first_layer_frozen, 2, "int8", {"block_size": BLOCK})
+    for r in ranks:
         assert r["saved"] == [str(n) for n in range(8)]
         assert r["kept"] == [str(n) for n in range(6)] and not r["checking"]
         dropped = [w for w in r["warnings"] if "met no gradient in a whole step" in w]
-        assert len(dropped) == 1 and "parameters #6, #7 (" in dropped[0], r["warnings"]
+        assert len(dropped) == 2, r["warnings"]  # the rank's own and the owner's pieces
+        assert "2 loaded" in dropped[0] and "parameter #6 (" in dropped[0]
+        assert "keys [6, 7])" in dropped[0] and "of parameter #" in dropped[1]
 
 
 @pytest.fixture(scope="module")

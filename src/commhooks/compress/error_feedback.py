@@ -53,6 +53,7 @@ class ErrorFeedback:
     """
 
     _unchecked: frozenset[Key] = frozenset()  # loaded keys still to meet their gradient
+    _checks_from: int | None = None  # the owner's step at which they first met gradients
 
     def __init__(
         self,
@@ -101,7 +102,7 @@ class ErrorFeedback:
         """Check every residual held now at its next use, as if just loaded (an unpickled
         state's memory came from a file too)."""
         if self._plausible is not None:
-            self._unchecked = frozenset(self._residuals)
+            self._unchecked, self._checks_from = frozenset(self._residuals), None
 
     @property
     def awaits_check(self) -> bool:
@@ -136,16 +137,32 @@ class ErrorFeedback:
             stacklevel=3,
         )
 
-    def drop_unchecked(self) -> list[Key]:
-        """Forget the loaded residuals that have met no gradient and return their keys: called
-        once a whole step has passed since the load, they belong to no tensor compressed now
-        (a layer frozen since the save, another model's file), and while any awaits its check
-        every step takes the per-key path."""
+    def forget_unmet(self, step: int) -> None:
+        """Called at each use with the owner's step count: once a whole step has passed since
+        loaded residuals first met gradients, drop with a warning those that met none. They
+        belong to no tensor compressed now (a layer frozen since the save, another model's
+        file); kept, they would be saved again in every checkpoint, and while any awaits its
+        check every use looks each key up."""
+        if not self._unchecked:
+            return
+        if self._checks_from is None:
+            self._checks_from = step
+            return
+        if step <= self._checks_from + 1:  # (the owner counts a step at its last bucket)
+            return
         with _UNCHECKED_LOCK:
-            unmet, self._unchecked = self._unchecked, frozenset()
+            unmet, self._unchecked = sorted(self._unchecked, key=str), frozenset()
         for key in unmet:
             self._residuals.pop(key, None)
-        return sorted(unmet, key=str)
+        more = f" and {len(unmet) - 1} more" if len(unmet) > 1 else ""
+        warnings.warn(
+            f"{self.owner}: {len(unmet)} loaded error-feedback memor{_plural(len(unmet))} met no "
+            f"gradient in a whole step ({self.describe(unmet[0])}{more}; keys {unmet}): nothing "
+            "compressed here has them (a layer frozen since the checkpoint, or another "
+            "model's file). They were dropped.",
+            CommHooksWarning,
+            stacklevel=3,
+        )
 
     def compensate_all_(self, keys: Sequence[Key], tensors: Sequence[torch.Tensor]) -> list[bool]:
         """``tensor += residual`` for each pair, in one batched addition (a bucket holds many
@@ -232,6 +249,10 @@ class ErrorFeedback:
             loaded[key] = check_tensor(f"{where}[{name!r}]", value, floating=True)
         self._residuals, self._unchecked = loaded, frozenset()
         self.check_before_use()
+
+
+def _plural(count: int) -> str:
+    return "y" if count == 1 else "ies"
 
 
 _BITWISE_FROM = 1 << 16  # elements

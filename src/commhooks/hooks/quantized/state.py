@@ -421,7 +421,6 @@ class QuantizationState(HookState):
         "issuer",
         "_pool",
         "_checked",
-        "_checks_from",
         "_reloaded",
         "_generators",
         "_world",
@@ -451,7 +450,6 @@ class QuantizationState(HookState):
         self.issuer: comm.OrderedIssuer | None = None
         self._pool: comm.IssuerPool | None = None  # see share_issuers
         self._checked: dist.ProcessGroup | None = None
-        self._checks_from: int | None = None  # the step the loaded memories met gradients at
         self._reloaded: str | None = None  # how a load mid-run changed the handshake's fields
         self._generators: list[torch.Generator] = []
         self._world, self._rank = 1, 0  # the checked group's, set by prepare()
@@ -733,31 +731,14 @@ class QuantizationState(HookState):
     ) -> None:
         """At the first step after a load, compare each loaded error with this rank's gradient
         of its elements (for an owner's piece, of the scale of the average it is added to).
-        Errors that met no gradient in that step are dropped at the next (:meth:`_drop_unmet`).
+        Errors that met no gradient in that step are dropped at the next.
         """
-        if self._checks_from is None:
-            self._checks_from = self.iter
-        elif self.iter > self._checks_from + 1:  # the step of the checks complete (DDP waited)
-            self._drop_unmet()
-            return
+        self.error.forget_unmet(self.iter)
+        self.owner_error.forget_unmet(self.iter)
         for number, gradient in zip(numbers, bucket.gradients()):
             self.error.check_loaded_(number, gradient)
         for (key, start, stop), source in zip(layout.pieces, layout.piece_sources):
             self.owner_error.check_loaded_(key, buffer[source : source + stop - start])
-
-    def _drop_unmet(self) -> None:
-        """Forget the loaded errors no bucket held in a whole step, with a warning naming them."""
-        self._checks_from = None
-        unmet = self.error.drop_unchecked() + self.owner_error.drop_unchecked()
-        if unmet:
-            numbers = sorted({k if isinstance(k, int) else _parse_piece_key(k)[0] for k in unmet})
-            warn_once(
-                f"quantization-unmet-{unmet}",
-                f"{OWNER}: {len(unmet)} loaded error memories, of parameters "
-                f"{', '.join(f'#{n}' for n in numbers)} (counted from DDP's last parameter), met "
-                "no gradient in a whole step: no parameter compressed here has them (a layer "
-                "frozen since the checkpoint, or another model's file). They were dropped.",
-            )
 
     def _drop_stale_pieces(self, layout: BucketLayout) -> None:
         """Forget second-memory pieces of this layout's parameters that it does not hold."""
@@ -833,7 +814,6 @@ class QuantizationState(HookState):
         saved = {"world_size": world, "rank": rank, "topology": FLAT, **saved_mesh}
         self._saved_place = saved if world > 0 and rank >= 0 else None
         self._layouts.clear()  # pieces of the loaded second memory are sorted out anew
-        self._checks_from = None
         if self.handshake_fields() != agreed:
             # Another step count: the ranks must agree on it again (a reload of the same step
             # keeps the check, so that one rank may reload alone).
