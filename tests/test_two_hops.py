@@ -245,6 +245,25 @@ def test_a_topology_is_given_as_ranks_or_a_mesh_and_checked_when_built():
     assert commhooks.HookConfig("int8", options={"topology": "flat"}).options == {
         "topology": "flat"
     }
+    for bad in ([[0, 1.0]], [[True, 1]], [["0", "1"]]):  # not read as ranks 0 and 1
+        with pytest.raises(ValueError, match="topology: Topology takes one list of integer"):
+            QuantizationState(None, topology=bad)
+    with pytest.raises(ValueError, match=r"its rank lists \(one list of global ranks per"):
+        QuantizationState(None, topology=[0, 1])
+
+
+def test_a_configs_topology_is_saved_as_rank_lists_and_read_back_from_json_and_yaml():
+    # A Topology (or a mesh) in a HookConfig could not be written to JSON or YAML at all.
+    lists = [[0, 1], [2, 3]]
+    assert QuantizationState(None, topology=lists).settings.topology.as_lists() == lists
+    for given in (commhooks.Topology([[3, 2], [1, 0]]), lists, ((0, 1), (2, 3))):
+        config = commhooks.HookConfig("int4", options={"topology": given})
+        assert config.options["topology"] == commhooks.Topology(lists)
+        assert config.to_dict()["topology"] == lists
+        assert commhooks.HookConfig.from_json(config.to_json()) == config
+        assert commhooks.HookConfig.from_yaml(config.to_yaml()) == config
+    read = commhooks.HookConfig.from_yaml("hook: int8\ntopology: [[0, 1], [2, 3]]\n")
+    assert read.options["topology"] == commhooks.Topology(lists)
 
 
 def _given(rank, world_size, machines):

@@ -382,6 +382,9 @@ class HookConfig:
             from commhooks.hooks.local_sgd import check_subgroup
 
             check_subgroup(self.options["subgroup"], "HookConfig")
+        topology = comm.Topology.of(self.options.get("topology"))
+        if topology is not None:  # one value for a Topology, a mesh and their rank lists
+            self.options["topology"] = topology
 
     @property
     def stateful(self) -> bool:
@@ -420,8 +423,12 @@ class HookConfig:
         return cls(hook=hook, wrapper=wrapper, options={**flat, **nested})
 
     def to_dict(self) -> dict[str, Any]:
-        """The flat mapping form: ``from_dict(config.to_dict()) == config``."""
-        return {"hook": str(self.hook), "wrapper": str(self.wrapper), **self.options}
+        """The flat mapping form: ``from_dict(config.to_dict()) == config`` (a topology as
+        its rank lists, which JSON and YAML hold)."""
+        options = dict(self.options)
+        if isinstance(options.get("topology"), comm.Topology):
+            options["topology"] = options["topology"].as_lists()
+        return {"hook": str(self.hook), "wrapper": str(self.wrapper), **options}
 
     @classmethod
     def from_json(cls, text: str) -> "HookConfig":

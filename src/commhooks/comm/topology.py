@@ -15,6 +15,7 @@ How a rank's machine is named, first match wins:
    host's ranks are cut into consecutive blocks of that size).
 """
 
+import operator
 import os
 import socket
 import weakref
@@ -113,7 +114,7 @@ class Topology:
     machines: tuple[tuple[int, ...], ...]
 
     def __init__(self, machines: Sequence[Sequence[int]]) -> None:
-        lists = tuple(sorted(tuple(sorted(int(r) for r in ranks)) for ranks in machines))
+        lists = _rank_lists(machines)
         ranks = [r for m in lists for r in m]
         if not lists or not all(lists) or len(set(ranks)) != len(ranks) or min(ranks) < 0:
             raise ValueError(
@@ -121,6 +122,23 @@ class Topology:
                 f"Topology([[0, 1], [2, 3]]); got {machines!r}."
             )
         object.__setattr__(self, "machines", lists)
+
+    @classmethod
+    def of(cls, value: Any) -> "Topology | None":
+        """``value`` as a topology where it names one: a :class:`Topology`, a 2-D
+        ``DeviceMesh`` (:meth:`from_mesh`), or rank lists as JSON and YAML hold them
+        (``[[0, 1], [2, 3]]``); ``None`` for anything else."""
+        if isinstance(value, Topology):
+            return value
+        if getattr(getattr(value, "mesh", None), "dim", None) is not None:
+            return cls.from_mesh(value)
+        if isinstance(value, list | tuple) and all(isinstance(m, list | tuple) for m in value):
+            return cls(value)
+        return None
+
+    def as_lists(self) -> list[list[int]]:
+        """The machines' rank lists, as JSON and YAML hold them (``Topology.of`` reads them)."""
+        return [list(machine) for machine in self.machines]
 
     @classmethod
     def from_mesh(cls, mesh: Any) -> "Topology":
@@ -168,6 +186,25 @@ class Topology:
                 f"{sorted(ranks)}; give a Topology of the group's ranks, or "
                 "topology='auto' to find it from the launcher."
             )
+
+
+def _rank_lists(machines: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    """``machines`` in order, each rank an integer (``1.0``, ``True`` or ``"1"`` is refused
+    rather than read as a rank)."""
+    try:
+        lists = [[_rank(r) for r in ranks] for ranks in machines]
+    except TypeError as exc:
+        raise ValueError(
+            "Topology takes one list of integer global ranks per machine, e.g. "
+            f"Topology([[0, 1], [2, 3]]); got {machines!r} ({exc})."
+        ) from None
+    return tuple(sorted(tuple(sorted(ranks)) for ranks in lists))
+
+
+def _rank(value: Any) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{value!r} is not a rank")
+    return operator.index(value)
 
 
 _found: "weakref.WeakKeyDictionary[dist.ProcessGroup, Topology]" = weakref.WeakKeyDictionary()

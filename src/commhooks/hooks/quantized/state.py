@@ -39,14 +39,17 @@ AUTO, FLAT = "auto", "flat"
 def _check_topology(owner: str, name: str, value: Any) -> "str | comm.Topology":
     if isinstance(value, str) and value in (AUTO, FLAT):
         return value
-    if isinstance(value, comm.Topology):
-        return value
-    if getattr(getattr(value, "mesh", None), "dim", None) is not None:  # a DeviceMesh
-        return comm.Topology.from_mesh(value)
+    try:
+        found = comm.Topology.of(value)
+    except ValueError as exc:
+        raise ValueError(f"{owner}: {name}: {exc}") from None
+    if found is not None:
+        return found
     raise ValueError(
         f"{owner}: {name} must be 'auto' (two hops where the group spans machines of several "
-        "ranks each), 'flat' (one exchange over every rank), a commhooks.Topology or a 2-D "
-        f"DeviceMesh of shape (machines, ranks within a machine); got {name}={value!r}."
+        "ranks each), 'flat' (one exchange over every rank), a commhooks.Topology, its rank "
+        "lists (one list of global ranks per machine: [[0, 1], [2, 3]]) or a 2-D DeviceMesh "
+        f"of shape (machines, ranks within a machine); got {name}={value!r}."
     )
 
 
