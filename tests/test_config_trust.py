@@ -72,3 +72,19 @@ def test_json_that_is_not_an_object_is_a_value_error_naming_the_fix():
             commhooks.HookConfig.from_json(text)
     with pytest.raises(TypeError, match="expects a mapping"):  # a Python object: its type
         commhooks.HookConfig.from_dict(["fp16"])
+
+
+def test_a_config_holding_a_process_group_is_refused_by_json_and_yaml_naming_the_option():
+    # json.dumps raised "Object of type ProcessGroup is not JSON serializable", naming nothing.
+    import torch.distributed as dist
+
+    group = dist.ProcessGroup(dist.HashStore(), 0, 1)  # no process group initialised
+    options = {"subgroup": group, "start_localSGD_iter": 2}
+    config = commhooks.HookConfig("post_local_sgd", options=options)
+    for save, form in ((config.to_json, "JSON"), (config.to_yaml, "YAML")):
+        with pytest.raises(ValueError) as caught:
+            save()
+        assert f"option 'subgroup' holds a ProcessGroup, which {form} cannot hold" in str(
+            caught.value
+        )
+        assert "register(ddp_model, **config.to_dict(), subgroup=...)" in str(caught.value)

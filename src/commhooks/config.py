@@ -441,8 +441,9 @@ class HookConfig:
         return cls.from_dict(_mapping_from_text(json.loads(text), "JSON", "<json text>"))
 
     def to_json(self, **dumps_kwargs: Any) -> str:
-        """The mapping form as JSON; options must be JSON values."""
-        return json.dumps(self.to_dict(), **dumps_kwargs)
+        """The mapping form as JSON; options must be JSON values (``ValueError`` naming any
+        that is not, a process group say)."""
+        return json.dumps(_saveable(self.to_dict(), "JSON"), **dumps_kwargs)
 
     @classmethod
     def from_yaml(cls, text: "str | IO[str]", *, name: str | None = None) -> "HookConfig":
@@ -466,8 +467,30 @@ class HookConfig:
         return cls.from_dict(_mapping_from_text(loaded, "YAML", source))
 
     def to_yaml(self) -> str:
-        """The mapping form as YAML. Needs PyYAML."""
-        return str(_yaml().safe_dump(self.to_dict(), sort_keys=False))
+        """The mapping form as YAML (options as :meth:`to_json` takes them). Needs PyYAML."""
+        return str(_yaml().safe_dump(_saveable(self.to_dict(), "YAML"), sort_keys=False))
+
+
+def _saveable(mapping: dict[str, Any], form: str) -> dict[str, Any]:
+    """``mapping`` if every value is one a text holds; else ``ValueError`` naming the option."""
+    for key, value in mapping.items():
+        if not _plain(value):
+            raise ValueError(
+                f"option '{key}' holds a {type(value).__name__}, which {form} cannot hold: leave "
+                f"it out of the configuration saved and pass it when registering, "
+                f"register(ddp_model, **config.to_dict(), {key}=...)."
+            )
+    return mapping
+
+
+def _plain(value: Any) -> bool:
+    if value is None or isinstance(value, str | int | float | bool):
+        return True
+    if isinstance(value, list | tuple):
+        return all(map(_plain, value))
+    return isinstance(value, dict) and all(
+        isinstance(k, str) and _plain(v) for k, v in value.items()
+    )
 
 
 def _mapping_from_text(loaded: Any, form: str, source: str) -> Mapping[str, Any]:
