@@ -197,6 +197,14 @@ class HookState:
         (:mod:`commhooks.place`): empty under DDP, the shard under FSDP2."""
         return dict(self.__dict__.get("_mesh_place", {}))
 
+    @property
+    def meets_every_tensor_each_step(self) -> bool:
+        """Whether every tensor compressed reaches the hook at each step: under DDP (each
+        bucket, unused parameters as zeros), not under FSDP2, where a module left out of a
+        step's forward pass calls no hook. Loaded memories that met no tensor in a whole step
+        are dropped only where it does (``ErrorFeedback.forget_unmet``)."""
+        return not self.mesh_place
+
     def set_mesh_place(self, place: Mapping[str, int | str]) -> None:
         """Record :attr:`mesh_place` (:func:`commhooks.fsdp.register` does); states with
         per-rank memories save it and compare it when one is loaded."""

@@ -269,7 +269,8 @@ def _prepare(step: BucketStep, single: bool) -> Layout:
     if settings.use_error_feedback:
         matrices = [m for b in layout.batches for m in b.matrices]
         keys = [*layout.vector_keys, *(m.key for m in matrices)]
-        step.state.memory.forget_unmet(step.state.iter)  # (after a load only)
+        if step.state.meets_every_tensor_each_step:
+            step.state.memory.forget_unmet(step.state.iter)  # (after a load only)
         step.state.memory.compensate_all_(keys, [*layout.vectors, *(m.view for m in matrices)])
     if layout.vectors:
         torch._foreach_copy_(layout.averages, layout.vectors)

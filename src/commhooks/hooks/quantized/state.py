@@ -734,10 +734,11 @@ class QuantizationState(HookState):
     ) -> None:
         """At the first step after a load, compare each loaded error with this rank's gradient
         of its elements (for an owner's piece, of the scale of the average it is added to).
-        Errors that met no gradient in that step are dropped at the next.
+        Errors that met no gradient in that step are dropped at the next, under DDP.
         """
-        self.error.forget_unmet(self.iter)
-        self.owner_error.forget_unmet(self.iter)
+        if self.meets_every_tensor_each_step:
+            self.error.forget_unmet(self.iter)
+            self.owner_error.forget_unmet(self.iter)
         for number, gradient in zip(numbers, bucket.gradients()):
             self.error.check_loaded_(number, gradient)
         for (key, start, stop), source in zip(layout.pieces, layout.piece_sources):
