@@ -279,6 +279,7 @@ def resume_with_the_first_layer_frozen(
     return {
         "saved": sorted(saved["error"]),
         "kept": sorted(state.state_dict()["error"]),
+        "factors": sorted(state.state_dict().get("q", {})),
         "checking": any(part.awaits_check for part in parts),
         "warnings": [str(w.message) for w in caught],
     }

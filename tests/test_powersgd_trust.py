@@ -87,6 +87,7 @@ def test_loaded_memories_of_parameters_no_longer_trained_are_dropped_after_a_ste
     for r in run_on_ranks(resume_with_the_first_layer_frozen, 2, "power_sgd", options):
         assert r["saved"] == [str(n) for n in range(8)]
         assert r["kept"] == [str(n) for n in range(6)] and not r["checking"]
+        assert r["factors"] == ["1", "3", "5"]  # the matrices' warm starts, #7's dropped too
         dropped = [w for w in r["warnings"] if "met no gradient in a whole step" in w]
         assert len(dropped) == 1 and "keys [6, 7])" in dropped[0], r["warnings"]
 

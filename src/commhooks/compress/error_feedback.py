@@ -137,19 +137,19 @@ class ErrorFeedback:
             stacklevel=3,
         )
 
-    def forget_unmet(self, step: int) -> None:
+    def forget_unmet(self, step: int) -> list[Key]:
         """Called at each use with the owner's step count: once a whole step has passed since
-        loaded residuals first met gradients, drop with a warning those that met none. They
-        belong to no tensor compressed now (a layer frozen since the save, another model's
-        file); kept, they would be saved again in every checkpoint, and while any awaits its
-        check every use looks each key up."""
+        loaded residuals first met gradients, drop with a warning those that met none, and
+        return their keys. They belong to no tensor compressed now (a layer frozen since the
+        save, another model's file); kept, they would be saved again in every checkpoint, and
+        while any awaits its check every use looks each key up."""
         if not self._unchecked:
-            return
+            return []
         if self._checks_from is None:
             self._checks_from = step
-            return
+            return []
         if step <= self._checks_from + 1:  # (the owner counts a step at its last bucket)
-            return
+            return []
         with _UNCHECKED_LOCK:
             unmet, self._unchecked = sorted(self._unchecked, key=str), frozenset()
         for key in unmet:
@@ -163,6 +163,7 @@ class ErrorFeedback:
             CommHooksWarning,
             stacklevel=3,
         )
+        return unmet
 
     def compensate_all_(self, keys: Sequence[Key], tensors: Sequence[torch.Tensor]) -> list[bool]:
         """``tensor += residual`` for each pair, in one batched addition (a bucket holds many
