@@ -153,6 +153,8 @@ class BucketLayout:
 
     Attributes:
         numbers: the parameters' stable numbers (:mod:`commhooks.numbering`), ascending.
+        keys: the first memory's key of each: its number, or for a part of a parameter (a
+            two-hop share's) ``"number:first-stop"``, the elements of the parameter it holds.
         offsets: where each parameter starts in the rows (as one flat tensor).
         sizes: each parameter's element count.
         sources: each parameter's offset in the bucket's buffer.
@@ -164,6 +166,7 @@ class BucketLayout:
     """
 
     numbers: tuple[int, ...]
+    keys: tuple[Key, ...]
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     sources: tuple[int, ...]
@@ -184,9 +187,12 @@ class BucketLayout:
 
     @staticmethod
     def build(
-        numbers: tuple[int, ...], sizes: tuple[int, ...], length: int, rank: int
+        keys: tuple[Key, ...], sizes: tuple[int, ...], length: int, rank: int
     ) -> "BucketLayout":
-        """The layout of a bucket holding parameters ``numbers`` of ``sizes``, in that order."""
+        """The layout of a bucket holding the parameters (or parts) ``keys`` of ``sizes``, in
+        that order."""
+        numbers = tuple(key_number(key) for key in keys)
+        firsts = tuple(0 if isinstance(key, int) else _parse_piece_key(key)[1] for key in keys)
         order = sorted(range(len(numbers)), key=numbers.__getitem__)
         in_buffer = _starts(sizes)
         sizes = tuple(sizes[i] for i in order)
@@ -195,12 +201,14 @@ class BucketLayout:
         pieces, piece_sources = [], []
         for i, offset, size in zip(order, offsets, sizes):
             start, stop = max(offset, row_start), min(offset + size, row_stop)
-            if start < stop:
-                key = piece_key(numbers[i], start - offset, stop - offset)
+            if start < stop:  # keyed by the elements of the parameter, not of a part
+                first = firsts[i] - offset
+                key = piece_key(numbers[i], start + first, stop + first)
                 pieces.append((key, start - row_start, stop - row_start))
                 piece_sources.append(in_buffer[i] + start - offset)
         return BucketLayout(
             tuple(numbers[i] for i in order),
+            tuple(keys[i] for i in order),
             offsets,
             sizes,
             tuple(in_buffer[i] for i in order),
@@ -222,6 +230,11 @@ def _starts(sizes: tuple[int, ...]) -> tuple[int, ...]:
 def piece_key(number: int, first: int, stop: int) -> str:
     """The key of elements ``[first, stop)`` of parameter ``number`` in the second memory."""
     return f"{number}:{first}-{stop}"
+
+
+def key_number(key: Key) -> int:
+    """The number of the parameter a memory's key is of."""
+    return key if isinstance(key, int) else _parse_piece_key(key)[0]
 
 
 def _parse_piece_key(key: str) -> tuple[int, int, int]:
@@ -311,7 +324,7 @@ class Workspace:
     ) -> None:
         self.layout, self.device, self.world = layout, device, world
         self.alone = world == 1  # one rank: the exchanges are then the packets themselves
-        self.order = layout.numbers  # the parameters' numbers; the bucket's order once bound
+        self.order = layout.keys  # the memories' keys; in the bucket's order once bound
         # The parameters themselves, in that order, held weakly (see serves).
         self.params: tuple[weakref.ref[torch.Tensor], ...] = ()
         length, packet = layout.length, fmt.packet_bytes(layout.length)
@@ -365,7 +378,7 @@ class Workspace:
 
     def fits(self, layout: BucketLayout, world: int, device: torch.device) -> bool:
         """Whether these buffers serve ``layout`` (the same rows, in any bucket order)."""
-        same_rows = (self.layout.numbers, self.layout.sizes) == (layout.numbers, layout.sizes)
+        same_rows = (self.layout.keys, self.layout.sizes) == (layout.keys, layout.sizes)
         same_place = self.layout.pieces == layout.pieces and self.world == world
         same_length = self.layout.length == layout.length
         return same_rows and same_place and same_length and self.device == device
@@ -408,7 +421,9 @@ class QuantizationState(HookState):
     Two error memories, both :class:`~commhooks.compress.error_feedback.ErrorFeedback`:
 
     * ``error``: what this rank's quantization dropped from its own gradient, a float32 tensor
-      per parameter keyed by its number, so it follows the parameter through DDP's rebuilds.
+      per parameter keyed by its number, so it follows the parameter through DDP's rebuilds
+      (on two hops, a part of a parameter in this rank's share by its elements,
+      ``"number:first-stop"``: dropped where a rebuild or restart cuts the share otherwise).
     * ``owner_error``: what the second quantization dropped from the average of the row this
       rank owns, keyed by the elements it covers (``"number:first-stop"``). A piece owned
       differently after a rebuild or restart is dropped (at most half a quantization step of
@@ -448,7 +463,7 @@ class QuantizationState(HookState):
 
     def _restore_transient(self) -> None:
         self._numbering = ParameterNumbering()
-        self._layouts: dict[tuple[tuple[int, ...], tuple[int, ...]], BucketLayout] = {}
+        self._layouts: dict[tuple[tuple[Key, ...], tuple[int, ...]], BucketLayout] = {}
         self._workspaces: dict[int, Workspace] = {}
         self.issuer: comm.OrderedIssuer | None = None
         self._pool: comm.IssuerPool | None = None  # see share_issuers
@@ -616,26 +631,27 @@ class QuantizationState(HookState):
         same parameters in another order, made again for another layout or device."""
         params = bucket.parameters()
         found = self._workspaces.get(bucket.index())
-        numbers = self._numbering.numbers(params)
-        layout = self._layout(numbers, _piece_sizes(bucket.gradients(), buffer))
+        keys = _keys(self._numbering.numbers(params), bucket)
+        layout = self._layout(keys, _piece_sizes(bucket.gradients(), buffer))
         if found is None or not found.fits(layout, self._world, buffer.device):
             settings = self.settings
             found = Workspace(
                 layout, settings.format, self._world, buffer.device, settings.error_feedback
             )
             self._workspaces[bucket.index()] = found
-        found.layout, found.order = layout, numbers
+        found.layout, found.order = layout, keys
         found.params = tuple(weakref.ref(p) for p in params)
         return found
 
-    def _layout(self, numbers: tuple[int, ...], sizes: tuple[int, ...]) -> BucketLayout:
-        """The layout of a bucket holding parameters ``numbers`` of ``sizes``, made once."""
-        found = self._layouts.get((numbers, sizes))
+    def _layout(self, keys: tuple[Key, ...], sizes: tuple[int, ...]) -> BucketLayout:
+        """The layout of a bucket holding parameters (or parts) ``keys`` of ``sizes``, made
+        once."""
+        found = self._layouts.get((keys, sizes))
         if found is None:
             length = self.settings.format.row_length(sum(sizes), self._world)
-            found = BucketLayout.build(numbers, sizes, length, self._rank)
+            found = BucketLayout.build(keys, sizes, length, self._rank)
             self._drop_stale_pieces(found)
-            self._layouts[(numbers, sizes)] = found
+            self._layouts[(keys, sizes)] = found
         return found
 
     def _generators_on(self, device: torch.device) -> tuple[torch.Generator, torch.Generator]:
@@ -681,9 +697,9 @@ class QuantizationState(HookState):
                 _scatter(buffer, layout, work.now.params, None)
             return None
         kept = work.kept
-        if layout.in_order and self.error.holds(layout.numbers, kept.params):
+        if layout.in_order and self.error.holds(layout.keys, kept.params):
             return buffer, kept.bucket  # the last step's errors, where it left them
-        found = [self.error.get(k, v) for k, v in zip(layout.numbers, kept.params)]
+        found = [self.error.get(k, v) for k, v in zip(layout.keys, kept.params)]
         _gather(found, kept.params)  # the kept side holds the memories, should the step fail
         if layout.in_order:
             return buffer, kept.bucket
@@ -716,7 +732,7 @@ class QuantizationState(HookState):
         now.keep_unless_finite(work.kept, work.scales)
         layout = work.layout
         with self._committing:
-            self.error.record_all(layout.numbers, now.params)
+            self.error.record_all(layout.keys, now.params)
             self.owner_error.record_all(layout.piece_keys, now.pieces)
             work.swap()
 
@@ -727,7 +743,7 @@ class QuantizationState(HookState):
 
     def _check_loaded(
         self,
-        numbers: tuple[int, ...],
+        keys: tuple[Key, ...],
         bucket: "GradBucket | Any",
         buffer: torch.Tensor,
         layout: BucketLayout,
@@ -739,17 +755,20 @@ class QuantizationState(HookState):
         if self.meets_every_tensor_each_step:
             self.error.forget_unmet(self.iter)
             self.owner_error.forget_unmet(self.iter)
-        for number, gradient in zip(numbers, bucket.gradients()):
-            self.error.check_loaded_(number, gradient)
+        for key, gradient in zip(keys, bucket.gradients()):
+            self.error.check_loaded_(key, gradient)
         for (key, start, stop), source in zip(layout.pieces, layout.piece_sources):
             self.owner_error.check_loaded_(key, buffer[source : source + stop - start])
 
     def _drop_stale_pieces(self, layout: BucketLayout) -> None:
-        """Forget second-memory pieces of this layout's parameters that it does not hold."""
-        numbers, kept = set(layout.numbers), {key for key, _, _ in layout.pieces}
-        for key in list(self.owner_error):
-            if isinstance(key, str) and key not in kept and _parse_piece_key(key)[0] in numbers:
-                self.owner_error.discard(key)
+        """Forget the memories of this layout's parameters kept under keys it does not hold:
+        the second memory's pieces owned elsewhere now, and a two-hop share's parts of
+        parameters cut otherwise (DDP's buckets rebuilt after the first step, or a restart)."""
+        numbers = set(layout.numbers)
+        for memory, held in ((self.error, layout.keys), (self.owner_error, layout.piece_keys)):
+            for key in set(memory) - set(held):
+                if key_number(key) in numbers:
+                    memory.discard(key)
 
     def _forget_if_moved(self, here: dict[str, Any]) -> None:
         """Reset the memories if they were saved at another place than ``here`` (another
@@ -807,7 +826,7 @@ class QuantizationState(HookState):
         world = check_count(f"{where} 'world_size'", state_dict["world_size"], minimum=-1)
         rank = check_count(f"{where} 'rank'", state_dict["rank"], minimum=-1)
         error, owner_error = self._memory(), self._memory()
-        error.load_state_dict(state_dict["error"], int, f"{OWNER} 'error'")
+        error.load_state_dict(state_dict["error"], _checked_key, f"{OWNER} 'error'")
         where_owner = f"{OWNER} 'owner_error'"
         owner_error.load_state_dict(state_dict["owner_error"], _checked_piece, where_owner)
         generators = _checked_generators(f"{OWNER} 'generators'", state_dict["generators"])
@@ -824,6 +843,21 @@ class QuantizationState(HookState):
             if self._checked is not None:
                 self._reloaded = f"from step {agreed['iter']} to step {step}"
             self._checked = None
+
+
+def _checked_key(name: str) -> Key:
+    """A first memory's key: a parameter's number, or a part's ``"number:first-stop"``."""
+    return int(name) if name.strip().isdigit() else _checked_piece(name)
+
+
+def _keys(numbers: tuple[int, ...], bucket: "GradBucket | Any") -> tuple[Key, ...]:
+    """The first memory's keys of a bucket's gradients: each parameter's number, or where the
+    bucket holds parts of parameters (``bucket.parts()``, a two-hop share) the part's."""
+    held = getattr(bucket, "parts", None)
+    parts = held() if callable(held) else None
+    if parts is None:
+        return numbers
+    return tuple(n if p is None else piece_key(n, *p) for n, p in zip(numbers, parts))
 
 
 def _checked_piece(name: str) -> str:

@@ -33,10 +33,15 @@ class ShareBucket:
     """This rank's share of a bucket, seen through a bucket's methods."""
 
     def __init__(
-        self, index: int, buffer: torch.Tensor, gradients: list[torch.Tensor], params: list[Any]
+        self,
+        index: int,
+        buffer: torch.Tensor,
+        gradients: list[torch.Tensor],
+        params: list[Any],
+        parts: list[tuple[int, int] | None],
     ) -> None:
         self._index, self._buffer = index, buffer
-        self._gradients, self._params = gradients, params
+        self._gradients, self._params, self._parts = gradients, params, parts
 
     def index(self) -> int:
         return self._index
@@ -51,6 +56,13 @@ class ShareBucket:
 
     def parameters(self) -> list[Any]:
         return self._params
+
+    def parts(self) -> list[tuple[int, int] | None]:
+        """Which elements of its parameter each gradient holds, ``(first, stop)``; ``None``
+        for a whole one. The memories are kept by them: another cut of the bucket (DDP's
+        rebuild, a restart) gives another part, whose memory must not be taken for this one's.
+        """
+        return self._parts
 
     def is_last(self) -> bool:
         return False  # the step is counted on the bucket itself
@@ -72,8 +84,10 @@ class Share:
         self.chunk = buffer.new_zeros(size)
         start = hops.local * size
         self.valid = max(0, min(numel, start + size) - start)
-        gradients, params = _parts(bucket, buffer, self.chunk, start, self.valid)
-        self.bucket = ShareBucket(bucket.index(), self.chunk[: self.valid], gradients, params)
+        gradients, params, parts = _parts(bucket, buffer, self.chunk, start, self.valid)
+        self.bucket = ShareBucket(
+            bucket.index(), self.chunk[: self.valid], gradients, params, parts
+        )
         self.work: Workspace | None = None  # the cross-machine step's, set in its turn
 
     @staticmethod
@@ -98,18 +112,21 @@ def _signature(bucket: GradBucket, buffer: torch.Tensor) -> tuple[int, int, tupl
 
 def _parts(
     bucket: GradBucket, buffer: torch.Tensor, chunk: torch.Tensor, start: int, valid: int
-) -> tuple[list[torch.Tensor], list[Any]]:
+) -> tuple[list[torch.Tensor], list[Any], list[tuple[int, int] | None]]:
     """The views of ``chunk`` standing for the parts of the bucket's gradients in elements
-    ``[start, start + valid)`` of its buffer, and their parameters."""
-    gradients, params = [], []
+    ``[start, start + valid)`` of its buffer, their parameters, and which elements of each
+    parameter they are (``None``: all)."""
+    gradients, params, parts = [], [], []
     base = buffer.storage_offset()
     for grad, param in zip(bucket.gradients(), bucket.parameters()):
-        first = grad.storage_offset() - base
-        low, high = max(first, start), min(first + grad.numel(), start + valid)
+        first, numel = int(grad.storage_offset() - base), grad.numel()
+        low, high = max(first, start), min(first + numel, start + valid)
         if low < high:
             gradients.append(chunk[low - start : high - start])
             params.append(param)
-    return gradients, params
+            whole = high - low == numel
+            parts.append(None if whole else (low - first, high - first))
+    return gradients, params, parts
 
 
 def average_two_hops(
