@@ -291,20 +291,20 @@ def _saved_then_loaded(rank, world_size, folder):
     """Save a two-hop state after training, then load it into the flat path of the same
     ranks: the memories, a machine's share, are reset with a warning naming both shapes."""
     ddp = make_ddp(make_mlp(), bucket_cap_mb=0.004)
-    state = commhooks.register(ddp, "int8")
+    state = commhooks.register(ddp, "int8", warmup_steps=1)
     with warnings.catch_warnings(record=True) as fresh:
         warnings.simplefilter("always")
         train(ddp, batches(rank, 3))
     path = os.path.join(folder, f"state{rank}.pt")
     state.save(path)
     again = make_ddp(make_mlp(), bucket_cap_mb=0.004)
-    flat = commhooks.register(again, "int8", topology="flat")
+    flat = commhooks.register(again, "int8", topology="flat", warmup_steps=1)
     flat.load(path)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         train(again, batches(rank, 1))
     same = make_ddp(make_mlp(), bucket_cap_mb=0.004)  # and into the same shape: kept
-    resumed = commhooks.register(same, "int8")
+    resumed = commhooks.register(same, "int8", warmup_steps=1)
     resumed.load(path)
     with warnings.catch_warnings(record=True) as quiet:
         warnings.simplefilter("always")
@@ -322,9 +322,12 @@ def test_a_checkpoint_of_another_shape_resets_the_memories_naming_both(tmp_path)
         # A share holds parts of parameters, cut otherwise once DDP rebuilds its buckets and
         # again after a restart: each part's memory is its own, so neither training nor a
         # resume of the same shape warns (memories of parts that fit no more were called
-        # another model's and reset, at the second step of every run).
+        # another model's and reset, at the second step of every run; and after a warm-up,
+        # whose parameters were numbered in the buckets DDP rebuilt, at every resume).
         assert not fresh and not quiet, (fresh, quiet)
-        assert any(":" in key for key in saved) and resumed == saved
+        # Every memory saved is there after the resume (with those of the parts DDP's first
+        # buckets cut, kept for the next restart, whose first step cuts them again).
+        assert any(":" in key for key in saved) and set(saved) <= set(resumed)
 
 
 # -- streaming DiLoCo with workers of two ranks: each rank syncs half of each fragment ----------

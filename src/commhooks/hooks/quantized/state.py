@@ -599,13 +599,17 @@ class QuantizationState(HookState):
 
     def begin(self, bucket: GradBucket, buffer: torch.Tensor, last: bool) -> Workspace | None:
         """:meth:`workspace` of a bucket past the warm-up; ``None`` for a step averaged plainly
-        (the warm-up) or an empty bucket. Counts the step on the last bucket."""
+        (the warm-up) or an empty bucket. Counts the step on the last bucket, and numbers the
+        parameters from the first, warm-up or not (:meth:`number`)."""
+        self.number(bucket.parameters())
         if not self.compressing(last) or buffer.numel() == 0:
             return None
         return self.workspace(bucket, buffer)
 
     def number(self, params: list[torch.Tensor]) -> tuple[int, ...]:
-        """The parameters' stable numbers (the memories' keys), numbering new ones."""
+        """The parameters' stable numbers (the memories' keys), numbering new ones. Called from
+        the first step on, warm-up included: numbered in DDP's first buckets, as after a
+        restart, rather than in the buckets it rebuilds once the warm-up has begun."""
         return self._numbering.numbers(params)
 
     def workspace(self, bucket: "GradBucket | Any", buffer: torch.Tensor) -> Workspace:

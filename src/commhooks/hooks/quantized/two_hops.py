@@ -138,9 +138,9 @@ def average_two_hops(
     bucket's all-gathers)."""
     hops, issuers = state.hops, state.hop_issuers
     assert hops is not None and issuers is not None, "prepare() made them"
+    state.number(bucket.parameters())  # on DDP's thread, from the first step, as on the flat path
     if not state.compressing(bucket.is_last()) or buffer.numel() == 0:
         return comm.average(buffer, group)
-    state.number(bucket.parameters())  # on DDP's thread, as on the flat path
     share = Share.of(state, bucket, buffer)
     if share.whole is not buffer:
         share.whole[: buffer.numel()].copy_(buffer)
