@@ -601,8 +601,8 @@ class QuantizationState(HookState):
         """:meth:`workspace` of a bucket past the warm-up; ``None`` for a step averaged plainly
         (the warm-up) or an empty bucket. Counts the step on the last bucket, and numbers the
         parameters from the first, warm-up or not (:meth:`number`)."""
-        self.number(bucket.parameters())
         if not self.compressing(last) or buffer.numel() == 0:
+            self.number(bucket.parameters())  # (a compressing step's workspace numbers them)
             return None
         return self.workspace(bucket, buffer)
 
