@@ -103,7 +103,19 @@ def register(
         state.set_mesh_place(_mesh_place(named, shard))
     comm.check_same_on_grid({"hook": str(kind), **config.options}, [shard, replicate], owner=_OWNER)
     _install(named, spec.hook, state, overlap=shard.size() == 1)
+    _number_in_module_order(state, named)
     return state
+
+
+def _number_in_module_order(state: Any, named: list[tuple[str, nn.Module]]) -> None:
+    """Number the parameters the state keeps memories of now, module by module from the last
+    (the order a backward pass reaches them in), rather than as modules first call the hook:
+    one that sits out the first step after a resume, or joins later, would shift the numbers,
+    and the loaded memories would meet other parameters."""
+    number = getattr(state, "number", None)
+    if callable(number):
+        for _, module in reversed(named):
+            number([slot.param for slot in reduced_shards(module)])
 
 
 def _hook_kind(hook: Any) -> CommHookType:

@@ -279,6 +279,10 @@ class PowerSGDState(HookState):
             )
             self.next_stats_report = self.iter + self.settings.compression_stats_logging_frequency
 
+    def number(self, params: list[torch.Tensor]) -> tuple[int, ...]:
+        """The parameters' stable numbers (the memories' keys), numbering new ones."""
+        return self.numbering.numbers(params)
+
     def describe(self, key: Key) -> str:
         """Words for the parameter or bucket ``key`` in messages."""
         if isinstance(key, str):
