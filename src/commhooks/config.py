@@ -472,25 +472,18 @@ class HookConfig:
 
 
 def _saveable(mapping: dict[str, Any], form: str) -> dict[str, Any]:
-    """``mapping`` if every value is one a text holds; else ``ValueError`` naming the option."""
+    """``mapping`` if every value is one a text holds (JSON's values, which YAML holds too);
+    else ``ValueError`` naming the option."""
     for key, value in mapping.items():
-        if not _plain(value):
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
             raise ValueError(
                 f"option '{key}' holds a {type(value).__name__}, which {form} cannot hold: leave "
                 f"it out of the configuration saved and pass it when registering, "
                 f"register(ddp_model, **config.to_dict(), {key}=...)."
-            )
+            ) from None
     return mapping
-
-
-def _plain(value: Any) -> bool:
-    if value is None or isinstance(value, str | int | float | bool):
-        return True
-    if isinstance(value, list | tuple):
-        return all(map(_plain, value))
-    return isinstance(value, dict) and all(
-        isinstance(k, str) and _plain(v) for k, v in value.items()
-    )
 
 
 def _mapping_from_text(loaded: Any, form: str, source: str) -> Mapping[str, Any]:

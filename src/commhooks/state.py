@@ -203,7 +203,7 @@ class HookState:
         bucket, unused parameters as zeros), not under FSDP2, where a module left out of a
         step's forward pass calls no hook. Loaded memories that met no tensor in a whole step
         are dropped only where it does (``ErrorFeedback.forget_unmet``)."""
-        return not self.mesh_place
+        return not self.__dict__.get("_mesh_place")  # (no copy: read at every bucket)
 
     def set_mesh_place(self, place: Mapping[str, int | str]) -> None:
         """Record :attr:`mesh_place` (:func:`commhooks.fsdp.register` does); states with

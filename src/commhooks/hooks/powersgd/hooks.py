@@ -63,7 +63,7 @@ def powerSGD_hook(
         StateDictError: ``state`` belongs to :func:`batched_powerSGD_hook`.
     """
     state, buffer, group = _begin(state, bucket, LAYERWISE)
-    numbers = state.numbering.numbers(bucket.parameters())
+    numbers = state.number(bucket.parameters())
     if not state.compressing():  # plain allreduce, before compression starts
         state.maybe_increase_iter(bucket)
         return comm.average(buffer, group)
@@ -91,7 +91,7 @@ def batched_powerSGD_hook(
     as :func:`powerSGD_hook` does.
     """
     state, buffer, group = _begin(state, bucket, BATCHED)
-    numbers = state.numbering.numbers(bucket.parameters())
+    numbers = state.number(bucket.parameters())
     if not state.compressing():  # plain allreduce, before compression starts
         state.maybe_increase_iter(bucket)
         return comm.average(buffer, group)

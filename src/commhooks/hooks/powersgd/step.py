@@ -269,10 +269,11 @@ def _prepare(step: BucketStep, single: bool) -> Layout:
     if settings.use_error_feedback:
         matrices = [m for b in layout.batches for m in b.matrices]
         keys = [*layout.vector_keys, *(m.key for m in matrices)]
-        if step.state.meets_every_tensor_each_step:  # (after a load only)
-            for key in step.state.memory.forget_unmet(step.state.iter):
+        memory = step.state.memory
+        if memory.awaits_check and step.state.meets_every_tensor_each_step:  # after a load
+            for key in memory.forget_unmet(step.state.iter):
                 step.state.factors.drop(key)  # warm starts of a tensor compressed no more
-        step.state.memory.compensate_all_(keys, [*layout.vectors, *(m.view for m in matrices)])
+        memory.compensate_all_(keys, [*layout.vectors, *(m.view for m in matrices)])
     if layout.vectors:
         torch._foreach_copy_(layout.averages, layout.vectors)
     for b in layout.batches:
