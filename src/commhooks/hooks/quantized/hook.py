@@ -22,7 +22,8 @@ import torch.distributed as dist
 from commhooks import comm
 from commhooks.hooks._bucket import GradBucket, float_buffer
 from commhooks.hooks.quantized import phases
-from commhooks.hooks.quantized.state import HOOK, QuantizationOptions, QuantizationState
+from commhooks.hooks.quantized.options import QuantizationOptions
+from commhooks.hooks.quantized.state import HOOK, QuantizationState
 from commhooks.hooks.quantized.two_hops import average_two_hops
 from commhooks.hooks.repair import REPAIR, repaired
 

@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from commhooks import comm
 from commhooks.compress import blocks, packing
-from commhooks.hooks.quantized.state import QuantizationState, Workspace
+from commhooks.hooks.quantized.layout import Workspace
+from commhooks.hooks.quantized.state import QuantizationState
 
 __all__ = ["decode_and_commit", "exchange_rows", "quantize_rows", "reduce", "reduce_and_gather"]
 

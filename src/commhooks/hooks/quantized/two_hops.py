@@ -22,7 +22,8 @@ import torch.distributed as dist
 from commhooks import comm
 from commhooks.hooks._bucket import GradBucket
 from commhooks.hooks.quantized import phases
-from commhooks.hooks.quantized.state import QuantizationState, Workspace
+from commhooks.hooks.quantized.layout import Workspace
+from commhooks.hooks.quantized.state import QuantizationState
 
 __all__ = ["Share", "ShareBucket", "average_two_hops"]
 
