@@ -10,18 +10,20 @@ working on gloo/CPU as well as NCCL/GPU::
 from commhooks import checkpoint, fsdp
 from commhooks._warnings import CommHooksWarning
 from commhooks.averaging.averagers import (
-    HierarchicalAveragerOptions,
     HierarchicalModelAverager,
     ModelAverager,
     OuterOptimizerAverager,
-    OuterOptimizerOptions,
-    PeriodicAveragerOptions,
     PeriodicModelAverager,
     average_parameters,
     get_params_to_average,
 )
 from commhooks.averaging.diloco import DiLoCoOptions, DiLoCoSyncError, StreamingDiLoCo, diloco_hook
 from commhooks.averaging.optim import PostLocalSGDOptimizer
+from commhooks.averaging.options import (
+    HierarchicalAveragerOptions,
+    OuterOptimizerOptions,
+    PeriodicAveragerOptions,
+)
 from commhooks.comm.topology import Topology
 from commhooks.config import CommHookType, HookConfig, register, register_from_config
 from commhooks.hooks import (

@@ -6,7 +6,7 @@ without waiting and applied ``fragment_sync_delay`` inner steps later, in float3
 quantized hook itself on the fragment (:mod:`commhooks.averaging.buckets`), with its error
 feedback. :func:`diloco_hook` is a worker's DDP hook. A sync whose average is not finite is
 undone on the device, nothing read back; a state dict resumes bit for bit, and loading refuses
-by name what does not fit the model (:data:`commhooks.averaging.averagers.PLAUSIBLE_CHANGE`).
+by name what does not fit the model (:data:`commhooks.averaging.outer.PLAUSIBLE_CHANGE`).
 """
 
 import hashlib
@@ -22,10 +22,11 @@ from torch.utils.hooks import RemovableHandle
 
 from commhooks import comm
 from commhooks._warnings import CommHooksWarning
-from commhooks.averaging.averagers import (
+from commhooks.averaging.averagers import ModelAverager
+from commhooks.averaging.buckets import FlatBucket, WarmupBuckets, parse_buckets, split
+from commhooks.averaging.options import DiLoCoOptions, Fragments
+from commhooks.averaging.outer import (
     Layout,
-    ModelAverager,
-    OuterOptions,
     check_plausible,
     check_snapshot,
     largest_magnitude,
@@ -37,12 +38,10 @@ from commhooks.averaging.averagers import (
     step_where_finite,
     warn_replaced,
 )
-from commhooks.averaging.buckets import FlatBucket, WarmupBuckets, parse_buckets, split
 from commhooks.averaging.parameters import Named, average_parameters, named_in_groups
 from commhooks.compress.error_feedback import all_finite
 from commhooks.hooks._bucket import GradBucket, gradient_buffer
 from commhooks.hooks.quantized import QuantizationState, quantized_hook
-from commhooks.options import count, flag, option, real
 from commhooks.state import StateDictError, check_count, check_tensor
 
 __all__ = [
@@ -57,111 +56,8 @@ __all__ = [
 
 OWNER = "StreamingDiLoCo"
 HOOK = "diloco_hook"
-Fragments = int | tuple[tuple[str, ...], ...]
 _KEEP: Any = object()
 _OUTER_BLOCK = 512  # values per scale of packed 4-bit outer gradients (see _quantizer)
-
-
-def _check_fragments(owner: str, name: str, value: Any) -> Fragments:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return int(count(1)(owner, name, value))
-    given = value if isinstance(value, (list, tuple)) else None
-    if given and all(
-        isinstance(f, (list, tuple)) and f and all(isinstance(m, str) for m in f) for f in given
-    ):
-        return tuple(tuple(f) for f in given)
-    raise ValueError(
-        f"{owner}: {name} must be a number of fragments (cut by module, in order) or a list "
-        "of fragments, each a non-empty list of module or parameter names, e.g. "
-        f"[['embed', 'layers.0'], ['layers.1', 'head']]; got {value!r}."
-    )
-
-
-def _check_bits(owner: str, name: str, value: Any) -> int | None:
-    if value is None or (value in (8, 4) and not isinstance(value, bool)):
-        return None if value is None else int(value)
-    raise ValueError(
-        f"{owner}: {name} must be None (full precision), 8 or 4, got {value!r}. Pass {name}=4 "
-        "to send them in 4 bits."
-    )
-
-
-@dataclass(frozen=True, kw_only=True)
-class DiLoCoOptions(OuterOptions):
-    """The options of :class:`StreamingDiLoCo`; every rank must build it with the same."""
-
-    owner: ClassVar[str] = OWNER
-
-    sync_every: int = option(
-        reason="inner steps between two syncs of a fragment; longer sends less, drifts more",
-        check=count(1, "Pass sync_every=H to sync every fragment every H inner steps."),
-    )
-    fragments: Fragments = option(
-        1,
-        "how many fragments, cut by module in order, or the fragments as lists of module names; "
-        "one fragment is plain DiLoCo",
-        check=_check_fragments,
-    )
-    fragment_sync_delay: int = option(
-        0,
-        "inner steps between issuing a fragment's average and applying it (the overlap)",
-        check=count(0),
-    )
-    fragment_update_alpha: float = option(
-        0.0,
-        "weight of the local parameters against the global ones after a sync (0: global)",
-        check=real(0, 1),
-    )
-    keep_inflight_steps: bool = option(
-        False,
-        "keep the inner steps taken while a fragment was in flight: it becomes the new global "
-        "parameters plus its local change since it was issued, instead of dropping that change",
-        check=flag(),
-    )
-    bits: int | None = option(
-        None,
-        "None sends outer gradients in float32; 8 or 4 quantizes them (4: codes of 13 levels "
-        "packed eight to 30 bits, a scale per 512 values, 3.8125 bits a value)",
-        check=_check_bits,
-    )
-    warmup_bits: int | None = option(
-        None,
-        "None averages the warm-up's gradients in float32; 8 or 4 quantizes them (the DDP hook "
-        "of register(), with error feedback during the warm-up)",
-        check=_check_bits,
-    )
-
-    @property
-    def fragment_count(self) -> int:
-        """How many fragments the model is cut into."""
-        return self.fragments if isinstance(self.fragments, int) else len(self.fragments)
-
-    @property
-    def keeps_inflight_change(self) -> bool:
-        """Whether an apply adds back a local change: ``keep_inflight_steps`` with a delay
-        (without one, nothing changes between a fragment's issue and its apply)."""
-        return self.keep_inflight_steps and self.fragment_sync_delay > 0
-
-    @property
-    def spacing(self) -> int:
-        """Inner steps between the syncs of two consecutive fragments."""
-        return self.sync_every // self.fragment_count
-
-    def check_together(self) -> None:
-        super().check_together()
-        n, every = self.fragment_count, self.sync_every
-        if every % n:
-            raise ValueError(
-                f"{self.owner}: sync_every={every} must be a multiple of the number of "
-                f"fragments ({n}), so that their syncs are evenly spaced; use "
-                f"sync_every={every // n * n or n}."
-            )
-        if self.fragment_sync_delay >= every // n:
-            raise ValueError(
-                f"{self.owner}: fragment_sync_delay={self.fragment_sync_delay} must be less than "
-                f"sync_every / fragments = {every // n}, so that one fragment is in flight at a "
-                f"time; use fragment_sync_delay <= {every // n - 1} or fewer fragments."
-            )
 
 
 class DiLoCoSyncError(RuntimeError):
@@ -738,7 +634,7 @@ class StreamingDiLoCo(ModelAverager):
         snapshot: dict[str, torch.Tensor] | None,
     ) -> tuple[list[torch.optim.Optimizer], list[tuple[str, Any, Any]]]:
         """Each fragment's outer optimizer, and the saved settings that gave way to this
-        averager's own (see :func:`commhooks.averaging.averagers.load_outer`)."""
+        averager's own (see :func:`commhooks.averaging.outer.load_outer`)."""
         if not isinstance(raw, list) or len(raw) != len(plan or []):
             raise StateDictError(f"{where} 'outer_optimizers' must hold one state per fragment.")
         made, replaced = [], []

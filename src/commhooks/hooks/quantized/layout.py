@@ -317,6 +317,7 @@ def bucket_keys(numbers: tuple[int, ...], bucket: "GradBucket | Any") -> tuple[K
 
 
 def checked_piece(name: str) -> str:
+    """A loaded second memory's key, as saved (``ValueError`` unless ``"number:first-stop"``)."""
     _parse_piece_key(name)
     return name
 
