@@ -171,6 +171,37 @@ def test_two_hops_send_half_the_flat_codes_across_and_agree_everywhere(bits):
             assert "reduce_scatter_tensor" in two and "reduce_scatter_tensor" not in flat
 
 
+def _groups_after_loads(rank, world_size):
+    """How many process groups each path's state makes when it loads its own state dict of an
+    earlier step three times mid-run, and whether the ranks still agree after."""
+    from torch.distributed import distributed_c10d
+
+    made = {}
+    for topology in ("auto", "flat"):
+        ddp = make_ddp(make_mlp(), bucket_cap_mb=0.004)
+        state = commhooks.register(ddp, "int8", topology=topology)
+        train(ddp, batches(rank, 2))
+        saved = state.state_dict()
+        before = len(distributed_c10d._world.pg_map)
+        for seed in (3, 4, 5):
+            train(ddp, batches(rank, 1, seed=seed))
+            state.load_state_dict(saved)  # a step count the ranks agree on again
+        train(ddp, batches(rank, 1, seed=6))
+        made[topology] = (len(distributed_c10d._world.pg_map) - before, flat_params(ddp.module))
+    return made
+
+
+def test_a_state_loaded_at_another_step_keeps_its_groups():
+    # Each load at another step checks the ranks again; it made the path's groups again too
+    # (one follow-up group flat, four on two hops), never destroyed: file descriptors and
+    # gloo's threads, a load at a time.
+    ranks = run_on_ranks(_groups_after_loads, 4, prepare=_two_by_two, timeout=140)
+    for out in ranks:
+        for topology, (made, params) in out.items():
+            assert made == 0, (topology, made)
+            assert torch.equal(params, ranks[0][topology][1])
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_two_hops_average_within_the_quantization_bound(bits):
     ranks = run_on_ranks(_both_paths, 4, bits, prepare=_two_by_two, timeout=140)

@@ -150,17 +150,15 @@ class QuantizationState(HookState):
         and fresh workspaces."""
         topology = self._two_hop_topology(group)
         self.hops, self.hop_issuers, self.issuer = None, None, None
+        if self._pool is None:  # its own, kept: a load at another step makes no new groups
+            self._pool = comm.IssuerPool()
         if topology is not None:  # each hop's group has an issuer of its own
-            pool = self._pool if self._pool is not None else comm.IssuerPool()
-            self.hops, self.hop_issuers = pool.two_hops(group, topology)
+            self.hops, self.hop_issuers = self._pool.two_hops(group, topology)
             self._world, self._rank = self.hops.nnodes, self.hops.machine
             comm.crosses_machines(self.hops.peers)
             comm.crosses_machines(self.hops.peers_follow)
         else:
-            if self._pool is not None:
-                self.issuer = self._pool.issuer(group)
-            else:
-                self.issuer = comm.OrderedIssuer(comm.follow_up_group(group))
+            self.issuer = self._pool.issuer(group)
             if self._spans_machines(group):  # the exchange, and the gather that follows it
                 comm.crosses_machines(group)
                 comm.crosses_machines(self.issuer.group)
@@ -209,9 +207,9 @@ class QuantizationState(HookState):
         return {**here, **self.mesh_place, "topology": self._shape}
 
     def share_issuers(self, pool: comm.IssuerPool | None) -> None:
-        """Take the follow-ups' issuer from ``pool`` (``None``: an issuer of its own) at the
-        next first use or new group: states whose averages one thread starts one after another
-        (an averager's fragments) share one follow-up group. Not pickled: shared again after."""
+        """Take the follow-ups' issuers from ``pool`` (``None``: a pool of its own) at the next
+        first use or new group: states whose averages one thread starts one after another (an
+        averager's fragments) share one follow-up group. Not pickled: shared again after."""
         self._pool = pool
 
     def handshake_fields(self) -> dict[str, Any]:
