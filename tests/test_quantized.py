@@ -501,3 +501,15 @@ def test_an_absurd_loaded_memory_is_reset_at_the_first_step_naming_the_key(absur
     # unused; the others are reset as they meet this rank's gradient of their elements.
     assert named - first
     assert not any("out of all proportion" in w for w in ranks[1]["warnings"])
+
+
+def test_a_state_pickled_under_the_names_of_the_last_release_unpickles():
+    # The memories' key describer moved from state.py (``_describe``) to layout.py; a state
+    # pickled before names the old place.
+    state = QuantizationState(None, bits=4, block_size=64)
+    data = pickle.dumps(state, protocol=2)  # names its globals as text
+    now = b"ccommhooks.hooks.quantized.layout\ndescribe_key\n"
+    assert now in data
+    copy = pickle.loads(data.replace(now, b"ccommhooks.hooks.quantized.state\n_describe\n"))
+    assert copy.settings == state.settings
+    assert copy.error.describe("3:0-8") == state.error.describe("3:0-8") != "3:0-8"

@@ -37,6 +37,7 @@ __all__ = ["QuantizationState"]
 HOOK = "quantized_hook"  # the name the handshake reports for the hook using this state
 _PHASES = (0, 1)  # the two quantizations: a rank's own gradient, the average of its row
 _OPTION_NAMES = frozenset(QuantizationOptions.names())  # read-only attributes of the state
+_describe = describe_key  # the name the pickled memories of earlier releases hold
 
 
 class QuantizationState(HookState):
