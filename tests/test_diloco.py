@@ -348,9 +348,12 @@ def _initial_parameters():
 
 
 def _inline_or_not(rank, world_size):
+    """On 4 ranks, workers of two ([0, 1] and [2, 3]), whose ranks sync a share each."""
+    workers = [dist.new_group([0, 1]), dist.new_group([2, 3])] if world_size == 4 else [None]
     out = []
     for inline in (False, True):
-        ddp = make_ddp(make_mlp(widths=(32,) + (8,) * 12), bucket_cap_mb=0.00001)
+        model = make_mlp(widths=(32,) + (8,) * 12)
+        ddp = make_ddp(model, bucket_cap_mb=0.00001, process_group=workers[rank // 2])
         inner, diloco = streaming_diloco(ddp)
         with comm.completing_inline() if inline else contextlib.nullcontext():
             _train_some(ddp, inner, diloco, batches(rank, 9), range(9))
@@ -359,13 +362,18 @@ def _inline_or_not(rank, world_size):
     return out
 
 
-def test_with_collectives_completing_as_on_nccl_the_results_are_gloos():
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_with_collectives_completing_as_on_nccl_the_results_are_gloos(world_size):
     # NCCL's control flow on the CPU (futures complete as they are issued, follow-ups held to
     # a step's last bucket, 24 buckets): the int8 warm-up and the int4 fragments, overlapped,
-    # give the same bits as on gloo.
-    for gloo, inline in run_on_ranks(_inline_or_not, 2):
+    # give the same bits as on gloo, with workers of one rank or of two.
+    results = run_on_ranks(_inline_or_not, world_size)
+    for gloo, inline in results:
         assert torch.isfinite(inline).all()
         assert torch.equal(gloo, inline)
+    if world_size == 4:  # a worker's ranks hold the same bits
+        assert torch.equal(results[0][1], results[1][1])
+        assert torch.equal(results[2][1], results[3][1])
 
 
 # -- workers of several ranks ------------------------------------------------------------------

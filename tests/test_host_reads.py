@@ -11,15 +11,19 @@ host would wait for in a whole step.
   a non-finite gradient gives the non-finite average plain allreduce gives, and the memories
   are protected on the device.
 * With ``on_nonfinite="repair"``, exactly one read a step: the batched check at the last bucket.
+* On machines of several ranks the quantized hooks take two hops, and read nothing either,
+  completing as NCCL's collectives do with gloo's bits.
 * A scaler-style loop that skips the steps whose gradients are not finite: after one injected
   ``inf``, every later step is finite again, for every hook (no memory was poisoned).
 """
 
+import contextlib
+import os
 from typing import Any
 
 import pytest
 import torch
-from ddp_utils import batches, make_ddp, make_mlp
+from ddp_utils import batches, flat_params, make_ddp, make_mlp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import commhooks
@@ -129,6 +133,46 @@ def test_the_repair_reads_once_a_step_at_its_last_bucket():
         for name, ((finite_reads, finite), (bad_reads, _)) in out.items():
             assert finite, name
             assert (finite_reads, bad_reads) == (1, 1), name
+
+
+def _two_hops_both_ways(rank: int, world_size: int) -> dict[Any, Any]:
+    """int8 and packed int4 on 2 machines of 2 ranks, their collectives completing as gloo's
+    and as NCCL's do, in a scaler's loop (rank 0's gradient poisoned at the fifth step): each
+    step's host reads and finiteness, whether a reduce-scatter ran, and the parameters after."""
+    os.environ[comm.topology.MACHINE_ID_VAR] = f"machine{rank // 2}"
+    out = {}
+    for name in ("int8", "packed_int4"):
+        for inline in (False, True):
+            ddp, poison = _model(name, None)
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+            steps = []
+            with comm.completing_inline() if inline else contextlib.nullcontext():
+                for step, batch in enumerate(batches(rank, 6)):
+                    poison["now"] = step == 4
+                    opt.zero_grad(set_to_none=True)
+                    reads = _Reads()
+                    with comm.observe_collectives() as seen:
+                        _step(ddp, batch, reads)
+                    finite = all(bool(torch.isfinite(p.grad).all()) for p in ddp.parameters())
+                    steps.append((reads.count, finite, "reduce_scatter_tensor" in seen.bytes))
+                    if finite:
+                        opt.step()
+            out[name, inline] = (steps, flat_params(ddp.module))
+    return out
+
+
+@pytest.mark.timeout(150)
+def test_two_hops_read_nothing_back_and_complete_inline_with_gloos_bits():
+    ranks = run_on_ranks(_two_hops_both_ways, 4, timeout=140)
+    for out in ranks:
+        for name in ("int8", "packed_int4"):
+            (gloo, gloo_params), (inline, params) = out[name, False], out[name, True]
+            for steps in (gloo, inline):
+                assert [reads for reads, _, _ in steps[1:]] == [0] * 5, name
+                assert [finite for _, finite, _ in steps] == [True] * 4 + [False, True], name
+                assert all(two_hops for _, _, two_hops in steps), name
+            assert torch.isfinite(params).all() and torch.equal(params, gloo_params), name
+            assert torch.equal(params, ranks[0][name, True][1]), name
 
 
 def _scaler_loop(rank: int, world_size: int, names: list[str]) -> dict[str, list[bool]]:
