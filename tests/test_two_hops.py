@@ -361,6 +361,48 @@ def test_a_checkpoint_of_another_shape_resets_the_memories_naming_both(tmp_path)
         assert any(":" in key for key in saved) and set(saved) <= set(resumed)
 
 
+RESUMED = {"int8": ("int8", {}), "int4": ("int4", {"packed": True, "rounding": "stochastic"})}
+
+
+def _trained(rank, world_size, folder, resume):
+    """Six steps of a model in one bucket on 2 x 2, saved after the third; with ``resume``, the
+    last three from that file, in fresh processes. Whether two hops ran, the parameters after."""
+    out = {}
+    for name, (hook, options) in RESUMED.items():
+        path = os.path.join(folder, f"{name}-{rank}.pt")
+        model = make_mlp(seed=7)
+        saved = torch.load(path, weights_only=True) if resume else None
+        if saved is not None:
+            model.load_state_dict(saved["model"])
+        # One bucket, which a fresh DDP hands over in another order than the rebuilt one.
+        ddp = make_ddp(model, bucket_cap_mb=25)
+        state = commhooks.register(ddp, hook, **options)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        data = batches(rank, 6)
+        if saved is None:
+            train(ddp, data[:3], optimizer=opt)
+            saved = {"model": model.state_dict(), "opt": opt.state_dict()}
+            torch.save({**saved, "hook": state.state_dict()}, path)
+        else:
+            state.load_state_dict(saved["hook"])
+            opt.load_state_dict(saved["opt"])
+        train(ddp, data[3:], optimizer=opt)
+        out[name] = state.hops is not None, flat_params(model)
+    return out
+
+
+def test_a_two_hop_run_resumes_bit_for_bit_in_fresh_processes(tmp_path):
+    # A share is cut from the bucket laid out by parameter number, as the flat path's rows
+    # are, so the first step after the restart cuts the parts the saved memories were made
+    # for, although the fresh DDP lists the parameters backwards.
+    whole = run_on_ranks(_trained, 4, str(tmp_path), False, prepare=_two_by_two, timeout=140)
+    again = run_on_ranks(_trained, 4, str(tmp_path), True, prepare=_two_by_two, timeout=140)
+    for ran, resumed in zip(whole, again):
+        for name in RESUMED:
+            assert ran[name][0] and resumed[name][0], name
+            assert torch.equal(ran[name][1], resumed[name][1]), name
+
+
 # -- streaming DiLoCo with workers of two ranks: each rank syncs half of each fragment ----------
 def _diloco_shares(rank, world_size, bits):
     """Workers [0, 1] and [2, 3]: the bytes this rank hands to collectives across workers per

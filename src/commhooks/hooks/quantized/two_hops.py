@@ -14,6 +14,7 @@ exchanges after the reduce-scatter are follow-ups, each group's in its issuer's 
 Hook modules must not use ``from __future__ import annotations``: DDP rejects string annotations.
 """
 
+import itertools
 from typing import Any
 
 import torch
@@ -52,7 +53,7 @@ class ShareBucket:
         return self._buffer
 
     def gradients(self) -> list[torch.Tensor]:
-        """The parts of the parameters' gradients the share holds, in the bucket's order."""
+        """The parts of the parameters' gradients the share holds, in the order of their numbers."""
         return self._gradients
 
     def parameters(self) -> list[Any]:
@@ -74,35 +75,64 @@ class ShareBucket:
 
 class Share:
     """One rank's share of a bucket, kept while the bucket's buffer and parameters stay: ``whole``
-    is what the machine reduce-scatters and gathers into (the buffer, or a padded copy), and
-    ``chunk`` this rank's share of it, of which ``valid`` elements are the bucket's."""
+    is what the machine reduce-scatters and gathers into, the bucket's gradients laid out by
+    their stable numbers (the buffer itself where DDP's order is that one, as after its rebuild;
+    else a copy, padded to whole shares), and ``chunk`` this rank's share of it, of which
+    ``valid`` elements are the bucket's.
 
-    def __init__(self, bucket: GradBucket, buffer: torch.Tensor, hops: comm.TwoHops) -> None:
+    Laid out by number, a bucket of the same parameters is cut into the same shares whatever
+    order DDP hands them in (a fresh DDP's first step, after a restart, lists them backwards),
+    so each share's memories meet the same parts of parameters and a restart resumes bit for
+    bit, as on the flat path.
+    """
+
+    def __init__(
+        self, bucket: GradBucket, buffer: torch.Tensor, hops: comm.TwoHops, numbers: tuple[int, ...]
+    ) -> None:
         numel, ranks = buffer.numel(), hops.nproc_per_node
         size = -(-numel // ranks)
         self.signature = _signature(bucket, buffer)
-        self.whole = buffer if size * ranks == numel else buffer.new_zeros(size * ranks)
+        grads, params = _by_number(bucket.gradients(), bucket.parameters(), numbers)
+        sources = [int(g.storage_offset() - buffer.storage_offset()) for g in grads]
+        targets = list(itertools.accumulate((g.numel() for g in grads[:-1]), initial=0))
+        in_order = sources == targets
+        whole = buffer if in_order and size * ranks == numel else buffer.new_zeros(size * ranks)
+        self.whole = whole
+        # Views of the buffer and of ``whole`` holding each gradient, where the orders differ.
+        self._moves = [] if in_order else [
+            (buffer[a : a + g.numel()], whole[b : b + g.numel()])
+            for g, a, b in zip(grads, sources, targets)
+        ]  # fmt: skip
         self.chunk = buffer.new_zeros(size)
         start = hops.local * size
         self.valid = max(0, min(numel, start + size) - start)
-        gradients, params, parts = _parts(bucket, buffer, self.chunk, start, self.valid)
-        self.bucket = ShareBucket(
-            bucket.index(), self.chunk[: self.valid], gradients, params, parts
-        )
+        gradients, held, parts = _parts(grads, params, targets, self.chunk, start, self.valid)
+        self.bucket = ShareBucket(bucket.index(), self.chunk[: self.valid], gradients, held, parts)
         self.work: Workspace | None = None  # the cross-machine step's, set in its turn
 
     @staticmethod
-    def of(state: QuantizationState, bucket: GradBucket, buffer: torch.Tensor) -> "Share":
+    def of(
+        state: QuantizationState, bucket: GradBucket, buffer: torch.Tensor, numbers: tuple[int, ...]
+    ) -> "Share":
         """The share of ``bucket`` its last step used, or a new one."""
         assert state.hops is not None, "a two-hop state"
         found = state.shares.get(bucket.index())
         if not isinstance(found, Share) or found.signature != _signature(bucket, buffer):
-            found = state.shares[bucket.index()] = Share(bucket, buffer, state.hops)
+            found = state.shares[bucket.index()] = Share(bucket, buffer, state.hops, numbers)
         return found
 
+    def fill(self, buffer: torch.Tensor) -> None:
+        """Put the bucket's gradients into ``whole``, where it is not the buffer."""
+        if self._moves:
+            torch._foreach_copy_([b for _, b in self._moves], [a for a, _ in self._moves])
+        elif self.whole is not buffer:
+            self.whole[: buffer.numel()].copy_(buffer)
+
     def finish(self, buffer: torch.Tensor) -> torch.Tensor:
-        """The bucket, holding the average (copied from the padded copy where there is one)."""
-        if self.whole is not buffer:
+        """The bucket, holding the average (copied back from ``whole`` where it is a copy)."""
+        if self._moves:
+            torch._foreach_copy_([a for a, _ in self._moves], [b for _, b in self._moves])
+        elif self.whole is not buffer:
             buffer.copy_(self.whole[: buffer.numel()])
         return buffer
 
@@ -111,23 +141,35 @@ def _signature(bucket: GradBucket, buffer: torch.Tensor) -> tuple[int, int, tupl
     return buffer.data_ptr(), buffer.numel(), tuple(map(id, bucket.parameters()))
 
 
+def _by_number(
+    grads: list[torch.Tensor], params: list[Any], numbers: tuple[int, ...]
+) -> tuple[list[torch.Tensor], list[Any]]:
+    """The bucket's gradients and parameters in the order of their stable numbers."""
+    order = sorted(range(len(grads)), key=numbers.__getitem__)
+    return [grads[i] for i in order], [params[i] for i in order]
+
+
 def _parts(
-    bucket: GradBucket, buffer: torch.Tensor, chunk: torch.Tensor, start: int, valid: int
+    grads: list[torch.Tensor],
+    params: list[Any],
+    targets: list[int],
+    chunk: torch.Tensor,
+    start: int,
+    valid: int,
 ) -> tuple[list[torch.Tensor], list[Any], list[tuple[int, int] | None]]:
-    """The views of ``chunk`` standing for the parts of the bucket's gradients in elements
-    ``[start, start + valid)`` of its buffer, their parameters, and which elements of each
-    parameter they are (``None``: all)."""
-    gradients, params, parts = [], [], []
-    base = buffer.storage_offset()
-    for grad, param in zip(bucket.gradients(), bucket.parameters()):
-        first, numel = int(grad.storage_offset() - base), grad.numel()
+    """The views of ``chunk`` standing for the parts of the gradients that lie, at ``targets``,
+    in elements ``[start, start + valid)`` of the share's layout, their parameters, and which
+    elements of each parameter they are (``None``: all)."""
+    gradients, held, parts = [], [], []
+    for grad, param, first in zip(grads, params, targets):
+        numel = grad.numel()
         low, high = max(first, start), min(first + numel, start + valid)
         if low < high:
             gradients.append(chunk[low - start : high - start])
-            params.append(param)
+            held.append(param)
             whole = high - low == numel
             parts.append(None if whole else (low - first, high - first))
-    return gradients, params, parts
+    return gradients, held, parts
 
 
 def average_two_hops(
@@ -139,12 +181,11 @@ def average_two_hops(
     bucket's all-gathers)."""
     hops, issuers = state.hops, state.hop_issuers
     assert hops is not None and issuers is not None, "prepare() made them"
-    state.number(bucket.parameters())  # on DDP's thread, from the first step, as on the flat path
+    numbers = state.number(bucket.parameters())  # on DDP's thread, from the first step
     if not state.compressing(bucket.is_last()) or buffer.numel() == 0:
         return comm.average(buffer, group)
-    share = Share.of(state, bucket, buffer)
-    if share.whole is not buffer:
-        share.whole[: buffer.numel()].copy_(buffer)
+    share = Share.of(state, bucket, buffer, numbers)
+    share.fill(buffer)
     summed = comm.reduce_scatter(share.chunk, share.whole, hops.intra)
     devices = comm.future_devices(buffer)
     if share.valid:
