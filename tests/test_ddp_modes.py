@@ -3,10 +3,12 @@
 Each test runs every hook that communicates (allreduce, fp16, bf16, the three PowerSGD
 variants and post-local SGD) through ``commhooks.register`` and checks that training stays
 finite and the replicas stay identical; for the allreduce hook, it also checks bitwise equality
-with DDP without a hook.
+with DDP without a hook. The quantized hooks run the same ways on 4 ranks as 2 machines of 2,
+where they take two hops.
 """
 
 import contextlib
+import os
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commhooks
+from commhooks import comm
 from commhooks.testing import run_on_ranks
 
 # Options that make the stateful hooks switch to their compressed / local mode within the test.
@@ -29,11 +32,12 @@ HOOKS = {
     "power_sgd_single_round": {"matrix_approximation_rank": 2, "start_powerSGD_iter": 2},
 }
 NAMES = list(HOOKS)
+TWO_HOPS = {"int8": {}, "int4": {"packed": True}}  # on 2 machines of 2 ranks
 
 
 def _ddp(model, name, **ddp_kwargs):
     ddp = DDP(model, bucket_cap_mb=0.004, **ddp_kwargs)
-    state = commhooks.register(ddp, name, **HOOKS[name]) if name else None
+    state = commhooks.register(ddp, name, **{**HOOKS, **TWO_HOPS}[name]) if name else None
     return ddp, state
 
 
@@ -285,3 +289,27 @@ def test_error_in_async_work_surfaces_on_every_rank():
     errors = run_on_ranks(_raising_hook_on_rank1, 2, timeout=90, pg_timeout=10)
     assert "decompression failed" in errors[1]
     assert errors[0] != "no error"
+
+
+# -- the quantized hooks' two hops -------------------------------------------------------------
+def _two_machines(rank: int) -> None:
+    os.environ[comm.topology.MACHINE_ID_VAR] = f"machine{rank // 2}"
+
+
+MODES = {
+    "no_sync": (_accumulate, ()),
+    "gradient_as_bucket_view": (_with_flags, ({"gradient_as_bucket_view": True},)),
+    "static_graph": (_with_flags, ({"static_graph": True},)),
+    "unused_and_frozen": (_unused_and_frozen, ()),
+    "join": (_uneven, ()),
+    "autocast": (_autocast_bf16, ()),
+    "two_dtypes": (_two_dtypes, ()),
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_two_hops_under_every_way_ddp_is_used(mode):
+    run, extra = MODES[mode]
+    for name in TWO_HOPS:
+        results = run_on_ranks(run, 4, name, *extra, prepare=_two_machines, timeout=90)
+        _assert_synced_and_finite(results, name)
