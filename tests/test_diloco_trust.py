@@ -528,10 +528,25 @@ def _train(ddp, inner, data):
         inner.step()
 
 
+def _pickled_as_the_last_release_did(diloco):
+    """The averager pickled with the warm-up's buckets on itself, not on its quantizer."""
+    quantizer = diloco.warmup_quantizer
+    kept = quantizer.buckets
+    del quantizer.buckets
+    diloco.warmup_buckets = kept
+    try:
+        return pickle.dumps(diloco)
+    finally:
+        del diloco.warmup_buckets
+        quantizer.buckets = kept
+
+
 def _resume_in_warmup(rank, world_size, cut):
     """Train 8 steps, saving after ``cut`` (inside the warm-up); resume the save in a fresh DDP
-    model, by load_state_dict and by unpickling, and train to the end again. The parameters
-    of the three runs, the saved state and the warnings of the save."""
+    model, by load_state_dict (of the state dict, and of it as earlier releases wrote it, the
+    buckets held by the averager alone) and by unpickling, and train to the end again. The
+    parameters of the five runs (the last unpickled as the last release pickled), the saved
+    state and the warnings of the save."""
     data = batches(rank, 8)
     ddp, inner, diloco = _build_warmup()
     _train(ddp, inner, data[:cut])
@@ -539,15 +554,18 @@ def _resume_in_warmup(rank, world_size, cut):
         warnings.simplefilter("always")
         state = diloco.state_dict()
     model, optimizer = copy.deepcopy(ddp.module.state_dict()), copy.deepcopy(inner.state_dict())
-    pickled = pickle.dumps(diloco)
+    pickled, older_pickle = pickle.dumps(diloco), _pickled_as_the_last_release_did(diloco)
     _train(ddp, inner, data[cut:])
     runs = [flat_params(ddp.module)]
-    for unpickled in (None, pickle.loads(pickled)):
+    quantizer = {k: v for k, v in state["warmup_quantizer"].items() if k != "buckets"}
+    older = {**state, "warmup_quantizer": quantizer}
+    for loaded in (state, older, pickle.loads(pickled), pickle.loads(older_pickle)):
+        unpickled = None if isinstance(loaded, dict) else loaded
         again, inner_again, resumed = _build_warmup(unpickled)
         again.module.load_state_dict(model)
         inner_again.load_state_dict(copy.deepcopy(optimizer))  # it keeps the tensors it loads
         if unpickled is None:
-            resumed.load_state_dict(state)
+            resumed.load_state_dict(loaded)
         _train(again, inner_again, data[cut:])
         runs.append(flat_params(again.module))
     return runs, state, [str(w.message) for w in caught]
@@ -555,9 +573,10 @@ def _resume_in_warmup(rank, world_size, cut):
 
 def test_a_resume_inside_a_quantized_warmup_of_several_buckets_is_bitwise():
     for runs, state, caught in run_on_ranks(_resume_in_warmup, 2, 2):
-        straight, loaded, unpickled = runs
-        assert torch.equal(loaded, straight) and torch.equal(unpickled, straight)
+        straight, *resumed = runs
+        assert len(resumed) == 4 and all(torch.equal(run, straight) for run in resumed)
         assert state["warmup_buckets"] == [[0, 1, 2, 3], [4, 5], [6, 7]]  # as DDP rebuilt them
+        assert state["warmup_quantizer"]["buckets"] == state["warmup_buckets"]
         assert caught == []
     averager = commhooks.StreamingDiLoCo(sync_every=4, fragments=2, warmup_steps=4, warmup_bits=4)
     for bad in ([[0, 1], [1, 2]], [[0, -1]], "0,1", [[]]):

@@ -361,12 +361,16 @@ def test_a_checkpoint_of_another_shape_resets_the_memories_naming_both(tmp_path)
         assert any(":" in key for key in saved) and set(saved) <= set(resumed)
 
 
-RESUMED = {"int8": ("int8", {}), "int4": ("int4", {"packed": True, "rounding": "stochastic"})}
+RESUMED = {
+    "int8": ("int8", {}),
+    "int4": ("int4", {"packed": True, "rounding": "stochastic"}),
+    "int8, flat": ("int8", {"topology": "flat"}),
+}
 
 
-def _trained(rank, world_size, folder, resume):
-    """Six steps of a model in one bucket on 2 x 2, saved after the third; with ``resume``, the
-    last three from that file, in fresh processes. Whether two hops ran, the parameters after."""
+def _trained(rank, world_size, folder, resume, bucket_cap_mb):
+    """Six steps on 2 x 2, saved after the third; with ``resume``, the last three from that
+    file, in fresh processes. Whether two hops ran, the parameters after, the warnings."""
     out = {}
     for name, (hook, options) in RESUMED.items():
         path = os.path.join(folder, f"{name}-{rank}.pt")
@@ -374,8 +378,7 @@ def _trained(rank, world_size, folder, resume):
         saved = torch.load(path, weights_only=True) if resume else None
         if saved is not None:
             model.load_state_dict(saved["model"])
-        # One bucket, which a fresh DDP hands over in another order than the rebuilt one.
-        ddp = make_ddp(model, bucket_cap_mb=25)
+        ddp = make_ddp(model, bucket_cap_mb=bucket_cap_mb)
         state = commhooks.register(ddp, hook, **options)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
         data = batches(rank, 6)
@@ -386,21 +389,29 @@ def _trained(rank, world_size, folder, resume):
         else:
             state.load_state_dict(saved["hook"])
             opt.load_state_dict(saved["opt"])
-        train(ddp, data[3:], optimizer=opt)
-        out[name] = state.hops is not None, flat_params(model)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train(ddp, data[3:], optimizer=opt)
+        out[name] = state.hops is not None, flat_params(model), [str(w.message) for w in caught]
     return out
 
 
-def test_a_two_hop_run_resumes_bit_for_bit_in_fresh_processes(tmp_path):
-    # A share is cut from the bucket laid out by parameter number, as the flat path's rows
-    # are, so the first step after the restart cuts the parts the saved memories were made
-    # for, although the fresh DDP lists the parameters backwards.
-    whole = run_on_ranks(_trained, 4, str(tmp_path), False, prepare=_two_by_two, timeout=140)
-    again = run_on_ranks(_trained, 4, str(tmp_path), True, prepare=_two_by_two, timeout=140)
+@pytest.mark.parametrize("bucket_cap_mb", [25, 0.004], ids=["one bucket", "three buckets"])
+def test_a_run_on_either_path_resumes_bit_for_bit_in_fresh_processes(tmp_path, bucket_cap_mb):
+    # A fresh DDP's first step hands over one bucket of every parameter, listed backwards:
+    # the state cuts it into the buckets of the saved run's last step, and each share is cut
+    # from its bucket laid out by parameter number, so the first step after the restart
+    # quantizes the same blocks, and meets the same memories, as the uninterrupted run.
+    args = str(tmp_path), False, bucket_cap_mb
+    whole = run_on_ranks(_trained, 4, *args, prepare=_two_by_two, timeout=140)
+    args = str(tmp_path), True, bucket_cap_mb
+    again = run_on_ranks(_trained, 4, *args, prepare=_two_by_two, timeout=140)
     for ran, resumed in zip(whole, again):
         for name in RESUMED:
-            assert ran[name][0] and resumed[name][0], name
+            two_hops = "flat" not in name
+            assert ran[name][0] == resumed[name][0] == two_hops, name
             assert torch.equal(ran[name][1], resumed[name][1]), name
+            assert ran[name][2] == resumed[name][2] == [], name
 
 
 # -- streaming DiLoCo with workers of two ranks: each rank syncs half of each fragment ----------

@@ -11,7 +11,6 @@ by name what does not fit the model (:data:`commhooks.averaging.outer.PLAUSIBLE_
 
 import hashlib
 import math
-import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -21,9 +20,7 @@ import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
 from commhooks import comm
-from commhooks._warnings import CommHooksWarning
 from commhooks.averaging.averagers import ModelAverager
-from commhooks.averaging.buckets import FlatBucket, WarmupBuckets, parse_buckets, split
 from commhooks.averaging.options import DiLoCoOptions, Fragments
 from commhooks.averaging.outer import (
     Layout,
@@ -42,6 +39,7 @@ from commhooks.averaging.parameters import Named, average_parameters, named_in_g
 from commhooks.compress.error_feedback import all_finite
 from commhooks.hooks._bucket import GradBucket, gradient_buffer
 from commhooks.hooks.quantized import QuantizationState, quantized_hook
+from commhooks.hooks.quantized.buckets import FlatBucket, SavedBuckets, parse_buckets, split
 from commhooks.state import StateDictError, check_count, check_tensor
 
 __all__ = [
@@ -257,7 +255,6 @@ class StreamingDiLoCo(ModelAverager):
         self.outer_optimizers: list[torch.optim.Optimizer] = []
         self.quantizers: list[QuantizationState] = []
         self.warmup_quantizer: QuantizationState | None = None  # made by the hook's first use
-        self.warmup_buckets = WarmupBuckets()  # the buckets it averaged (saved with it)
         self.in_flight: _InFlight | None = None
         self._restore_transient()
         self._worker_group = worker_group
@@ -280,6 +277,13 @@ class StreamingDiLoCo(ModelAverager):
     def __getstate__(self) -> dict[str, Any]:
         self._settle()  # a pickle holds the fragment in flight as its average
         return super().__getstate__()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        kept = state.pop("warmup_buckets", None)  # pickled when the averager kept them itself
+        super().__setstate__(state)
+        warmup = self.warmup_quantizer
+        if isinstance(kept, SavedBuckets) and warmup is not None and not warmup.buckets.saved():
+            warmup.buckets = kept
 
     def bind(
         self, process_group: dist.ProcessGroup | None, worker_group: Any = _KEEP
@@ -393,7 +397,6 @@ class StreamingDiLoCo(ModelAverager):
         if self.step == self.warmup_steps - 1:  # the warm-up kept every rank's parameters equal
             self.start(named)
             self.warmup_quantizer = None  # what its last average left out is not sent
-            self.warmup_buckets = WarmupBuckets()
 
     def _issue_due(self, inner: int) -> int | None:
         """The fragment to issue after inner step ``inner`` (counted from 1), if any."""
@@ -582,20 +585,12 @@ class StreamingDiLoCo(ModelAverager):
 
     def _warmup_buckets_saved(self) -> list[list[int]]:
         """The quantized warm-up's last buckets, which a resumed run's first step is cut into
-        (:class:`~commhooks.averaging.buckets.WarmupBuckets`), if DDP had settled on them."""
+        (:class:`~commhooks.hooks.quantized.buckets.SavedBuckets`), where DDP had settled on
+        them: its quantizer's state dict holds them too, and this entry is read from older
+        files."""
         if self.warmup_quantizer is None:
             return []
-        buckets = self.warmup_buckets
-        if not buckets.settled and buckets.last:
-            warnings.warn(
-                f"{OWNER}.state_dict: saved after the first step of its DDP model, before DDP "
-                "rebuilt its buckets, so a run resumed from it averages its next warm-up step "
-                "in other buckets: not bit for bit where the model fills several. Save after a "
-                "later step (or with warmup_bits=None) for a bitwise resume.",
-                CommHooksWarning,
-                stacklevel=4,
-            )
-        return [list(b) for b in buckets.saved()]
+        return [list(b) for b in self.warmup_quantizer.buckets.saved()]
 
     def _parse(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
         values = super()._parse(state_dict)
@@ -609,8 +604,11 @@ class StreamingDiLoCo(ModelAverager):
         )
         quantizers = self._parse_quantizers(where, state_dict.get("quantizers"), plan)
         warmup = self._parse_warmup_quantizer(where, state_dict.get("warmup_quantizer"), values)
-        # Saved since the warm-up's buckets were: an earlier state cuts nothing.
-        buckets = parse_buckets(where, state_dict.get("warmup_buckets", []))
+        # Saved since the warm-up's buckets were: an earlier state cuts nothing. The quantizer
+        # of a newer file holds them too.
+        buckets = parse_buckets(where, state_dict.get("warmup_buckets", []), "warmup_buckets")
+        if warmup is not None and buckets and not warmup.buckets.saved():
+            warmup.buckets = SavedBuckets(buckets)
         flight = _parse_flight(where, state_dict.get("in_flight"), plan, snapshot)
         if flight is not None and not self.options.keeps_inflight_change:
             flight.local = None  # saved with keep_inflight_steps, loaded without: not kept
@@ -622,7 +620,6 @@ class StreamingDiLoCo(ModelAverager):
             "replaced": replaced,
             "quantizers": quantizers,
             "warmup_quantizer": warmup,
-            "warmup_buckets": WarmupBuckets(buckets if warmup is not None else ()),
             "in_flight": flight,
         }
 
@@ -689,7 +686,6 @@ class StreamingDiLoCo(ModelAverager):
         self.snapshot, self.plan = values["snapshot"], values["plan"]
         self.outer_optimizers, self.quantizers = values["outer"], values["quantizers"]
         self.warmup_quantizer = values["warmup_quantizer"]
-        self.warmup_buckets = values["warmup_buckets"]
         self.in_flight, self._in_flight_future = values["in_flight"], None
         self._last_seen = {}  # finish() with no step since has nothing to apply the loaded to
 
@@ -846,7 +842,7 @@ def diloco_hook(state: StreamingDiLoCo, bucket: GradBucket) -> torch.futures.Fut
     if state.step < state.warmup_steps:
         quantizer = state.quantizer_for_warmup()
         if quantizer is not None:
-            return state.warmup_buckets.average(quantizer, bucket)
+            return quantized_hook(quantizer, bucket)
         group = comm.resolve_group(state.warmup_group, owner=HOOK)
     elif worker is None:
         return comm.completed(buffer)

@@ -64,8 +64,18 @@ def quantized_hook(
             f"{type(state).__name__}. Register it as "
             f"ddp_model.register_comm_hook(QuantizationState(None, bits=8), {HOOK})."
         )
-    buffer = float_buffer(bucket, HOOK)
+    float_buffer(bucket, HOOK)
     group = state.prepare()
+    numbers = state.number(bucket.parameters())
+    return state.buckets.average(numbers, bucket, lambda part: _step(state, part, group))
+
+
+def _step(
+    state: QuantizationState, bucket: GradBucket, group: dist.ProcessGroup
+) -> torch.futures.Future[torch.Tensor]:
+    """One bucket's average (DDP's, or one of the saved buckets the first step after a load
+    is cut into: :class:`~commhooks.hooks.quantized.buckets.SavedBuckets`)."""
+    buffer = bucket.buffer()
     if state.settings.on_nonfinite == REPAIR:
         return repaired(REPAIR, bucket, group, HOOK, lambda: _average(state, bucket, buffer, group))
     return _average(state, bucket, buffer, group)

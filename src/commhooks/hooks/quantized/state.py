@@ -6,6 +6,7 @@ the buckets' rows and buffers :mod:`~commhooks.hooks.quantized.layout`.
 """
 
 import threading
+import warnings
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -14,10 +15,11 @@ import torch
 import torch.distributed as dist
 
 from commhooks import comm, handshake, place
-from commhooks._warnings import warn_once
+from commhooks._warnings import CommHooksWarning, warn_once
 from commhooks.compress import blocks
 from commhooks.compress.error_feedback import ErrorFeedback, Key
 from commhooks.hooks._bucket import GradBucket
+from commhooks.hooks.quantized.buckets import SavedBuckets, parse_buckets
 from commhooks.hooks.quantized.layout import (
     BucketLayout,
     Workspace,
@@ -87,6 +89,7 @@ class QuantizationState(HookState):
         self.settings = QuantizationOptions.from_mapping({"bits": bits, **options})
         self.iter = 0
         self.error, self.owner_error = self._memory(), self._memory()
+        self.buckets = SavedBuckets()  # the last step's, which a restart's first is cut into
         self._saved_place: dict[str, Any] | None = None  # where a loaded dict was saved
         self._generator_states: torch.Tensor | None = None  # loaded, not yet in use
         self._restore_transient()
@@ -114,6 +117,10 @@ class QuantizationState(HookState):
         if self._generators:  # the generators are dropped; their states travel instead
             state["_generator_states"] = torch.stack([g.get_state() for g in self._generators])
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state.setdefault("buckets", SavedBuckets())  # pickled before states kept them
+        super().__setstate__(state)
 
     def __getattr__(self, name: str) -> Any:
         if name != "settings" and name in _OPTION_NAMES:
@@ -350,6 +357,18 @@ class QuantizationState(HookState):
             _gather([memory.get(key, v) for key, v in zip(keys, kept)], kept)
         return work.kept.mine  # zeros past the pieces, as the rows' padding leaves them
 
+    def forget_parts_of(self, numbers: set[int]) -> None:
+        """Drop the memories of parameters ``numbers``, of which a two-hop share cut anew holds
+        no part (DDP's first step cuts one bucket of them all, its rebuild several): kept, they
+        would meet no gradient again, not even after a restart, whose first step is cut as the
+        saved run's last (:class:`~commhooks.hooks.quantized.buckets.SavedBuckets`)."""
+        if not numbers:
+            return
+        with self._committing:  # other buckets' commits may add keys meanwhile
+            for memory in (self.error, self.owner_error):
+                for key in [k for k in memory if key_number(k) in numbers]:
+                    memory.discard(key)
+
     # -- used by the hook, once the step's result is known --------------------------------------
     def commit(self, work: Workspace) -> None:
         """Keep the errors this step left in ``work`` as the memories; swap the buffers.
@@ -445,7 +464,24 @@ class QuantizationState(HookState):
             "error": self.error.state_dict(),
             "owner_error": self.owner_error.state_dict(),
             "generators": torch.empty(0, dtype=torch.uint8) if generators is None else generators,
+            "buckets": self._buckets_saved(),
         }
+
+    def _buckets_saved(self) -> list[list[int]]:
+        """The last step's buckets, where DDP had settled on them (warning where a resumed run's
+        next step, compressed, will be cut otherwise)."""
+        buckets = self.buckets
+        compressing = self.iter >= self.settings.warmup_steps  # the next step
+        if not buckets.settled and buckets.last and compressing:
+            warnings.warn(
+                f"{OWNER}.state_dict: saved after the first step of its DDP model, before DDP "
+                "rebuilt its buckets, so a run resumed from it averages its next step in other "
+                "buckets: not bit for bit where the model fills several. Save after a later "
+                "step for a bitwise resume.",
+                CommHooksWarning,
+                stacklevel=4,
+            )
+        return [list(b) for b in buckets.saved()]
 
     def _load(self, state_dict: Mapping[str, Any]) -> None:
         where = f"{OWNER}.load_state_dict"
@@ -463,8 +499,10 @@ class QuantizationState(HookState):
         owner_error.load_state_dict(state_dict["owner_error"], checked_piece, where_owner)
         generators = _checked_generators(f"{OWNER} 'generators'", state_dict["generators"])
         saved_mesh = place.checked(f"{OWNER} 'place'", state_dict["place"])
+        buckets = parse_buckets(where, state_dict.get("buckets", []))  # (absent from older files)
         agreed = self.handshake_fields()
         self.iter, self.error, self.owner_error = step, error, owner_error
+        self.buckets = SavedBuckets(buckets)
         self._generator_states, self._generators = generators, []
         saved = {"world_size": world, "rank": rank, "topology": FLAT, **saved_mesh}
         self._saved_place = saved if world > 0 and rank >= 0 else None

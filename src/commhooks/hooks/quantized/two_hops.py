@@ -114,11 +114,13 @@ class Share:
     def of(
         state: QuantizationState, bucket: GradBucket, buffer: torch.Tensor, numbers: tuple[int, ...]
     ) -> "Share":
-        """The share of ``bucket`` its last step used, or a new one."""
+        """The share of ``bucket`` its last step used, or a new one (the memories of the
+        bucket's parameters it holds no part of are then dropped: they were another cut's)."""
         assert state.hops is not None, "a two-hop state"
         found = state.shares.get(bucket.index())
         if not isinstance(found, Share) or found.signature != _signature(bucket, buffer):
             found = state.shares[bucket.index()] = Share(bucket, buffer, state.hops, numbers)
+            state.forget_parts_of(set(numbers) - set(state.number(found.bucket.parameters())))
         return found
 
     def fill(self, buffer: torch.Tensor) -> None:

@@ -1,0 +1,195 @@
+"""The buckets a quantized average last cut its step into, so that the first step after a
+restart is cut the same way; and :class:`FlatBucket`, a flat tensor with a bucket's methods.
+
+The quantized average's bits, and which rank owns which elements (its second memory), depend
+on which parameters share a bucket, and a fresh DDP model hands its hook the first step in one
+bucket of all of them, rebuilt into several after that step: a resumed run would average its
+first step in other blocks than the uninterrupted run, and drop the owners' memories that the
+other cut moves. :class:`SavedBuckets` remembers the buckets of the last step; saved with the
+memories, they cut the first step after a load into the saved run's buckets.
+
+Hook modules must not use ``from __future__ import annotations``: DDP rejects string annotations.
+"""
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from commhooks import comm
+from commhooks._warnings import warn_once
+from commhooks.hooks._bucket import GradBucket
+from commhooks.state import StateDictError, check_count
+
+__all__ = ["FlatBucket", "SavedBuckets", "parse_buckets", "split"]
+
+Numbers = tuple[int, ...]
+"""The parameters of a bucket, by the quantizer's numbers, in the bucket's order."""
+Future = torch.futures.Future[torch.Tensor]
+Run = Callable[[Any], Future]
+"""The average of one bucket (DDP's, or a :class:`FlatBucket` cut from it)."""
+
+
+class FlatBucket:
+    """A flat tensor with a gradient bucket's methods, for the quantized hook, which keys its
+    memories by the parameters it is handed: a fragment keeps them from sync to sync.
+
+    ``parts``: the gradients, where they are not ``flat`` cut by ``params`` (a worker's share);
+    ``last``: whether it ends its step (the hook counts steps on the last bucket).
+    """
+
+    def __init__(
+        self,
+        index: int,
+        flat: torch.Tensor,
+        params: Sequence[torch.Tensor],
+        parts: list[torch.Tensor] | None = None,
+        last: bool = True,
+    ) -> None:
+        self._index, self._buffer, self._params = index, flat, list(params)
+        self._parts, self._last = parts, last
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        return split(self._buffer, self._params) if self._parts is None else self._parts
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self._params
+
+    def is_last(self) -> bool:
+        return self._last
+
+    def set_buffer(self, buffer: torch.Tensor) -> None:
+        self._buffer = buffer
+
+
+class SavedBuckets:
+    """The buckets of a quantized average's last step, and ``saved`` (a saved run's,
+    :meth:`saved`'s output) that the next step's buckets are cut into.
+
+    Only buckets DDP settled on are worth saving (:attr:`settled`: false after a fresh DDP
+    model's first step). Pickled as its saved form, as a loaded one cuts its next step.
+    """
+
+    def __init__(self, saved: Sequence[Numbers] = ()) -> None:
+        self._start(saved)
+
+    def _start(self, saved: Sequence[Numbers]) -> None:
+        self.last: list[Numbers] = list(saved)  # the last step's buckets, by index
+        self.settled = bool(saved)
+        self._replay: list[Numbers] | None = list(saved) or None
+        self._step: dict[int, Numbers] = {}  # this step's buckets so far
+        self._steps = 0  # steps seen since made or loaded
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"saved": self.saved()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._start(state["saved"])
+
+    def saved(self) -> list[Numbers]:
+        """The buckets to save: the last step's where DDP had settled on them, else none."""
+        return list(self.last) if self.settled else []
+
+    def average(self, numbers: Numbers, bucket: GradBucket, run: Run) -> Future:
+        """``run(bucket)``, or, at the first step after a load, ``run`` on each of the saved
+        buckets ``bucket`` holds (its parameters' ``numbers``, in its order). Remembers which
+        parameters each of DDP's buckets held (a fragment's or an FSDP2 shard's bucket holds
+        the same at every step)."""
+        if not isinstance(bucket, GradBucket):
+            return run(bucket)
+        parts = None if self._replay is None else self._cut(numbers)
+        if parts is None or parts == [(bucket.index(), numbers)]:  # as it is, or as saved
+            self._note(bucket.index(), numbers, bucket.is_last(), cut=parts is not None)
+            return run(bucket)
+        return self._average_parts(bucket, numbers, parts, run)
+
+    def _cut(self, numbers: Numbers) -> list[tuple[int, Numbers]] | None:
+        """The saved buckets (with their indices) that ``numbers`` is made of, or ``None``
+        (with a warning) where it holds parts of them."""
+        assert self._replay is not None
+        held = set(numbers)
+        parts = [(i, saved) for i, saved in enumerate(self._replay) if set(saved) <= held]
+        if sorted(n for _, saved in parts for n in saved) == sorted(numbers):
+            return parts
+        warn_once(
+            f"saved-buckets-{numbers}",
+            "commhooks: a DDP bucket of the first quantized step after a load holds "
+            f"parameters {sorted(numbers)}, which are not whole buckets of the saved run "
+            f"({[list(b) for b in self._replay]}), so this step's quantized average is not the "
+            "saved run's, bit for bit. Resume with the saved run's model and bucket_cap_mb.",
+        )
+        return None
+
+    def _average_parts(
+        self, bucket: GradBucket, numbers: Numbers, parts: list[tuple[int, Numbers]], run: Run
+    ) -> Future:
+        """Average each saved bucket of ``bucket`` as a bucket of its own (a copy of its
+        gradients, in the saved order), then put the averages back in ``bucket``'s buffer."""
+        grads = dict(zip(numbers, bucket.gradients()))
+        params = dict(zip(numbers, bucket.parameters()))
+        last = bucket.is_last()
+        futures: list[Future] = []
+        for k, (index, saved) in enumerate(parts):
+            flat = torch.cat([grads[n].reshape(-1) for n in saved])
+            ends = last and k == len(parts) - 1
+            futures.append(run(FlatBucket(index, flat, [params[n] for n in saved], last=ends)))
+            self._note(index, saved, ends, cut=True)
+        targets = [[grads[n] for n in saved] for _, saved in parts]
+        buffer = bucket.buffer()
+        return comm.then(
+            torch.futures.collect_all(futures), lambda done: _put_back(done, targets, buffer)
+        )
+
+    def _note(self, index: int, numbers: Numbers, last: bool, cut: bool) -> None:
+        """Remember a bucket of this step; at its last bucket, the step's buckets."""
+        self._step[index] = numbers
+        if not last:
+            return
+        self.last = [self._step[i] for i in sorted(self._step)]
+        self._steps += 1
+        self.settled = cut or self._steps > 1  # cut as saved, or past DDP's rebuild
+        self._step, self._replay = {}, None
+
+
+def _put_back(
+    done: torch.futures.Future[list[torch.futures.Future[torch.Tensor]]],
+    targets: list[list[torch.Tensor]],
+    buffer: torch.Tensor,
+) -> torch.Tensor:
+    """Each part's average into its gradients' places in ``buffer``."""
+    for future, grads in zip(done.value(), targets):
+        averaged = future.wait()  # raises if it failed; on a GPU, orders the streams
+        for grad, average in zip(grads, split(averaged, grads)):
+            grad.copy_(average)
+    return buffer
+
+
+def split(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of ``flat``, one shaped as each of ``like``, in order."""
+    out, offset = [], 0
+    for t in like:
+        out.append(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+    return out
+
+
+def parse_buckets(where: str, raw: Any, name: str = "buckets") -> list[Numbers]:
+    """Saved buckets (entry ``name``): lists of parameter numbers, no number in two (else
+    ``StateDictError``, naming the entry and what it must be)."""
+    entry = f"{where} {name!r}"
+    if not isinstance(raw, list) or not all(isinstance(b, (list, tuple)) and b for b in raw):
+        raise StateDictError(
+            f"{entry} must be a list of buckets, each a non-empty list of parameter numbers; "
+            f"got {raw!r:.80}. Pass the unchanged output of state_dict()."
+        )
+    out = [tuple(check_count(f"{entry}[{i}]", n) for n in b) for i, b in enumerate(raw)]
+    every = [n for b in out for n in b]
+    if len(every) != len(set(every)):
+        raise StateDictError(f"{entry} names a parameter in two buckets: {raw!r:.80}.")
+    return out
