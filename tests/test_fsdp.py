@@ -19,6 +19,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commhooks
+from commhooks import comm
 from commhooks.config import hook_spec
 from commhooks.integrations.checkpoint import DistributedCheckpointState
 from commhooks.testing import RankError, run_on_ranks
@@ -184,7 +185,24 @@ def grid_of_four(rank: int, world_size: int) -> dict:
     local = sum(p.to_local().numel() for p in trained(shards))
     out["accumulation"] = (state.iter, state.compression_stats()[1], local, plain, full(ddp.module))
     out["neighbour"] = {hook: neighbour_files(mesh, rank, hook, opts) for hook, opts in NEIGHBOURS}
+    out["two_hops"] = two_hops_on_machines_of_two(rank)
     return out
+
+
+def two_hops_on_machines_of_two(rank: int) -> dict:
+    """int8 over a replicate group of the four ranks (shards of one rank), labelled 2 machines
+    of 2 ranks: whether it took two hops, and the parameters, with ``topology`` auto and flat."""
+    os.environ[comm.topology.MACHINE_ID_VAR] = f"machine{rank // 2}"
+    try:
+        mesh = init_device_mesh("cpu", (4, 1), mesh_dim_names=("replicate", "shard"))
+        runs = {}
+        for topology in ("auto", "flat"):
+            params, state = fsdp_run(mesh, "int8", data(rank), topology=topology)
+            runs[topology] = state.hops is not None, params
+        allreduce, _ = fsdp_run(mesh, "allreduce", data(rank))
+    finally:
+        del os.environ[comm.topology.MACHINE_ID_VAR]
+    return {**runs, "allreduce": allreduce}
 
 
 NEIGHBOURS = (("int8", {}), ("power_sgd", FAST))
@@ -500,6 +518,15 @@ def test_bf16_reduce_dtype_equals_native_hsdp(four):
         assert relative(ours, r["allreduce"]) < 1e-2  # bfloat16 rounding only
         assert torch.isfinite(r["bf16_power_sgd"]).all()
         assert torch.equal(r["bf16_power_sgd"], four[0]["bf16_power_sgd"])
+
+
+def test_int8_across_machines_of_two_ranks_takes_two_hops_under_fsdp2(four):
+    for r in four:
+        (hops, params), (flat_hops, flat) = r["two_hops"]["auto"], r["two_hops"]["flat"]
+        assert hops and not flat_hops
+        assert torch.equal(params, four[0]["two_hops"]["auto"][1])  # the same bits everywhere
+        exact = r["two_hops"]["allreduce"]  # both paths quantize, within int8's error
+        assert 0 < relative(params, exact) < 5e-4 and 0 < relative(flat, exact) < 5e-4
 
 
 def test_replicate_group_works_as_the_mesh_does(four):
