@@ -2,6 +2,7 @@
 machine's share quantized across, gather within) against the flat path, on 4 gloo ranks made
 2 machines of 2 by ``COMMHOOKS_MACHINE_ID``; uneven machines; checkpoints across shapes."""
 
+import contextlib
 import functools
 import os
 import threading
@@ -370,7 +371,8 @@ RESUMED = {
 
 def _trained(rank, world_size, folder, resume, bucket_cap_mb):
     """Six steps on 2 x 2, saved after the third; with ``resume``, the last three from that
-    file, in fresh processes. Whether two hops ran, the parameters after, the warnings."""
+    file, in fresh processes, their collectives completing as NCCL's do (a GPU's control
+    flow). Whether two hops ran, the parameters after, the warnings."""
     out = {}
     for name, (hook, options) in RESUMED.items():
         path = os.path.join(folder, f"{name}-{rank}.pt")
@@ -389,7 +391,8 @@ def _trained(rank, world_size, folder, resume, bucket_cap_mb):
         else:
             state.load_state_dict(saved["hook"])
             opt.load_state_dict(saved["opt"])
-        with warnings.catch_warnings(record=True) as caught:
+        inline = comm.completing_inline() if resume else contextlib.nullcontext()
+        with warnings.catch_warnings(record=True) as caught, inline:
             warnings.simplefilter("always")
             train(ddp, data[3:], optimizer=opt)
         out[name] = state.hops is not None, flat_params(model), [str(w.message) for w in caught]
@@ -401,7 +404,8 @@ def test_a_run_on_either_path_resumes_bit_for_bit_in_fresh_processes(tmp_path, b
     # A fresh DDP's first step hands over one bucket of every parameter, listed backwards:
     # the state cuts it into the buckets of the saved run's last step, and each share is cut
     # from its bucket laid out by parameter number, so the first step after the restart
-    # quantizes the same blocks, and meets the same memories, as the uninterrupted run.
+    # quantizes the same blocks, and meets the same memories, as the uninterrupted run (the
+    # resumed one on a GPU's control flow, whose bits are gloo's).
     args = str(tmp_path), False, bucket_cap_mb
     whole = run_on_ranks(_trained, 4, *args, prepare=_two_by_two, timeout=140)
     args = str(tmp_path), True, bucket_cap_mb
