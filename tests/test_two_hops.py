@@ -369,7 +369,7 @@ RESUMED = {
 }
 
 
-def _trained(rank, world_size, folder, resume, bucket_cap_mb):
+def _trained(rank, world_size, folder, resume, ddp_options):
     """Six steps on 2 x 2, saved after the third; with ``resume``, the last three from that
     file, in fresh processes, their collectives completing as NCCL's do (a GPU's control
     flow). Whether two hops ran, the parameters after, the warnings."""
@@ -380,7 +380,7 @@ def _trained(rank, world_size, folder, resume, bucket_cap_mb):
         saved = torch.load(path, weights_only=True) if resume else None
         if saved is not None:
             model.load_state_dict(saved["model"])
-        ddp = make_ddp(model, bucket_cap_mb=bucket_cap_mb)
+        ddp = make_ddp(model, **ddp_options)
         state = commhooks.register(ddp, hook, **options)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
         data = batches(rank, 6)
@@ -399,16 +399,25 @@ def _trained(rank, world_size, folder, resume, bucket_cap_mb):
     return out
 
 
-@pytest.mark.parametrize("bucket_cap_mb", [25, 0.004], ids=["one bucket", "three buckets"])
-def test_a_run_on_either_path_resumes_bit_for_bit_in_fresh_processes(tmp_path, bucket_cap_mb):
-    # A fresh DDP's first step hands over one bucket of every parameter, listed backwards:
-    # the state cuts it into the buckets of the saved run's last step, and each share is cut
-    # from its bucket laid out by parameter number, so the first step after the restart
-    # quantizes the same blocks, and meets the same memories, as the uninterrupted run (the
-    # resumed one on a GPU's control flow, whose bits are gloo's).
-    args = str(tmp_path), False, bucket_cap_mb
+@pytest.mark.parametrize(
+    "ddp_options",
+    [
+        {"bucket_cap_mb": 25},
+        {"bucket_cap_mb": 0.004},
+        {"bucket_cap_mb": 0.004, "static_graph": True},
+    ],
+    ids=["one bucket", "three buckets", "three buckets, static graph"],
+)
+def test_a_run_on_either_path_resumes_bit_for_bit_in_fresh_processes(tmp_path, ddp_options):
+    # A fresh DDP's first step (two with a static graph) hands over one bucket of every
+    # parameter, listed backwards: the state cuts it into the buckets of the saved run's last
+    # step until DDP hands those over itself, and each share is cut from its bucket laid out
+    # by parameter number, so the steps after the restart quantize the same blocks, and meet
+    # the same memories, as the uninterrupted run (the resumed one on a GPU's control flow,
+    # whose bits are gloo's).
+    args = str(tmp_path), False, ddp_options
     whole = run_on_ranks(_trained, 4, *args, prepare=_two_by_two, timeout=140)
-    args = str(tmp_path), True, bucket_cap_mb
+    args = str(tmp_path), True, ddp_options
     again = run_on_ranks(_trained, 4, *args, prepare=_two_by_two, timeout=140)
     for ran, resumed in zip(whole, again):
         for name in RESUMED:

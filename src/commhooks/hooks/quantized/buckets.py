@@ -70,10 +70,11 @@ class FlatBucket:
 
 class SavedBuckets:
     """The buckets of a quantized average's last step, and ``saved`` (a saved run's,
-    :meth:`saved`'s output) that the next step's buckets are cut into.
+    :meth:`saved`'s output) that DDP's buckets are cut into until it hands them over itself.
 
-    Only buckets DDP settled on are worth saving (:attr:`settled`: false after a fresh DDP
-    model's first step). Pickled as its saved form, as a loaded one cuts its next step.
+    Only buckets DDP settled on are worth saving (:attr:`settled`): DDP hands a fresh model's
+    first step (two with ``static_graph=True``) over in buckets of its own, then rebuilds them.
+    Pickled as its saved form, as a loaded one cuts the next steps.
     """
 
     def __init__(self, saved: Sequence[Numbers] = ()) -> None:
@@ -83,7 +84,9 @@ class SavedBuckets:
         self.last: list[Numbers] = list(saved)  # the last step's buckets, by index
         self.settled = bool(saved)
         self._replay: list[Numbers] | None = list(saved) or None
+        self._first: list[Numbers] | None = None  # the first step's, since made or loaded
         self._step: dict[int, Numbers] = {}  # this step's buckets so far
+        self._cutting = False  # whether this step cut a bucket into saved ones
         self._steps = 0  # steps seen since made or loaded
 
     def __getstate__(self) -> dict[str, Any]:
@@ -97,15 +100,15 @@ class SavedBuckets:
         return list(self.last) if self.settled else []
 
     def average(self, numbers: Numbers, bucket: GradBucket, run: Run) -> Future:
-        """``run(bucket)``, or, at the first step after a load, ``run`` on each of the saved
-        buckets ``bucket`` holds (its parameters' ``numbers``, in its order). Remembers which
-        parameters each of DDP's buckets held (a fragment's or an FSDP2 shard's bucket holds
-        the same at every step)."""
+        """``run(bucket)``, or, after a load until DDP hands over the saved buckets, ``run`` on
+        each of the saved buckets ``bucket`` holds (its parameters' ``numbers``, in its order).
+        Remembers which parameters each of DDP's buckets held (a fragment's or an FSDP2
+        shard's bucket holds the same at every step)."""
         if not isinstance(bucket, GradBucket):
             return run(bucket)
         parts = None if self._replay is None else self._cut(numbers)
         if parts is None or parts == [(bucket.index(), numbers)]:  # as it is, or as saved
-            self._note(bucket.index(), numbers, bucket.is_last(), cut=parts is not None)
+            self._note(bucket.index(), numbers, bucket.is_last(), as_saved=parts is not None)
             return run(bucket)
         return self._average_parts(bucket, numbers, parts, run)
 
@@ -133,28 +136,33 @@ class SavedBuckets:
         gradients, in the saved order), then put the averages back in ``bucket``'s buffer."""
         grads = dict(zip(numbers, bucket.gradients()))
         params = dict(zip(numbers, bucket.parameters()))
-        last = bucket.is_last()
+        last, self._cutting = bucket.is_last(), True
         futures: list[Future] = []
         for k, (index, saved) in enumerate(parts):
             flat = torch.cat([grads[n].reshape(-1) for n in saved])
             ends = last and k == len(parts) - 1
             futures.append(run(FlatBucket(index, flat, [params[n] for n in saved], last=ends)))
-            self._note(index, saved, ends, cut=True)
+            self._note(index, saved, ends, as_saved=True)
         targets = [[grads[n] for n in saved] for _, saved in parts]
         buffer = bucket.buffer()
         return comm.then(
             torch.futures.collect_all(futures), lambda done: _put_back(done, targets, buffer)
         )
 
-    def _note(self, index: int, numbers: Numbers, last: bool, cut: bool) -> None:
-        """Remember a bucket of this step; at its last bucket, the step's buckets."""
+    def _note(self, index: int, numbers: Numbers, last: bool, as_saved: bool) -> None:
+        """Remember a bucket of this step; at its last bucket, the step's buckets: settled
+        where cut as saved, other than the first step's (DDP rebuilt them), or after DDP's
+        first two steps, and cut no more once a step needed no cut."""
         self._step[index] = numbers
         if not last:
             return
         self.last = [self._step[i] for i in sorted(self._step)]
+        self._first = self._first or self.last
         self._steps += 1
-        self.settled = cut or self._steps > 1  # cut as saved, or past DDP's rebuild
-        self._step, self._replay = {}, None
+        self.settled = as_saved or self.last != self._first or self._steps > 2
+        if not self._cutting:
+            self._replay = None
+        self._step, self._cutting = {}, False
 
 
 def _put_back(
