@@ -73,8 +73,8 @@ def quantized_hook(
 def _step(
     state: QuantizationState, bucket: GradBucket, group: dist.ProcessGroup
 ) -> torch.futures.Future[torch.Tensor]:
-    """One bucket's average (DDP's, or one of the saved buckets the first step after a load
-    is cut into: :class:`~commhooks.hooks.quantized.buckets.SavedBuckets`)."""
+    """One bucket's average (DDP's, or one of the saved buckets DDP's are cut into after a
+    load: :class:`~commhooks.hooks.quantized.buckets.SavedBuckets`)."""
     buffer = bucket.buffer()
     if state.settings.on_nonfinite == REPAIR:
         return repaired(REPAIR, bucket, group, HOOK, lambda: _average(state, bucket, buffer, group))

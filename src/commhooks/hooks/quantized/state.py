@@ -89,7 +89,7 @@ class QuantizationState(HookState):
         self.settings = QuantizationOptions.from_mapping({"bits": bits, **options})
         self.iter = 0
         self.error, self.owner_error = self._memory(), self._memory()
-        self.buckets = SavedBuckets()  # the last step's, which a restart's first is cut into
+        self.buckets = SavedBuckets()  # the last step's, which a restart's are cut into
         self._saved_place: dict[str, Any] | None = None  # where a loaded dict was saved
         self._generator_states: torch.Tensor | None = None  # loaded, not yet in use
         self._restore_transient()
@@ -360,7 +360,7 @@ class QuantizationState(HookState):
     def forget_parts_of(self, numbers: set[int]) -> None:
         """Drop the memories of parameters ``numbers``, of which a two-hop share cut anew holds
         no part (DDP's first step cuts one bucket of them all, its rebuild several): kept, they
-        would meet no gradient again, not even after a restart, whose first step is cut as the
+        would meet no gradient again, not even after a restart, whose buckets are cut as the
         saved run's last (:class:`~commhooks.hooks.quantized.buckets.SavedBuckets`)."""
         if not numbers:
             return
@@ -474,10 +474,10 @@ class QuantizationState(HookState):
         compressing = self.iter >= self.settings.warmup_steps  # the next step
         if not buckets.settled and buckets.last and compressing:
             warnings.warn(
-                f"{OWNER}.state_dict: saved after the first step of its DDP model, before DDP "
-                "rebuilt its buckets, so a run resumed from it averages its next step in other "
-                "buckets: not bit for bit where the model fills several. Save after a later "
-                "step for a bitwise resume.",
+                f"{OWNER}.state_dict: saved after the first step of its DDP model (or the "
+                "second, with static_graph=True), before DDP rebuilt its buckets, so a run "
+                "resumed from it averages its next step in other buckets: not bit for bit "
+                "where the model fills several. Save after a later step for a bitwise resume.",
                 CommHooksWarning,
                 stacklevel=4,
             )
