@@ -398,6 +398,7 @@ def test_checkpoint_resumes_exactly_in_fresh_processes(tmp_path):
         ("error", {"0": torch.full((3,), float("nan"))}, "inf or NaN"),
         ("owner_error", {"x": torch.zeros(2)}, "'x' is not a valid key"),
         ("iter", 2.5, "iter' must be an integer"),
+        ("buckets", [[0], "1"], "'buckets' must be a list of buckets"),
         ("generators", torch.zeros(2, 3, dtype=torch.uint8), "not a generator state"),
         ("kind", "powersgd", "saved by a 'powersgd' state"),
     ],

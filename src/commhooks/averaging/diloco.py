@@ -38,8 +38,8 @@ from commhooks.averaging.outer import (
 from commhooks.averaging.parameters import Named, average_parameters, named_in_groups
 from commhooks.compress.error_feedback import all_finite
 from commhooks.hooks._bucket import GradBucket, gradient_buffer
+from commhooks.hooks.buckets import FlatBucket, SavedBuckets, parse_buckets, split
 from commhooks.hooks.quantized import QuantizationState, quantized_hook
-from commhooks.hooks.quantized.buckets import FlatBucket, SavedBuckets, parse_buckets, split
 from commhooks.state import StateDictError, check_count, check_tensor
 
 __all__ = [
@@ -585,7 +585,7 @@ class StreamingDiLoCo(ModelAverager):
 
     def _warmup_buckets_saved(self) -> list[list[int]]:
         """The quantized warm-up's last buckets, which a resumed run's first step is cut into
-        (:class:`~commhooks.hooks.quantized.buckets.SavedBuckets`), where DDP had settled on
+        (:class:`~commhooks.hooks.buckets.SavedBuckets`), where DDP had settled on
         them: its quantizer's state dict holds them too, and this entry is read from older
         files."""
         if self.warmup_quantizer is None:

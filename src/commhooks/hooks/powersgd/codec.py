@@ -15,6 +15,7 @@ from commhooks import place
 from commhooks.compress import lowrank
 from commhooks.compress.error_feedback import ErrorFeedback, Key
 from commhooks.compress.factors import FactorMemory
+from commhooks.hooks.buckets import Numbers, parse_buckets
 from commhooks.state import StateDictError, check_count, check_tensor
 
 from .options import COSMETIC, PowerSGDOptions
@@ -49,6 +50,7 @@ class Snapshot:
     factors: FactorMemory
     layouts: dict[str, tuple[int, ...]]
     hook: str | None
+    buckets: list[Numbers]  # DDP's last step's (commhooks.hooks.buckets.SavedBuckets)
 
 
 def key_of(name: object) -> Key:
@@ -81,6 +83,7 @@ def encode(snap: Snapshot, options: PowerSGDOptions) -> dict[str, Any]:
         **snap.factors.state_dict(),
         "layouts": {k: list(v) for k, v in snap.layouts.items()},
         "hook": snap.hook,
+        "buckets": [list(b) for b in snap.buckets],
     }
 
 
@@ -134,6 +137,7 @@ def _parse(
         factors=factors,
         layouts=_layouts(sd["layouts"]),
         hook=_hook(sd["hook"], memory, factors),
+        buckets=parse_buckets(_WHERE, sd.get("buckets", [])),  # (absent from older files)
     )
 
 

@@ -62,8 +62,17 @@ def powerSGD_hook(
             floating-point one.
         StateDictError: ``state`` belongs to :func:`batched_powerSGD_hook`.
     """
-    state, buffer, group = _begin(state, bucket, LAYERWISE)
+    state, _, group = _begin(state, bucket, LAYERWISE)
     numbers = state.number(bucket.parameters())
+    return state.buckets.average(numbers, bucket, lambda part: _layerwise_step(state, part, group))
+
+
+def _layerwise_step(
+    state: PowerSGDState, bucket: dist.GradBucket, group: dist.ProcessGroup
+) -> "Future[torch.Tensor]":
+    """:func:`powerSGD_hook`'s step on one bucket (DDP's, or one of the saved buckets DDP's are
+    cut into after a load: :class:`~commhooks.hooks.buckets.SavedBuckets`)."""
+    buffer, numbers = bucket.buffer(), state.number(bucket.parameters())
     if not state.compressing():  # plain allreduce, before compression starts
         state.maybe_increase_iter(bucket)
         return comm.average(buffer, group)
@@ -90,8 +99,16 @@ def batched_powerSGD_hook(
     bucket, reset (with a warning) when DDP rebuilds the bucket with other parameters. Raises
     as :func:`powerSGD_hook` does.
     """
-    state, buffer, group = _begin(state, bucket, BATCHED)
+    state, _, group = _begin(state, bucket, BATCHED)
     numbers = state.number(bucket.parameters())
+    return state.buckets.average(numbers, bucket, lambda part: _batched_step(state, part, group))
+
+
+def _batched_step(
+    state: PowerSGDState, bucket: dist.GradBucket, group: dist.ProcessGroup
+) -> "Future[torch.Tensor]":
+    """:func:`batched_powerSGD_hook`'s step on one bucket, as :func:`_layerwise_step`."""
+    buffer, numbers = bucket.buffer(), state.number(bucket.parameters())
     if not state.compressing():  # plain allreduce, before compression starts
         state.maybe_increase_iter(bucket)
         return comm.average(buffer, group)

@@ -17,6 +17,7 @@ from commhooks._warnings import CommHooksWarning, warn_once
 from commhooks.compress import lowrank
 from commhooks.compress.error_feedback import ErrorFeedback, Key
 from commhooks.compress.factors import FactorMemory
+from commhooks.hooks.buckets import SavedBuckets
 from commhooks.numbering import ParameterNumbering
 from commhooks.options import SettingView
 from commhooks.state import HookState, StateDictError
@@ -105,8 +106,13 @@ class PowerSGDState(HookState):
         self.memory = ErrorFeedback(codec.OWNER, self.describe, lowrank.plausible_residual)
         self.factors = FactorMemory(codec.OWNER, self.describe)
         self.layouts: dict[str, tuple[int, ...]] = {}
+        self.buckets = SavedBuckets()  # DDP's last step's, which a restart's are cut into
         self._saved_world: SavedPlace = (None, None, None)
         self._restore_transient()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state.setdefault("buckets", SavedBuckets())  # pickled before states kept them
+        super().__setstate__(state)
 
     def _restore_transient(self) -> None:
         self._plans: dict[tuple[int, ...], Plan] = {}
@@ -351,6 +357,7 @@ class PowerSGDState(HookState):
             factors=self.factors,
             layouts=self.layouts,
             hook=self.hook_name,
+            buckets=self.buckets.saved(),
         )
         return codec.encode(snapshot, self.settings)
 
@@ -363,6 +370,7 @@ class PowerSGDState(HookState):
             setattr(self, name, count)
         self.rng.set_state(snap.rng)
         self.memory, self.factors, self.layouts = snap.memory, snap.factors, snap.layouts
+        self.buckets = SavedBuckets(snap.buckets)
         self.hook_name = self.hook_name or snap.hook
         self._saved_world = (snap.world_size, snap.rank, snap.place)
         if self.handshake_fields() != agreed:

@@ -74,7 +74,7 @@ def _step(
     state: QuantizationState, bucket: GradBucket, group: dist.ProcessGroup
 ) -> torch.futures.Future[torch.Tensor]:
     """One bucket's average (DDP's, or one of the saved buckets DDP's are cut into after a
-    load: :class:`~commhooks.hooks.quantized.buckets.SavedBuckets`)."""
+    load: :class:`~commhooks.hooks.buckets.SavedBuckets`)."""
     buffer = bucket.buffer()
     if state.settings.on_nonfinite == REPAIR:
         return repaired(REPAIR, bucket, group, HOOK, lambda: _average(state, bucket, buffer, group))

@@ -19,7 +19,7 @@ from commhooks._warnings import CommHooksWarning, warn_once
 from commhooks.compress import blocks
 from commhooks.compress.error_feedback import ErrorFeedback, Key
 from commhooks.hooks._bucket import GradBucket
-from commhooks.hooks.quantized.buckets import SavedBuckets, parse_buckets
+from commhooks.hooks.buckets import SavedBuckets, parse_buckets
 from commhooks.hooks.quantized.layout import (
     BucketLayout,
     Workspace,
@@ -361,7 +361,7 @@ class QuantizationState(HookState):
         """Drop the memories of parameters ``numbers``, of which a two-hop share cut anew holds
         no part (DDP's first step cuts one bucket of them all, its rebuild several): kept, they
         would meet no gradient again, not even after a restart, whose buckets are cut as the
-        saved run's last (:class:`~commhooks.hooks.quantized.buckets.SavedBuckets`)."""
+        saved run's last (:class:`~commhooks.hooks.buckets.SavedBuckets`)."""
         if not numbers:
             return
         with self._committing:  # other buckets' commits may add keys meanwhile

@@ -1,12 +1,13 @@
-"""The buckets a quantized average last cut its step into, so that the first step after a
-restart is cut the same way; and :class:`FlatBucket`, a flat tensor with a bucket's methods.
+"""The buckets a hook's state last averaged, so that the steps after a restart are cut the same
+way; and :class:`FlatBucket`, a flat tensor with a bucket's methods.
 
-The quantized average's bits, and which rank owns which elements (its second memory), depend
-on which parameters share a bucket, and a fresh DDP model hands its hook the first step in one
-bucket of all of them, rebuilt into several after that step: a resumed run would average its
-first step in other blocks than the uninterrupted run, and drop the owners' memories that the
-other cut moves. :class:`SavedBuckets` remembers the buckets of the last step; saved with the
-memories, they cut the first step after a load into the saved run's buckets.
+What a compressing hook sends, and the state it keeps, can depend on which parameters share a
+bucket: the quantized average's blocks and which rank owns which elements, the batched PowerSGD
+hook's matrix, even the order a ring sums an element in. A fresh DDP model hands its hook the
+first step (two with ``static_graph=True``) in one bucket of every parameter, and rebuilds its
+buckets after that: a resumed run would average those steps otherwise than the uninterrupted
+run did. :class:`SavedBuckets` remembers the buckets of the last step; saved with the state,
+they cut DDP's buckets after a load into the saved run's, until DDP hands those over itself.
 
 Hook modules must not use ``from __future__ import annotations``: DDP rejects string annotations.
 """
@@ -152,7 +153,8 @@ class SavedBuckets:
     def _note(self, index: int, numbers: Numbers, last: bool, as_saved: bool) -> None:
         """Remember a bucket of this step; at its last bucket, the step's buckets: settled
         where cut as saved, other than the first step's (DDP rebuilt them), or after DDP's
-        first two steps, and cut no more once a step needed no cut."""
+        first two steps; and cut no more once a step needed no cut, or after two steps (DDP
+        then hands over the buckets of the bucket_cap_mb it was given, maybe another)."""
         self._step[index] = numbers
         if not last:
             return
@@ -160,7 +162,7 @@ class SavedBuckets:
         self._first = self._first or self.last
         self._steps += 1
         self.settled = as_saved or self.last != self._first or self._steps > 2
-        if not self._cutting:
+        if not self._cutting or self._steps >= 2:
             self._replay = None
         self._step, self._cutting = {}, False
 
