@@ -62,7 +62,7 @@ def powerSGD_hook(
             floating-point one.
         StateDictError: ``state`` belongs to :func:`batched_powerSGD_hook`.
     """
-    state, _, group = _begin(state, bucket, LAYERWISE)
+    state, group = _begin(state, bucket, LAYERWISE)
     numbers = state.number(bucket.parameters())
     return state.buckets.average(numbers, bucket, lambda part: _layerwise_step(state, part, group))
 
@@ -96,10 +96,11 @@ def batched_powerSGD_hook(
 
     Cheaper than :func:`powerSGD_hook` (one product per bucket) but far less accurate unless
     the rank is 1: a flat bucket has no low-rank structure across layers. State is kept per
-    bucket, reset (with a warning) when DDP rebuilds the bucket with other parameters. Raises
-    as :func:`powerSGD_hook` does.
+    bucket, reset (with a warning) when DDP rebuilds the bucket with other parameters; after a
+    load, DDP's first buckets are cut as the saved run's were, so they meet their state.
+    Raises as :func:`powerSGD_hook` does.
     """
-    state, _, group = _begin(state, bucket, BATCHED)
+    state, group = _begin(state, bucket, BATCHED)
     numbers = state.number(bucket.parameters())
     return state.buckets.average(numbers, bucket, lambda part: _batched_step(state, part, group))
 
@@ -152,15 +153,15 @@ def state_maker(
 
 def _begin(
     state: Any, bucket: dist.GradBucket, hook: str
-) -> tuple[PowerSGDState, torch.Tensor, dist.ProcessGroup]:
+) -> tuple[PowerSGDState, dist.ProcessGroup]:
     """What both hooks do first, before any collective: check their arguments, get the group."""
     if not isinstance(state, PowerSGDState):
         raise TypeError(
             f"{hook} needs a commhooks.PowerSGDState as its state, got {type(state).__name__}. "
             f"Register it as ddp_model.register_comm_hook(PowerSGDState(None, ...), {hook})."
         )
-    buffer = float_buffer(bucket, hook)  # refuses a sparse gradient, naming the hooks to use
-    return state, buffer, state.prepare(hook)
+    float_buffer(bucket, hook)  # refuses a sparse gradient, naming the hooks to use
+    return state, state.prepare(hook)
 
 
 def _run(step: BucketStep) -> "Future[torch.Tensor]":
