@@ -29,6 +29,8 @@ Numbers = tuple[int, ...]
 Future = torch.futures.Future[torch.Tensor]
 Run = Callable[[Any], Future]
 """The average of one bucket (DDP's, or a :class:`FlatBucket` cut from it)."""
+Number = Callable[[list[torch.Tensor]], Numbers]
+"""The state's stable numbers of a bucket's parameters (:mod:`commhooks.numbering`)."""
 
 
 class FlatBucket:
@@ -89,6 +91,7 @@ class SavedBuckets:
         self._step: dict[int, Numbers] = {}  # this step's buckets so far
         self._cutting = False  # whether this step cut a bucket into saved ones
         self._steps = 0  # steps seen since made or loaded
+        self._frozen = False  # DDP's buckets settled, and the same two steps running
 
     def __getstate__(self) -> dict[str, Any]:
         return {"saved": self.saved()}
@@ -100,13 +103,14 @@ class SavedBuckets:
         """The buckets to save: the last step's where DDP had settled on them, else none."""
         return list(self.last) if self.settled else []
 
-    def average(self, numbers: Numbers, bucket: GradBucket, run: Run) -> Future:
+    def average(self, bucket: GradBucket, number: Number, run: Run) -> Future:
         """``run(bucket)``, or, after a load until DDP hands over the saved buckets, ``run`` on
-        each of the saved buckets ``bucket`` holds (its parameters' ``numbers``, in its order).
-        Remembers which parameters each of DDP's buckets held (a fragment's or an FSDP2
-        shard's bucket holds the same at every step)."""
-        if not isinstance(bucket, GradBucket):
+        each of the saved buckets ``bucket`` holds. Remembers which parameters (``number``
+        gives their numbers) each of DDP's buckets held, until they stop changing (a
+        fragment's or an FSDP2 shard's bucket holds the same at every step)."""
+        if self._frozen or not isinstance(bucket, GradBucket):
             return run(bucket)
+        numbers = number(bucket.parameters())
         parts = None if self._replay is None else self._cut(numbers)
         if parts is None or parts == [(bucket.index(), numbers)]:  # as it is, or as saved
             self._note(bucket.index(), numbers, bucket.is_last(), as_saved=parts is not None)
@@ -158,12 +162,14 @@ class SavedBuckets:
         self._step[index] = numbers
         if not last:
             return
-        self.last = [self._step[i] for i in sorted(self._step)]
+        previous, self.last = self.last, [self._step[i] for i in sorted(self._step)]
         self._first = self._first or self.last
         self._steps += 1
         self.settled = as_saved or self.last != self._first or self._steps > 2
         if not self._cutting or self._steps >= 2:
             self._replay = None
+        # DDP rebuilds its buckets once: settled and unchanged, they are not noted again.
+        self._frozen = self._replay is None and self.settled and self.last == previous
         self._step, self._cutting = {}, False
 
 

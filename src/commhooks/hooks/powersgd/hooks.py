@@ -63,8 +63,7 @@ def powerSGD_hook(
         StateDictError: ``state`` belongs to :func:`batched_powerSGD_hook`.
     """
     state, group = _begin(state, bucket, LAYERWISE)
-    numbers = state.number(bucket.parameters())
-    return state.buckets.average(numbers, bucket, lambda part: _layerwise_step(state, part, group))
+    return state.buckets.average(bucket, state.number, lambda b: _layerwise_step(state, b, group))
 
 
 def _layerwise_step(
@@ -101,8 +100,7 @@ def batched_powerSGD_hook(
     Raises as :func:`powerSGD_hook` does.
     """
     state, group = _begin(state, bucket, BATCHED)
-    numbers = state.number(bucket.parameters())
-    return state.buckets.average(numbers, bucket, lambda part: _batched_step(state, part, group))
+    return state.buckets.average(bucket, state.number, lambda b: _batched_step(state, b, group))
 
 
 def _batched_step(

@@ -66,8 +66,7 @@ def quantized_hook(
         )
     float_buffer(bucket, HOOK)
     group = state.prepare()
-    numbers = state.number(bucket.parameters())
-    return state.buckets.average(numbers, bucket, lambda part: _step(state, part, group))
+    return state.buckets.average(bucket, state.number, lambda part: _step(state, part, group))
 
 
 def _step(
