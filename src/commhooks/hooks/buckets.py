@@ -18,14 +18,13 @@ from typing import Any
 import torch
 
 from commhooks import comm
-from commhooks._warnings import warn_once
 from commhooks.hooks._bucket import GradBucket
 from commhooks.state import StateDictError, check_count
 
 __all__ = ["FlatBucket", "SavedBuckets", "parse_buckets", "split"]
 
 Numbers = tuple[int, ...]
-"""The parameters of a bucket, by the quantizer's numbers, in the bucket's order."""
+"""The parameters of a bucket, by the state's stable numbers, in the bucket's order."""
 Future = torch.futures.Future[torch.Tensor]
 Run = Callable[[Any], Future]
 """The average of one bucket (DDP's, or a :class:`FlatBucket` cut from it)."""
@@ -34,8 +33,9 @@ Number = Callable[[list[torch.Tensor]], Numbers]
 
 
 class FlatBucket:
-    """A flat tensor with a gradient bucket's methods, for the quantized hook, which keys its
-    memories by the parameters it is handed: a fragment keeps them from sync to sync.
+    """A flat tensor with a gradient bucket's methods, for a hook that keys its state by the
+    parameters it is handed: a saved bucket cut from DDP's, or DiLoCo's fragment, which keeps
+    its memories from sync to sync.
 
     ``parts``: the gradients, where they are not ``flat`` cut by ``params`` (a worker's share);
     ``last``: whether it ends its step (the hook counts steps on the last bucket).
@@ -72,7 +72,7 @@ class FlatBucket:
 
 
 class SavedBuckets:
-    """The buckets of a quantized average's last step, and ``saved`` (a saved run's,
+    """The buckets of a hook's last step, and ``saved`` (a saved run's,
     :meth:`saved`'s output) that DDP's buckets are cut into until it hands them over itself.
 
     Only buckets DDP settled on are worth saving (:attr:`settled`): DDP hands a fresh model's
@@ -119,19 +119,13 @@ class SavedBuckets:
 
     def _cut(self, numbers: Numbers) -> list[tuple[int, Numbers]] | None:
         """The saved buckets (with their indices) that ``numbers`` is made of, or ``None``
-        (with a warning) where it holds parts of them."""
+        where it holds parts of them (resumed with another ``bucket_cap_mb``: DDP's buckets
+        are then taken as they are, as they will be after its rebuild)."""
         assert self._replay is not None
         held = set(numbers)
         parts = [(i, saved) for i, saved in enumerate(self._replay) if set(saved) <= held]
         if sorted(n for _, saved in parts for n in saved) == sorted(numbers):
             return parts
-        warn_once(
-            f"saved-buckets-{numbers}",
-            "commhooks: a DDP bucket of the first quantized step after a load holds "
-            f"parameters {sorted(numbers)}, which are not whole buckets of the saved run "
-            f"({[list(b) for b in self._replay]}), so this step's quantized average is not the "
-            "saved run's, bit for bit. Resume with the saved run's model and bucket_cap_mb.",
-        )
         return None
 
     def _average_parts(
