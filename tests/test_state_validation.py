@@ -86,6 +86,15 @@ def test_post_local_sgd_state_refuses_a_bad_step_count(value, message):
     assert state.iter == 0
 
 
+@pytest.mark.parametrize(("buckets", "message"), [("0,1", "must be a list"), ([[1], [1]], "two")])
+def test_post_local_sgd_state_refuses_bad_buckets_and_keeps_its_step(buckets, message):
+    state = commhooks.PostLocalSGDState(None, None, 2)
+    sd = {**state.state_dict(), "iter": 5, "buckets": buckets}
+    with pytest.raises(StateDictError, match=f"'buckets'.*{message}"):
+        state.load_state_dict(sd)
+    assert state.iter == 0 and state.buckets.saved() == []
+
+
 @pytest.mark.parametrize("sd", [[1, 2], None, {"kind": "post_local_sgd"}, {"version": 1}])
 def test_malformed_containers_raise_state_dict_error(sd):
     with pytest.raises(StateDictError):

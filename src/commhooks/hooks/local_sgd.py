@@ -18,6 +18,8 @@ import torch.distributed as dist
 from commhooks import comm, handshake
 from commhooks.comm.topology import MACHINE_ID_VAR, local_launch_info, machine_rank_lists
 from commhooks.hooks._bucket import GradBucket, gradient_buffer
+from commhooks.hooks.buckets import SavedBuckets, parse_buckets
+from commhooks.numbering import ParameterNumbering
 from commhooks.options import Options, count, flag, option
 from commhooks.state import HookState, check_count
 
@@ -63,7 +65,7 @@ class PostLocalSGDState(HookState):
     """
 
     kind: ClassVar[str] = "post_local_sgd"
-    _transient: ClassVar[tuple[str, ...]] = ("_subgroup", "_checked")
+    _transient: ClassVar[tuple[str, ...]] = ("_subgroup", "_checked", "_numbering")
 
     def __init__(
         self,
@@ -78,7 +80,9 @@ class PostLocalSGDState(HookState):
         )
         super().__init__(process_group)
         self.iter = 0
+        self.buckets = SavedBuckets()  # DDP's last step's, which a restart's are cut into
         self._checked = False
+        self._numbering = ParameterNumbering()
         self._subgroup_explicit = False
         self.bind(process_group, subgroup)
         logger.info("post-local SGD: global gradient averaging for %d steps", start_localSGD_iter)
@@ -175,19 +179,29 @@ class PostLocalSGDState(HookState):
                 logger.info("post-local SGD: local phase starts after %d steps", self.iter)
         return group, warming_up
 
+    def number(self, params: list[torch.Tensor]) -> tuple[int, ...]:
+        """The parameters' stable numbers, which :attr:`buckets` keeps DDP's buckets by."""
+        return self._numbering.numbers(params)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state.setdefault("buckets", SavedBuckets())  # pickled before states kept them
+        super().__setstate__(state)
+
     def _restore_transient(self) -> None:
         self._subgroup = None
         self._checked = False
+        self._numbering = ParameterNumbering()
         if not self._subgroup_explicit:
             self.subgroup_source = None
 
     def _save(self) -> dict[str, Any]:
-        return {"iter": self.iter}
+        return {"iter": self.iter, "buckets": [list(b) for b in self.buckets.saved()]}
 
     def _load(self, state_dict: Mapping[str, Any]) -> None:
-        self.iter = check_count(
-            f"{type(self).__name__}.load_state_dict: 'iter'", state_dict.get("iter")
-        )
+        where = f"{type(self).__name__}.load_state_dict:"
+        step = check_count(f"{where} 'iter'", state_dict.get("iter"))
+        buckets = parse_buckets(where, state_dict.get("buckets", []))  # (absent from older files)
+        self.iter, self.buckets = step, SavedBuckets(buckets)
         self._checked = False
 
 
@@ -210,7 +224,15 @@ def post_localSGD_hook(
             "ddp.register_comm_hook(PostLocalSGDState(None, None, start_localSGD_iter=...), "
             "post_localSGD_hook)."
         )
-    buffer = gradient_buffer(bucket, OWNER)
+    gradient_buffer(bucket, OWNER)
+    return state.buckets.average(bucket, state.number, lambda part: _step(state, part))
+
+
+def _step(state: PostLocalSGDState, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """One bucket's average (DDP's, or one of the saved buckets DDP's are cut into after a
+    load: :class:`~commhooks.hooks.buckets.SavedBuckets`), so that a resumed run sums each
+    element in the order the uninterrupted run did."""
+    buffer = bucket.buffer()
     group, warming_up = state.begin(bucket)
     if warming_up:
         return comm.average(buffer, group)
