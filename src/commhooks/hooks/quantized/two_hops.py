@@ -114,13 +114,16 @@ class Share:
     def of(
         state: QuantizationState, bucket: GradBucket, buffer: torch.Tensor, numbers: tuple[int, ...]
     ) -> "Share":
-        """The share of ``bucket`` its last step used, or a new one (the memories of the
-        bucket's parameters it holds no part of are then dropped: they were another cut's)."""
+        """The share of ``bucket`` its last step used, or a new one (where the bucket holds
+        other parameters, the memories of those it holds no part of are dropped: they were
+        another cut's)."""
         assert state.hops is not None, "a two-hop state"
         found = state.shares.get(bucket.index())
         if not isinstance(found, Share) or found.signature != _signature(bucket, buffer):
+            last = found.signature[2] if isinstance(found, Share) else None
             found = state.shares[bucket.index()] = Share(bucket, buffer, state.hops, numbers)
-            state.forget_parts_of(set(numbers) - set(state.number(found.bucket.parameters())))
+            if found.signature[2] != last:  # not only a new buffer
+                state.forget_parts_of(set(numbers) - set(state.number(found.bucket.parameters())))
         return found
 
     def fill(self, buffer: torch.Tensor) -> None:
