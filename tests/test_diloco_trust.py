@@ -529,13 +529,17 @@ def _train(ddp, inner, data):
 
 
 def _pickled_as_the_last_release_did(diloco):
-    """The averager pickled with the warm-up's buckets on itself, not on its quantizer."""
+    """The averager pickled with the warm-up's buckets on itself, not on its quantizer, under
+    the name their class had then."""
     quantizer = diloco.warmup_quantizer
     kept = quantizer.buckets
     del quantizer.buckets
     diloco.warmup_buckets = kept
     try:
-        return pickle.dumps(diloco)
+        data = pickle.dumps(diloco, protocol=2)  # names its globals as text
+        now = b"ccommhooks.hooks.buckets\nSavedBuckets\n"
+        assert now in data
+        return data.replace(now, b"ccommhooks.averaging.buckets\nWarmupBuckets\n")
     finally:
         del diloco.warmup_buckets
         quantizer.buckets = kept

@@ -3,10 +3,11 @@
 :class:`StreamingDiLoCo` (DiLoCo, Douillard et al. 2023; its streaming form, arXiv 2501.18512)
 is a model averager attached to the inner optimizer: each fragment's outer gradient is averaged
 without waiting and applied ``fragment_sync_delay`` inner steps later, in float32 or by the
-quantized hook itself on the fragment (:mod:`commhooks.averaging.buckets`), with its error
-feedback. :func:`diloco_hook` is a worker's DDP hook. A sync whose average is not finite is
-undone on the device, nothing read back; a state dict resumes bit for bit, and loading refuses
-by name what does not fit the model (:data:`commhooks.averaging.outer.PLAUSIBLE_CHANGE`).
+quantized hook itself on the fragment (a :class:`~commhooks.hooks.buckets.FlatBucket`), with
+its error feedback. :func:`diloco_hook` is a worker's DDP hook. A sync whose average is not
+finite is undone on the device, nothing read back; a state dict resumes bit for bit, and
+loading refuses by name what does not fit the model
+(:data:`commhooks.averaging.outer.PLAUSIBLE_CHANGE`).
 """
 
 import hashlib

@@ -99,10 +99,9 @@ class Share:
         whole = buffer if in_order and size * ranks == numel else buffer.new_zeros(size * ranks)
         self.whole = whole
         # Views of the buffer and of ``whole`` holding each gradient, where the orders differ.
-        self._moves = [] if in_order else [
-            (buffer[a : a + g.numel()], whole[b : b + g.numel()])
-            for g, a, b in zip(grads, sources, targets)
-        ]  # fmt: skip
+        moved = [] if in_order else list(zip(grads, sources, targets))
+        self._in_buffer = [buffer[a : a + g.numel()] for g, a, _ in moved]
+        self._in_whole = [whole[b : b + g.numel()] for g, _, b in moved]
         self.chunk = buffer.new_zeros(size)
         start = hops.local * size
         self.valid = max(0, min(numel, start + size) - start)
@@ -128,15 +127,15 @@ class Share:
 
     def fill(self, buffer: torch.Tensor) -> None:
         """Put the bucket's gradients into ``whole``, where it is not the buffer."""
-        if self._moves:
-            torch._foreach_copy_([b for _, b in self._moves], [a for a, _ in self._moves])
+        if self._in_whole:
+            torch._foreach_copy_(self._in_whole, self._in_buffer)
         elif self.whole is not buffer:
             self.whole[: buffer.numel()].copy_(buffer)
 
     def finish(self, buffer: torch.Tensor) -> torch.Tensor:
         """The bucket, holding the average (copied back from ``whole`` where it is a copy)."""
-        if self._moves:
-            torch._foreach_copy_([a for a, _ in self._moves], [b for _, b in self._moves])
+        if self._in_buffer:
+            torch._foreach_copy_(self._in_buffer, self._in_whole)
         elif self.whole is not buffer:
             buffer.copy_(self.whole[: buffer.numel()])
         return buffer
